@@ -1,0 +1,234 @@
+"""Hub push and model card: push only the pipeline (never optimizer/RNG state), in the background.
+
+`HubPusher.push` snapshots the pipeline files of the output folder into a staging directory and
+uploads the snapshot, so training can overwrite the folder (next save) while an upload is running.
+Pushes never overlap: a push first waits for the previous one. huggingface_hub retries transient
+HTTP errors itself; a push that still fails is re-raised by the next `push` or by `wait`.
+"""
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable
+from concurrent.futures import Future
+
+from huggingface_hub import HfApi, ModelCard, ModelCardData, constants, get_token
+from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
+
+# What a DDPMPipeline needs, plus its card; everything else in the output dir stays local.
+PIPELINE_PATTERNS = ["model_index.json", "unet/*", "scheduler/*", "README.md", "images/*", "training_config.yaml"]
+# Training state that must never leave the machine even if it lands inside an allowed folder.
+NEVER_PUSH_PATTERNS = ["*.pkl", "*optimizer*.bin", "*random_states*", "*.lock"]
+CARD_IMAGES_DIR = "images"  # card images live here, the only image folder that is pushed
+SECRET_SCAN_MAX_BYTES = 16 * 1024 * 1024  # weights are bigger and are not scanned for the token
+_HF_TOKEN_RE = re.compile(r"hf_[A-Za-z0-9]{30,}")  # shape of Hub user access tokens
+CARD_TAGS = ["pytorch", "diffusers", "unconditional-image-generation", "ddpm"]
+
+
+def resolve_token(hub_token: str | None) -> str:
+    """The given token, else the logged-in one (HF_TOKEN, then the token file under HF_HOME)."""
+    token = hub_token or get_token()
+    if not token:
+        raise ValueError(
+            "--push_to_hub needs a token: pass --hub_token or run `hf auth login` "
+            "(or set HF_TOKEN) before training"
+        )
+    return token
+
+
+def default_repo_id(output_dir: str, hub_model_id: str | None) -> str:
+    """`hub_model_id` if given, else the output dir's basename (the Hub adds the user namespace)."""
+    repo_id = hub_model_id or os.path.basename(os.path.normpath(os.path.abspath(output_dir)))
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ValueError(
+            f"'{repo_id}' is not a valid Hub repo id ({err}); pass --hub_model_id name or namespace/name"
+        ) from None
+    return repo_id
+
+
+def redact_config(config: dict, secrets: Iterable[str] = ()) -> dict:
+    """Copy of `config` without secrets: keys containing "token", values holding a known secret
+    or shaped like a Hub token. Nested dicts and lists are cleaned the same way."""
+    secrets = [s for s in secrets if s]
+
+    def is_secret(value) -> bool:
+        return isinstance(value, str) and (any(s in value for s in secrets) or bool(_HF_TOKEN_RE.search(value)))
+
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if "token" not in str(k).lower() and not is_secret(v)}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value if not is_secret(v)]
+        return value
+
+    return clean(config)
+
+
+class HubPusher:
+    """Creates the Hub repo up front (so bad tokens or names fail before training) and pushes the
+    pipeline files of `folder` to it, one commit per push."""
+
+    def __init__(self, repo_id: str, token: str, private: bool, folder: str):
+        if constants.is_offline_mode():  # read once, when huggingface_hub is imported
+            raise ValueError("--push_to_hub cannot work in offline mode: unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE)")
+        self.token, self.folder = token, folder
+        self.api = HfApi(token=token)
+        # The Hub ignores `private` for a repo that already exists: its visibility is kept.
+        repo_url = self.api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        self.repo_id = repo_url.repo_id  # with the namespace the Hub filled in
+        self.url = str(repo_url)
+        self._pending: Future | None = None
+        self._last_commit_url: str | None = None
+
+    def push(self, commit_message: str, blocking: bool = False) -> None:
+        self.wait()  # one commit at a time; surfaces a failed background push here
+        staging = self._stage()
+        if blocking:
+            self._last_commit_url = self._upload(staging, commit_message)
+        else:
+            # HfApi.run_as_future runs jobs on one worker thread, in submission order.
+            self._pending = self.api.run_as_future(self._upload, staging, commit_message)
+
+    def wait(self) -> str | None:
+        """Waits for the pending push, re-raises its error, returns the last commit URL."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._last_commit_url = pending.result()
+        return self._last_commit_url
+
+    def pipeline_files(self) -> list[str]:
+        """Paths (relative, '/'-separated) of the files `push` would upload from `folder`."""
+        paths = []
+        for root, _, names in os.walk(self.folder):
+            rel_root = os.path.relpath(root, self.folder)
+            paths += [name if rel_root == "." else f"{rel_root}/{name}".replace(os.sep, "/") for name in names]
+        return sorted(filter_repo_objects(paths, allow_patterns=PIPELINE_PATTERNS, ignore_patterns=NEVER_PUSH_PATTERNS))
+
+    def _stage(self) -> str:
+        paths = self.pipeline_files()
+        if "model_index.json" not in paths:
+            raise ValueError(
+                f"nothing to push: {self.folder} has no model_index.json; save the pipeline "
+                "(pipeline.save_pretrained) before pushing"
+            )
+        staging = tempfile.mkdtemp(prefix="hub-push-")
+        try:
+            for path in paths:
+                src, dst = os.path.join(self.folder, path), os.path.join(staging, path)
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                shutil.copyfile(src, dst)
+                self._refuse_if_secret(dst, path)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return staging
+
+    def _refuse_if_secret(self, file_path: str, path_in_repo: str) -> None:
+        # Last line of defense: a config or card that captured the token must not be published.
+        if os.path.getsize(file_path) > SECRET_SCAN_MAX_BYTES:
+            return
+        with open(file_path, "rb") as f:
+            if self.token.encode() in f.read():
+                raise ValueError(
+                    f"refusing to push {path_in_repo}: it contains the Hub token; "
+                    "write it through redact_config / write_model_card"
+                )
+
+    def _upload(self, staging: str, commit_message: str) -> str:
+        try:
+            commit = self.api.upload_folder(
+                repo_id=self.repo_id, folder_path=staging, commit_message=commit_message, repo_type="model"
+            )
+            return commit.commit_url
+        except Exception as err:
+            err.add_note(f"while pushing '{commit_message}' from {self.folder} to {self.repo_id}")
+            raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_model_card(folder: str, info: dict) -> str:
+    """Writes folder/README.md for a DDPM pipeline and returns its path. `info` keys: repo_id,
+    config (dict), global_step, images_seen, metrics (dict), sample_grid and loss_plot (paths under
+    folder/images/), dataset_name, license, title, _redact (secrets to keep out of the card)."""
+    secrets = [s for s in info.get("_redact") or [] if s]
+    config = redact_config(info.get("config") or {}, secrets)
+    repo_id = info.get("repo_id") or default_repo_id(folder, None)
+    dataset = info.get("dataset_name") or config.get("dataset_name")
+    card_data = ModelCardData(
+        library_name="diffusers",
+        pipeline_tag="unconditional-image-generation",
+        tags=CARD_TAGS,
+        datasets=[dataset] if _is_hub_dataset_id(dataset) else None,
+        license=info.get("license") or "apache-2.0",
+    )
+    body = _card_body(folder, info, config, repo_id, dataset)
+    card = ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n{body}")
+    if any(s in str(card) for s in secrets):
+        raise ValueError("refusing to write the model card: it would contain a secret passed in info['_redact']")
+    path = os.path.join(folder, "README.md")
+    card.save(path)
+    return path
+
+
+def _is_hub_dataset_id(name: str | None) -> bool:
+    if not name or os.path.exists(name):
+        return False  # a local folder, not a Hub dataset
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _card_body(folder: str, info: dict, config: dict, repo_id: str, dataset: str | None) -> str:
+    title = info.get("title") or f"DDPM: {repo_id.split('/')[-1]}"
+    trained_on = f" on `{dataset}`" if dataset else ""
+    lines = [
+        f"# {title}", "",
+        "An unconditional image-generation model: a UNet trained as a denoising diffusion probabilistic "
+        f"model ([Ho et al., 2020](https://arxiv.org/abs/2006.11239)){trained_on} with `train_ddpm.py`.", "",
+        "## Training recipe", "",
+    ]
+    if "global_step" in info or "images_seen" in info:
+        lines += [f"Trained for {info.get('global_step', '?')} optimizer steps "
+                  f"({info.get('images_seen', '?')} training images seen).", ""]
+    lines += _table(("hyperparameter", "value"), config.items(), str)  # full precision: 0.99995 stays
+    if info.get("metrics"):
+        lines += ["## Evaluation", ""] + _table(("metric", "value"), info["metrics"].items(), _metric_text)
+    for key, heading in (("sample_grid", "Samples"), ("loss_plot", "Loss per timestep")):
+        if info.get(key):
+            lines += [f"## {heading}", "", f"![{heading}]({_card_image(folder, info[key], key)})", ""]
+    lines += [
+        "## Usage", "", "```python", "from diffusers import DDPMPipeline", "",
+        f'pipeline = DDPMPipeline.from_pretrained("{repo_id}")',
+        "image = pipeline(batch_size=1).images[0]", 'image.save("sample.png")', "```", "",
+    ]
+    return "\n".join(lines)
+
+
+def _card_image(folder: str, path: str, key: str) -> str:
+    # Relative links render on the Hub only for files that are pushed, i.e. under images/.
+    rel = path.replace(os.sep, "/")
+    if os.path.isabs(path) or not rel.startswith(f"{CARD_IMAGES_DIR}/") or ".." in rel.split("/"):
+        raise ValueError(f"info['{key}'] = {path!r}: give a path relative to the output dir under {CARD_IMAGES_DIR}/")
+    if not os.path.isfile(os.path.join(folder, rel)):
+        raise ValueError(f"info['{key}'] = {path!r}: no such file in {folder}; save the image before the card")
+    return rel
+
+
+def _metric_text(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _table(header: tuple[str, str], rows, text) -> list[str]:
+    def cell(value) -> str:
+        return text(value).replace("|", "\\|").replace("\n", " ")
+
+    rows = list(rows)
+    if not rows:
+        return []
+    return [f"| {header[0]} | {header[1]} |", "| --- | --- |"] + [f"| {cell(k)} | {cell(v)} |" for k, v in rows] + [""]

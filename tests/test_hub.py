@@ -1,0 +1,312 @@
+"""Tests for diffusion_extras/hub.py against the loopback Hub in tests/hub_server.py.
+
+huggingface_hub reads HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME and HF_HUB_DISABLE_XET once, at import
+(huggingface_hub.constants), so every test that talks to the server runs the client in a fresh
+subprocess with its own environment, exactly as the training script would see it.
+"""
+
+import io
+import json
+import os
+import secrets
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import yaml
+from huggingface_hub import ModelCard
+from PIL import Image
+from safetensors.numpy import save as safetensors_bytes
+
+from diffusion_extras.hub import default_repo_id, redact_config, write_model_card
+
+try:
+    from tests.hub_server import HubServer
+except ImportError:  # pytest run without the repo root on sys.path
+    from hub_server import HubServer
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKEN = "hf_" + secrets.token_hex(17)  # the shape of a real user token, random per run
+PIPELINE_FILES = {
+    "model_index.json", "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
+    "scheduler/scheduler_config.json", "README.md", "images/samples.png", "training_config.yaml",
+}
+LOCAL_ONLY_FILES = {
+    "checkpoint-10/optimizer.bin", "checkpoint-10/random_states_0.pkl", "logs/history.jsonl",
+    "samples/step_10.png", "unet/optimizer.bin",  # the last one checks the never-push list inside unet/
+}
+
+
+@pytest.fixture
+def hub():
+    with HubServer(token=TOKEN) as server:
+        yield server
+
+
+def _png_bytes(seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (8, 8, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _write(folder, rel_path: str, content: bytes) -> None:
+    path = os.path.join(folder, rel_path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(content)
+
+
+@pytest.fixture
+def pipeline_dir(tmp_path):
+    """An output dir as the trainer leaves it: pipeline files plus training state that stays local."""
+    folder = tmp_path / "ddpm-tiny"
+    weights = safetensors_bytes({"conv_in.weight": np.random.default_rng(0).standard_normal((4, 3, 3, 3), dtype=np.float32)})
+    contents = {
+        "model_index.json": json.dumps({"_class_name": "DDPMPipeline", "unet": ["diffusers", "UNet2DModel"]}).encode(),
+        "unet/config.json": json.dumps({"sample_size": 8, "in_channels": 3}).encode(),
+        "unet/diffusion_pytorch_model.safetensors": weights,
+        "scheduler/scheduler_config.json": json.dumps({"num_train_timesteps": 1000}).encode(),
+        "images/samples.png": _png_bytes(1),
+        "training_config.yaml": yaml.safe_dump(redact_config({"learning_rate": 1e-4, "hub_token": TOKEN})).encode(),
+        "checkpoint-10/optimizer.bin": b"optimizer state",
+        "checkpoint-10/random_states_0.pkl": b"rng state",
+        "logs/history.jsonl": b'{"step": 10, "loss": 0.1}\n',
+        "samples/step_10.png": _png_bytes(2),
+        "unet/optimizer.bin": b"misplaced optimizer state",
+    }
+    for rel_path, content in contents.items():
+        _write(folder, rel_path, content)
+    info = {"repo_id": "test-user/ddpm-tiny", "config": {"learning_rate": 1e-4, "hub_token": TOKEN},
+            "global_step": 10, "images_seen": 640, "sample_grid": "images/samples.png", "_redact": [TOKEN]}
+    write_model_card(str(folder), info)
+    return folder
+
+
+def run_client(hub: HubServer, code: str, tmp_path, **env_extra) -> dict:
+    """Runs `code` in a fresh interpreter pointed at `hub`; returns the JSON it prints last."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}  # HF_HUB_OFFLINE too
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_PROGRESS_BARS="1",
+               HF_HUB_DISABLE_TELEMETRY="1", PYTHONPATH=REPO_ROOT, **env_extra)
+    preamble = f"import json, time\nfrom diffusion_extras.hub import HubPusher, resolve_token\nTOKEN = {TOKEN!r}\n"
+    result = subprocess.run([sys.executable, "-c", preamble + textwrap.dedent(code)], env=env, cwd=str(tmp_path),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _files_under(folder) -> dict[str, bytes]:
+    found = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, folder).replace(os.sep, "/")] = f.read()
+    return found
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_repo_created_with_requested_privacy(hub, pipeline_dir, tmp_path, private):
+    out = run_client(hub, f"""
+        pusher = HubPusher("ddpm-tiny", TOKEN, {private}, {str(pipeline_dir)!r})
+        print(json.dumps({{"repo_id": pusher.repo_id, "url": pusher.url}}))
+    """, tmp_path)
+    assert out == {"repo_id": "test-user/ddpm-tiny", "url": f"{hub.url}/test-user/ddpm-tiny"}
+    assert hub.repos["test-user/ddpm-tiny"]["private"] is private
+    assert hub.repos["test-user/ddpm-tiny"]["visibility"] == ("private" if private else "public")
+
+
+def test_push_commits_exactly_the_pipeline_files(hub, pipeline_dir, tmp_path):
+    out = run_client(hub, f"""
+        pusher = HubPusher("ddpm-tiny", resolve_token(None), False, {str(pipeline_dir)!r})
+        pusher.push("End of training", blocking=True)
+        print(json.dumps({{"url": pusher.wait()}}))
+    """, tmp_path, HF_TOKEN=TOKEN)
+    (commit,) = hub.commits("test-user/ddpm-tiny")
+    on_disk = _files_under(pipeline_dir)
+    assert set(on_disk) == PIPELINE_FILES | LOCAL_ONLY_FILES  # the fixture is what the test thinks it is
+    assert set(commit["files"]) == PIPELINE_FILES
+    assert all(commit["files"][path] == on_disk[path] for path in PIPELINE_FILES)
+    assert commit["summary"] == "End of training"
+    assert out["url"] == f"{hub.url}/test-user/ddpm-tiny/commit/{commit['oid']}"
+    # Default (xet) client path: with "regular" answers no xet token is ever requested.
+    assert not any("xet" in request["path"] for request in hub.requests)
+
+
+def test_token_sent_as_bearer_but_never_written(hub, pipeline_dir, tmp_path):
+    run_client(hub, f"""
+        pusher = HubPusher("ddpm-tiny", TOKEN, True, {str(pipeline_dir)!r})
+        pusher.push("push", blocking=True)
+        print(json.dumps({{}}))
+    """, tmp_path)
+    api_calls = [r for r in hub.requests if r["path"] != "/api/agent-harnesses"]  # anonymous registry probe
+    assert {r["headers"].get("authorization") for r in api_calls} == {f"Bearer {TOKEN}"}
+    assert not [path for path, content in _files_under(pipeline_dir).items() if TOKEN.encode() in content]
+    (commit,) = hub.commits("test-user/ddpm-tiny")
+    assert not [path for path, content in commit["files"].items() if TOKEN.encode() in content]
+    assert "hub_token" not in commit["files"]["README.md"].decode()
+
+
+def test_background_push_returns_at_once_and_pushes_never_overlap(tmp_path, pipeline_dir):
+    delay = 1.0
+    weights = "unet/diffusion_pytorch_model.safetensors"
+    original = (pipeline_dir / weights).read_bytes()
+    with HubServer(token=TOKEN, commit_delay=delay) as hub:
+        out = run_client(hub, f"""
+            import os
+            pusher = HubPusher("ddpm-tiny", TOKEN, False, {str(pipeline_dir)!r})
+            pusher.push("step 10")
+            returned_at = time.monotonic()
+            # training goes on and overwrites the weights while the first upload runs
+            with open(os.path.join({str(pipeline_dir)!r}, {weights!r}), "wb") as f:
+                f.write(b"newer weights")
+            pusher.push("step 20")
+            print(json.dumps({{"returned_at": returned_at, "url": pusher.wait()}}))
+        """, tmp_path)
+        first, second = hub.commits("test-user/ddpm-tiny")
+    assert out["returned_at"] < first["finished_at"]  # push did not wait for its commit
+    assert second["started_at"] >= first["finished_at"]  # one commit at a time
+    assert (first["summary"], second["summary"]) == ("step 10", "step 20")
+    assert first["files"][weights] == original  # snapshot taken at push time, not at upload time
+    assert second["files"][weights] == b"newer weights"
+    assert out["url"] == f"{hub.url}/test-user/ddpm-tiny/commit/{second['oid']}"
+
+
+def test_lfs_path_when_xet_is_disabled(tmp_path, pipeline_dir):
+    weights = "unet/diffusion_pytorch_model.safetensors"
+    with HubServer(token=TOKEN, lfs_min_size=os.path.getsize(pipeline_dir / weights)) as hub:
+        run_client(hub, f"""
+            pusher = HubPusher("ddpm-tiny", TOKEN, False, {str(pipeline_dir)!r})
+            pusher.push("lfs", blocking=True)
+            print(json.dumps({{}}))
+        """, tmp_path, HF_HUB_DISABLE_XET="1")
+        (commit,) = hub.commits("test-user/ddpm-tiny")
+        paths = [r["path"] for r in hub.requests]
+    assert weights in commit["lfs_paths"]
+    assert commit["files"][weights] == (pipeline_dir / weights).read_bytes()
+    assert set(commit["files"]) == PIPELINE_FILES
+    assert "/test-user/ddpm-tiny.git/info/lfs/objects/batch" in paths
+    assert "/api/validate-yaml" in paths  # the non-xet commit path checks the card's metadata first
+
+
+def test_push_refuses_token_in_a_file_and_missing_pipeline(hub, pipeline_dir, tmp_path):
+    _write(pipeline_dir, "training_config.yaml", f"hub_token: {TOKEN}\n".encode())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = run_client(hub, f"""
+        errors = []
+        for folder in ({str(pipeline_dir)!r}, {str(empty)!r}):
+            pusher = HubPusher("ddpm-tiny", TOKEN, False, folder)
+            try:
+                pusher.push("should not happen", blocking=True)
+            except ValueError as err:
+                errors.append(str(err))
+        print(json.dumps({{"errors": errors}}))
+    """, tmp_path)
+    assert len(out["errors"]) == 2
+    assert "training_config.yaml" in out["errors"][0] and "token" in out["errors"][0]
+    assert "model_index.json" in out["errors"][1]
+    assert TOKEN not in out["errors"][0]
+    assert hub.commits("test-user/ddpm-tiny") == []
+
+
+def test_offline_mode_is_a_clear_error(hub, pipeline_dir, tmp_path):
+    out = run_client(hub, f"""
+        try:
+            HubPusher("ddpm-tiny", TOKEN, False, {str(pipeline_dir)!r})
+            error = None
+        except ValueError as err:
+            error = str(err)
+        print(json.dumps({{"error": error}}))
+    """, tmp_path, HF_HUB_OFFLINE="1")
+    assert out["error"] is not None and "HF_HUB_OFFLINE" in out["error"]
+    assert hub.requests == []
+
+
+def test_resolve_token_without_any_token(hub, tmp_path):
+    out = run_client(hub, """
+        import os
+        try:
+            resolve_token(None)
+            error = None
+        except ValueError as err:
+            error = str(err)
+        os.environ["HF_TOKEN"] = "hf_from_env"
+        print(json.dumps({"error": error, "env": resolve_token(None), "explicit": resolve_token("hf_given")}))
+    """, tmp_path)
+    assert out["error"] is not None and "--hub_token" in out["error"] and "hf auth login" in out["error"]
+    assert out["env"] == "hf_from_env"
+    assert out["explicit"] == "hf_given"
+    assert hub.requests == []  # resolving a token never touches the network
+
+
+def _front_matter(card_text: str) -> dict:
+    assert card_text.startswith("---\n")
+    return yaml.safe_load(card_text.split("---\n")[1])
+
+
+def test_model_card_metadata_body_and_redaction(tmp_path):
+    folder = tmp_path / "out"
+    _write(folder, "images/samples.png", _png_bytes(0))
+    _write(folder, "images/loss_per_timestep.png", _png_bytes(1))
+    config = {"learning_rate": 1e-4, "ema_decay": 0.99995, "dataset_name": "uoft-cs/cifar10",
+              "hub_token": TOKEN, "HUB_TOKEN_FILE": "/secret/path", "notes": TOKEN, "push": {"Token": "x", "every": 5}}
+    info = {"repo_id": "someone/ddpm-cifar10", "config": config, "global_step": 1234, "images_seen": 157952,
+            "metrics": {"fid": 12.3456}, "sample_grid": "images/samples.png",
+            "loss_plot": "images/loss_per_timestep.png", "_redact": [TOKEN]}
+    path = write_model_card(str(folder), info)
+    text = open(path).read()
+    meta = _front_matter(text)
+    assert meta["library_name"] == "diffusers"
+    assert meta["pipeline_tag"] == "unconditional-image-generation"
+    assert {"pytorch", "diffusers", "unconditional-image-generation", "ddpm"} <= set(meta["tags"])
+    assert meta["datasets"] == ["uoft-cs/cifar10"]
+    assert meta["license"] == "apache-2.0"
+    assert 'DDPMPipeline.from_pretrained("someone/ddpm-cifar10")' in text
+    assert "| ema_decay | 0.99995 |" in text and "| learning_rate | 0.0001 |" in text
+    assert "1234" in text and "157952" in text and "| fid | 12.35 |" in text
+    assert "](images/samples.png)" in text and "](images/loss_per_timestep.png)" in text
+    assert TOKEN not in text and "/secret/path" not in text
+    assert "hub_token" not in text and "HUB_TOKEN_FILE" not in text and "| notes |" not in text
+    assert "| push | {'every': 5} |" in text  # nested dicts are one cell, without their token keys
+    loaded = ModelCard.load(path)
+    assert loaded.data.library_name == "diffusers" and loaded.data.datasets == ["uoft-cs/cifar10"]
+
+
+def test_model_card_local_dataset_and_license(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    info = {"repo_id": "someone/x", "config": {"dataset_name": str(tmp_path)}, "license": "mit"}
+    meta = _front_matter(open(write_model_card(str(folder), info)).read())
+    assert "datasets" not in meta  # a local folder is not a Hub dataset
+    assert meta["license"] == "mit"
+
+
+@pytest.mark.parametrize("grid", ["samples/step_10.png", "/abs/images/samples.png", "images/missing.png"])
+def test_model_card_rejects_images_that_would_not_render(tmp_path, grid):
+    _write(tmp_path, "samples/step_10.png", _png_bytes(0))
+    with pytest.raises(ValueError, match="sample_grid"):
+        write_model_card(str(tmp_path), {"repo_id": "a/b", "sample_grid": grid})
+
+
+def test_model_card_refuses_secret_outside_config(tmp_path):
+    with pytest.raises(ValueError, match="secret"):
+        write_model_card(str(tmp_path), {"repo_id": "a/b", "title": f"run {TOKEN}", "_redact": [TOKEN]})
+
+
+def test_redact_config_drops_token_keys_and_values():
+    config = {"lr": 0.1, "hub_token": "a", "HubToken": "b", "note": "s3cret", "nested": {"api_TOKEN": 1, "ok": 2},
+              "list": ["keep", "s3cret"], "leaked": "prefix " + TOKEN}
+    cleaned = redact_config(config, secrets=["s3cret"])
+    assert cleaned == {"lr": 0.1, "nested": {"ok": 2}, "list": ["keep"]}
+    assert config["hub_token"] == "a"  # input left untouched
+    assert redact_config({"a": 1, "b": "x"}) == {"a": 1, "b": "x"}
+
+
+def test_default_repo_id(tmp_path):
+    assert default_repo_id(str(tmp_path / "ddpm-cifar10") + os.sep, None) == "ddpm-cifar10"
+    assert default_repo_id(str(tmp_path), "me/my-model") == "me/my-model"
+    with pytest.raises(ValueError, match="--hub_model_id"):
+        default_repo_id(str(tmp_path / "run 1"), None)
