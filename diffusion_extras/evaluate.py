@@ -1,0 +1,124 @@
+"""Command line: FID / KID of a saved DDPMPipeline against a folder of images or saved statistics.
+
+    python -m diffusion_extras.evaluate PIPELINE --reference DIR_OR_STATS.npz --num_samples 10000 \\
+        --feature_extractor inception --inception_weights inception-2015-12-05.pt
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+from PIL import Image
+
+from diffusion_extras.evaluation import (ReferenceStatistics, build_feature_extractor, evaluate_unet,
+                                         reference_statistics)
+from diffusion_extras.sample import positive_int
+from diffusion_extras.sampling import SCHEDULERS, load_pipeline, make_scheduler, resolve_device
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+
+def list_images(folder: str) -> list[str]:
+    paths = sorted(os.path.join(root, name) for root, _, names in os.walk(folder)
+                   for name in names if name.lower().endswith(IMAGE_EXTENSIONS))
+    if not paths:
+        raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {folder}")
+    return paths
+
+
+def load_image(path: str, resolution: int) -> np.ndarray:
+    """RGB uint8, shorter side resized (bilinear) then center-cropped to `resolution`, as in training."""
+    image = Image.open(path).convert("RGB")
+    scale = resolution / min(image.size)
+    if scale != 1:
+        size = (max(resolution, round(image.width * scale)), max(resolution, round(image.height * scale)))
+        image = image.resize(size, Image.BILINEAR)
+    left, top = (image.width - resolution) // 2, (image.height - resolution) // 2
+    return np.asarray(image.crop((left, top, left + resolution, top + resolution)))
+
+
+def iter_image_batches(paths: list[str], resolution: int, batch_size: int):
+    for first in range(0, len(paths), batch_size):
+        yield np.stack([load_image(path, resolution) for path in paths[first:first + batch_size]])
+
+
+def folder_fingerprint(paths: list[str], resolution: int) -> str:
+    """Changes when a file is added, removed, rewritten or the resolution changes."""
+    digest = hashlib.sha256(f"resolution={resolution}".encode())
+    for path in paths:
+        stat = os.stat(path)
+        digest.update(f"\n{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def load_reference(reference: str, extractor, resolution: int, cache_dir: str | None, batch_size: int):
+    if os.path.isfile(reference):
+        statistics = ReferenceStatistics.load(reference)
+        if statistics.extractor_name != extractor.name:
+            raise ValueError(f"{reference} was made with {statistics.extractor_name!r}, not {extractor.name!r}; "
+                             "pass the matching --feature_extractor / --inception_weights or a folder of images")
+        return statistics
+    if not os.path.isdir(reference):
+        raise FileNotFoundError(f"--reference {reference} is neither a folder of images nor a .npz statistics file")
+    paths = list_images(reference)
+    fingerprint = folder_fingerprint(paths, resolution)
+    extractor_key = hashlib.sha256(extractor.name.encode()).hexdigest()[:8]
+    cache_path = (os.path.join(cache_dir, f"reference-{fingerprint[:16]}-{extractor_key}.npz")
+                  if cache_dir else None)
+    return reference_statistics(iter_image_batches(paths, resolution, batch_size), extractor,
+                                cache_path=cache_path, fingerprint=fingerprint)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m diffusion_extras.evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("pipeline", help="folder saved by train_ddpm.py (save_pretrained) or a Hub id")
+    parser.add_argument("--reference", required=True,
+                        help="folder of reference images (resized to the model resolution) or a stats .npz")
+    parser.add_argument("--num_samples", type=positive_int, default=10000, help="generated images")
+    parser.add_argument("--feature_extractor", choices=("inception", "tiny"), default="inception",
+                        help="tiny: random conv net for smoke tests, NOT comparable with published numbers")
+    parser.add_argument("--inception_weights", default=None,
+                        help="TorchScript inception-2015-12-05.pt (StyleGAN2-ADA / clean-fid detector)")
+    parser.add_argument("--scheduler", choices=SCHEDULERS, default="ddim")
+    parser.add_argument("--num_inference_steps", type=positive_int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch_size", type=positive_int, default=64, help="images per UNet call")
+    parser.add_argument("--cache_dir", default=None, help="where reference statistics are cached")
+    parser.add_argument("--output", default=None, help="metrics JSON file")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+        extractor = build_feature_extractor(args.feature_extractor, args.inception_weights, device)
+        pipeline = load_pipeline(args.pipeline, device=device)
+        size = pipeline.unet.config.sample_size
+        resolution = size if isinstance(size, int) else size[0]
+        reference = load_reference(args.reference, extractor, resolution, args.cache_dir, args.batch_size)
+        scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
+        metrics = evaluate_unet(pipeline.unet, scheduler, reference, extractor, args.num_samples,
+                                args.num_inference_steps, args.seed, args.batch_size, device)
+        report = {**metrics, "feature_extractor": extractor.name, "reference": args.reference,
+                  "reference_images": reference.num_images, "pipeline": args.pipeline,
+                  "scheduler": args.scheduler, "num_inference_steps": args.num_inference_steps, "seed": args.seed}
+        if args.output:
+            os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+            with open(args.output, "w") as f:
+                json.dump(report, f, indent=2)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""Tests for diffusion_extras/sampling.py and the `python -m diffusion_extras.sample` command line."""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+from PIL import Image
+
+from diffusion_extras import sample as sample_cli
+from diffusion_extras.sampling import (SCHEDULERS, generate, image_grid, load_pipeline, make_scheduler,
+                                       save_images)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_unet(seed: int = 0, channels: int = 3) -> UNet2DModel:
+    torch.manual_seed(seed)
+    return UNet2DModel(sample_size=8, in_channels=channels, out_channels=channels, block_out_channels=(8, 16),
+                       layers_per_block=1, down_block_types=("DownBlock2D", "DownBlock2D"),
+                       up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4)
+
+
+def save_tiny_pipeline(path, channels: int = 3) -> str:
+    DDPMPipeline(unet=tiny_unet(channels=channels), scheduler=DDPMScheduler(num_train_timesteps=100)).save_pretrained(path)
+    # Training leaves these beside the pipeline; loading must ignore them.
+    os.makedirs(os.path.join(path, "checkpoint-10"))
+    os.makedirs(os.path.join(path, "samples"))
+    with open(os.path.join(path, "README.md"), "w") as f:
+        f.write("model card")
+    return str(path)
+
+
+class ScaledIdentityUNet(torch.nn.Module):
+    """Predicts 0.5 * x_t: only elementwise ops, so it is exactly batch-invariant (unlike conv/GEMM kernels)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(sample_size=6, in_channels=3, out_channels=3)
+        self.scale = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, sample, timestep):
+        return SimpleNamespace(sample=sample * self.scale)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    # On a shared 2-core machine two intra-op threads wait on each other: a tiny UNet call takes ~1 s
+    # with 2 threads and ~10 ms with 1 (measured).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def unet():
+    return tiny_unet()
+
+
+@pytest.fixture(scope="module")
+def training_scheduler():
+    return DDPMScheduler(num_train_timesteps=100)
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_generate_is_seeded_uint8_and_leaves_global_state(unet, training_scheduler, name):
+    scheduler = make_scheduler(name, training_scheduler.config)
+    unet.train()
+    unet.mid_block.eval()  # a mixed-mode model must come back exactly as it was
+    modes = [module.training for module in unet.modules()]
+    torch_state, numpy_state = torch.get_rng_state(), np.random.get_state()
+    first = generate(unet, scheduler, num_images=4, num_inference_steps=8, seed=3)
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    assert numpy_state[1].tolist() == np.random.get_state()[1].tolist()
+    assert [module.training for module in unet.modules()] == modes
+    assert first.shape == (4, 8, 8, 3) and first.dtype == np.uint8
+    assert first.std() > 0 and len({image.tobytes() for image in first}) == 4
+    np.testing.assert_array_equal(generate(unet, scheduler, 4, 8, seed=3), first)
+    assert not np.array_equal(generate(unet, scheduler, 4, 8, seed=4), first)
+
+
+def test_generate_does_not_step_the_callers_scheduler(unet, training_scheduler):
+    timesteps = training_scheduler.timesteps.clone()
+    generate(unet, training_scheduler, num_images=1, num_inference_steps=5)
+    assert torch.equal(training_scheduler.timesteps, timesteps)
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_noise_depends_only_on_seed_and_image_index(training_scheduler, name):
+    model = ScaledIdentityUNet()
+    scheduler = make_scheduler(name, training_scheduler.config)
+    whole = generate(model, scheduler, num_images=5, num_inference_steps=6, seed=1)
+    for batch_size in (1, 2, 3):
+        np.testing.assert_array_equal(generate(model, scheduler, 5, 6, seed=1, batch_size=batch_size), whole)
+    np.testing.assert_array_equal(generate(model, scheduler, 2, 6, seed=1, start_index=3), whole[3:])
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_real_unet_batch_size_changes_images_at_most_by_rounding(unet, training_scheduler, name):
+    # CPU conv/GEMM kernels are chosen by batch size, so the UNet's outputs differ by ~1e-7 between
+    # batch sizes (measured); exactness is tested above with a batch-invariant model. What remains
+    # must be float rounding: at most one uint8 level, on few pixels.
+    scheduler = make_scheduler(name, training_scheduler.config)
+    whole = generate(unet, scheduler, 6, 8, seed=5).astype(int)
+    split = generate(unet, scheduler, 6, 8, seed=5, batch_size=2).astype(int)
+    assert np.abs(whole - split).max() <= 1
+    assert (whole != split).mean() < 0.02
+
+
+def test_image_grid_places_images_row_major_with_padding():
+    images = np.stack([np.full((4, 3, 3), 10 * (index + 1), np.uint8) for index in range(5)])
+    grid = np.asarray(image_grid(images))
+    assert grid.shape == (2 + 2 * 6, 2 + 3 * 5, 3)  # 5 images -> 3 per row, 2 rows, 2 px padding
+    assert (grid[8:12, 7:10] == 50).all()  # image 4: second row, second column
+    assert (grid[:2] == 0).all() and (grid[:, 5:7] == 0).all()
+    assert (grid[8:12, 12:15] == 0).all()  # the empty sixth cell
+    assert image_grid(images[..., :1]).mode == "L"
+
+
+def test_save_images_writes_numbered_pngs_and_grid(tmp_path):
+    images = np.random.default_rng(0).integers(0, 256, (3, 5, 5, 3), dtype=np.uint8)
+    paths = save_images(images, str(tmp_path / "out"))
+    assert [os.path.basename(path) for path in paths] == ["000000.png", "000001.png", "000002.png", "grid.png"]
+    for image, path in zip(images, paths):
+        np.testing.assert_array_equal(np.asarray(Image.open(path)), image)
+
+
+def test_load_pipeline_reads_a_training_output_folder(tmp_path):
+    pipeline = load_pipeline(save_tiny_pipeline(tmp_path / "run"))
+    assert isinstance(pipeline.unet, UNet2DModel) and pipeline.scheduler.config.num_train_timesteps == 100
+
+
+def test_load_pipeline_rejects_bad_inputs(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_pipeline(str(tmp_path / "missing" / "run"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no model_index.json"):
+        load_pipeline(str(tmp_path / "empty"))
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        load_pipeline(str(tmp_path / "file.txt"))
+    conditional = tmp_path / "sd"
+    conditional.mkdir()
+    (conditional / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
+        "scheduler": ["diffusers", "PNDMScheduler"]}))
+    with pytest.raises(ValueError, match="expected an unconditional DDPMPipeline"):
+        load_pipeline(str(conditional))
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="is not a local folder and the Hub is offline"):
+        load_pipeline("someone/ddpm-model-that-is-not-cached")
+
+
+def test_cli_bad_input_is_one_line_error_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sample_cli.main([str(tmp_path / "nope"), "--output", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and "does not exist" in error and "\n" not in error
+
+
+def test_cli_writes_pngs_and_grid(tmp_path):
+    pipeline_dir = save_tiny_pipeline(tmp_path / "run", channels=1)
+    output = tmp_path / "samples"
+    command = [sys.executable, "-m", "diffusion_extras.sample", pipeline_dir, "--num_images", "5",
+               "--scheduler", "dpm", "--num_inference_steps", "4", "--batch_size", "2", "--output", str(output),
+               "--device", "cpu"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=environment)
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(output)) == [f"{index:06d}.png" for index in range(5)] + ["grid.png"]
+    assert Image.open(output / "000004.png").size == (8, 8)
+    assert Image.open(output / "grid.png").size == (2 + 3 * 10, 2 + 2 * 10)
