@@ -1,0 +1,247 @@
+"""Training configuration: one dataclass, filled from a YAML recipe and then CLI flags (flags win).
+
+The dataclass defaults ARE the embedded digits recipe (configs/digits.yaml mirrors them), so
+`python train_ddpm.py` with no flag trains something sensible on a fresh machine. Every field
+is a flag of the same name; `validate` rejects bad values and combinations before any work.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad setting: the message names the problem and the fix (printed as one line)."""
+
+
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+LR_SCHEDULERS = ("cosine", "constant_with_warmup", "linear", "constant")
+MIXED_PRECISION = ("no", "fp16", "bf16")
+LOGGERS = ("tensorboard", "wandb", "all", "none")
+LOSS_TYPES = ("l2", "huber")
+TIMESTEP_SAMPLING = ("uniform", "loss_aware")
+
+# The digits recipe's UNet: 16 px grayscale, 16 -> 8 -> 4, attention at 4 px. ~1.1M params.
+DIGITS_UNET = dict(
+    sample_size=16, in_channels=1, out_channels=1, layers_per_block=2,
+    block_out_channels=[32, 64, 64],
+    down_block_types=["DownBlock2D", "DownBlock2D", "AttnDownBlock2D"],
+    up_block_types=["AttnUpBlock2D", "UpBlock2D", "UpBlock2D"],
+    norm_num_groups=8, dropout=0.0,
+)
+
+
+def _f(default, help_text, **kw):
+    """A field whose help text (with its unit) is declared beside its default."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda d=default: _copy(d), metadata={"help": help_text, **kw})
+    return field(default=default, metadata={"help": help_text, **kw})
+
+
+def _copy(value):
+    return yaml.safe_load(yaml.safe_dump(value))
+
+
+@dataclass
+class TrainConfig:
+    # --- data -------------------------------------------------------------------------------
+    dataset_name: Optional[str] = _f(None, "Hub dataset id, or a local save_to_disk / load_dataset folder. None (and no --train_data_dir): the embedded scikit-learn digits.")
+    dataset_config_name: Optional[str] = _f(None, "Dataset configuration name (load_dataset's `name`).")
+    train_data_dir: Optional[str] = _f(None, "A folder of images, loaded with datasets' `imagefolder`.")
+    image_column: Optional[str] = _f(None, "Column holding the images; found from the features when not given.")
+    cache_dir: Optional[str] = _f(None, "Where datasets and the decoded-image cache are stored (default: datasets' cache).")
+    max_train_samples: Optional[int] = _f(None, "Keep only this many training images (for debugging or quick runs).")
+    resolution: int = _f(16, "Training image size in pixels (square).")
+    center_crop: bool = _f(True, "Center-crop to the square resolution; --no-center_crop crops at a random place.")
+    random_flip: bool = _f(False, "Flip images horizontally at random (off for digits: flipped digits are not digits).")
+    dataloader_num_workers: int = _f(0, "Loader worker processes (images are decoded once and cached, so 0-2 suffice).")
+    # --- output and logging ---------------------------------------------------------------
+    output_dir: str = _f("ddpm-digits", "Where the pipeline, samples, logs and checkpoints are written.")
+    logging_dir: str = _f("logs", "Tracker logs, relative to output_dir.")
+    logger: str = _f("tensorboard", "Tracker: tensorboard | wandb | all | none.")
+    diagnostics_steps: int = _f(25, "Log loss, lr and diagnostics every N optimizer steps (also the progress-bar refresh).")
+    save_images_steps: int = _f(500, "Save a sample grid (EMA weights, DDIM) every N optimizer steps and at the end.")
+    save_model_steps: int = _f(1000, "Export the DDPMPipeline to output_dir every N optimizer steps and at the end.")
+    checkpointing_steps: int = _f(500, "Save a resumable checkpoint every N optimizer steps.")
+    checkpoints_total_limit: Optional[int] = _f(None, "Keep only the newest K checkpoints.")
+    resume_from_checkpoint: Optional[str] = _f(None, "'latest' or a checkpoint folder (anywhere) to resume from.")
+    # --- optimisation (counted in optimizer steps) -----------------------------------------
+    train_batch_size: int = _f(64, "Images per process per micro-batch.")
+    eval_batch_size: int = _f(64, "Images in each sample grid.")
+    num_epochs: int = _f(100, "Epochs to train when --max_train_steps is not given.")
+    max_train_steps: Optional[int] = _f(2500, "Optimizer steps to train (overrides --num_epochs).")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
+    learning_rate: float = _f(2e-3, "Peak learning rate (after warmup).")
+    scale_lr: bool = _f(False, "Multiply the learning rate by batch size x accumulation x processes.")
+    lr_scheduler: str = _f("cosine", "cosine | constant_with_warmup | linear | constant.")
+    lr_warmup_steps: int = _f(100, "Linear warmup length in optimizer steps.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.999, "AdamW beta2.")
+    adam_weight_decay: float = _f(0.0, "AdamW decoupled weight decay.")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 disables clipping).")
+    mixed_precision: str = _f("no", "no | fp16 (GPU only) | bf16. Noising, targets and loss stay fp32.")
+    seed: int = _f(0, "Seed of everything: init, data order, noise, timesteps, flips.")
+    # --- EMA -----------------------------------------------------------------------------
+    use_ema: bool = _f(True, "Keep an EMA of the weights; samples and the exported pipeline use it.")
+    ema_max_decay: float = _f(0.999, "EMA decay cap.")
+    ema_inv_gamma: float = _f(1.0, "EMA warmup: decay = 1 - (1 + step/inv_gamma)^-power.")
+    ema_power: float = _f(0.75, "EMA warmup power (3/4 suits short runs, 2/3 long ones).")
+    # --- model and noise schedule ----------------------------------------------------------
+    model_config_name_or_path: Optional[str] = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.")
+    model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only).", cli=False)
+    prediction_type: str = _f("epsilon", "epsilon | v_prediction | sample.")
+    ddpm_num_steps: int = _f(1000, "Diffusion timesteps T.")
+    ddpm_beta_schedule: str = _f("linear", "linear | scaled_linear | squaredcos_cap_v2.")
+    ddpm_num_inference_steps: int = _f(50, "DDIM steps for sample grids.")
+    rescale_betas_zero_snr: bool = _f(False, "Rescale betas to zero terminal SNR (Lin et al. 2024); pair with v_prediction.")
+    # --- loss -----------------------------------------------------------------------------
+    snr_gamma: Optional[float] = _f(None, "Min-SNR-gamma loss weighting (Hang et al. 2023; 5 is the paper's choice). None: unweighted.")
+    loss_type: str = _f("l2", "l2 | huber (pseudo-Huber with --huber_c).")
+    huber_c: float = _f(0.1, "Pseudo-Huber transition scale.")
+
+    # ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def config_fields():
+    return [f for f in fields(TrainConfig) if f.metadata.get("cli", True)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every TrainConfig field becomes a flag; defaults are None so we know which flags were given."""
+    parser = argparse.ArgumentParser(
+        description="Train a DDPM (diffusers UNet2DModel + DDPMScheduler) with Accelerate.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, argument_default=None)
+    parser.add_argument("--config", help="YAML recipe (see configs/); flags given here override it.")
+    for f in config_fields():
+        kind = f.type.replace("Optional[", "").rstrip("]")
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if kind == "bool":
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(f"--{f.name}", type={"int": int, "float": float}.get(kind, str), help=help_text)
+    return parser
+
+
+def load_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file; recipes live in configs/ (e.g. configs/digits.yaml)")
+    with open(path) as fh:
+        data = yaml.safe_load(fh) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of setting: value at the top level")
+    return data
+
+
+def from_sources(yaml_values: dict, cli_values: dict) -> TrainConfig:
+    """Defaults < YAML recipe < CLI flags. Unknown YAML keys are an error (typos must not pass silently)."""
+    known = {f.name: f for f in fields(TrainConfig)}
+    unknown = sorted(set(yaml_values) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) in the recipe: {', '.join(unknown)}; see `python train_ddpm.py --help`")
+    values = {**yaml_values, **{k: v for k, v in cli_values.items() if v is not None and k in known}}
+    for name, value in values.items():
+        values[name] = _coerce(known[name], value)
+    return TrainConfig(**values)
+
+
+def _coerce(f, value):
+    kind = f.type.replace("Optional[", "").rstrip("]")
+    if value is None:
+        return None
+    try:
+        if kind == "float":
+            return float(value)  # YAML reads 2e-4 as a string
+        if kind == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if kind == "bool" and not isinstance(value, bool):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ConfigError(f"{f.name}: expected {kind}, got {value!r}") from None
+    return value
+
+
+def parse_config(argv=None) -> TrainConfig:
+    args = build_parser().parse_args(argv)
+    yaml_values = load_yaml(args.config) if args.config else {}
+    cli_values = {k: v for k, v in vars(args).items() if k != "config"}
+    config = from_sources(yaml_values, cli_values)
+    validate(config)
+    return config
+
+
+def validate(c: TrainConfig) -> None:
+    """Every check that needs no data, model or device; raises ConfigError with the fix."""
+    def need(ok, message):
+        if not ok:
+            raise ConfigError(message)
+
+    for name in ("train_batch_size", "eval_batch_size", "gradient_accumulation_steps", "num_epochs",
+                 "resolution", "ddpm_num_steps", "ddpm_num_inference_steps", "diagnostics_steps",
+                 "save_images_steps", "save_model_steps", "checkpointing_steps"):
+        need(getattr(c, name) >= 1, f"--{name} must be at least 1 (got {getattr(c, name)})")
+    for name in ("max_train_steps", "max_train_samples", "checkpoints_total_limit"):
+        value = getattr(c, name)
+        need(value is None or value >= 1, f"--{name} must be at least 1 (got {value})")
+    need(c.learning_rate > 0, f"--learning_rate must be positive (got {c.learning_rate})")
+    need(c.lr_warmup_steps >= 0, f"--lr_warmup_steps must be >= 0 (got {c.lr_warmup_steps})")
+    need(c.max_grad_norm >= 0, f"--max_grad_norm must be >= 0 (0 disables clipping; got {c.max_grad_norm})")
+    need(c.adam_weight_decay >= 0 and c.adam_epsilon > 0, "--adam_weight_decay must be >= 0 and --adam_epsilon > 0")
+    need(0 <= c.adam_beta1 < 1 and 0 <= c.adam_beta2 < 1, "--adam_beta1 and --adam_beta2 must lie in [0, 1)")
+    need(c.dataloader_num_workers >= 0, "--dataloader_num_workers must be >= 0")
+    for name, choices in (("prediction_type", PREDICTION_TYPES), ("ddpm_beta_schedule", BETA_SCHEDULES),
+                          ("lr_scheduler", LR_SCHEDULERS), ("mixed_precision", MIXED_PRECISION),
+                          ("logger", LOGGERS)):
+        need(getattr(c, name) in choices, f"--{name} {getattr(c, name)!r} is not one of: {', '.join(choices)}")
+    need(c.loss_type in LOSS_TYPES, f"--loss_type {c.loss_type!r} is not one of: {', '.join(LOSS_TYPES)}")
+    need(c.snr_gamma is None or c.snr_gamma > 0, f"--snr_gamma must be positive (got {c.snr_gamma})")
+    need(c.huber_c > 0, f"--huber_c must be positive (got {c.huber_c})")
+    need(0 < c.ema_max_decay < 1, f"--ema_max_decay must lie in (0, 1) (got {c.ema_max_decay})")
+    need(c.ema_inv_gamma > 0 and c.ema_power > 0, "--ema_inv_gamma and --ema_power must be positive")
+    need(not (c.dataset_name and c.train_data_dir),
+         "give either --dataset_name or --train_data_dir, not both")
+    if c.train_data_dir is not None:
+        need(os.path.isdir(c.train_data_dir), f"--train_data_dir {c.train_data_dir}: no such folder")
+    if c.model_config_name_or_path is not None:
+        need(os.path.exists(c.model_config_name_or_path),
+             f"--model_config_name_or_path {c.model_config_name_or_path}: no such file or folder "
+             "(give a folder holding config.json or a UNet2DModel JSON config)")
+    need(not os.path.isfile(c.output_dir),
+         f"--output_dir {c.output_dir} is a file; give a folder path (it is created if missing)")
+    if c.resume_from_checkpoint not in (None, "latest"):
+        need(os.path.isdir(c.resume_from_checkpoint),
+             f"--resume_from_checkpoint {c.resume_from_checkpoint}: no such checkpoint folder "
+             "(give 'latest' or a checkpoint-<step> folder)")
+    if c.mixed_precision == "fp16":
+        import torch
+        need(torch.cuda.is_available(),
+             "--mixed_precision fp16 needs a CUDA GPU and none is visible; use --mixed_precision bf16 or no on CPU")
+    validate_model_shape(c.model, c.resolution)
+
+
+def validate_model_shape(model: dict, resolution: int) -> None:
+    """The UNet halves the image once per down block but the last: resolution must allow it."""
+    blocks = model.get("block_out_channels") or [224, 448, 672, 896]  # UNet2DModel's default
+    halvings = len(blocks) - 1
+    if resolution % (2 ** halvings) != 0:
+        raise ConfigError(
+            f"--resolution {resolution} cannot be halved {halvings} times by the UNet's "
+            f"{len(blocks)} blocks; use a multiple of {2 ** halvings} (e.g. {resolution - resolution % 2 ** halvings or 2 ** halvings})")
+
+
+def save_config(config: TrainConfig, path: str) -> None:
+    """The resolved config beside the pipeline. Secrets (any *token* setting) are never written."""
+    values = {k: v for k, v in config.to_dict().items() if "token" not in k.lower()}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as fh:
+        yaml.safe_dump(values, fh, sort_keys=False)

@@ -1,0 +1,295 @@
+"""Training images: loading through `datasets`, a decode-once cache, and position-determined batches.
+
+Data order is a pure function of (seed, micro-step): micro-step k of the run is the k-th slice of
+global batches drawn from per-epoch permutations. A resumed run therefore asks for batch k and
+gets it directly, nothing is decoded and thrown away, and any number of ranks each take their
+slice of the same global batch (so P ranks x B images see exactly what 1 rank x P*B would).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import warnings
+
+import numpy as np
+import torch
+from PIL import Image
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when the cached layout or preprocessing changes
+
+
+class DataError(ValueError):
+    """A dataset problem found before training; the message names it and the fix."""
+
+
+# ----------------------------------------------------------------------------- loading
+def digits_dataset():
+    """scikit-learn's 1,797 handwritten 8x8 digits (16 grey levels) as a datasets.Dataset: the
+    default data, shipped inside a package, so a fresh machine trains with no network."""
+    import datasets
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    pixels = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=10)})
+    return datasets.Dataset.from_dict(
+        {"image": [Image.fromarray(p, mode="L") for p in pixels], "label": digits.target.tolist()},
+        features=features)
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
+
+
+def load_image_dataset(config):
+    """The training split as a datasets.Dataset, from the embedded digits, an image folder, a
+    save_to_disk folder, a folder load_dataset understands, or a Hub id."""
+    import datasets
+
+    if config.train_data_dir:
+        dataset = _call_loader(lambda: datasets.load_dataset("imagefolder", data_dir=config.train_data_dir,
+                                                             cache_dir=config.cache_dir, split="train"),
+                               f"--train_data_dir {config.train_data_dir}")
+    elif config.dataset_name:
+        name = os.path.expanduser(config.dataset_name)
+        if os.path.isdir(name) and _is_saved_to_disk(name):
+            dataset = _train_split(_call_loader(lambda: datasets.load_from_disk(name), f"--dataset_name {name}"), name)
+        elif os.path.isdir(name) or not _looks_like_path(name):
+            dataset = _train_split(_call_loader(
+                lambda: datasets.load_dataset(name, config.dataset_config_name, cache_dir=config.cache_dir),
+                f"--dataset_name {name}"), name)
+        else:
+            raise DataError(f"--dataset_name {name}: no such folder (give an existing path or a Hub dataset id)")
+    else:
+        dataset = digits_dataset()
+    if config.max_train_samples is not None and config.max_train_samples < len(dataset):
+        dataset = dataset.shuffle(seed=config.seed).select(range(config.max_train_samples))
+    if len(dataset) == 0:
+        raise DataError("the training dataset is empty")
+    return dataset
+
+
+def _is_saved_to_disk(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json"))
+
+
+def _call_loader(load, what: str):
+    try:
+        return load()
+    except DataError:
+        raise
+    except Exception as error:  # datasets raises many types; the user needs the one line
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        hint = " (HF_HUB_OFFLINE is set: Hub ids cannot be downloaded; give a local folder)" if offline else ""
+        raise DataError(f"{what}: could not load it: {type(error).__name__}: {first_line}{hint}") from None
+
+
+def _train_split(loaded, name: str):
+    import datasets
+
+    if isinstance(loaded, (datasets.DatasetDict, dict)):
+        if "train" in loaded:
+            return loaded["train"]
+        if len(loaded) == 1:
+            return next(iter(loaded.values()))
+        raise DataError(f"{name} has splits {sorted(loaded)} and none is 'train'; save the split to train on")
+    return loaded
+
+
+def find_image_column(dataset, image_column: str | None = None) -> str:
+    import datasets
+
+    columns = list(dataset.features)
+    if image_column is not None:
+        if image_column not in columns:
+            raise DataError(f"--image_column {image_column} is not in the dataset (columns: {', '.join(columns)})")
+        if not isinstance(dataset.features[image_column], datasets.Image):
+            raise DataError(f"--image_column {image_column} holds {dataset.features[image_column]}, not images")
+        return image_column
+    found = [name for name, feature in dataset.features.items() if isinstance(feature, datasets.Image)]
+    if not found:
+        raise DataError(f"the dataset has no image column (columns: {', '.join(columns)}); "
+                        "pass --image_column NAME for a column of images")
+    return found[0]
+
+
+# ----------------------------------------------------------------------------- decode once
+class DecodedImages:
+    """Every training image decoded, converted and resized once, kept as uint8 (memory-mapped
+    from the cache when one exists). Without center crop the shorter side equals the resolution
+    and the random crop happens per batch; with it every image is already resolution^2."""
+
+    def __init__(self, pixels: np.ndarray, shapes: np.ndarray, offsets: np.ndarray, channels: int):
+        self.pixels, self.shapes, self.offsets, self.channels = pixels, shapes, offsets, channels
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def image(self, index: int) -> np.ndarray:
+        height, width = self.shapes[index]
+        start = self.offsets[index]
+        return self.pixels[start:start + height * width * self.channels].reshape(height, width, self.channels)
+
+    def as_array(self) -> np.ndarray:
+        """All images [N, H, W, C] uint8; only when all share one shape (center crop)."""
+        height, width = self.shapes[0]
+        return np.asarray(self.pixels).reshape(len(self), height, width, self.channels)
+
+    def save(self, directory: str) -> None:
+        tmp = directory + f".tmp{os.getpid()}"
+        os.makedirs(tmp, exist_ok=True)
+        np.save(os.path.join(tmp, "pixels.npy"), self.pixels)
+        np.save(os.path.join(tmp, "shapes.npy"), self.shapes)
+        if os.path.exists(directory):  # another process finished first: keep theirs
+            import shutil
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, directory)
+
+    @classmethod
+    def load(cls, directory: str, channels: int) -> "DecodedImages":
+        shapes = np.load(os.path.join(directory, "shapes.npy"))
+        pixels = np.load(os.path.join(directory, "pixels.npy"), mmap_mode="r")
+        return cls(pixels, shapes, _offsets(shapes, channels), channels)
+
+
+def _offsets(shapes: np.ndarray, channels: int) -> np.ndarray:
+    sizes = shapes[:, 0].astype(np.int64) * shapes[:, 1] * channels
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
+
+def preprocess_image(image: Image.Image, resolution: int, center_crop: bool, channels: int) -> np.ndarray:
+    """Mode by the model's channels, shorter side to `resolution` (bicubic, antialiased when
+    shrinking), then the centre square if asked. Returns uint8 [H, W, C]."""
+    image = image.convert("L" if channels == 1 else "RGB")
+    width, height = image.size
+    scale = resolution / min(width, height)
+    size = (max(resolution, round(width * scale)), max(resolution, round(height * scale)))
+    if size != image.size:
+        image = image.resize(size, Image.BICUBIC)
+    if center_crop:
+        left, top = (size[0] - resolution) // 2, (size[1] - resolution) // 2
+        image = image.crop((left, top, left + resolution, top + resolution))
+    array = np.asarray(image, dtype=np.uint8)
+    return array[:, :, None] if array.ndim == 2 else array
+
+
+def _decode(item: dict) -> Image.Image:
+    if item.get("bytes") is not None:
+        return Image.open(io.BytesIO(item["bytes"]))
+    return Image.open(item["path"])
+
+
+def decode_dataset(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
+                   progress: bool = False) -> DecodedImages:
+    """Decode every image once. Corrupt files are skipped with a warning naming them."""
+    import datasets
+    from tqdm.auto import tqdm
+
+    raw = dataset.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column])
+    arrays, skipped = [], []
+    items = (item for chunk in raw.iter(batch_size=256) for item in chunk[image_column])
+    for index, item in enumerate(tqdm(items, total=len(raw), desc="decoding images once", disable=not progress)):
+        try:
+            with _decode(item) as image:
+                image.load()
+                arrays.append(preprocess_image(image, resolution, center_crop, channels))
+        except Exception as error:  # PIL raises several types for truncated or non-image files
+            name = item.get("path") or f"row {index}"
+            skipped.append(name)
+            warnings.warn(f"skipping unreadable image {name}: {type(error).__name__}: {error}")
+    if not arrays:
+        raise DataError(f"none of the {len(raw)} images could be decoded (first: {skipped[:3]})")
+    shapes = np.array([a.shape[:2] for a in arrays], dtype=np.int64)
+    pixels = np.concatenate([a.reshape(-1) for a in arrays])
+    return DecodedImages(pixels, shapes, _offsets(shapes, channels), channels)
+
+
+def cached_decode(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
+                  cache_dir: str | None, progress: bool = False) -> DecodedImages:
+    """decode_dataset, stored on disk keyed by the dataset's fingerprint and the preprocessing, so
+    later runs (and the other ranks, which wait for the main one) only memory-map it. In-memory
+    datasets (the digits) have no stable fingerprint and are decoded each time (under a second)."""
+    if not dataset.cache_files:
+        return decode_dataset(dataset, image_column, resolution, center_crop, channels, progress)
+    import datasets
+
+    key = hashlib.sha256(repr((CACHE_FORMAT, dataset._fingerprint, image_column, resolution,
+                               center_crop, channels)).encode()).hexdigest()[:20]
+    root = cache_dir or datasets.config.HF_DATASETS_CACHE
+    directory = os.path.join(str(root), "ddpm_decoded", key)
+    if os.path.isfile(os.path.join(directory, "shapes.npy")):
+        return DecodedImages.load(directory, channels)
+    decoded = decode_dataset(dataset, image_column, resolution, center_crop, channels, progress)
+    decoded.save(directory)
+    return decoded
+
+
+# ----------------------------------------------------------------------------- batch order
+def mix_seed(*values: int) -> int:
+    """A 63-bit seed from integers (seed, micro-step, ...), well mixed so neighbours differ."""
+    return int(np.random.SeedSequence([int(v) for v in values]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class GlobalBatchOrder:
+    """Which dataset rows micro-step k uses, for every rank: a function of (seed, k) only."""
+
+    def __init__(self, num_examples: int, global_batch_size: int, seed: int):
+        if global_batch_size > num_examples:
+            raise DataError(f"the global batch ({global_batch_size} images = batch size x processes) is larger than "
+                            f"the dataset ({num_examples} images); lower --train_batch_size")
+        self.num_examples, self.global_batch_size, self.seed = num_examples, global_batch_size, seed
+        self.batches_per_epoch = num_examples // global_batch_size  # the last partial batch is dropped
+        self._epoch, self._permutation = None, None
+
+    def position(self, micro_step: int) -> tuple[int, int]:
+        """(epoch, batch index within the epoch) of a micro-step."""
+        return divmod(micro_step, self.batches_per_epoch)
+
+    def indices(self, micro_step: int) -> np.ndarray:
+        epoch, batch = self.position(micro_step)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._permutation = np.random.default_rng(mix_seed(self.seed, epoch)).permutation(self.num_examples)
+        return self._permutation[batch * self.global_batch_size:(batch + 1) * self.global_batch_size]
+
+
+class MicroBatches(torch.utils.data.Dataset):
+    """Item k = this rank's uint8 images [B, C, H, W] for micro-step k. Use with
+    DataLoader(batch_size=None, sampler=range(first, last)) so workers prefetch in order."""
+
+    def __init__(self, images: DecodedImages, order: GlobalBatchOrder, rank: int, batch_size: int,
+                 resolution: int, seed: int):
+        self.images, self.order, self.rank, self.batch_size = images, order, rank, batch_size
+        self.resolution, self.seed = resolution, seed
+
+    def __len__(self) -> int:
+        return 2 ** 62  # an endless stream; the sampler bounds it
+
+    def __getitem__(self, micro_step: int) -> torch.Tensor:
+        rows = self.order.indices(micro_step)[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+        batch = np.empty((len(rows), self.resolution, self.resolution, self.images.channels), np.uint8)
+        for slot, row in enumerate(rows):
+            image = self.images.image(int(row))
+            height, width = image.shape[:2]
+            if height == width == self.resolution:
+                batch[slot] = image
+            else:  # random crop, placed by (seed, row, micro-step) so a resumed run crops the same
+                rng = np.random.default_rng(mix_seed(self.seed, int(row), micro_step))
+                top = rng.integers(0, height - self.resolution + 1)
+                left = rng.integers(0, width - self.resolution + 1)
+                batch[slot] = image[top:top + self.resolution, left:left + self.resolution]
+        return torch.from_numpy(batch).permute(0, 3, 1, 2)
+
+
+def to_model_input(batch: torch.Tensor, device, flip: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 [B, C, H, W] -> fp32 in [-1, 1] on the device; `flip` (bool [B]) mirrors images there."""
+    images = batch.to(device, non_blocking=True).float().div_(127.5).sub_(1.0)
+    if flip is not None:
+        images = torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
+    return images

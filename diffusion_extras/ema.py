@@ -1,0 +1,82 @@
+"""Exponential moving average of model weights.
+
+Written here rather than taken from diffusers' EMAModel because that one updates parameter by
+parameter in Python, keeps its step count outside accelerate's checkpoint unless wired by hand,
+and cannot skip an update on a non-finite step without a host sync. This one: fp32 shadow
+weights, one foreach lerp per optimizer step, an optional on-device `finite` flag that turns
+the update into a no-op, and state_dict/load_state_dict for accelerator.register_for_checkpointing.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Optional
+
+import torch
+
+
+class ExponentialMovingAverage:
+    def __init__(self, parameters: Iterable[torch.nn.Parameter], max_decay: float = 0.9999,
+                 inv_gamma: float = 1.0, power: float = 0.75, min_decay: float = 0.0):
+        self.max_decay = max_decay      # cap of the decay
+        self.inv_gamma = inv_gamma      # warmup horizon, in optimizer steps
+        self.power = power              # warmup shape (Karras-style 1 - (1 + t/gamma)^-power)
+        self.min_decay = min_decay
+        self.optimization_step = 0      # updates applied so far
+        self.shadow_params = [p.detach().float().clone() for p in parameters]
+
+    def decay(self, optimization_step: int) -> float:
+        """Decay for the `optimization_step`-th update (1-based): 0 for the first, so the average
+        starts as a copy of the weights rather than of a random init, then 1 - (1 + k/inv_gamma)^-power."""
+        k = max(0, optimization_step - 1)
+        value = 1.0 - (1.0 + k / self.inv_gamma) ** -self.power
+        return min(max(value, self.min_decay), self.max_decay)
+
+    @torch.no_grad()
+    def step(self, parameters: Iterable[torch.nn.Parameter], finite: Optional[torch.Tensor] = None) -> None:
+        """One update per optimizer step. `finite` (0-dim bool tensor on the device) makes a skipped
+        optimizer step a no-op here too, without reading it on the host."""
+        self.optimization_step += 1
+        weight = 1.0 - self.decay(self.optimization_step)
+        params = [p.detach() for p in parameters]
+        if any(p.dtype != torch.float32 for p in params):
+            params = [p.float() for p in params]
+        if finite is not None:
+            # A tensor weight keeps this sync-free; a skipped step lerps by 0. The decay clock
+            # still advances: it counts optimizer steps, like the LR schedule.
+            weight = finite.to(torch.float32) * weight
+        torch._foreach_lerp_(self.shadow_params, params, weight)
+
+    @torch.no_grad()
+    def copy_to(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        for shadow, param in zip(self.shadow_params, parameters):
+            param.copy_(shadow.to(param.dtype))
+
+    @contextlib.contextmanager
+    def average_parameters(self, parameters: Iterable[torch.nn.Parameter]):
+        """Swap the EMA weights in (for sampling or export) and put the training weights back."""
+        parameters = list(parameters)
+        backup = [p.detach().clone() for p in parameters]
+        self.copy_to(parameters)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, saved in zip(parameters, backup):
+                    param.copy_(saved)
+
+    def to(self, device) -> "ExponentialMovingAverage":
+        self.shadow_params = [p.to(device) for p in self.shadow_params]
+        return self
+
+    def state_dict(self) -> dict:
+        return {"max_decay": self.max_decay, "inv_gamma": self.inv_gamma, "power": self.power,
+                "min_decay": self.min_decay, "optimization_step": self.optimization_step,
+                "shadow_params": [p.detach().cpu().clone() for p in self.shadow_params]}
+
+    def load_state_dict(self, state: dict) -> None:
+        shadow = state["shadow_params"]
+        if len(shadow) != len(self.shadow_params):
+            raise ValueError(f"EMA state holds {len(shadow)} tensors but the model has {len(self.shadow_params)}")
+        for name in ("max_decay", "inv_gamma", "power", "min_decay", "optimization_step"):
+            setattr(self, name, state[name])
+        self.shadow_params = [s.to(device=p.device, dtype=torch.float32) for s, p in zip(shadow, self.shadow_params)]

@@ -1,0 +1,149 @@
+"""End-to-end tests of `python train_ddpm.py` on a tiny UNet and the embedded digits."""
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import load_unet_weights, read_history
+
+
+def train(run_cli, recipe, output_dir, *flags, **kwargs):
+    return run_cli(["train_ddpm.py", "--config", recipe, "--output_dir", str(output_dir), *map(str, flags)], **kwargs)
+
+
+def test_short_run_saves_loadable_pipeline_samples_and_config(run_cli, tiny_recipe, tmp_path):
+    out = tmp_path / "run"
+    result = train(run_cli, tiny_recipe(save_images_steps=3), out, "--max_train_steps", 4, check=True)
+    assert "done: 4 optimizer steps" in result.stdout
+    from diffusers import DDPMPipeline
+    pipeline = DDPMPipeline.from_pretrained(str(out))
+    images = pipeline(batch_size=2, num_inference_steps=3, generator=torch.Generator().manual_seed(0),
+                      output_type="np").images
+    assert images.shape == (2, 8, 8, 1) and 0 <= images.min() and images.max() <= 1
+    # a grid at step 3 and at the end, 4 images of 8 px in a 2x2 grid with 2 px padding
+    from PIL import Image
+    for step in (3, 4):
+        grid = Image.open(out / "samples" / f"step_{step:06d}.png")
+        assert grid.size == (2 * 8 + 3 * 2, 2 * 8 + 3 * 2)
+    history = read_history(out)
+    assert [h["step"] for h in history] == [1, 2, 3, 4]
+    assert all(math.isfinite(h["loss"]) and h["images_per_second"] > 0 for h in history)
+    import yaml
+    saved = yaml.safe_load((out / "training_config.yaml").read_text())
+    assert saved["max_train_steps"] == 4 and saved["resolution"] == 8
+    # the exported pipeline holds weights and scheduler config only, never optimizer state
+    files = {os.path.relpath(os.path.join(r, f), out / "unet") for r, _, fs in os.walk(out / "unet") for f in fs}
+    assert files == {"config.json", "diffusion_pytorch_model.safetensors"}
+
+
+def test_exported_pipeline_holds_ema_weights_not_training_weights(run_cli, tiny_recipe, tmp_path):
+    out = tmp_path / "run"
+    train(run_cli, tiny_recipe(checkpointing_steps=5, ema_max_decay=0.9), out, "--max_train_steps", 5, check=True)
+    exported = load_unet_weights(out)
+    training = load_file(out / "checkpoint-5" / "model.safetensors")
+    ema_state = torch.load(out / "checkpoint-5" / "custom_checkpoint_1.pkl", weights_only=True)
+    names = list(training)
+    assert set(names) == set(exported)
+    differs = [n for n in names if not torch.equal(training[n], exported[n])]
+    assert differs, "the pipeline should carry EMA weights, which differ from the training weights"
+    for name, shadow in zip(names, ema_state["shadow_params"]):
+        assert torch.equal(exported[name], shadow), name
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_lr_schedule_per_optimizer_step(run_cli, tiny_recipe, tmp_path, accumulation):
+    """Warmup then cosine, counted in optimizer steps whatever the accumulation (diffusers #8384)."""
+    out = tmp_path / "run"
+    train(run_cli, tiny_recipe(), out, "--max_train_steps", 10, "--lr_warmup_steps", 4,
+          "--gradient_accumulation_steps", accumulation, "--learning_rate", 1e-3, check=True)
+    lrs = {h["step"]: h["lr"] for h in read_history(out)}
+    # the lr a step used: step s runs with the schedule's value after s-1 scheduler steps
+    def expected(s):
+        k = s - 1
+        if k < 4:
+            return 1e-3 * k / 4
+        return 1e-3 * 0.5 * (1 + math.cos(math.pi * (k - 4) / (10 - 4)))
+    for step in (1, 2, 4, 5, 7, 10):
+        assert lrs[step] == pytest.approx(expected(step), rel=1e-9, abs=1e-15), step
+
+
+def test_same_seed_same_numbers(run_cli, tiny_recipe, tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for out, seed in ((a, 3), (b, 3), (c, 4)):
+        train(run_cli, tiny_recipe(), out, "--max_train_steps", 3, "--seed", seed, check=True)
+    losses = [[h["loss"] for h in read_history(o)] for o in (a, b, c)]
+    assert losses[0] == losses[1]
+    assert losses[0] != losses[2]
+    wa, wb = load_unet_weights(a), load_unet_weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--train_batch_size", "0"], "--train_batch_size must be at least 1"),
+    (["--learning_rate", "-1e-4"], "--learning_rate must be positive"),
+    (["--resolution", "9"], "--resolution 9 cannot be halved 1 times"),
+    (["--mixed_precision", "fp16"], "--mixed_precision fp16 needs a CUDA GPU"),
+    (["--train_data_dir", "/nonexistent/images"], "--train_data_dir /nonexistent/images: no such folder"),
+    (["--dataset_name", "./no/such/folder"], "./no/such/folder: no such folder"),
+    (["--resume_from_checkpoint", "/nonexistent/checkpoint-5"], "no such checkpoint folder"),
+])
+def test_bad_input_is_one_line_error_before_training(run_cli, tiny_recipe, tmp_path, flags, message):
+    if "fp16" in flags and torch.cuda.is_available():
+        pytest.skip("a GPU is present: fp16 is valid here")
+    result = train(run_cli, tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, *flags)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not (tmp_path / "run" / "model_index.json").exists()
+
+
+def test_output_dir_that_is_a_file(run_cli, tiny_recipe, tmp_path):
+    target = tmp_path / "taken"
+    target.write_text("precious")
+    result = train(run_cli, tiny_recipe(), target, "--max_train_steps", 2)
+    assert result.returncode == 2 and "is a file" in result.stderr and "Traceback" not in result.stderr
+    assert target.read_text() == "precious"
+
+
+def test_dataset_without_image_column(run_cli, tiny_recipe, tmp_path):
+    import datasets
+    datasets.Dataset.from_dict({"label": [1, 2, 3]}).save_to_disk(str(tmp_path / "labels"))
+    result = train(run_cli, tiny_recipe(), tmp_path / "run", "--dataset_name", tmp_path / "labels")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "no image column (columns: label)" in result.stderr and "--image_column" in result.stderr
+
+
+def test_fresh_run_refuses_output_dir_with_checkpoints(run_cli, tiny_recipe, tmp_path):
+    out = tmp_path / "run"
+    train(run_cli, tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 2, check=True)
+    before = (out / "checkpoint-2" / "model.safetensors").read_bytes()
+    result = train(run_cli, tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 4)
+    assert result.returncode == 2 and "already holds checkpoint-2" in result.stderr
+    assert (out / "checkpoint-2" / "model.safetensors").read_bytes() == before
+
+
+def test_bf16_autocast_keeps_noising_and_loss_fp32(run_cli, tiny_recipe, tmp_path):
+    out = tmp_path / "run"
+    train(run_cli, tiny_recipe(), out, "--max_train_steps", 3, "--mixed_precision", "bf16", check=True)
+    history = read_history(out)
+    assert all(math.isfinite(h["loss"]) for h in history)
+    weights = load_unet_weights(out)
+    assert all(w.dtype == torch.float32 for w in weights.values())
+
+
+def test_image_folder_with_corrupt_file_trains_and_names_it(run_cli, tiny_recipe, tmp_path):
+    from PIL import Image
+    folder = tmp_path / "images"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(20):
+        Image.fromarray(rng.integers(0, 255, (12, 10, 3), dtype=np.uint8)).save(folder / f"{i:02d}.png")
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
+    result = train(run_cli, tiny_recipe(max_train_samples=None, train_batch_size=4), tmp_path / "run",
+                   "--train_data_dir", folder, "--max_train_steps", 2, "--random_flip", "--no-center_crop",
+                   check=True)
+    assert "broken.png" in result.stderr and "skipping unreadable image" in result.stderr

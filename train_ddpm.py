@@ -1,0 +1,300 @@
+#!/usr/bin/env python
+"""Train a DDPM (diffusers UNet2DModel + DDPMScheduler) with Accelerate.
+
+    python train_ddpm.py                                   # embedded digits, CPU minutes
+    accelerate launch train_ddpm.py --config configs/cifar10-ddpm.yaml --dataset_name cifar10
+
+Progress is counted in optimizer steps. Everything random in a step (data order, crops, flips,
+noise, timesteps) is a function of (seed, micro-step), so a resumed run continues bit for bit
+and P ranks with batch B train exactly like one rank with batch P*B.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+from types import SimpleNamespace
+
+import torch
+
+from diffusion_extras import checkpointing, data, losses, models, sampling, tracking
+from diffusion_extras.config import ConfigError, TrainConfig, parse_config, save_config
+from diffusion_extras.ema import ExponentialMovingAverage
+
+logger = logging.getLogger("train_ddpm")
+
+
+# ----------------------------------------------------------------------------- setup
+def make_accelerator(config: TrainConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    tracking.check_tracker_available(config.logger)
+    # Accumulation is done here, not by accelerate (its counter is tied to a prepared loader):
+    # the accelerator sees one micro-batch per backward and we skip DDP syncs with no_sync().
+    return Accelerator(
+        mixed_precision=config.mixed_precision,
+        log_with=tracking.tracker_names(config.logger) or None,
+        project_config=ProjectConfiguration(project_dir=config.output_dir,
+                                            logging_dir=os.path.join(config.output_dir, config.logging_dir)))
+
+
+def setup(config: TrainConfig) -> SimpleNamespace:
+    """Everything that can fail on bad input, done before the first step."""
+    from accelerate.utils import set_seed
+    from diffusers.optimization import get_scheduler
+
+    accelerator = make_accelerator(config)
+    set_seed(config.seed)  # the init; per-step randomness has its own generators
+    checkpoints = checkpointing.list_checkpoints(config.output_dir)
+    if checkpoints and config.resume_from_checkpoint is None:
+        raise ConfigError(f"--output_dir {config.output_dir} already holds {os.path.basename(checkpoints[-1])}: "
+                          "pass --resume_from_checkpoint latest to continue it, or choose a new --output_dir")
+    unet = models.build_unet(config)
+    noise_scheduler = models.build_noise_scheduler(config)
+
+    dataset = data.load_image_dataset(config)
+    image_column = data.find_image_column(dataset, config.image_column)
+    with accelerator.main_process_first():
+        images = data.cached_decode(dataset, image_column, config.resolution, config.center_crop,
+                                    unet.config.in_channels, config.cache_dir, accelerator.is_main_process)
+    order = data.GlobalBatchOrder(len(images), config.train_batch_size * accelerator.num_processes, config.seed)
+    steps_per_epoch = max(1, order.batches_per_epoch // config.gradient_accumulation_steps)
+    max_train_steps = config.max_train_steps or config.num_epochs * steps_per_epoch
+
+    learning_rate = config.learning_rate
+    if config.scale_lr:
+        learning_rate *= config.train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
+    # fused: one kernel for all parameters, and it honours `found_inf`, which skips a
+    # non-finite step on the device without a host sync.
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                                  weight_decay=config.adam_weight_decay, eps=config.adam_epsilon, fused=True)
+    # Not passed to prepare(): accelerate would step it once per process (diffusers issue #8384).
+    # We step it once per optimizer step, so warmup and decay mean the same for any P and accumulation.
+    lr_scheduler = get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=config.lr_warmup_steps,
+                                 num_training_steps=max_train_steps)
+    unet, optimizer = accelerator.prepare(unet, optimizer)
+    accelerator.register_for_checkpointing(lr_scheduler)
+    ema = None
+    if config.use_ema:
+        ema = ExponentialMovingAverage(unet.parameters(), config.ema_max_decay, config.ema_inv_gamma, config.ema_power)
+        accelerator.register_for_checkpointing(ema)
+
+    run = SimpleNamespace(
+        config=config, accelerator=accelerator, unet=unet, noise_scheduler=noise_scheduler,
+        schedule=losses.NoiseSchedule.from_scheduler(noise_scheduler, accelerator.device),
+        optimizer=optimizer, lr_scheduler=lr_scheduler, ema=ema, images=images, order=order,
+        max_train_steps=max_train_steps, global_step=0, history=tracking.History(config.output_dir),
+        state_config=state_config(config, unet, accelerator))
+    if config.resume_from_checkpoint:
+        resume(run)
+    return run
+
+
+def state_config(config: TrainConfig, unet, accelerator) -> dict:
+    """What a checkpoint records of the config (checked on resume). The UNet config drops
+    diffusers' private keys (`_use_default_values` varies in order between runs)."""
+    unet_values = {k: v for k, v in dict(accelerator.unwrap_model(unet).config).items() if not k.startswith("_")}
+    values = tracking.hyperparameters({k: v for k, v in config.to_dict().items() if k != "model"})
+    return values | {"unet": json.loads(json.dumps(unet_values)), "num_processes": accelerator.num_processes}
+
+
+def resume(run: SimpleNamespace) -> None:
+    config, accelerator = run.config, run.accelerator
+    candidates = checkpointing.resume_candidates(config.output_dir, config.resume_from_checkpoint)
+    if not candidates:
+        accelerator.print(f"no checkpoint in {config.output_dir}: starting a fresh run")
+        return
+    for path in candidates:
+        state = checkpointing.check_resumable(path, run.state_config)
+        try:
+            accelerator.load_state(path)
+        except Exception as error:  # unreadable despite a complete marker: fall back, as with truncation
+            if config.resume_from_checkpoint != "latest" or path == candidates[-1]:
+                raise checkpointing.CheckpointError(f"cannot load {path}: {type(error).__name__}: {error}") from None
+            warnings.warn(f"cannot load {path} ({type(error).__name__}: {error}); falling back to the previous one")
+            continue
+        run.global_step = state["global_step"]
+        if accelerator.is_main_process:
+            run.history.truncate_after(run.global_step)
+        accelerator.print(f"resumed from {path} at optimizer step {run.global_step} "
+                          f"(epoch {state['epoch']}, batch {state['batch_in_epoch']})")
+        return
+
+
+# ----------------------------------------------------------------------------- one step
+def micro_step_randomness(run, micro_step: int, global_batch: int, shape) -> tuple:
+    """Noise, timesteps and flips for the whole global micro-batch, from (seed, micro-step): every
+    rank draws the same and keeps its slice, so results do not depend on the number of ranks."""
+    device = run.accelerator.device
+    generator = torch.Generator(device).manual_seed(data.mix_seed(run.config.seed, micro_step, 1))
+    noise = torch.randn((global_batch, *shape), generator=generator, device=device)
+    timesteps = torch.randint(0, run.schedule.num_train_timesteps, (global_batch,), generator=generator, device=device)
+    flips = torch.rand(global_batch, generator=generator, device=device) < 0.5
+    rank, batch = run.accelerator.process_index, run.config.train_batch_size
+    part = slice(rank * batch, (rank + 1) * batch)
+    return noise[part], timesteps[part], (flips[part] if run.config.random_flip else None)
+
+
+def forward_backward(run, batch: torch.Tensor, micro_step: int, sync: bool) -> torch.Tensor:
+    """sample t, noise, predict, loss, backward. Returns the (weighted) loss, detached, on device."""
+    config, accelerator, schedule = run.config, run.accelerator, run.schedule
+    global_batch = config.train_batch_size * accelerator.num_processes
+    noise, timesteps, flips = micro_step_randomness(run, micro_step, global_batch, batch.shape[1:])
+    clean = data.to_model_input(batch, accelerator.device, flips)
+    noisy = schedule.add_noise(clean, noise, timesteps)  # fp32, outside autocast
+    target = schedule.target(config.prediction_type, clean, noise, timesteps)
+    with accelerator.no_sync(run.unet) if not sync else _nullcontext():
+        prediction = run.unet(noisy, timesteps).sample  # autocast inside when mixed precision
+        per_sample = losses.per_sample_loss(prediction, target, config.loss_type, config.huber_c)
+        weights = (losses.min_snr_weight(schedule.snr[timesteps], config.snr_gamma, config.prediction_type)
+                   if config.snr_gamma else torch.ones_like(per_sample))
+        loss = (per_sample * weights).mean()
+        accelerator.backward(loss / config.gradient_accumulation_steps)
+    return loss.detach()
+
+
+def _nullcontext():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def optimizer_step(run, batches) -> torch.Tensor:
+    """One optimizer step over `gradient_accumulation_steps` micro-batches; no host sync."""
+    config, accelerator = run.config, run.accelerator
+    accumulation = config.gradient_accumulation_steps
+    loss = torch.zeros((), device=accelerator.device)
+    for micro in range(accumulation):
+        micro_step = run.global_step * accumulation + micro
+        loss += forward_backward(run, next(batches), micro_step, sync=micro == accumulation - 1) / accumulation
+    max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
+    grad_norm = accelerator.clip_grad_norm_(run.unet.parameters(), max_norm)  # unscales fp16 grads first
+    finite = torch.isfinite(grad_norm) & torch.isfinite(loss)
+    inner = run.optimizer.optimizer
+    if accelerator.scaler is None:  # under fp16 the GradScaler sets found_inf itself
+        inner.found_inf = (~finite).float()
+    run.optimizer.step()
+    inner.__dict__.pop("found_inf", None)
+    run.optimizer.zero_grad(set_to_none=True)
+    run.lr_scheduler.step()
+    run.global_step += 1
+    if run.ema is not None:
+        run.ema.step(run.unet.parameters(), finite=finite)
+    return loss
+
+
+# ----------------------------------------------------------------------------- extras
+def train_state(run) -> dict:
+    micro_step = run.global_step * run.config.gradient_accumulation_steps
+    epoch, batch = run.order.position(micro_step)
+    return {"global_step": run.global_step, "micro_step": micro_step, "epoch": epoch, "batch_in_epoch": batch,
+            "images_seen": micro_step * run.order.global_batch_size, "seed": run.config.seed,
+            "config": run.state_config}
+
+
+def save_checkpoint(run) -> None:
+    path = checkpointing.save_checkpoint(run.accelerator, run.config.output_dir, run.global_step,
+                                         train_state(run), run.config.checkpoints_total_limit)
+    run.accelerator.print(f"saved {path}")
+
+
+def ema_weights(run):
+    unet = run.accelerator.unwrap_model(run.unet)
+    return run.ema.average_parameters(unet.parameters()) if run.ema is not None else _nullcontext()
+
+
+def save_sample_grid(run) -> None:
+    """EMA samples (DDIM, fixed seed) as a PNG and to the trackers; main process only."""
+    config = run.config
+    unet = run.accelerator.unwrap_model(run.unet)
+    scheduler = sampling.make_scheduler("ddim", run.noise_scheduler.config)
+    with ema_weights(run):
+        images = sampling.generate(unet, scheduler, config.eval_batch_size, config.ddpm_num_inference_steps,
+                                   seed=config.seed, device=run.accelerator.device)
+    grid = sampling.image_grid(images)
+    path = os.path.join(config.output_dir, "samples", f"step_{run.global_step:06d}.png")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    grid.save(path)
+    import numpy as np
+    tracking.log_image(run.accelerator, "samples", np.asarray(grid.convert("RGB")), run.global_step)
+
+
+def export(run) -> None:
+    with ema_weights(run):
+        models.export_pipeline(run.accelerator.unwrap_model(run.unet), run.noise_scheduler, run.config.output_dir)
+    save_config(run.config, os.path.join(run.config.output_dir, "training_config.yaml"))
+
+
+def log_window(run, loss_sum: torch.Tensor, steps: int, seconds: float, progress) -> None:
+    """Average over the window and over processes: the one host sync per logging interval."""
+    accelerator = run.accelerator
+    loss = accelerator.reduce(loss_sum / max(steps, 1), reduction="mean").item()
+    images = steps * run.order.global_batch_size * run.config.gradient_accumulation_steps
+    values = {"loss": loss, "lr": run.lr_scheduler.get_last_lr()[0], "images_per_second": images / max(seconds, 1e-9)}
+    if run.ema is not None:
+        values["ema_decay"] = run.ema.decay(run.ema.optimization_step)
+    accelerator.log(values, step=run.global_step)
+    if accelerator.is_main_process:
+        run.history.append({"step": run.global_step, **values})
+        progress.set_postfix(loss=f"{loss:.4f}", lr=f"{values['lr']:.2e}", img_s=f"{values['images_per_second']:.0f}")
+
+
+# ----------------------------------------------------------------------------- the loop
+def train(run) -> None:
+    from tqdm.auto import tqdm
+
+    config, accelerator = run.config, run.accelerator
+    if accelerator.is_main_process:
+        os.makedirs(config.output_dir, exist_ok=True)
+        save_config(config, os.path.join(config.output_dir, "training_config.yaml"))
+    accelerator.init_trackers("train_ddpm", config=tracking.hyperparameters(config.to_dict()))
+    accumulation = config.gradient_accumulation_steps
+    loader = torch.utils.data.DataLoader(
+        data.MicroBatches(run.images, run.order, accelerator.process_index, config.train_batch_size,
+                          config.resolution, config.seed),
+        batch_size=None, sampler=range(run.global_step * accumulation, run.max_train_steps * accumulation),
+        num_workers=config.dataloader_num_workers, pin_memory=accelerator.device.type == "cuda",
+        generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
+    batches = iter(loader)
+    progress = tqdm(total=run.max_train_steps, initial=run.global_step, disable=not accelerator.is_local_main_process,
+                    desc="optimizer steps")
+    loss_sum, window_steps, window_start = torch.zeros((), device=accelerator.device), 0, time.perf_counter()
+    while run.global_step < run.max_train_steps:
+        loss_sum += optimizer_step(run, batches)
+        window_steps += 1
+        progress.update(1)
+        step, last = run.global_step, run.global_step == run.max_train_steps
+        if step % config.diagnostics_steps == 0 or last:
+            log_window(run, loss_sum, window_steps, time.perf_counter() - window_start, progress)
+            loss_sum.zero_()
+            window_steps, window_start = 0, time.perf_counter()
+        if step % config.checkpointing_steps == 0:
+            save_checkpoint(run)
+        if accelerator.is_main_process and (step % config.save_images_steps == 0 or last):
+            save_sample_grid(run)
+        if accelerator.is_main_process and (step % config.save_model_steps == 0 or last):
+            export(run)
+    progress.close()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    accelerator.print(f"done: {run.global_step} optimizer steps; pipeline in {config.output_dir}")
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = parse_config(argv)
+        run = setup(config)
+    except (ConfigError, data.DataError, checkpointing.CheckpointError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    train(run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
