@@ -87,6 +87,9 @@ def generate(unet, scheduler, num_images: int, num_inference_steps: int = 50, se
     `scheduler` is only read (a copy is stepped), so the training noise scheduler may be passed.
     `dtype` is the precision the UNet runs in (autocast); the sampler state stays fp32.
     `start_index` offsets the image indices, so chunks of one long run reproduce that run.
+    The noise is the same whatever `batch_size`; the UNet's batched kernels are not bit-identical
+    across batch sizes (~1e-7), which a long deterministic (DDIM) run can amplify: bit-exact
+    reproduction needs the same seed, device and batch size.
     """
     if num_images < 1 or num_inference_steps < 1:
         raise ValueError("num_images and num_inference_steps must be positive")

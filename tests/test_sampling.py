@@ -26,7 +26,8 @@ def tiny_unet(seed: int = 0, channels: int = 3) -> UNet2DModel:
 
 
 def save_tiny_pipeline(path, channels: int = 3) -> str:
-    DDPMPipeline(unet=tiny_unet(channels=channels), scheduler=DDPMScheduler(num_train_timesteps=100)).save_pretrained(path)
+    pipeline = DDPMPipeline(unet=tiny_unet(channels=channels), scheduler=DDPMScheduler(num_train_timesteps=100))
+    pipeline.save_pretrained(path)
     # Training leaves these beside the pipeline; loading must ignore them.
     os.makedirs(os.path.join(path, "checkpoint-10"))
     os.makedirs(os.path.join(path, "samples"))
@@ -103,8 +104,10 @@ def test_noise_depends_only_on_seed_and_image_index(training_scheduler, name):
 @pytest.mark.parametrize("name", SCHEDULERS)
 def test_real_unet_batch_size_changes_images_at_most_by_rounding(unet, training_scheduler, name):
     # CPU conv/GEMM kernels are chosen by batch size, so the UNet's outputs differ by ~1e-7 between
-    # batch sizes (measured); exactness is tested above with a batch-invariant model. What remains
-    # must be float rounding: at most one uint8 level, on few pixels.
+    # batch sizes (measured); exactness is tested above with a batch-invariant model. Here (8 steps)
+    # what remains must be float rounding: at most one uint8 level, on few pixels. Beware: a long
+    # deterministic run of an untrained net can amplify it (DDIM, clip_sample, 50 of 1000 steps: up
+    # to 22 levels, measured), so compare metrics at one fixed batch size.
     scheduler = make_scheduler(name, training_scheduler.config)
     whole = generate(unet, scheduler, 6, 8, seed=5).astype(int)
     split = generate(unet, scheduler, 6, 8, seed=5, batch_size=2).astype(int)
