@@ -1,0 +1,282 @@
+"""Per-timestep loss statistics kept on the device, and the Bayes-optimal reference curve.
+
+The DDPM loss is an average over t, so a healthy-looking mean can hide a model that never learned
+the noisiest (or the cleanest) timesteps. `TimestepDiagnostics` bins the unweighted per-sample MSE
+by timestep and counts optimizer-step events (clipping, non-finite steps) in device tensors; the
+host sees them once per logging interval, in `reduce_and_reset`.
+
+`bayes_optimal_loss` is the loss of the best denoiser for Gaussian data with the dataset's
+per-dimension variance. The posterior mean E[x0 | x_t] of such data is linear in x_t, so this is
+also the loss of the best per-pixel affine denoiser for ANY data with that variance: a network
+whose loss sits above it at some t has not yet learned what a linear filter already knows there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+RUNNING_DECAY = 0.9  # per logging window: the plotted curve averages roughly the last 10 windows
+# Order of the step counters at the tail of the packed window buffer.
+_STEP_FIELDS = ("steps", "finite_steps", "clipped_steps", "nonfinite_steps", "grad_norm_sum",
+                "max_consecutive_nonfinite", "loss_scale", "loss_scale_known")
+
+
+def timestep_bin_edges(num_train_timesteps: int, num_bins: int) -> list[int]:
+    """Bin i holds the timesteps edges[i] <= t < edges[i+1] (equal widths up to rounding)."""
+    return [-(-i * num_train_timesteps // num_bins) for i in range(num_bins + 1)]
+
+
+def loss_bin_key(index: int, num_bins: int, prefix: str = "loss_bin") -> str:
+    """'loss_bin/03': zero-padded so that keys sort in timestep order in trackers."""
+    return f"{prefix}/{index:0{max(2, len(str(num_bins - 1)))}d}"
+
+
+class TimestepDiagnostics:
+    """Window statistics on the device; one collective and one host copy per logging interval."""
+
+    def __init__(self, num_train_timesteps: int, num_bins: int = 10, device=None,
+                 running_decay: float = RUNNING_DECAY):
+        if not 1 <= num_bins <= num_train_timesteps:
+            raise ValueError(f"num_bins={num_bins} must be in [1, num_train_timesteps="
+                             f"{num_train_timesteps}]; pass fewer bins")
+        if not 0.0 <= running_decay < 1.0:
+            raise ValueError(f"running_decay={running_decay} must be in [0, 1)")
+        self.num_train_timesteps = int(num_train_timesteps)
+        self.num_bins = int(num_bins)
+        self.running_decay = float(running_decay)
+        self.device = torch.device(device if device is not None else "cpu")
+        # float64 keeps sum-of-squares variances exact enough; MPS has no float64.
+        self.dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        n = self.num_bins
+        # One packed buffer: [bin sums | sums of squares | finite counts | non-finite counts | steps].
+        self._window = torch.zeros(4 * n + len(_STEP_FIELDS), dtype=self.dtype, device=self.device)
+        self._bin_sum, self._bin_sumsq, self._bin_count, self.nonfinite_per_bin = (
+            self._window[k * n:(k + 1) * n] for k in range(4))
+        self._step = {name: self._window[4 * n + j] for j, name in enumerate(_STEP_FIELDS)}
+        # The non-finite streak spans logging windows, so it lives outside the window buffer.
+        self._consecutive_nonfinite = torch.zeros((), dtype=self.dtype, device=self.device)
+        self.running_bin_loss = np.full(n, np.nan)
+        self.total_steps = self.total_clipped = self.total_nonfinite = 0
+
+    def update_loss(self, timesteps: torch.LongTensor, per_sample_loss: torch.Tensor) -> None:
+        """Add a batch of unweighted per-sample MSEs; no host sync (timesteps are not range-checked)."""
+        if timesteps.dim() != 1 or timesteps.shape != per_sample_loss.shape:
+            raise ValueError(f"timesteps {tuple(timesteps.shape)} and per_sample_loss "
+                             f"{tuple(per_sample_loss.shape)} must both have shape [batch]; "
+                             "reduce the loss over all but the batch dimension first")
+        bins = torch.div(timesteps.to(self.device, torch.long) * self.num_bins,
+                         self.num_train_timesteps, rounding_mode="floor").clamp_(0, self.num_bins - 1)
+        loss = per_sample_loss.detach().to(self.device, self.dtype)
+        finite = torch.isfinite(loss)
+        clean = torch.where(finite, loss, torch.zeros_like(loss))  # NaN * 0 would still be NaN
+        self._bin_sum.index_add_(0, bins, clean)
+        self._bin_sumsq.index_add_(0, bins, clean * clean)
+        self._bin_count.index_add_(0, bins, finite.to(self.dtype))
+        self.nonfinite_per_bin.index_add_(0, bins, (~finite).to(self.dtype))
+
+    def update_step(self, grad_norm: torch.Tensor, max_grad_norm: float | None,
+                    finite: torch.Tensor, loss_scale: float | torch.Tensor | None = None) -> None:
+        """Count one optimizer step; grad_norm is the total norm before clipping. No host sync."""
+        grad_norm = torch.as_tensor(grad_norm).detach().to(self.device, self.dtype)
+        # A step whose norm is inf/NaN cannot have been applied as a finite update.
+        finite = torch.as_tensor(finite).to(self.device, torch.bool) & torch.isfinite(grad_norm)
+        step = self._step
+        step["steps"].add_(1)
+        step["finite_steps"].add_(finite)
+        step["nonfinite_steps"].add_(~finite)
+        step["grad_norm_sum"].add_(torch.where(finite, grad_norm, torch.zeros_like(grad_norm)))
+        if max_grad_norm is not None:
+            step["clipped_steps"].add_(finite & (grad_norm > max_grad_norm))
+        self._consecutive_nonfinite.add_(1).mul_(~finite)
+        peak = step["max_consecutive_nonfinite"]
+        peak.copy_(torch.maximum(peak, self._consecutive_nonfinite))
+        if loss_scale is not None:
+            if isinstance(loss_scale, torch.Tensor):
+                step["loss_scale"].copy_(loss_scale.detach().reshape(()))
+            else:  # fill_ passes a Python number as a kernel argument: no host-to-device copy
+                step["loss_scale"].fill_(float(loss_scale))
+            step["loss_scale_known"].fill_(1.0)
+
+    def reduce_and_reset(self, accelerator=None) -> dict[str, float]:
+        """Combine the window over processes, bring it to the host once, and start a new window.
+
+        Loss statistics are summed over processes (each rank saw different samples). Step counters
+        take the max over ranks: in data-parallel training every rank steps on the same all-reduced
+        gradient, so they agree, and the max keeps any rank's non-finite streak visible.
+        """
+        per_rank = self._window.unsqueeze(0)
+        if accelerator is not None and accelerator.num_processes > 1:
+            # One gather (not a sum-reduce) so both sums and maxima come from one collective.
+            per_rank = accelerator.gather(per_rank)
+        per_rank = per_rank.cpu().numpy().astype(np.float64)  # the one host sync per interval
+        self._window.zero_()
+        n = self.num_bins
+        bin_sum, bin_sumsq, bin_count, nonfinite = per_rank[:, :4 * n].sum(0).reshape(4, n)
+        step = dict(zip(_STEP_FIELDS, per_rank[:, 4 * n:].max(0)))
+        out = self._bin_statistics(bin_sum, bin_sumsq, bin_count, nonfinite)
+        if step["finite_steps"] > 0:
+            out["grad_norm"] = step["grad_norm_sum"] / step["finite_steps"]
+        out["clip_rate"] = step["clipped_steps"] / max(step["finite_steps"], 1.0)
+        out["nonfinite_steps"] = step["nonfinite_steps"]
+        out["max_consecutive_nonfinite"] = step["max_consecutive_nonfinite"]
+        if step["loss_scale_known"] > 0:
+            out["loss_scale"] = step["loss_scale"]
+        self.total_steps += int(step["steps"])
+        self.total_clipped += int(step["clipped_steps"])
+        self.total_nonfinite += int(step["nonfinite_steps"])
+        return {key: float(value) for key, value in out.items()}
+
+    def _bin_statistics(self, bin_sum, bin_sumsq, bin_count, nonfinite) -> dict:
+        out = {}
+        seen = bin_count > 0
+        means = np.divide(bin_sum, bin_count, out=np.full(self.num_bins, np.nan), where=seen)
+        for i in np.flatnonzero(seen):
+            out[loss_bin_key(i, self.num_bins)] = means[i]
+            if bin_count[i] > 1:  # unbiased sample std of the per-sample losses in the bin
+                var = (bin_sumsq[i] - bin_sum[i] ** 2 / bin_count[i]) / (bin_count[i] - 1)
+                out[loss_bin_key(i, self.num_bins, "loss_std_bin")] = np.sqrt(max(var, 0.0))
+        for i in np.flatnonzero(nonfinite):
+            out[loss_bin_key(i, self.num_bins, "nonfinite_bin")] = nonfinite[i]
+        out["nonfinite_samples"] = nonfinite.sum()
+        first = seen & np.isnan(self.running_bin_loss)
+        self.running_bin_loss[first] = means[first]
+        again = seen & ~first
+        self.running_bin_loss[again] = (self.running_decay * self.running_bin_loss[again]
+                                        + (1.0 - self.running_decay) * means[again])
+        return out
+
+    def bin_edges(self) -> list[int]:
+        return timestep_bin_edges(self.num_train_timesteps, self.num_bins)
+
+    def bin_centers(self) -> np.ndarray:
+        edges = np.asarray(self.bin_edges(), dtype=np.float64)
+        return (edges[:-1] + edges[1:] - 1.0) / 2.0  # middle of the integer range in each bin
+
+    def bayes_optimal_bins(self, alphas_cumprod, sigma_data, prediction_type) -> dict[str, float]:
+        """Bayes-optimal loss averaged over each bin (uniform t), keyed like the loss bins."""
+        reference = _reference_curve(alphas_cumprod, sigma_data, prediction_type)
+        if reference.shape != (self.num_train_timesteps,):
+            raise ValueError(f"alphas_cumprod has {reference.shape[0]} entries but "
+                             f"num_train_timesteps={self.num_train_timesteps}; pass the scheduler's")
+        edges = self.bin_edges()
+        return {loss_bin_key(i, self.num_bins): float(reference[lo:hi].mean())
+                for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:]))}
+
+    def state_dict(self) -> dict:
+        return {"num_train_timesteps": self.num_train_timesteps, "num_bins": self.num_bins,
+                "running_decay": self.running_decay, "window": self._window.cpu().clone(),
+                "consecutive_nonfinite": self._consecutive_nonfinite.cpu().clone(),
+                "running_bin_loss": torch.from_numpy(self.running_bin_loss.copy()),
+                "total_steps": self.total_steps, "total_clipped": self.total_clipped,
+                "total_nonfinite": self.total_nonfinite}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = (state["num_train_timesteps"], state["num_bins"])
+        if saved != (self.num_train_timesteps, self.num_bins):
+            raise ValueError(f"diagnostics checkpoint has num_train_timesteps/num_bins = "
+                             f"{state['num_train_timesteps']}/{state['num_bins']}, this run "
+                             f"{self.num_train_timesteps}/{self.num_bins}; resume with the same settings")
+        self.running_decay = float(state["running_decay"])
+        self._window.copy_(state["window"])  # copy_ keeps the views into the packed buffer valid
+        self._consecutive_nonfinite.copy_(state["consecutive_nonfinite"])
+        self.running_bin_loss = state["running_bin_loss"].double().numpy().copy()
+        self.total_steps = int(state["total_steps"])
+        self.total_clipped = int(state["total_clipped"])
+        self.total_nonfinite = int(state["total_nonfinite"])
+
+
+def bayes_optimal_loss(alphas_cumprod: torch.Tensor, sigma_data: float | torch.Tensor,
+                       prediction_type: str) -> torch.Tensor:
+    """Minimum per-dimension MSE at each t for x0 ~ N(0, sigma_data^2), independent dimensions.
+
+    With x_t = a x0 + s eps (a^2 = abar, s^2 = 1 - abar) everything is jointly Gaussian, so the
+    MMSE of a target y is Var(y) - Cov(y, x_t)^2 / Var(x_t), with Var(x_t) = abar sigma^2 + 1 - abar:
+      epsilon:      1 - (1 - abar) / Var(x_t)              = abar * sigma^2 / Var(x_t)
+      sample (x0):  sigma^2 - abar sigma^4 / Var(x_t)      = (1 - abar) * sigma^2 / Var(x_t)
+      v_prediction (v = a eps - s x0): Var(v) = abar + (1 - abar) sigma^2,
+                    Cov(v, x_t) = a s (1 - sigma^2)       -> sigma^2 / Var(x_t)
+    The three errors are proportional at a given t (eps error = -(a/s) x0 error, v error = -x0
+    error / s), hence the common factor sigma^2 / Var(x_t). sigma_data is the STANDARD DEVIATION
+    (take the square root of `per_dimension_variance`). Computed in float64, returned in the dtype
+    of alphas_cumprod when that is fp32/fp64 (fp32 otherwise).
+    """
+    if prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"prediction_type={prediction_type!r}; use one of {PREDICTION_TYPES}")
+    alphas_cumprod = torch.as_tensor(alphas_cumprod)
+    float_dtypes = (torch.float32, torch.float64)
+    out_dtype = alphas_cumprod.dtype if alphas_cumprod.dtype in float_dtypes else torch.float32
+    abar = alphas_cumprod.detach().to(torch.float64).clamp(0.0, 1.0)
+    sigma = torch.as_tensor(sigma_data, dtype=torch.float64, device=abar.device)
+    if bool((sigma < 0).any()):
+        raise ValueError(f"sigma_data must be >= 0 (a standard deviation), got {sigma_data}")
+    data_variance = sigma * sigma
+    # Var(x_t) reaches 0 only for sigma = 0 at abar = 1, where every numerator is 0 as well.
+    noisy_variance = (abar * data_variance + (1.0 - abar)).clamp_min(torch.finfo(torch.float64).tiny)
+    factor = {"epsilon": abar, "sample": 1.0 - abar,
+              "v_prediction": torch.ones_like(abar)}[prediction_type]
+    return (factor * data_variance / noisy_variance).to(out_dtype)
+
+
+def _reference_curve(alphas_cumprod, sigma_data, prediction_type) -> np.ndarray:
+    return bayes_optimal_loss(alphas_cumprod, sigma_data, prediction_type).double().cpu().numpy()
+
+
+def per_dimension_variance(images: torch.Tensor, chunk_size: int = 4096) -> float:
+    """sigma_data^2: mean over pixels of each pixel's variance across the dataset (images in [-1, 1])."""
+    if images.dim() < 2 or images.shape[0] < 2:
+        raise ValueError(f"images of shape {tuple(images.shape)}: need [num_images >= 2, ...]")
+    low, high = float(images.min()), float(images.max())
+    if low < -1.0 - 1e-6 or high > 1.0 + 1e-6:
+        raise ValueError(f"images span [{low:.3g}, {high:.3g}]; scale them to [-1, 1] (x * 2 - 1 "
+                         "for [0, 1] images) as the model sees them")
+    flat = images.reshape(images.shape[0], -1)
+    chunks = range(0, flat.shape[0], chunk_size)
+    # Two passes in float64: a one-pass sum of squares would cancel catastrophically for
+    # near-constant pixels.
+    mean = sum(flat[i:i + chunk_size].double().sum(0) for i in chunks) / flat.shape[0]
+    squared = sum(((flat[i:i + chunk_size].double() - mean) ** 2).sum(0) for i in chunks)
+    return float((squared / flat.shape[0]).mean())
+
+
+def plot_loss_per_timestep(diag: TimestepDiagnostics, alphas_cumprod, sigma_data, prediction_type,
+                           path: str, title: str = "") -> str:
+    """PNG of the running per-bin loss against the Bayes-optimal curve (log y); returns path."""
+    # Figure + Agg canvas instead of pyplot: no global backend switch, nothing left open.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    reference = _reference_curve(alphas_cumprod, sigma_data, prediction_type)
+    reference_bins = np.array(list(
+        diag.bayes_optimal_bins(alphas_cumprod, sigma_data, prediction_type).values()))
+    timesteps, centers = np.arange(reference.shape[0]), diag.bin_centers()
+    fig = Figure(figsize=(7.0, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    positive = reference > 0  # log axis: zero-terminal-SNR ends give an exact 0
+    ax.plot(timesteps[positive], reference[positive], color="0.45", lw=1.2,
+            label="Bayes-optimal, Gaussian data (per t)")
+    shown = reference_bins > 0
+    ax.plot(centers[shown], reference_bins[shown], "s", mfc="none", color="0.3", ms=7,
+            label="Bayes-optimal, bin mean")
+    seen = np.isfinite(diag.running_bin_loss) & (diag.running_bin_loss > 0)
+    if seen.any():
+        ax.plot(centers[seen], diag.running_bin_loss[seen], "o", color="tab:red", ms=6,
+                label="training loss, running mean per bin")
+    else:
+        ax.text(0.5, 0.5, "no loss recorded yet", transform=ax.transAxes, ha="center", va="center")
+    for edge in diag.bin_edges()[1:-1]:
+        ax.axvline(edge - 0.5, color="0.9", lw=0.8, zorder=0)
+    ax.set_yscale("log")
+    ax.set_xlabel("timestep t")
+    ax.set_ylabel(f"per-dimension MSE ({prediction_type} target)")
+    ax.set_title(title or f"Loss per timestep (sigma_data={float(sigma_data):.3g})")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
