@@ -89,7 +89,7 @@ class TimestepDiagnostics:
         step["finite_steps"].add_(finite)
         step["nonfinite_steps"].add_(~finite)
         step["grad_norm_sum"].add_(torch.where(finite, grad_norm, torch.zeros_like(grad_norm)))
-        if max_grad_norm is not None:
+        if max_grad_norm:  # None or 0: clipping is off (--max_grad_norm 0 disables it)
             step["clipped_steps"].add_(finite & (grad_norm > max_grad_norm))
         self._consecutive_nonfinite.add_(1).mul_(~finite)
         peak = step["max_consecutive_nonfinite"]
@@ -167,6 +167,8 @@ class TimestepDiagnostics:
                 for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:]))}
 
     def state_dict(self) -> dict:
+        """CPU tensors and numbers only. The open window is this process's: accelerate saves custom
+        state from the main process, so with several processes save right after reduce_and_reset."""
         return {"num_train_timesteps": self.num_train_timesteps, "num_bins": self.num_bins,
                 "running_decay": self.running_decay, "window": self._window.cpu().clone(),
                 "consecutive_nonfinite": self._consecutive_nonfinite.cpu().clone(),

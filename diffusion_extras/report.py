@@ -51,7 +51,8 @@ def summarize(history: list[dict], config: dict) -> dict:
 def render_markdown(summary: dict, findings: list[Finding], output_dir: str) -> str:
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITY_ORDER}
     lines = [f"# Training health report: `{output_dir}`", "",
-             f"**{counts['critical']} critical, {counts['warning']} warnings, {counts['info']} info.**",
+             f"**{counts['critical']} critical, {counts['warning']} warning"
+             f"{'' if counts['warning'] == 1 else 's'}, {counts['info']} info.**",
              "", "| | |", "|---|---|"]
     for key, value in summary.items():
         shown = "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -96,7 +96,8 @@ def test_step_counters_clip_rate_and_consecutive_nonfinite():
     assert stats["nonfinite_steps"] == 2 and stats["clip_rate"] == 0.0
     assert (diag.total_steps, diag.total_nonfinite, diag.total_clipped) == (11, 6, 2)
     # A finite step resets the streak; without max_grad_norm nothing counts as clipped.
-    _run_steps(diag, [5.0, 6.0], [True, True], max_grad_norm=None)
+    _run_steps(diag, [5.0], [True], max_grad_norm=None)
+    _run_steps(diag, [6.0], [True], max_grad_norm=0.0)
     diag.update_step(torch.tensor(5.0), None, torch.tensor(True), loss_scale=torch.tensor(1024.0))
     stats = diag.reduce_and_reset()
     assert stats["max_consecutive_nonfinite"] == 0 and stats["clip_rate"] == 0.0
