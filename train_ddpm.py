@@ -180,6 +180,7 @@ def optimizer_step(run, batches) -> torch.Tensor:
     run.optimizer.step()
     inner.__dict__.pop("found_inf", None)
     run.optimizer.zero_grad(set_to_none=True)
+    run.step_lr = run.lr_scheduler.get_last_lr()[0]  # the lr this step used (a float: no sync)
     run.lr_scheduler.step()
     run.global_step += 1
     if run.ema is not None:
@@ -234,7 +235,7 @@ def log_window(run, loss_sum: torch.Tensor, steps: int, seconds: float, progress
     accelerator = run.accelerator
     loss = accelerator.reduce(loss_sum / max(steps, 1), reduction="mean").item()
     images = steps * run.order.global_batch_size * run.config.gradient_accumulation_steps
-    values = {"loss": loss, "lr": run.lr_scheduler.get_last_lr()[0], "images_per_second": images / max(seconds, 1e-9)}
+    values = {"loss": loss, "lr": run.step_lr, "images_per_second": images / max(seconds, 1e-9)}
     if run.ema is not None:
         values["ema_decay"] = run.ema.decay(run.ema.optimization_step)
     accelerator.log(values, step=run.global_step)
@@ -279,9 +280,26 @@ def train(run) -> None:
         if accelerator.is_main_process and (step % config.save_model_steps == 0 or last):
             export(run)
     progress.close()
+    verify_replicas(run)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     accelerator.print(f"done: {run.global_step} optimizer steps; pipeline in {config.output_dir}")
+
+
+def verify_replicas(run) -> None:
+    """Every rank must end with the same weights (DDP all-reduces gradients; EMA is updated from
+    identical weights on each rank, so it is identical too). One gather at the end proves it."""
+    accelerator = run.accelerator
+    if accelerator.num_processes == 1:
+        return
+    params = list(accelerator.unwrap_model(run.unet).parameters())
+    shadow = run.ema.shadow_params if run.ema is not None else []
+    fingerprint = torch.stack([torch.stack([p.detach().double().sum(), (p.detach().double() ** 2).sum()])
+                               for p in params + shadow]).flatten()
+    gathered = accelerator.gather(fingerprint[None]).cpu()
+    if not torch.equal(gathered.min(0).values, gathered.max(0).values):
+        raise RuntimeError("model or EMA weights differ between processes: the replicas diverged")
+    accelerator.print(f"replicas identical on {accelerator.num_processes} processes (weights and EMA)")
 
 
 def main(argv=None) -> int:

@@ -115,11 +115,19 @@ def config_fields():
     return [f for f in fields(TrainConfig) if f.metadata.get("cli", True)]
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse prints the whole usage block on a bad flag; users need the one line that matters."""
+
+    def error(self, message):
+        hint = " (write negative numbers as --flag=-1e-4)" if "expected one argument" in message else ""
+        self.exit(2, f"error: {message}{hint}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every TrainConfig field becomes a flag; defaults are None so we know which flags were given."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         description="Train a DDPM (diffusers UNet2DModel + DDPMScheduler) with Accelerate.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter, argument_default=None)
+        argument_default=None)
     parser.add_argument("--config", help="YAML recipe (see configs/); flags given here override it.")
     for f in config_fields():
         kind = f.type.replace("Optional[", "").rstrip("]")

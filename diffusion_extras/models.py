@@ -46,7 +46,8 @@ def build_noise_scheduler(config: TrainConfig):
     from diffusers import DDPMScheduler
 
     return DDPMScheduler(num_train_timesteps=config.ddpm_num_steps, beta_schedule=config.ddpm_beta_schedule,
-                         prediction_type=config.prediction_type)
+                         prediction_type=config.prediction_type,
+                         rescale_betas_zero_snr=config.rescale_betas_zero_snr)
 
 
 def count_parameters(model) -> int:

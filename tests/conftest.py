@@ -42,7 +42,7 @@ def cli_env(tmp_path) -> dict:
 @pytest.fixture
 def run_cli(tmp_path):
     """Run a command in a fresh interpreter from the project root; returns CompletedProcess."""
-    def run(args, launcher=None, env=None, timeout=600, check=False):
+    def run(args, launcher=None, env=None, timeout=300, check=False):
         command = (launcher or [sys.executable]) + args
         result = subprocess.run(command, cwd=ROOT, env={**cli_env(tmp_path), **(env or {})},
                                 capture_output=True, text=True, timeout=timeout)

@@ -45,8 +45,9 @@ def test_exported_pipeline_holds_ema_weights_not_training_weights(run_cli, tiny_
     exported = load_unet_weights(out)
     training = load_file(out / "checkpoint-5" / "model.safetensors")
     ema_state = torch.load(out / "checkpoint-5" / "custom_checkpoint_1.pkl", weights_only=True)
-    names = list(training)
-    assert set(names) == set(exported)
+    from diffusers import UNet2DModel
+    names = [n for n, _ in UNet2DModel.from_pretrained(str(out / "unet")).named_parameters()]  # EMA order
+    assert set(names) == set(exported) == set(training)
     differs = [n for n in names if not torch.equal(training[n], exported[n])]
     assert differs, "the pipeline should carry EMA weights, which differ from the training weights"
     for name, shadow in zip(names, ema_state["shadow_params"]):
@@ -83,7 +84,9 @@ def test_same_seed_same_numbers(run_cli, tiny_recipe, tmp_path):
 
 @pytest.mark.parametrize("flags,message", [
     (["--train_batch_size", "0"], "--train_batch_size must be at least 1"),
-    (["--learning_rate", "-1e-4"], "--learning_rate must be positive"),
+    (["--learning_rate=-1e-4"], "--learning_rate must be positive"),
+    (["--learning_rate", "-1e-4"], "write negative numbers as --flag=-1e-4"),
+    (["--train_batch_size", "four"], "argument --train_batch_size: invalid int value: 'four'"),
     (["--resolution", "9"], "--resolution 9 cannot be halved 1 times"),
     (["--mixed_precision", "fp16"], "--mixed_precision fp16 needs a CUDA GPU"),
     (["--train_data_dir", "/nonexistent/images"], "--train_data_dir /nonexistent/images: no such folder"),

@@ -1,0 +1,39 @@
+"""train_ddpm.py with test-only failure injection, driven by environment variables:
+
+DDPM_TEST_STOP_AFTER_STEP=N   the process dies (os._exit, no export) right after checkpoint N is saved:
+                              a run cut off by pre-emption at a checkpoint boundary.
+DDPM_TEST_SIGKILL_IN_SAVE=N   SIGKILL while checkpoint N is being completed (files written, no marker yet).
+"""
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import train_ddpm  # noqa: E402
+from diffusion_extras import checkpointing  # noqa: E402
+
+stop_after = os.environ.get("DDPM_TEST_STOP_AFTER_STEP")
+kill_in_save = os.environ.get("DDPM_TEST_SIGKILL_IN_SAVE")
+
+if stop_after:
+    original_save = train_ddpm.save_checkpoint
+
+    def save_then_die(run):
+        original_save(run)
+        if run.global_step == int(stop_after):
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(0)
+    train_ddpm.save_checkpoint = save_then_die
+
+if kill_in_save:
+    original_fsync_tree = checkpointing._fsync_tree
+
+    def fsync_then_kill(directory):
+        if os.path.basename(directory) == f".checkpoint-{kill_in_save}.tmp":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original_fsync_tree(directory)
+    checkpointing._fsync_tree = fsync_then_kill
+
+if __name__ == "__main__":
+    sys.exit(train_ddpm.main())

@@ -1,0 +1,104 @@
+import os
+
+import pytest
+import yaml
+
+from diffusion_extras import models
+from diffusion_extras.config import (ConfigError, TrainConfig, build_parser, from_sources, load_yaml, parse_config,
+                                     save_config)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def recipe(name):
+    return from_sources(load_yaml(os.path.join(ROOT, "configs", name)), {})
+
+
+def test_digits_recipe_equals_defaults():
+    assert recipe("digits.yaml") == TrainConfig()
+
+
+def test_cifar10_recipe_builds_the_papers_35_7m_unet():
+    config = recipe("cifar10-ddpm.yaml")
+    unet = models.build_unet(config)
+    assert round(models.count_parameters(unet) / 1e6, 1) == 35.7
+    assert (config.train_batch_size, config.learning_rate, config.lr_warmup_steps) == (128, 2e-4, 5000)
+    assert (config.max_grad_norm, config.ema_max_decay, unet.config.dropout) == (1.0, 0.9999, 0.1)
+    assert list(unet.config.block_out_channels) == [128, 256, 256, 256]
+    # attention only at 16 px: the second level of a 32 px input
+    assert list(unet.config.down_block_types) == ["DownBlock2D", "AttnDownBlock2D", "DownBlock2D", "DownBlock2D"]
+
+
+@pytest.mark.parametrize("name,resolution", [("ddpm-64.yaml", 64), ("ddpm-256.yaml", 256)])
+def test_large_recipes_validate_and_build(name, resolution):
+    config = recipe(name)
+    assert config.resolution == resolution
+    assert models.build_unet(config).config.sample_size == resolution
+
+
+def test_flags_override_yaml_which_overrides_defaults(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("learning_rate: 3.0e-4\ntrain_batch_size: 16\nuse_ema: false\n")
+    config = parse_config(["--config", str(path), "--train_batch_size", "4"])
+    assert (config.learning_rate, config.train_batch_size, config.use_ema) == (3e-4, 4, False)
+    assert config.resolution == TrainConfig().resolution
+    assert parse_config(["--config", str(path), "--use_ema"]).use_ema is True
+
+
+def test_every_flag_maps_to_a_field():
+    dests = {a.dest for a in build_parser()._actions} - {"help", "config"}
+    fields = set(TrainConfig.__dataclass_fields__) - {"model"}
+    assert dests == fields
+
+
+def test_unknown_yaml_key_and_bad_types(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("learnig_rate: 1e-4\n")
+    with pytest.raises(ConfigError, match="unknown setting.*learnig_rate"):
+        parse_config(["--config", str(path)])
+    path.write_text("train_batch_size: 2.5\n")
+    with pytest.raises(ConfigError, match="train_batch_size: expected int"):
+        parse_config(["--config", str(path)])
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_config(["--config", str(tmp_path / "missing.yaml")])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--eval_batch_size", "0"], "--eval_batch_size must be at least 1"),
+    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps must be at least 1"),
+    (["--max_train_steps", "0"], "--max_train_steps must be at least 1"),
+    (["--lr_scheduler", "step"], "--lr_scheduler 'step' is not one of"),
+    (["--prediction_type", "noise"], "--prediction_type 'noise' is not one of"),
+    (["--ema_max_decay", "1.0"], "--ema_max_decay must lie in (0, 1)"),
+    (["--max_grad_norm", "-1"], "--max_grad_norm must be >= 0"),
+    (["--snr_gamma", "0"], "--snr_gamma must be positive"),
+    (["--loss_type", "l1"], "--loss_type 'l1' is not one of"),
+    (["--dataset_name", "a", "--train_data_dir", "."], "not both"),
+    (["--model_config_name_or_path", "/no/such/unet"], "no such file or folder"),
+    (["--resolution", "30"], "--resolution 30 cannot be halved 2 times"),
+])
+def test_validation_messages(flags, message):
+    with pytest.raises(ConfigError) as error:
+        parse_config(flags)
+    assert message in str(error.value)
+
+
+def test_model_config_from_json_file_and_pipeline_folder(tmp_path):
+    from diffusers import UNet2DModel
+    unet = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, layers_per_block=1, block_out_channels=(8, 16),
+                       down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+                       norm_num_groups=4)
+    unet.save_config(str(tmp_path / "pipe" / "unet"))
+    for path in (tmp_path / "pipe", tmp_path / "pipe" / "unet", tmp_path / "pipe" / "unet" / "config.json"):
+        config = parse_config(["--model_config_name_or_path", str(path), "--resolution", "12"])
+        built = models.build_unet(config)
+        assert list(built.config.block_out_channels) == [8, 16] and built.config.sample_size == 12
+
+
+def test_saved_config_never_holds_tokens(tmp_path):
+    config = TrainConfig()
+    config.__dict__["hub_token"] = "hf_secret_value"  # whatever secret settings exist, by name
+    save_config(config, str(tmp_path / "c.yaml"))
+    text = (tmp_path / "c.yaml").read_text()
+    assert "hf_secret_value" not in text and "hub_token" not in text
+    assert yaml.safe_load(text)["learning_rate"] == config.learning_rate

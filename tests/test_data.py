@@ -1,0 +1,150 @@
+import os
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from diffusion_extras import data
+from diffusion_extras.config import TrainConfig
+
+
+def config(**kw):
+    return TrainConfig(**kw)
+
+
+def test_digits_default_is_a_datasets_image_dataset():
+    dataset = data.load_image_dataset(config())
+    assert len(dataset) == 1797
+    assert isinstance(dataset.features["image"], datasets.Image)
+    first = dataset[0]["image"]
+    assert first.size == (8, 8) and first.mode == "L"
+    pixels = np.stack([np.asarray(dataset[i]["image"]) for i in range(100)])
+    levels = {round(k * 255 / 16) for k in range(17)}  # 16 grey levels scaled to the full range
+    assert set(np.unique(pixels).tolist()) <= levels and pixels.max() == 255
+
+
+def test_find_image_column_auto_and_errors():
+    dataset = datasets.Dataset.from_dict(
+        {"caption": ["a"], "picture": [Image.new("RGB", (4, 4))]},
+        features=datasets.Features({"caption": datasets.Value("string"), "picture": datasets.Image()}))
+    assert data.find_image_column(dataset) == "picture"
+    with pytest.raises(data.DataError, match="--image_column photo is not in the dataset"):
+        data.find_image_column(dataset, "photo")
+    with pytest.raises(data.DataError, match="--image_column caption holds"):
+        data.find_image_column(dataset, "caption")
+    with pytest.raises(data.DataError, match="no image column"):
+        data.find_image_column(datasets.Dataset.from_dict({"x": [1]}))
+
+
+def _image_folder(path, count=6, size=(12, 10)):
+    os.makedirs(path, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(os.path.join(path, f"{i}.png"))
+    return str(path)
+
+
+def test_sources_image_folder_saved_dataset_and_loadable_folder(tmp_path):
+    folder = _image_folder(tmp_path / "imgs")
+    from_folder = data.load_image_dataset(config(train_data_dir=folder, cache_dir=str(tmp_path / "c")))
+    assert len(from_folder) == 6 and data.find_image_column(from_folder) == "image"
+    from_folder.save_to_disk(str(tmp_path / "saved"))
+    saved = data.load_image_dataset(config(dataset_name=str(tmp_path / "saved")))
+    assert len(saved) == 6
+    datasets.DatasetDict({"train": from_folder}).save_to_disk(str(tmp_path / "saved_dict"))
+    assert len(data.load_image_dataset(config(dataset_name=str(tmp_path / "saved_dict")))) == 6
+    # a plain folder of images is something load_dataset understands too
+    assert len(data.load_image_dataset(config(dataset_name=folder, cache_dir=str(tmp_path / "c2")))) == 6
+
+
+def test_max_train_samples_is_seeded_subset():
+    a = data.load_image_dataset(config(max_train_samples=10, seed=1))
+    b = data.load_image_dataset(config(max_train_samples=10, seed=1))
+    assert len(a) == 10 and a["label"] == b["label"]
+
+
+def test_hub_id_offline_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(data.DataError, match="--dataset_name someone/no-such-dataset: could not load it"):
+        data.load_image_dataset(config(dataset_name="someone/no-such-dataset"))
+
+
+@pytest.mark.parametrize("mode,channels", [("RGB", 1), ("L", 3), ("RGBA", 3), ("P", 3)])
+def test_preprocess_modes_resize_and_crops(mode, channels):
+    image = Image.new(mode, (40, 20))
+    out = data.preprocess_image(image, 8, center_crop=True, channels=channels)
+    assert out.shape == (8, 8, channels) and out.dtype == np.uint8
+    kept = data.preprocess_image(image, 8, center_crop=False, channels=channels)
+    assert kept.shape == (8, 16, channels)  # shorter side to 8; the random crop happens per batch
+
+
+def test_center_crop_takes_the_middle():
+    pixels = np.zeros((8, 24), np.uint8)
+    pixels[:, 8:16] = 255
+    out = data.preprocess_image(Image.fromarray(pixels), 8, center_crop=True, channels=1)
+    assert out.min() == 255
+
+
+def test_corrupt_file_skipped_with_warning_naming_it(tmp_path):
+    folder = _image_folder(tmp_path / "imgs", count=4)
+    with open(os.path.join(folder, "bad.png"), "wb") as fh:
+        fh.write(b"\x89PNG\r\n\x1a\ntruncated")
+    dataset = data.load_image_dataset(config(train_data_dir=folder, cache_dir=str(tmp_path / "c")))
+    with pytest.warns(UserWarning, match="bad.png"):
+        images = data.decode_dataset(dataset, "image", 8, True, 3)
+    assert len(images) == 4
+
+
+def test_decode_cache_is_reused(tmp_path):
+    folder = _image_folder(tmp_path / "imgs", count=5, size=(16, 12))
+    dataset = data.load_image_dataset(config(train_data_dir=folder, cache_dir=str(tmp_path / "c")))
+    first = data.cached_decode(dataset, "image", 8, False, 3, str(tmp_path / "cache"))
+    [entry] = os.listdir(tmp_path / "cache" / "ddpm_decoded")
+    second = data.cached_decode(dataset, "image", 8, False, 3, str(tmp_path / "cache"))
+    assert isinstance(second.pixels, np.memmap)
+    for i in range(5):
+        assert np.array_equal(first.image(i), second.image(i)) and first.image(i).shape == (8, 11, 3)  # 16x12 -> 11x8
+    data.cached_decode(dataset, "image", 4, False, 3, str(tmp_path / "cache"))
+    assert len(os.listdir(tmp_path / "cache" / "ddpm_decoded")) == 2  # another resolution, another entry
+
+
+def test_global_batch_order_is_function_of_seed_and_step():
+    order = data.GlobalBatchOrder(20, 6, seed=3)
+    assert order.batches_per_epoch == 3
+    epoch0 = np.concatenate([order.indices(k) for k in range(3)])
+    assert len(set(epoch0.tolist())) == 18  # no repeats within an epoch
+    again = data.GlobalBatchOrder(20, 6, seed=3)
+    assert np.array_equal(again.indices(4), order.indices(4))  # random access, no replay
+    assert not np.array_equal(order.indices(3), order.indices(0))  # a new permutation each epoch
+    assert order.position(7) == (2, 1)
+    with pytest.raises(data.DataError, match="larger than the dataset"):
+        data.GlobalBatchOrder(4, 8, 0)
+
+
+def test_rank_slices_partition_the_global_batch():
+    images = data.DecodedImages(np.arange(10 * 4, dtype=np.uint8), np.array([[2, 2]] * 10), np.arange(0, 40, 4), 1)
+    order = data.GlobalBatchOrder(10, 4, seed=0)
+    single = data.MicroBatches(images, order, 0, 4, 2, 0)[1]
+    ranks = [data.MicroBatches(images, order, r, 2, 2, 0)[1] for r in (0, 1)]
+    assert torch.equal(torch.cat(ranks), single)
+    assert single.shape == (4, 1, 2, 2) and single.dtype == torch.uint8
+
+
+def test_random_crop_is_deterministic_per_step_and_varies():
+    pixels = np.arange(6 * 10, dtype=np.uint8)
+    images = data.DecodedImages(pixels, np.array([[6, 10]]), np.array([0]), 1)
+    order = data.GlobalBatchOrder(1, 1, seed=0)
+    batches = data.MicroBatches(images, order, 0, 1, 6, seed=5)
+    crops = [batches[k] for k in range(8)]
+    assert torch.equal(crops[2], data.MicroBatches(images, order, 0, 1, 6, seed=5)[2])
+    assert len({c.numpy().tobytes() for c in crops}) > 1
+    assert all(c.shape == (1, 1, 6, 6) for c in crops)
+
+
+def test_to_model_input_scales_and_flips():
+    batch = torch.tensor([[[[0, 255]]], [[[0, 255]]]], dtype=torch.uint8)
+    out = data.to_model_input(batch, "cpu", torch.tensor([False, True]))
+    assert out.dtype == torch.float32
+    assert out[0].flatten().tolist() == [-1.0, 1.0] and out[1].flatten().tolist() == [1.0, -1.0]
