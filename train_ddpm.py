@@ -21,9 +21,11 @@ from types import SimpleNamespace
 
 import torch
 
-from diffusion_extras import checkpointing, data, losses, models, sampling, tracking
+from diffusion_extras import artifacts, checkpointing, data, diagnostics, losses, lr_finder, models, tracking
+from diffusion_extras.timesteps import LossAwareTimestepSampler
 from diffusion_extras.config import ConfigError, TrainConfig, parse_config, save_config
 from diffusion_extras.ema import ExponentialMovingAverage
+from diffusion_extras.posthoc_ema import PowerFunctionEMA
 
 logger = logging.getLogger("train_ddpm")
 
@@ -51,7 +53,7 @@ def setup(config: TrainConfig) -> SimpleNamespace:
     accelerator = make_accelerator(config)
     set_seed(config.seed)  # the init; per-step randomness has its own generators
     checkpoints = checkpointing.list_checkpoints(config.output_dir)
-    if checkpoints and config.resume_from_checkpoint is None:
+    if checkpoints and config.resume_from_checkpoint is None and not config.find_lr:
         raise ConfigError(f"--output_dir {config.output_dir} already holds {os.path.basename(checkpoints[-1])}: "
                           "pass --resume_from_checkpoint latest to continue it, or choose a new --output_dir")
     unet = models.build_unet(config)
@@ -75,24 +77,59 @@ def setup(config: TrainConfig) -> SimpleNamespace:
                                   weight_decay=config.adam_weight_decay, eps=config.adam_epsilon, fused=True)
     # Not passed to prepare(): accelerate would step it once per process (diffusers issue #8384).
     # We step it once per optimizer step, so warmup and decay mean the same for any P and accumulation.
-    lr_scheduler = get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=config.lr_warmup_steps,
-                                 num_training_steps=max_train_steps)
+    if config.find_lr:  # the range test replaces the schedule with its exponential sweep
+        max_train_steps = config.find_lr_steps
+        lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_finder.lr_lambda(learning_rate, max_train_steps))
+    else:
+        lr_scheduler = get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=config.lr_warmup_steps,
+                                     num_training_steps=max_train_steps)
     unet, optimizer = accelerator.prepare(unet, optimizer)
     accelerator.register_for_checkpointing(lr_scheduler)
     ema = None
     if config.use_ema:
         ema = ExponentialMovingAverage(unet.parameters(), config.ema_max_decay, config.ema_inv_gamma, config.ema_power)
         accelerator.register_for_checkpointing(ema)
+    timestep_diagnostics = diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins,
+                                                           accelerator.device)
+    accelerator.register_for_checkpointing(timestep_diagnostics)
+    posthoc_ema = None
+    if config.posthoc_ema:
+        posthoc_ema = PowerFunctionEMA(unet.parameters())
+        accelerator.register_for_checkpointing(posthoc_ema)
+    timestep_sampler = None
+    if config.timestep_sampling == "loss_aware":
+        timestep_sampler = LossAwareTimestepSampler(config.ddpm_num_steps, accelerator.device)
+        accelerator.register_for_checkpointing(timestep_sampler)
 
     run = SimpleNamespace(
         config=config, accelerator=accelerator, unet=unet, noise_scheduler=noise_scheduler,
         schedule=losses.NoiseSchedule.from_scheduler(noise_scheduler, accelerator.device),
         optimizer=optimizer, lr_scheduler=lr_scheduler, ema=ema, images=images, order=order,
         max_train_steps=max_train_steps, global_step=0, history=tracking.History(config.output_dir),
-        state_config=state_config(config, unet, accelerator))
+        state_config=state_config(config, unet, accelerator), diagnostics=timestep_diagnostics,
+        timestep_sampler=timestep_sampler, sigma_data=data_standard_deviation(images, config),
+        nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device), step_lr=learning_rate,
+        posthoc_ema=posthoc_ema, last_metrics={}, evaluation=None)
+    run.hub_pusher, run.secrets = artifacts.connect_hub(config, accelerator.is_main_process)
+    try:
+        logging_dir = os.path.join(config.output_dir, config.logging_dir)
+        os.makedirs(logging_dir, exist_ok=True)
+        accelerator.init_trackers("train_ddpm", config=tracking.hyperparameters(config.to_dict()),
+                                  init_kwargs={"wandb": {"dir": logging_dir}})
+    except Exception as error:  # a tracker that cannot start is a setup problem, not a crash mid-run
+        raise ConfigError(f"--logger {config.logger}: the tracker failed to start: {type(error).__name__}: {error}") from None
+    if accelerator.is_main_process:
+        run.evaluation = artifacts.prepare_evaluation(run)
     if config.resume_from_checkpoint:
         resume(run)
     return run
+
+
+def data_standard_deviation(images, config: TrainConfig) -> float:
+    """sigma_data of the training images in [-1, 1] (per dimension), from up to 2048 of them:
+    the scale of the Bayes-optimal reference curve in the per-timestep plot."""
+    sample = torch.from_numpy(artifacts.reference_images(images, 2048, config.resolution, config.seed))
+    return diagnostics.per_dimension_variance(data.to_model_input(sample, "cpu")) ** 0.5
 
 
 def state_config(config: TrainConfig, unet, accelerator) -> dict:
@@ -128,34 +165,60 @@ def resume(run: SimpleNamespace) -> None:
 
 # ----------------------------------------------------------------------------- one step
 def micro_step_randomness(run, micro_step: int, global_batch: int, shape) -> tuple:
-    """Noise, timesteps and flips for the whole global micro-batch, from (seed, micro-step): every
-    rank draws the same and keeps its slice, so results do not depend on the number of ranks."""
+    """Noise, timesteps (with their importance weights) and flips for the whole global micro-batch,
+    from (seed, micro-step): every rank draws the same and keeps its slice, so results do not
+    depend on the number of ranks. Returns the global timesteps too (the sampler learns from them)."""
     device = run.accelerator.device
     generator = torch.Generator(device).manual_seed(data.mix_seed(run.config.seed, micro_step, 1))
     noise = torch.randn((global_batch, *shape), generator=generator, device=device)
-    timesteps = torch.randint(0, run.schedule.num_train_timesteps, (global_batch,), generator=generator, device=device)
+    if run.timestep_sampler is not None:
+        timesteps, importance = run.timestep_sampler.sample(global_batch, generator)
+    else:
+        timesteps = torch.randint(0, run.schedule.num_train_timesteps, (global_batch,), generator=generator,
+                                  device=device)
+        importance = None
     flips = torch.rand(global_batch, generator=generator, device=device) < 0.5
     rank, batch = run.accelerator.process_index, run.config.train_batch_size
     part = slice(rank * batch, (rank + 1) * batch)
-    return noise[part], timesteps[part], (flips[part] if run.config.random_flip else None)
+    return (noise[part], timesteps[part], importance[part] if importance is not None else None,
+            flips[part] if run.config.random_flip else None, timesteps)
 
 
 def forward_backward(run, batch: torch.Tensor, micro_step: int, sync: bool) -> torch.Tensor:
     """sample t, noise, predict, loss, backward. Returns the (weighted) loss, detached, on device."""
     config, accelerator, schedule = run.config, run.accelerator, run.schedule
     global_batch = config.train_batch_size * accelerator.num_processes
-    noise, timesteps, flips = micro_step_randomness(run, micro_step, global_batch, batch.shape[1:])
+    noise, timesteps, importance, flips, global_timesteps = micro_step_randomness(
+        run, micro_step, global_batch, batch.shape[1:])
     clean = data.to_model_input(batch, accelerator.device, flips)
     noisy = schedule.add_noise(clean, noise, timesteps)  # fp32, outside autocast
     target = schedule.target(config.prediction_type, clean, noise, timesteps)
     with accelerator.no_sync(run.unet) if not sync else _nullcontext():
         prediction = run.unet(noisy, timesteps).sample  # autocast inside when mixed precision
         per_sample = losses.per_sample_loss(prediction, target, config.loss_type, config.huber_c)
-        weights = (losses.min_snr_weight(schedule.snr[timesteps], config.snr_gamma, config.prediction_type)
-                   if config.snr_gamma else torch.ones_like(per_sample))
-        loss = (per_sample * weights).mean()
+        loss = (per_sample * loss_weights(run, timesteps, importance)).mean()
         accelerator.backward(loss / config.gradient_accumulation_steps)
+    mse = per_sample if config.loss_type == "l2" else losses.per_sample_loss(prediction, target)
+    record_micro_batch(run, timesteps, global_timesteps, mse.detach(), clean)
     return loss.detach()
+
+
+def loss_weights(run, timesteps, importance):
+    """min-SNR weights (Hang et al. 2023) times loss-aware importance weights, 1 when neither is on."""
+    weights = torch.ones(timesteps.shape, device=timesteps.device)
+    if run.config.snr_gamma:
+        weights = weights * losses.min_snr_weight(run.schedule.snr[timesteps], run.config.snr_gamma,
+                                                  run.config.prediction_type)
+    return weights * importance if importance is not None else weights
+
+
+def record_micro_batch(run, timesteps, global_timesteps, mse, clean) -> None:
+    """Diagnostics see the unweighted MSE; the loss-aware sampler learns from the whole global
+    batch (one small gather) so every rank keeps the same distribution."""
+    run.diagnostics.update_loss(timesteps, mse)
+    if run.timestep_sampler is not None:
+        run.timestep_sampler.update(global_timesteps, run.accelerator.gather(mse))
+    run.input_statistics = torch.stack([clean.mean(), clean.std(), clean.amin(), clean.amax()])
 
 
 def _nullcontext():
@@ -164,7 +227,8 @@ def _nullcontext():
 
 
 def optimizer_step(run, batches) -> torch.Tensor:
-    """One optimizer step over `gradient_accumulation_steps` micro-batches; no host sync."""
+    """One optimizer step over `gradient_accumulation_steps` micro-batches; no host sync.
+    A non-finite loss or gradient skips the update on the device (weights, moments, EMA untouched)."""
     config, accelerator = run.config, run.accelerator
     accumulation = config.gradient_accumulation_steps
     loss = torch.zeros((), device=accelerator.device)
@@ -185,6 +249,11 @@ def optimizer_step(run, batches) -> torch.Tensor:
     run.global_step += 1
     if run.ema is not None:
         run.ema.step(run.unet.parameters(), finite=finite)
+    if run.posthoc_ema is not None:
+        run.posthoc_ema.update(run.unet.parameters(), run.global_step)
+    scale = getattr(accelerator.scaler, "_scale", None)  # device tensor: reading it would sync
+    run.diagnostics.update_step(grad_norm, config.max_grad_norm or None, finite, scale)
+    run.nonfinite_inputs = torch.where(finite, run.nonfinite_inputs, run.input_statistics)
     return loss
 
 
@@ -203,56 +272,47 @@ def save_checkpoint(run) -> None:
     run.accelerator.print(f"saved {path}")
 
 
-def ema_weights(run):
-    unet = run.accelerator.unwrap_model(run.unet)
-    return run.ema.average_parameters(unet.parameters()) if run.ema is not None else _nullcontext()
-
-
-def save_sample_grid(run) -> None:
-    """EMA samples (DDIM, fixed seed) as a PNG and to the trackers; main process only."""
-    config = run.config
-    unet = run.accelerator.unwrap_model(run.unet)
-    scheduler = sampling.make_scheduler("ddim", run.noise_scheduler.config)
-    with ema_weights(run):
-        images = sampling.generate(unet, scheduler, config.eval_batch_size, config.ddpm_num_inference_steps,
-                                   seed=config.seed, device=run.accelerator.device)
-    grid = sampling.image_grid(images)
-    path = os.path.join(config.output_dir, "samples", f"step_{run.global_step:06d}.png")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    grid.save(path)
-    import numpy as np
-    tracking.log_image(run.accelerator, "samples", np.asarray(grid.convert("RGB")), run.global_step)
-
-
-def export(run) -> None:
-    with ema_weights(run):
-        models.export_pipeline(run.accelerator.unwrap_model(run.unet), run.noise_scheduler, run.config.output_dir)
-    save_config(run.config, os.path.join(run.config.output_dir, "training_config.yaml"))
-
-
-def log_window(run, loss_sum: torch.Tensor, steps: int, seconds: float, progress) -> None:
+def log_window(run, loss_sum: torch.Tensor, steps: int, seconds: float, progress) -> dict:
     """Average over the window and over processes: the one host sync per logging interval."""
     accelerator = run.accelerator
     loss = accelerator.reduce(loss_sum / max(steps, 1), reduction="mean").item()
     images = steps * run.order.global_batch_size * run.config.gradient_accumulation_steps
     values = {"loss": loss, "lr": run.step_lr, "images_per_second": images / max(seconds, 1e-9)}
+    values.update(run.diagnostics.reduce_and_reset(accelerator))
     if run.ema is not None:
         values["ema_decay"] = run.ema.decay(run.ema.optimization_step)
     accelerator.log(values, step=run.global_step)
     if accelerator.is_main_process:
         run.history.append({"step": run.global_step, **values})
         progress.set_postfix(loss=f"{loss:.4f}", lr=f"{values['lr']:.2e}", img_s=f"{values['images_per_second']:.0f}")
+    if values["nonfinite_steps"] > 0:
+        bins = sorted(k.split("/")[1] for k in values if k.startswith("nonfinite_bin/"))
+        inputs = ", ".join(f"{name} {value:.3g}" for name, value in
+                           zip(("mean", "std", "min", "max"), run.nonfinite_inputs.tolist()))
+        warnings.warn(f"{values['nonfinite_steps']:.0f} non-finite step(s) skipped up to step {run.global_step} "
+                      f"(weights and EMA untouched); timestep bins with non-finite losses: {bins or 'none'}; "
+                      f"inputs of the last one: {inputs}")
+    return values
+
+
+class NonFiniteStop(RuntimeError):
+    """Too many consecutive non-finite steps: the run stops with its last good weights saved."""
+
+
+def check_nonfinite(run, values: dict) -> None:
+    streak = values.get("max_consecutive_nonfinite", 0)
+    if streak >= run.config.max_nonfinite_steps:
+        raise NonFiniteStop(
+            f"{streak:.0f} consecutive non-finite steps by step {run.global_step} (--max_nonfinite_steps "
+            f"{run.config.max_nonfinite_steps}). Skipped steps never touch the weights, so the saved checkpoint "
+            "holds the last good ones. Lower --learning_rate, set --max_grad_norm, or use --mixed_precision bf16 "
+            "instead of fp16, then resume with --resume_from_checkpoint latest.")
 
 
 # ----------------------------------------------------------------------------- the loop
-def train(run) -> None:
-    from tqdm.auto import tqdm
-
+def make_batches(run):
+    """This rank's micro-batches from the run's position on, prefetched in order by the workers."""
     config, accelerator = run.config, run.accelerator
-    if accelerator.is_main_process:
-        os.makedirs(config.output_dir, exist_ok=True)
-        save_config(config, os.path.join(config.output_dir, "training_config.yaml"))
-    accelerator.init_trackers("train_ddpm", config=tracking.hyperparameters(config.to_dict()))
     accumulation = config.gradient_accumulation_steps
     loader = torch.utils.data.DataLoader(
         data.MicroBatches(run.images, run.order, accelerator.process_index, config.train_batch_size,
@@ -260,7 +320,17 @@ def train(run) -> None:
         batch_size=None, sampler=range(run.global_step * accumulation, run.max_train_steps * accumulation),
         num_workers=config.dataloader_num_workers, pin_memory=accelerator.device.type == "cuda",
         generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
-    batches = iter(loader)
+    return iter(loader)
+
+
+def train(run) -> None:
+    from tqdm.auto import tqdm
+
+    config, accelerator = run.config, run.accelerator
+    if accelerator.is_main_process:
+        os.makedirs(config.output_dir, exist_ok=True)
+        save_config(config, os.path.join(config.output_dir, "training_config.yaml"))
+    batches = make_batches(run)
     progress = tqdm(total=run.max_train_steps, initial=run.global_step, disable=not accelerator.is_local_main_process,
                     desc="optimizer steps")
     loss_sum, window_steps, window_start = torch.zeros((), device=accelerator.device), 0, time.perf_counter()
@@ -269,21 +339,61 @@ def train(run) -> None:
         window_steps += 1
         progress.update(1)
         step, last = run.global_step, run.global_step == run.max_train_steps
-        if step % config.diagnostics_steps == 0 or last:
-            log_window(run, loss_sum, window_steps, time.perf_counter() - window_start, progress)
+        checkpoint_now = step % config.checkpointing_steps == 0
+        # a checkpoint closes the logging window: other ranks' partial windows are not saved
+        if step % config.diagnostics_steps == 0 or last or checkpoint_now:
+            values = log_window(run, loss_sum, window_steps, time.perf_counter() - window_start, progress)
             loss_sum.zero_()
             window_steps, window_start = 0, time.perf_counter()
-        if step % config.checkpointing_steps == 0:
+            try:
+                check_nonfinite(run, values)
+            except NonFiniteStop:
+                save_checkpoint(run)
+                if accelerator.is_main_process:
+                    artifacts.write_health_report(run)
+                raise
+        if checkpoint_now:
             save_checkpoint(run)
-        if accelerator.is_main_process and (step % config.save_images_steps == 0 or last):
-            save_sample_grid(run)
-        if accelerator.is_main_process and (step % config.save_model_steps == 0 or last):
-            export(run)
+        if accelerator.is_main_process:  # the other ranks go on and meet it at the next collective
+            run_main_process_extras(run, step, last)
     progress.close()
     verify_replicas(run)
+    if accelerator.is_main_process:
+        accelerator.print(f"health report: {artifacts.write_health_report(run)}")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     accelerator.print(f"done: {run.global_step} optimizer steps; pipeline in {config.output_dir}")
+
+
+def run_main_process_extras(run, step: int, last: bool) -> None:
+    config = run.config
+    if run.posthoc_ema is not None and (step % config.posthoc_ema_snapshot_steps == 0 or last):
+        artifacts.posthoc_snapshot(run)
+    if step % config.save_images_steps == 0 or last:
+        artifacts.save_sample_grid(run)
+        artifacts.save_loss_plot(run)
+    if run.evaluation is not None and (step % config.eval_steps == 0 or last):
+        metrics = artifacts.evaluate(run)
+        run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+    if step % config.save_model_steps == 0 or last:
+        artifacts.export(run, final=last)
+
+
+def find_lr(run) -> None:
+    """LR range test on the real model and data: one loss read per step (a sync: this is a probe,
+    not training). Writes lr_finder.json/png into output_dir; no checkpoint, no pipeline."""
+    accelerator, test = run.accelerator, lr_finder.RangeTest()
+    batches = make_batches(run)
+    while run.global_step < run.max_train_steps:
+        loss = accelerator.reduce(optimizer_step(run, batches), reduction="mean").item()
+        if test.record(run.step_lr, loss):
+            break
+    if accelerator.is_main_process:
+        json_path, png_path = test.save(run.config.output_dir)
+        suggestion = test.suggestion()
+        accelerator.print(f"LR range test over {len(test.lrs)} steps ({test.lrs[0]:.1e} -> {test.lrs[-1]:.1e}): "
+                          + (f"suggested --learning_rate {suggestion:.2e}" if suggestion else
+                             "no clear descent; try more --find_lr_steps") + f"; plot {png_path}")
 
 
 def verify_replicas(run) -> None:
@@ -310,7 +420,14 @@ def main(argv=None) -> int:
     except (ConfigError, data.DataError, checkpointing.CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    train(run)
+    if run.config.find_lr:
+        find_lr(run)
+        return 0
+    try:
+        train(run)
+    except NonFiniteStop as error:
+        print(f"error: stopped: {error}", file=sys.stderr)
+        return 3
     return 0
 
 

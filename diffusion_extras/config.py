@@ -105,6 +105,24 @@ class TrainConfig:
     snr_gamma: Optional[float] = _f(None, "Min-SNR-gamma loss weighting (Hang et al. 2023; 5 is the paper's choice). None: unweighted.")
     loss_type: str = _f("l2", "l2 | huber (pseudo-Huber with --huber_c).")
     huber_c: float = _f(0.1, "Pseudo-Huber transition scale.")
+    timestep_sampling: str = _f("uniform", "uniform | loss_aware (importance sampling by per-timestep loss second moment, reweighted to stay unbiased).")
+    # --- diagnostics -------------------------------------------------------------------------
+    diagnostics_bins: int = _f(10, "Timestep bins for the per-timestep loss statistics and plot.")
+    max_nonfinite_steps: int = _f(20, "Stop (saving the last good weights) after this many consecutive non-finite steps.")
+    find_lr: bool = _f(False, "Run an LR range test instead of training: exponential sweep 1e-7 -> 1e-2, plot and suggested lr.")
+    find_lr_steps: int = _f(100, "Optimizer steps of the LR range test.")
+
+    # --- evaluation, post-hoc EMA, Hub ---------------------------------------------------------
+    eval_steps: Optional[int] = _f(None, "Every N optimizer steps (and at the end): FID/KID of EMA samples against the training data. None: off.")
+    eval_num_samples: int = _f(1000, "Samples per evaluation (and reference images, at most the dataset size).")
+    feature_extractor: str = _f("inception", "inception (needs --inception_weights: no download here) | tiny (smoke tests; not comparable with published FIDs).")
+    inception_weights: Optional[str] = _f(None, "Local TorchScript Inception file (inception-2015-12-05.pt) for FID/KID.")
+    posthoc_ema: bool = _f(False, "Keep EDM2 power-function EMA profiles (sigma_rel 0.05, 0.10) and snapshot them for post-hoc EMA.")
+    posthoc_ema_snapshot_steps: int = _f(500, "Post-hoc EMA snapshot interval (optimizer steps), fp16, into output_dir/posthoc_ema/.")
+    push_to_hub: bool = _f(False, "Upload the pipeline and model card to the Hub at --save_model_steps and at the end.")
+    hub_model_id: Optional[str] = _f(None, "Hub repo id (default: the output dir's name).")
+    hub_token: Optional[str] = _f(None, "Hub token (default: the logged-in one). Never written anywhere.")
+    hub_private_repo: bool = _f(False, "Create the Hub repo private.")
 
     # ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -213,6 +231,20 @@ def validate(c: TrainConfig) -> None:
         need(getattr(c, name) in choices, f"--{name} {getattr(c, name)!r} is not one of: {', '.join(choices)}")
     need(c.loss_type in LOSS_TYPES, f"--loss_type {c.loss_type!r} is not one of: {', '.join(LOSS_TYPES)}")
     need(c.snr_gamma is None or c.snr_gamma > 0, f"--snr_gamma must be positive (got {c.snr_gamma})")
+    need(c.timestep_sampling in TIMESTEP_SAMPLING,
+         f"--timestep_sampling {c.timestep_sampling!r} is not one of: {', '.join(TIMESTEP_SAMPLING)}")
+    need(c.diagnostics_bins >= 1 and c.diagnostics_bins <= c.ddpm_num_steps,
+         f"--diagnostics_bins must lie in [1, --ddpm_num_steps] (got {c.diagnostics_bins})")
+    need(c.max_nonfinite_steps >= 1, f"--max_nonfinite_steps must be at least 1 (got {c.max_nonfinite_steps})")
+    need(c.find_lr_steps >= 10, f"--find_lr_steps must be at least 10 (got {c.find_lr_steps})")
+    need(c.eval_steps is None or c.eval_steps >= 1, f"--eval_steps must be at least 1 (got {c.eval_steps})")
+    need(c.eval_num_samples >= 2, f"--eval_num_samples must be at least 2 (got {c.eval_num_samples})")
+    need(c.feature_extractor in ("inception", "tiny"), f"--feature_extractor {c.feature_extractor!r} is not one of: inception, tiny")
+    if c.eval_steps is not None and c.feature_extractor == "inception":
+        need(c.inception_weights is not None and os.path.isfile(c.inception_weights),
+             "--eval_steps with the Inception extractor needs --inception_weights FILE (the TorchScript "
+             "inception-2015-12-05.pt; it cannot be downloaded here), or --feature_extractor tiny")
+    need(c.posthoc_ema_snapshot_steps >= 1, "--posthoc_ema_snapshot_steps must be at least 1")
     need(c.huber_c > 0, f"--huber_c must be positive (got {c.huber_c})")
     need(0 < c.ema_max_decay < 1, f"--ema_max_decay must lie in (0, 1) (got {c.ema_max_decay})")
     need(c.ema_inv_gamma > 0 and c.ema_power > 0, "--ema_inv_gamma and --ema_power must be positive")

@@ -103,6 +103,9 @@ def load_history(output_dir: str) -> list[dict]:
     return history
 
 
+REFERENCE_FILE = "reference_loss_bins.json"  # written by the trainer beside history.jsonl
+
+
 def load_config(output_dir: str) -> dict:
     path = os.path.join(output_dir, "training_config.yaml")
     if not os.path.isfile(path):
@@ -120,12 +123,23 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)  # a reader never sees half a report
 
 
+def load_reference_bins(output_dir: str) -> dict | None:
+    """The Bayes-optimal per-bin reference the trainer stored, for reports made on demand."""
+    path = os.path.join(output_dir, "logs", REFERENCE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh).get("bayes_optimal_bins")
+
+
 def write_report(output_dir: str, history=None, config=None, bayes_optimal_bins=None) -> tuple[str, str]:
     """Write training_report.json and .md into output_dir; returns (json_path, md_path)."""
     if history is None or config is None:
         output_dir = resolve_output_dir(output_dir) if history is None else output_dir
         history = load_history(output_dir) if history is None else history
         config = load_config(output_dir) if config is None else config
+    if bayes_optimal_bins is None:
+        bayes_optimal_bins = load_reference_bins(output_dir)
     findings = analyze(history, config, bayes_optimal_bins)
     summary = summarize(history, config)
     thresholds = {k: v for k, v in vars(checks).items() if k.isupper() and isinstance(v, (int, float))}

@@ -21,6 +21,19 @@ def check_tracker_available(logger: str) -> None:
         except ImportError:
             raise ConfigError("--logger wandb needs the wandb package: pip install wandb "
                               "(set WANDB_MODE=offline to log without an account)") from None
+        if not _wandb_can_log():
+            raise ConfigError("--logger wandb: no wandb login found; run `wandb login` (or set WANDB_API_KEY), "
+                              "or set WANDB_MODE=offline to log locally and `wandb sync` later")
+
+
+def _wandb_can_log() -> bool:
+    """Offline/disabled modes need no account; online needs a key (env or ~/.netrc)."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return True
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = os.path.expanduser(os.environ.get("NETRC", "~/.netrc"))
+    return os.path.isfile(netrc) and "api.wandb.ai" in open(netrc).read()
 
 
 def hyperparameters(config: dict) -> dict:

@@ -44,7 +44,8 @@ def run_cli(tmp_path):
     """Run a command in a fresh interpreter from the project root; returns CompletedProcess."""
     def run(args, launcher=None, env=None, timeout=300, check=False):
         command = (launcher or [sys.executable]) + args
-        result = subprocess.run(command, cwd=ROOT, env={**cli_env(tmp_path), **(env or {})},
+        merged = {k: v for k, v in {**cli_env(tmp_path), **(env or {})}.items() if v is not None}  # None unsets
+        result = subprocess.run(command, cwd=ROOT, env=merged,
                                 capture_output=True, text=True, timeout=timeout)
         if check and result.returncode != 0:
             raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-4000:]}")

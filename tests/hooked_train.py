@@ -3,6 +3,7 @@
 DDPM_TEST_STOP_AFTER_STEP=N   the process dies (os._exit, no export) right after checkpoint N is saved:
                               a run cut off by pre-emption at a checkpoint boundary.
 DDPM_TEST_SIGKILL_IN_SAVE=N   SIGKILL while checkpoint N is being completed (files written, no marker yet).
+DDPM_TEST_NAN_AT_STEPS=a,b    the model inputs of those optimizer steps (1-based) are NaN.
 """
 import os
 import signal
@@ -34,6 +35,21 @@ if kill_in_save:
             os.kill(os.getpid(), signal.SIGKILL)
         return original_fsync_tree(directory)
     checkpointing._fsync_tree = fsync_then_kill
+
+nan_steps = os.environ.get("DDPM_TEST_NAN_AT_STEPS")
+
+if nan_steps:
+    poisoned = {int(step) for step in nan_steps.split(",")}
+    original_forward_backward, original_input = train_ddpm.forward_backward, train_ddpm.data.to_model_input
+
+    def poisoned_forward_backward(run, batch, micro_step, sync):
+        if micro_step // run.config.gradient_accumulation_steps + 1 in poisoned:
+            train_ddpm.data.to_model_input = lambda *a, **k: original_input(*a, **k) * float("nan")
+        try:
+            return original_forward_backward(run, batch, micro_step, sync)
+        finally:
+            train_ddpm.data.to_model_input = original_input
+    train_ddpm.forward_backward = poisoned_forward_backward
 
 if __name__ == "__main__":
     sys.exit(train_ddpm.main())

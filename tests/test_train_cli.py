@@ -7,6 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from PIL import Image
+
 from conftest import load_unet_weights, read_history
 
 
@@ -24,13 +26,21 @@ def test_short_run_saves_loadable_pipeline_samples_and_config(run_cli, tiny_reci
                       output_type="np").images
     assert images.shape == (2, 8, 8, 1) and 0 <= images.min() and images.max() <= 1
     # a grid at step 3 and at the end, 4 images of 8 px in a 2x2 grid with 2 px padding
-    from PIL import Image
     for step in (3, 4):
         grid = Image.open(out / "samples" / f"step_{step:06d}.png")
         assert grid.size == (2 * 8 + 3 * 2, 2 * 8 + 3 * 2)
     history = read_history(out)
     assert [h["step"] for h in history] == [1, 2, 3, 4]
     assert all(math.isfinite(h["loss"]) and h["images_per_second"] > 0 for h in history)
+    # per-timestep diagnostics: each step's 8 samples land in the bins; all counters present
+    assert all(any(k.startswith("loss_bin/") for k in h) and {"grad_norm", "clip_rate", "nonfinite_steps"} <= set(h)
+               for h in history)
+    import json
+    report = json.loads((out / "training_report.json").read_text())
+    assert report["summary"]["steps_run"] == 4 and report["bayes_optimal_bins"]
+    assert "## Findings" in (out / "training_report.md").read_text()
+    with Image.open(out / "images" / "loss_per_timestep.png") as plot:
+        assert plot.size == (700, 450)
     import yaml
     saved = yaml.safe_load((out / "training_config.yaml").read_text())
     assert saved["max_train_steps"] == 4 and saved["resolution"] == 8
@@ -150,3 +160,15 @@ def test_image_folder_with_corrupt_file_trains_and_names_it(run_cli, tiny_recipe
                    "--train_data_dir", folder, "--max_train_steps", 2, "--random_flip", "--no-center_crop",
                    check=True)
     assert "broken.png" in result.stderr and "skipping unreadable image" in result.stderr
+
+
+def test_find_lr_sweeps_and_suggests_without_training_outputs(run_cli, tiny_recipe, tmp_path):
+    out = tmp_path / "lr"
+    result = train(run_cli, tiny_recipe(), out, "--find_lr", "--find_lr_steps", 40, check=True)
+    import json
+    sweep = json.loads((out / "lr_finder.json").read_text())
+    assert sweep["lr"][0] == pytest.approx(1e-7)
+    assert all(b > a for a, b in zip(sweep["lr"], sweep["lr"][1:]))
+    assert 10 <= len(sweep["lr"]) <= 40
+    assert "LR range test over" in result.stdout and (out / "lr_finder.png").exists()
+    assert not (out / "model_index.json").exists() and not list(out.glob("checkpoint-*"))

@@ -1,0 +1,137 @@
+"""bench/bench_step.py runs end to end on a tiny UNet and writes well-formed JSON; the diffusers
+reference runner reads tqdm progress live and stops the whole process group. No timing is asserted:
+the figures are measurements, only their presence and sanity are checked."""
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import diffusers_reference  # noqa: E402
+
+
+def bench_env(tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "WANDB_", "ACCELERATE_"))}
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf_home"),
+               HF_DATASETS_CACHE=str(tmp_path / "hf_datasets"))
+    return env
+
+
+def run_bench(tmp_path, *args):
+    return subprocess.run([sys.executable, os.path.join("bench", "bench_step.py"), *args], cwd=ROOT,
+                          env=bench_env(tmp_path), capture_output=True, text=True, timeout=300)
+
+
+def positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_tiny_bench_writes_complete_json(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run_bench(tmp_path, "--tiny", "--steps", "2", "--warmup", "1", "--data_seconds", "0.2",
+                       "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "full optimizer_step" in result.stdout and "extras cost" in result.stdout
+    report = json.loads(out.read_text())
+
+    assert {"command", "date", "machine", "config", "step", "data", "flops", "gpu", "diffusers", "notes",
+            "sanity"} <= set(report)
+    assert "bench_step.py" in report["command"] and "--tiny" in report["command"]
+    machine = report["machine"]
+    assert machine["device"] == "cpu" and machine["cpu_cores"] >= 1 and machine["torch"]
+    assert len(machine["load_average_start"]) == 3
+
+    config = report["config"]
+    assert config["recipe"] == "tiny" and config["resolution"] == 8 and config["train_batch_size"] == 8
+    assert config["extras"]["ema"] is True and config["extras"]["snr_gamma"] == 5.0
+    assert isinstance(config["extras"]["diagnostics"], bool)
+    assert config["rounds"] == 2  # --steps 2 caps the rounds at 2 of one step each
+
+    for variant in ("full", "bare"):
+        timing = report["step"][variant]
+        assert len(timing["rounds_s"]) == 2 and all(positive_finite(t) for t in timing["rounds_s"])
+        assert timing["min_s"] <= timing["median_s"] <= timing["max_s"]
+        assert positive_finite(timing["images_per_s"])
+        assert timing["images_per_s"] == pytest.approx(8 / timing["median_s"])
+    extras = report["step"]["extras"]
+    assert len(extras["paired_ratios"]) == 2 and all(positive_finite(r) for r in extras["paired_ratios"])
+    assert extras["percent"] == pytest.approx(100 * (extras["median_ratio"] - 1))
+
+    data = report["data"]
+    assert positive_finite(data["images_per_s"]) and positive_finite(data["ratio"])
+    assert data["consumed_images_per_s"] == pytest.approx(report["step"]["full"]["images_per_s"])
+    flops = report["flops"]
+    assert positive_finite(flops["gflop_per_image_fwd_bwd"]) and positive_finite(flops["achieved_tflops_full"])
+    assert flops["mfu_full"] is None and flops["peak_tflops"] is None  # no peak known for a CPU
+    assert report["gpu"] is None and report["diffusers"]["status"] == "skipped"
+    assert report["sanity"]["weights_finite_after"] is True
+
+
+@pytest.mark.parametrize("args, needle", [(["--steps", "0"], "--steps"),
+                                          (["--diffusers_script", "/nonexistent/train_unconditional.py"],
+                                           "--diffusers_script")])
+def test_bad_input_is_one_line_error(tmp_path, args, needle):
+    result = run_bench(tmp_path, *args)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error:") and needle in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+FAKE_LAUNCHER = """
+import subprocess, sys
+subprocess.run([sys.executable, sys.argv[1], sys.argv[2]])  # like accelerate launch: a child does the work
+"""
+FAKE_TRAINER = """
+import os, sys, time
+from tqdm.auto import tqdm
+open(sys.argv[1], "w").write(str(os.getpid()))
+bar = tqdm(total=100, mininterval=0)  # every update printed: step 40 is surely seen before the pause
+bar.set_description("Epoch 0")
+for step in range(40):
+    time.sleep(0.01)
+    bar.update(1)
+    bar.set_postfix(loss=0.5, lr=1e-4, step=step + 1)
+time.sleep(60)  # silent, like end-of-epoch sampling: the bench must stop it, not wait for it
+"""
+
+
+def test_follow_progress_reads_tqdm_and_stops_the_process_group(tmp_path):
+    launcher, trainer, pid_file = tmp_path / "launch.py", tmp_path / "train.py", tmp_path / "pid"
+    launcher.write_text(textwrap.dedent(FAKE_LAUNCHER))
+    trainer.write_text(textwrap.dedent(FAKE_TRAINER))
+    start = time.monotonic()
+    points, code, tail = diffusers_reference.follow_progress(
+        [sys.executable, str(launcher), str(trainer), str(pid_file)], stop_at=40, timeout=50,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert time.monotonic() - start < 40, "it waited for the trainer instead of stopping it"
+    assert code is None  # stopped by us, not finished
+    counts = [n for n, _ in points]
+    assert counts == sorted(set(counts)) and counts[-1] >= 40
+    assert "Epoch 0" in tail
+    rate = diffusers_reference.steps_per_second(points, warmup=5)
+    assert rate is not None and positive_finite(rate[0]) and rate[1] == counts[-1] - min(n for n in counts if n >= 5)
+    child = int(pid_file.read_text())
+    time.sleep(0.5)
+    try:
+        with open(f"/proc/{child}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        assert state in ("Z", "X"), f"the trainer child {child} still runs (state {state})"
+    except FileNotFoundError:
+        pass  # gone entirely
+
+
+def test_reference_refuses_what_train_unconditional_cannot_train():
+    from types import SimpleNamespace
+    grey = SimpleNamespace(prediction_type="epsilon", model={"in_channels": 1}, model_config_name_or_path=None)
+    velocity = SimpleNamespace(prediction_type="v_prediction", model={"in_channels": 3}, model_config_name_or_path=None)
+    rgb = SimpleNamespace(prediction_type="epsilon", model={"in_channels": 3}, model_config_name_or_path=None)
+    assert "RGB" in diffusers_reference.unsupported(grey)
+    assert "v_prediction" in diffusers_reference.unsupported(velocity)
+    assert diffusers_reference.unsupported(rgb) is None
