@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# GPU benchmark of train_ddpm.py against diffusers' train_unconditional.py (see bench/README.md).
+#
+#   bash bench/gpu_commands.sh prepare   # where pip works: wheels the GPU machine lacks + the diffusers script
+#   bash bench/gpu_commands.sh device    # on the GPU machine, from the repo root; needs no network
+#
+# `prepare` writes .whl/ (diffusers, datasets and their missing pure-Python needs, for Python 3.12)
+# and bench/vendor/train_unconditional.py (unmodified, from the tag of the installed diffusers),
+# both ignored by git. Take both to the GPU machine (with this workplace's device tool:
+# carry=[".whl", "bench/vendor"], command "bash bench/gpu_commands.sh device").
+# `device` writes nvidia-smi.txt and, per precision, cifar10-PRECISION.json/.log to $OUT
+# (bench/results/ when OUT is unset).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+SCRIPT=bench/vendor/train_unconditional.py
+
+prepare() {
+    local version
+    version=$($PYTHON -c "import diffusers; print(diffusers.__version__)")
+    mkdir -p .whl bench/vendor
+    # Ignored locally so the copy and the wheels are never committed (diffusers' code is not ours).
+    local exclude
+    exclude=$(git rev-parse --git-path info/exclude)
+    mkdir -p "$(dirname "$exclude")"
+    for path in /.whl/ /bench/vendor/; do
+        git check-ignore -q "${path#/}x" || echo "$path" >>"$exclude"
+    done
+    # Same versions as here. torch, torchvision, accelerate, tensorboard, pyarrow, pandas,
+    # xxhash, huggingface-hub (>= 1.32) are on the GPU image already.
+    local wheels=()
+    for package in diffusers datasets dill multiprocess importlib_metadata fsspec; do
+        wheels+=("$package==$($PYTHON -c "import importlib.metadata as m; print(m.version('$package'))")")
+    done
+    $PYTHON -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl "${wheels[@]}"
+    # The script at the installed version's tag: from a local clone or snapshot when
+    # DIFFUSERS_GIT_DIR names one (newest release tag <= ours that it has), else from GitHub.
+    local file=examples/unconditional_image_generation/train_unconditional.py
+    if [[ -n "${DIFFUSERS_GIT_DIR:-}" ]]; then
+        local tag=v$version
+        if ! git --git-dir="$DIFFUSERS_GIT_DIR" rev-parse -q --verify "refs/tags/$tag" >/dev/null; then
+            tag=$( (git --git-dir="$DIFFUSERS_GIT_DIR" tag --list 'v[0-9]*'; echo "v$version") |
+                  sort -V | grep -B1 -x "v$version" | head -1)
+            [[ $tag == "v$version" ]] && tag=""  # no older tag either
+        fi
+        git --git-dir="$DIFFUSERS_GIT_DIR" show "${tag:-HEAD}:$file" >"$SCRIPT"
+        echo "diffusers script: $DIFFUSERS_GIT_DIR at ${tag:-HEAD} (installed diffusers $version)"
+    else
+        curl -fsSL "https://raw.githubusercontent.com/huggingface/diffusers/v$version/$file" -o "$SCRIPT"
+        echo "diffusers script: GitHub tag v$version"
+    fi
+    ls -l .whl "$SCRIPT"
+}
+
+device() {
+    local out=${OUT:-bench/results}
+    mkdir -p "$out"
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUFFERED=1
+    nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
+    $PYTHON - <<'EOF'
+import torch, diffusers, datasets, accelerate
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(),
+      "| diffusers", diffusers.__version__, "| datasets", datasets.__version__, "| accelerate", accelerate.__version__)
+for name in ("torchvision", "tensorboard"):  # needed by train_unconditional.py only
+    try:
+        print(name, __import__(name).__version__)
+    except ImportError as error:
+        print(f"MISSING {name} ({error}): the diffusers reference will fail")
+EOF
+    local reference=()
+    [[ -f $SCRIPT ]] && reference=(--diffusers_script "$SCRIPT") || echo "no $SCRIPT: diffusers reference skipped"
+    for precision in bf16 fp16; do
+        $PYTHON bench/bench_step.py --recipe cifar10 --mixed_precision "$precision" --steps 100 --rounds 10 \
+            --warmup 10 --profile "${reference[@]}" --json "$out/cifar10-$precision.json" \
+            >"$out/cifar10-$precision.log" 2>&1 || echo "cifar10 $precision failed (exit $?)"
+        # The table (and any traceback) without tqdm's carriage-return noise.
+        tr '\r' '\n' <"$out/cifar10-$precision.log" | grep -v -E 'it/s\]|s/it\]|ba/s\]|examples/s\]' | tail -60
+    done
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    device) device ;;
+    *) echo "usage: bash bench/gpu_commands.sh prepare|device" >&2; exit 2 ;;
+esac
