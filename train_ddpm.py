@@ -21,7 +21,8 @@ from types import SimpleNamespace
 
 import torch
 
-from diffusion_extras import artifacts, checkpointing, data, diagnostics, losses, lr_finder, models, tracking
+from diffusion_extras import (artifacts, checkpointing, data, diagnostics, losses, lr_finder, models, streaming,
+                              tracking)
 from diffusion_extras.timesteps import LossAwareTimestepSampler
 from diffusion_extras.config import ConfigError, TrainConfig, parse_config, save_config
 from diffusion_extras.ema import ExponentialMovingAverage
@@ -48,9 +49,9 @@ def make_accelerator(config: TrainConfig):
 def setup(config: TrainConfig) -> SimpleNamespace:
     """Everything that can fail on bad input, done before the first step."""
     from accelerate.utils import set_seed
-    from diffusers.optimization import get_scheduler
 
     accelerator = make_accelerator(config)
+    refuse_sharded_training(accelerator)
     set_seed(config.seed)  # the init; per-step randomness has its own generators
     checkpoints = checkpointing.list_checkpoints(config.output_dir)
     if checkpoints and config.resume_from_checkpoint is None and not config.find_lr:
@@ -58,66 +59,16 @@ def setup(config: TrainConfig) -> SimpleNamespace:
                           "pass --resume_from_checkpoint latest to continue it, or choose a new --output_dir")
     unet = models.build_unet(config)
     noise_scheduler = models.build_noise_scheduler(config)
-
-    dataset = data.load_image_dataset(config)
-    image_column = data.find_image_column(dataset, config.image_column)
-    with accelerator.main_process_first():
-        images = data.cached_decode(dataset, image_column, config.resolution, config.center_crop,
-                                    unet.config.in_channels, config.cache_dir, accelerator.is_main_process)
-    order = data.GlobalBatchOrder(len(images), config.train_batch_size * accelerator.num_processes, config.seed)
-    steps_per_epoch = max(1, order.batches_per_epoch // config.gradient_accumulation_steps)
-    max_train_steps = config.max_train_steps or config.num_epochs * steps_per_epoch
-
-    learning_rate = config.learning_rate
-    if config.scale_lr:
-        learning_rate *= config.train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
-    # fused: one kernel for all parameters, and it honours `found_inf`, which skips a
-    # non-finite step on the device without a host sync.
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                                  weight_decay=config.adam_weight_decay, eps=config.adam_epsilon, fused=True)
-    # Not passed to prepare(): accelerate would step it once per process (diffusers issue #8384).
-    # We step it once per optimizer step, so warmup and decay mean the same for any P and accumulation.
-    if config.find_lr:  # the range test replaces the schedule with its exponential sweep
-        max_train_steps = config.find_lr_steps
-        lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_finder.lr_lambda(learning_rate, max_train_steps))
-    else:
-        lr_scheduler = get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=config.lr_warmup_steps,
-                                     num_training_steps=max_train_steps)
-    unet, optimizer = accelerator.prepare(unet, optimizer)
-    accelerator.register_for_checkpointing(lr_scheduler)
-    ema = None
-    if config.use_ema:
-        ema = ExponentialMovingAverage(unet.parameters(), config.ema_max_decay, config.ema_inv_gamma, config.ema_power)
-        accelerator.register_for_checkpointing(ema)
-    timestep_diagnostics = diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins,
-                                                           accelerator.device)
-    accelerator.register_for_checkpointing(timestep_diagnostics)
-    posthoc_ema = None
-    if config.posthoc_ema:
-        posthoc_ema = PowerFunctionEMA(unet.parameters())
-        accelerator.register_for_checkpointing(posthoc_ema)
-    timestep_sampler = None
-    if config.timestep_sampling == "loss_aware":
-        timestep_sampler = LossAwareTimestepSampler(config.ddpm_num_steps, accelerator.device)
-        accelerator.register_for_checkpointing(timestep_sampler)
-
-    run = SimpleNamespace(
-        config=config, accelerator=accelerator, unet=unet, noise_scheduler=noise_scheduler,
-        schedule=losses.NoiseSchedule.from_scheduler(noise_scheduler, accelerator.device),
-        optimizer=optimizer, lr_scheduler=lr_scheduler, ema=ema, images=images, order=order,
-        max_train_steps=max_train_steps, global_step=0, history=tracking.History(config.output_dir),
-        state_config=state_config(config, unet, accelerator), diagnostics=timestep_diagnostics,
-        timestep_sampler=timestep_sampler, sigma_data=data_standard_deviation(images, config),
-        nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device), step_lr=learning_rate,
-        posthoc_ema=posthoc_ema, last_metrics={}, evaluation=None)
+    run = SimpleNamespace(config=config, accelerator=accelerator, noise_scheduler=noise_scheduler, global_step=0,
+                          schedule=losses.NoiseSchedule.from_scheduler(noise_scheduler, accelerator.device),
+                          history=tracking.History(config.output_dir), last_metrics={}, evaluation=None,
+                          global_batch_size=config.train_batch_size * accelerator.num_processes,
+                          nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device))
+    build_data(run, unet.config.in_channels)
+    build_optimization(run, unet)
+    build_extras(run)
     run.hub_pusher, run.secrets = artifacts.connect_hub(config, accelerator.is_main_process)
-    try:
-        logging_dir = os.path.join(config.output_dir, config.logging_dir)
-        os.makedirs(logging_dir, exist_ok=True)
-        accelerator.init_trackers("train_ddpm", config=tracking.hyperparameters(config.to_dict()),
-                                  init_kwargs={"wandb": {"dir": logging_dir}})
-    except Exception as error:  # a tracker that cannot start is a setup problem, not a crash mid-run
-        raise ConfigError(f"--logger {config.logger}: the tracker failed to start: {type(error).__name__}: {error}") from None
+    start_trackers(run)
     if accelerator.is_main_process:
         run.evaluation = artifacts.prepare_evaluation(run)
     if config.resume_from_checkpoint:
@@ -125,11 +76,111 @@ def setup(config: TrainConfig) -> SimpleNamespace:
     return run
 
 
-def data_standard_deviation(images, config: TrainConfig) -> float:
-    """sigma_data of the training images in [-1, 1] (per dimension), from up to 2048 of them:
-    the scale of the Bayes-optimal reference curve in the per-timestep plot."""
-    sample = torch.from_numpy(artifacts.reference_images(images, 2048, config.resolution, config.seed))
-    return diagnostics.per_dimension_variance(data.to_model_input(sample, "cpu")) ** 0.5
+def refuse_sharded_training(accelerator) -> None:
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        raise ConfigError(
+            f"{accelerator.distributed_type.value} is not supported: the EMA, exact resume and the replica check "
+            "assume full model replicas. A UNet2DModel fits on one GPU: use DDP (`accelerate launch --multi_gpu`), "
+            "with --gradient_checkpointing and --mixed_precision bf16 to save memory")
+
+
+def build_data(run, channels: int) -> None:
+    """Decode-once cached images with a (seed, step) order, or this rank's shard of a stream."""
+    config, accelerator = run.config, run.accelerator
+    run.images = run.order = run.stream = None
+    if config.streaming:
+        shard, column = streaming.load_stream(config, accelerator.process_index, accelerator.num_processes)
+        run.stream = streaming.StreamingBatches(shard, column, config.train_batch_size, config.resolution,
+                                                config.center_crop, channels, config.seed + accelerator.process_index)
+        run.max_train_steps = config.max_train_steps
+    else:
+        dataset = data.load_image_dataset(config)
+        image_column = data.find_image_column(dataset, config.image_column)
+        with accelerator.main_process_first():
+            run.images = data.cached_decode(dataset, image_column, config.resolution, config.center_crop,
+                                            channels, config.cache_dir, accelerator.is_main_process)
+        run.order = data.GlobalBatchOrder(len(run.images), run.global_batch_size, config.seed)
+        steps_per_epoch = max(1, run.order.batches_per_epoch // config.gradient_accumulation_steps)
+        run.max_train_steps = config.max_train_steps or config.num_epochs * steps_per_epoch
+    sample = torch.from_numpy(artifacts.reference_sample(run, 2048, channels))
+    # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
+    run.sigma_data = diagnostics.per_dimension_variance(data.to_model_input(sample, "cpu")) ** 0.5
+
+
+def build_optimization(run, unet) -> None:
+    """UNet switches, AdamW, the LR schedule, accelerate's prepare."""
+    from diffusers.optimization import get_scheduler
+
+    config, accelerator = run.config, run.accelerator
+    if config.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    if config.allow_tf32:  # Ampere+ only; ignored on CPU
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if config.channels_last:
+        unet = unet.to(memory_format=torch.channels_last)
+    learning_rate = config.learning_rate
+    if config.scale_lr:
+        learning_rate *= config.train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
+    run.step_lr = learning_rate
+    optimizer = make_optimizer(config, unet, learning_rate)
+    # Not passed to prepare(): accelerate would step it once per process (diffusers issue #8384).
+    # We step it once per optimizer step, so warmup and decay mean the same for any P and accumulation.
+    if config.find_lr:  # the range test replaces the schedule with its exponential sweep
+        run.max_train_steps = config.find_lr_steps
+        run.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_finder.lr_lambda(learning_rate,
+                                                                                           run.max_train_steps))
+    else:
+        run.lr_scheduler = get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=config.lr_warmup_steps,
+                                         num_training_steps=run.max_train_steps)
+    run.unet, run.optimizer = accelerator.prepare(unet, optimizer)
+    if config.torch_compile:  # in place: state-dict keys (and so checkpoints) stay those of the plain UNet
+        accelerator.unwrap_model(run.unet).compile(mode=None if config.torch_compile_mode == "default"
+                                                   else config.torch_compile_mode)
+    accelerator.register_for_checkpointing(run.lr_scheduler)
+    run.state_config = state_config(config, run.unet, accelerator)
+
+
+def make_optimizer(config: TrainConfig, unet, learning_rate: float):
+    kwargs = dict(lr=learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                  weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
+    if config.use_8bit_adam:
+        import bitsandbytes
+        return bitsandbytes.optim.AdamW8bit(unet.parameters(), **kwargs)
+    # fused: one kernel for all parameters, and it honours `found_inf`, which skips a
+    # non-finite step on the device without a host sync.
+    return torch.optim.AdamW(unet.parameters(), fused=True, **kwargs)
+
+
+def build_extras(run) -> None:
+    """EMA, diagnostics, post-hoc EMA, loss-aware timesteps: each checkpointed with the run."""
+    config, accelerator = run.config, run.accelerator
+    parameters = list(run.unet.parameters())
+    run.ema = run.posthoc_ema = run.timestep_sampler = None
+    if config.use_ema:
+        run.ema = ExponentialMovingAverage(parameters, config.ema_max_decay, config.ema_inv_gamma, config.ema_power)
+        accelerator.register_for_checkpointing(run.ema)
+    run.diagnostics = diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins,
+                                                      accelerator.device)
+    accelerator.register_for_checkpointing(run.diagnostics)
+    if config.posthoc_ema:
+        run.posthoc_ema = PowerFunctionEMA(parameters)
+        accelerator.register_for_checkpointing(run.posthoc_ema)
+    if config.timestep_sampling == "loss_aware":
+        run.timestep_sampler = LossAwareTimestepSampler(config.ddpm_num_steps, accelerator.device)
+        accelerator.register_for_checkpointing(run.timestep_sampler)
+
+
+def start_trackers(run) -> None:
+    config = run.config
+    logging_dir = os.path.join(config.output_dir, config.logging_dir)
+    try:
+        os.makedirs(logging_dir, exist_ok=True)
+        run.accelerator.init_trackers("train_ddpm", config=tracking.hyperparameters(config.to_dict()),
+                                      init_kwargs={"wandb": {"dir": logging_dir}})
+    except Exception as error:  # a tracker that cannot start is a setup problem, not a crash mid-run
+        raise ConfigError(f"--logger {config.logger}: the tracker failed to start: {type(error).__name__}: {error}") from None
 
 
 def state_config(config: TrainConfig, unet, accelerator) -> dict:
@@ -156,6 +207,9 @@ def resume(run: SimpleNamespace) -> None:
             warnings.warn(f"cannot load {path} ({type(error).__name__}: {error}); falling back to the previous one")
             continue
         run.global_step = state["global_step"]
+        if run.stream is not None:
+            with open(os.path.join(path, checkpointing.rank_state_file(accelerator.process_index))) as fh:
+                run.stream.load_state_dict(json.load(fh))
         if accelerator.is_main_process:
             run.history.truncate_after(run.global_step)
         accelerator.print(f"resumed from {path} at optimizer step {run.global_step} "
@@ -191,6 +245,8 @@ def forward_backward(run, batch: torch.Tensor, micro_step: int, sync: bool) -> t
     noise, timesteps, importance, flips, global_timesteps = micro_step_randomness(
         run, micro_step, global_batch, batch.shape[1:])
     clean = data.to_model_input(batch, accelerator.device, flips)
+    if config.channels_last:
+        clean = clean.contiguous(memory_format=torch.channels_last)
     noisy = schedule.add_noise(clean, noise, timesteps)  # fp32, outside autocast
     target = schedule.target(config.prediction_type, clean, noise, timesteps)
     with accelerator.no_sync(run.unet) if not sync else _nullcontext():
@@ -260,15 +316,19 @@ def optimizer_step(run, batches) -> torch.Tensor:
 # ----------------------------------------------------------------------------- extras
 def train_state(run) -> dict:
     micro_step = run.global_step * run.config.gradient_accumulation_steps
-    epoch, batch = run.order.position(micro_step)
+    if run.stream is not None:  # the per-rank stream positions go in rank_state_<i>.json
+        epoch, batch = run.stream.epoch, None
+    else:
+        epoch, batch = run.order.position(micro_step)
     return {"global_step": run.global_step, "micro_step": micro_step, "epoch": epoch, "batch_in_epoch": batch,
-            "images_seen": micro_step * run.order.global_batch_size, "seed": run.config.seed,
+            "images_seen": micro_step * run.global_batch_size, "seed": run.config.seed,
             "config": run.state_config}
 
 
 def save_checkpoint(run) -> None:
-    path = checkpointing.save_checkpoint(run.accelerator, run.config.output_dir, run.global_step,
-                                         train_state(run), run.config.checkpoints_total_limit)
+    path = checkpointing.save_checkpoint(run.accelerator, run.config.output_dir, run.global_step, train_state(run),
+                                         run.config.checkpoints_total_limit,
+                                         rank_state=run.stream.state_dict() if run.stream is not None else None)
     run.accelerator.print(f"saved {path}")
 
 
@@ -276,7 +336,7 @@ def log_window(run, loss_sum: torch.Tensor, steps: int, seconds: float, progress
     """Average over the window and over processes: the one host sync per logging interval."""
     accelerator = run.accelerator
     loss = accelerator.reduce(loss_sum / max(steps, 1), reduction="mean").item()
-    images = steps * run.order.global_batch_size * run.config.gradient_accumulation_steps
+    images = steps * run.global_batch_size * run.config.gradient_accumulation_steps
     values = {"loss": loss, "lr": run.step_lr, "images_per_second": images / max(seconds, 1e-9)}
     values.update(run.diagnostics.reduce_and_reset(accelerator))
     if run.ema is not None:
@@ -313,6 +373,8 @@ def check_nonfinite(run, values: dict) -> None:
 def make_batches(run):
     """This rank's micro-batches from the run's position on, prefetched in order by the workers."""
     config, accelerator = run.config, run.accelerator
+    if run.stream is not None:  # decoded on the fly, already positioned after a resume
+        return run.stream
     accumulation = config.gradient_accumulation_steps
     loader = torch.utils.data.DataLoader(
         data.MicroBatches(run.images, run.order, accelerator.process_index, config.train_batch_size,
@@ -412,10 +474,20 @@ def verify_replicas(run) -> None:
     accelerator.print(f"replicas identical on {accelerator.num_processes} processes (weights and EMA)")
 
 
+def redact_argv(argv: list) -> None:
+    """Trackers (wandb) record the command line: replace secret flag values in place once parsed."""
+    for index, arg in enumerate(argv):
+        if arg.startswith("--hub_token="):
+            argv[index] = "--hub_token=***"
+        elif arg == "--hub_token" and index + 1 < len(argv):
+            argv[index + 1] = "***"
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = parse_config(argv)
+        redact_argv(sys.argv)
         run = setup(config)
     except (ConfigError, data.DataError, checkpointing.CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -91,7 +91,7 @@ def export(run, final: bool = False) -> None:
     save_config(config, os.path.join(config.output_dir, "training_config.yaml"))
     if run.hub_pusher is None:
         return
-    images_seen = run.global_step * config.gradient_accumulation_steps * run.order.global_batch_size
+    images_seen = run.global_step * config.gradient_accumulation_steps * run.global_batch_size
     info = {"repo_id": run.hub_pusher.repo_id, "config": hub.redact_config(config.to_dict(), run.secrets),
             "global_step": run.global_step, "images_seen": images_seen, "metrics": run.last_metrics,
             "dataset_name": config.dataset_name or ("sklearn digits" if not config.train_data_dir else None),
@@ -114,6 +114,14 @@ def reference_images(images, count: int, resolution: int, seed: int) -> np.ndarr
     return data.MicroBatches(images, order, 0, count, resolution, seed)[0].numpy()
 
 
+def reference_sample(run, count: int, channels: int) -> np.ndarray:
+    """Up to `count` training images, uint8 NCHW, from the cache or from a copy of the stream."""
+    if run.images is not None:
+        return reference_images(run.images, count, run.config.resolution, run.config.seed)
+    from .streaming import stream_reference_images
+    return stream_reference_images(run.config, count, channels)
+
+
 def prepare_evaluation(run):
     """Feature extractor and reference statistics (cached in logs/), before training."""
     config = run.config
@@ -124,10 +132,12 @@ def prepare_evaluation(run):
                                                       run.accelerator.device)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         raise ConfigError(str(error)) from None
-    reference = reference_images(run.images, config.eval_num_samples, config.resolution, config.seed)
+    channels = run.accelerator.unwrap_model(run.unet).config.in_channels
+    reference = reference_sample(run, config.eval_num_samples, channels)
     cache = os.path.join(config.output_dir, "logs", f"fid_reference_{config.feature_extractor}.npz")
     os.makedirs(os.path.dirname(cache), exist_ok=True)
-    fingerprint = f"{len(run.images)}-{config.resolution}-{len(reference)}-{config.seed}"
+    source = len(run.images) if run.images is not None else f"stream:{config.dataset_name or config.train_data_dir}"
+    fingerprint = f"{source}-{config.resolution}-{len(reference)}-{config.seed}"
     return extractor, evaluation.reference_statistics(reference.transpose(0, 2, 3, 1), extractor, cache, fingerprint)
 
 

@@ -23,7 +23,7 @@ PREFIX = "checkpoint-"
 MARKER = "checkpoint_complete.json"
 TRAIN_STATE = "train_state.json"
 # Settings that shape the saved state: resuming with another value would load wrong or mismatched state.
-STATE_SHAPING_KEYS = ("unet", "prediction_type", "ddpm_num_steps", "ddpm_beta_schedule", "resolution",
+STATE_SHAPING_KEYS = ("unet", "streaming", "timestep_sampling", "posthoc_ema", "prediction_type", "ddpm_num_steps", "ddpm_beta_schedule", "resolution",
                       "train_batch_size", "gradient_accumulation_steps", "num_processes", "use_ema",
                       "mixed_precision")
 # Settings that change what the resumed run does compared with an uninterrupted one, but load fine.
@@ -108,10 +108,15 @@ def _write_json(path: str, value: dict) -> None:
         os.fsync(fh.fileno())
 
 
+def rank_state_file(process_index: int) -> str:
+    return f"rank_state_{process_index}.json"
+
+
 def save_checkpoint(accelerator, output_dir: str, step: int, train_state: dict,
-                    total_limit: int | None = None) -> str:
+                    total_limit: int | None = None, rank_state: dict | None = None) -> str:
     """Save on every rank (accelerate requires it: each rank writes its RNG state, and DeepSpeed or
-    FSDP shard weights), then complete and publish the folder on the main process."""
+    FSDP shard weights), then complete and publish the folder on the main process. `rank_state`
+    (e.g. a stream position) differs per rank, so each rank writes its own file."""
     final = os.path.join(output_dir, f"{PREFIX}{step}")
     tmp = os.path.join(output_dir, f".{PREFIX}{step}.tmp")
     if accelerator.is_main_process:
@@ -120,6 +125,8 @@ def save_checkpoint(accelerator, output_dir: str, step: int, train_state: dict,
     accelerator.wait_for_everyone()
     started = time.perf_counter()
     accelerator.save_state(tmp)
+    if rank_state is not None:
+        _write_json(os.path.join(tmp, rank_state_file(accelerator.process_index)), rank_state)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _write_json(os.path.join(tmp, TRAIN_STATE), train_state)
