@@ -10,9 +10,9 @@ and P ranks with batch B train exactly like one rank with batch P*B.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -27,8 +27,6 @@ from diffusion_extras.timesteps import LossAwareTimestepSampler
 from diffusion_extras.config import ConfigError, TrainConfig, parse_config, save_config
 from diffusion_extras.ema import ExponentialMovingAverage
 from diffusion_extras.posthoc_ema import PowerFunctionEMA
-
-logger = logging.getLogger("train_ddpm")
 
 
 # ----------------------------------------------------------------------------- setup
@@ -241,15 +239,14 @@ def micro_step_randomness(run, micro_step: int, global_batch: int, shape) -> tup
 def forward_backward(run, batch: torch.Tensor, micro_step: int, sync: bool) -> torch.Tensor:
     """sample t, noise, predict, loss, backward. Returns the (weighted) loss, detached, on device."""
     config, accelerator, schedule = run.config, run.accelerator, run.schedule
-    global_batch = config.train_batch_size * accelerator.num_processes
     noise, timesteps, importance, flips, global_timesteps = micro_step_randomness(
-        run, micro_step, global_batch, batch.shape[1:])
+        run, micro_step, run.global_batch_size, batch.shape[1:])
     clean = data.to_model_input(batch, accelerator.device, flips)
     if config.channels_last:
         clean = clean.contiguous(memory_format=torch.channels_last)
     noisy = schedule.add_noise(clean, noise, timesteps)  # fp32, outside autocast
     target = schedule.target(config.prediction_type, clean, noise, timesteps)
-    with accelerator.no_sync(run.unet) if not sync else _nullcontext():
+    with accelerator.no_sync(run.unet) if not sync else contextlib.nullcontext():
         prediction = run.unet(noisy, timesteps).sample  # autocast inside when mixed precision
         per_sample = losses.per_sample_loss(prediction, target, config.loss_type, config.huber_c)
         loss = (per_sample * loss_weights(run, timesteps, importance)).mean()
@@ -277,11 +274,6 @@ def record_micro_batch(run, timesteps, global_timesteps, mse, clean) -> None:
     run.input_statistics = torch.stack([clean.mean(), clean.std(), clean.amin(), clean.amax()])
 
 
-def _nullcontext():
-    import contextlib
-    return contextlib.nullcontext()
-
-
 def optimizer_step(run, batches) -> torch.Tensor:
     """One optimizer step over `gradient_accumulation_steps` micro-batches; no host sync.
     A non-finite loss or gradient skips the update on the device (weights, moments, EMA untouched)."""
@@ -295,10 +287,14 @@ def optimizer_step(run, batches) -> torch.Tensor:
     grad_norm = accelerator.clip_grad_norm_(run.unet.parameters(), max_norm)  # unscales fp16 grads first
     finite = torch.isfinite(grad_norm) & torch.isfinite(loss)
     inner = run.optimizer.optimizer
-    if accelerator.scaler is None:  # under fp16 the GradScaler sets found_inf itself
+    if accelerator.scaler is not None:  # fp16: the GradScaler finds inf/NaN and skips by itself
+        run.optimizer.step()
+    elif isinstance(inner, torch.optim.AdamW):  # fused: skips on the device when found_inf is 1
         inner.found_inf = (~finite).float()
-    run.optimizer.step()
-    inner.__dict__.pop("found_inf", None)
+        run.optimizer.step()
+        del inner.found_inf
+    elif finite.item():  # 8-bit Adam knows no found_inf: note, a CPU-GPU sync point
+        run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step_lr = run.lr_scheduler.get_last_lr()[0]  # the lr this step used (a float: no sync)
     run.lr_scheduler.step()

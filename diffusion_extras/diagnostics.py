@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
-RUNNING_DECAY = 0.9  # per logging window: the plotted curve averages roughly the last 10 windows
+# Per logging window: the plotted curve follows about the last two windows, i.e. the current model.
+# (0.9 kept the first windows' high losses visible through the whole of a 20-window run.)
+RUNNING_DECAY = 0.5
 # Order of the step counters at the tail of the packed window buffer.
 _STEP_FIELDS = ("steps", "finite_steps", "clipped_steps", "nonfinite_steps", "grad_norm_sum",
                 "max_consecutive_nonfinite", "loss_scale", "loss_scale_known")

@@ -305,7 +305,7 @@ def _run(args) -> None:
         reference = evaluate.load_reference(args.reference, extractor,
                                             pipeline.unet.config.sample_size, args.output_dir,
                                             args.batch_size)
-    results, best_unet = [], None
+    results, best, best_unet = [], None, None
     for sigma_rel in args.sigma_rels:
         unet = _with_parameters(pipeline.unet, reconstruct(snapshot_dir, sigma_rel, step))
         row = {"sigma_rel": sigma_rel}

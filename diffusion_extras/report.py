@@ -107,14 +107,12 @@ REFERENCE_FILE = "reference_loss_bins.json"  # written by the trainer beside his
 
 
 def load_config(output_dir: str) -> dict:
+    from .config import load_yaml  # ConfigError is a ValueError: the CLI reports it as one line
+
     path = os.path.join(output_dir, "training_config.yaml")
     if not os.path.isfile(path):
         return {}  # the checks that need a setting are skipped without it
-    with open(path) as fh:
-        config = yaml.safe_load(fh) or {}
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a mapping of setting: value")
-    return config
+    return load_yaml(path)
 
 
 def _write_atomically(path: str, text: str) -> None:

@@ -44,7 +44,7 @@ def test_push_to_hub_commits_pipeline_and_card_only(run_cli, tiny_recipe, tmp_pa
         commits = server.commits(repo_id)
         created = [r for r in server.requests if r["path"] == "/api/repos/create"]
     assert len(commits) == 2  # step 2 (background) and the final one (waited for)
-    assert f"pushed to the Hub: " in result.stdout and repo_id in result.stdout
+    assert "pushed to the Hub: " in result.stdout and repo_id in result.stdout
     assert created and server.repos[repo_id]["private"] is private
     committed = set().union(*(c["files"] for c in commits))
     assert {"model_index.json", "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
@@ -100,7 +100,7 @@ def test_evaluation_during_training_and_posthoc_ema_export(run_cli, tiny_recipe,
     assert [h["step"] for h in evals] == [3, 6] and all(h["eval/fid"] >= 0 for h in evals)
     assert sorted(os.listdir(out / "posthoc_ema")) == [f"phema-{s:09d}.safetensors" for s in (2, 4, 6)]
     export = tmp_path / "phema"
-    result = run_cli(["-m", "diffusion_extras.posthoc_ema", str(out), "--sigma_rels", "0.07", "--export", str(export)],
+    run_cli(["-m", "diffusion_extras.posthoc_ema", str(out), "--sigma_rels", "0.07", "--export", str(export)],
                      check=True)
     from diffusers import DDPMPipeline
     pipeline = DDPMPipeline.from_pretrained(str(export))

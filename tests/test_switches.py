@@ -1,5 +1,4 @@
 """Memory and speed switches on CPU: each must train and change nothing it should not."""
-import sys
 
 import pytest
 

@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Checkpoint size and save / load time for a recipe (default: the CIFAR-10 DDPM, 35.7M params).
+
+    python bench/checkpoint_bench.py [--recipe configs/cifar10-ddpm.yaml] [--repeats 3] [--json out.json]
+
+Builds the run exactly as train_ddpm.setup does (model, fused AdamW, LR schedule, EMA,
+diagnostics) on synthetic 32 px images, takes one optimizer step so the Adam moments exist, then
+times diffusion_extras.checkpointing.save_checkpoint (accelerate's save_state + fsync + marker +
+rename) and accelerator.load_state, and lists the checkpoint's files and sizes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default=os.path.join(ROOT, "configs", "cifar10-ddpm.yaml"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import numpy as np
+    from PIL import Image
+
+    import train_ddpm
+    from diffusion_extras import checkpointing, models
+    from diffusion_extras.config import parse_config
+
+    work = tempfile.mkdtemp(prefix="ckpt-bench-")
+    images = os.path.join(work, "images")
+    os.makedirs(images)
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(os.path.join(images, f"{i}.png"))
+    config = parse_config(["--config", args.recipe, "--dataset_name", "", "--train_data_dir", images,
+                           "--output_dir", os.path.join(work, "run"), "--train_batch_size", "2",
+                           "--mixed_precision", "no", "--logger", "none", "--dataloader_num_workers", "0"])
+    run = train_ddpm.setup(config)
+    train_ddpm.optimizer_step(run, train_ddpm.make_batches(run))
+    saves, loads, path = [], [], None
+    for repeat in range(args.repeats):
+        started = time.perf_counter()
+        path = checkpointing.save_checkpoint(run.accelerator, config.output_dir, run.global_step + repeat,
+                                             train_ddpm.train_state(run))
+        saves.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        run.accelerator.load_state(path)
+        loads.append(time.perf_counter() - started)
+    files = {name: os.path.getsize(os.path.join(path, name)) for name in sorted(os.listdir(path))}
+    result = {"recipe": os.path.relpath(args.recipe, ROOT),
+              "unet_parameters": models.count_parameters(run.accelerator.unwrap_model(run.unet)),
+              "checkpoint_bytes": sum(files.values()), "files": files,
+              "save_seconds_median": statistics.median(saves), "load_seconds_median": statistics.median(loads),
+              "save_seconds": saves, "load_seconds": loads, "machine": f"{platform.processor() or platform.machine()}, "
+              f"{os.cpu_count()} cores", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    print(f"{result['recipe']}: {result['unet_parameters'] / 1e6:.1f}M params, checkpoint "
+          f"{result['checkpoint_bytes'] / 2**20:.1f} MiB; save {result['save_seconds_median']:.2f} s, "
+          f"load {result['load_seconds_median']:.2f} s (median of {args.repeats})")
+    for name, size in files.items():
+        print(f"  {name:32s} {size / 2**20:9.2f} MiB")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
