@@ -31,13 +31,18 @@ from diffusion_extras.posthoc_ema import PowerFunctionEMA
 
 # ----------------------------------------------------------------------------- setup
 def make_accelerator(config: TrainConfig):
+    from datetime import timedelta
+
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
     tracking.check_tracker_available(config.logger)
     # Accumulation is done here, not by accelerate (its counter is tied to a prepared loader):
     # the accelerator sees one micro-batch per backward and we skip DDP syncs with no_sync().
+    # Grids, FID and Hub pushes run on the main process while the others wait at their next
+    # collective: allow them two hours instead of the default 10-30 minutes.
     return Accelerator(
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=2))],
         mixed_precision=config.mixed_precision,
         log_with=tracking.tracker_names(config.logger) or None,
         project_config=ProjectConfiguration(project_dir=config.output_dir,

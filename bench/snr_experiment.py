@@ -46,15 +46,29 @@ def score_digits(classifier, images: np.ndarray) -> dict:
     return {"confident": float((probabilities.max(1) > 0.9).mean()), "coverage": float(entropy / np.log(10))}
 
 
-def train(out: str, prediction_type: str, snr_gamma: float | None, steps: int) -> None:
-    if os.path.isfile(os.path.join(out, "model_index.json")):
-        return  # already trained
+def train_command(out: str, prediction_type: str, snr_gamma: float | None, steps: int) -> list[str]:
     flags = ["--output_dir", out, "--max_train_steps", str(steps), "--prediction_type", prediction_type,
              "--save_images_steps", str(steps), "--checkpointing_steps", str(10 * steps), "--logger", "none"]
     if snr_gamma:
         flags += ["--snr_gamma", str(snr_gamma)]
-    subprocess.run([sys.executable, os.path.join(ROOT, "train_ddpm.py"), *flags], check=True,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL)
+    return [sys.executable, os.path.join(ROOT, "train_ddpm.py"), *flags]
+
+
+def train_all(jobs: list[tuple[str, list[str]]], parallel: int) -> None:
+    """Runs not trained yet, `parallel` at a time with one thread each (2 threads on a shared
+    2-core machine stall)."""
+    pending = [(out, command) for out, command in jobs if not os.path.isfile(os.path.join(out, "model_index.json"))]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1" if parallel > 1 else os.environ.get("OMP_NUM_THREADS", "")}
+    running = []
+    while pending or running:
+        while pending and len(running) < parallel:
+            out, command = pending.pop(0)
+            os.makedirs(out, exist_ok=True)
+            log = open(os.path.join(out + ".log"), "w")
+            running.append((subprocess.Popen(command, env=env, stdout=log, stderr=log), out))
+        process, out = running.pop(0)
+        if process.wait() != 0:
+            raise SystemExit(f"training {out} failed; see {out}.log")
 
 
 def evaluate(out: str, classifier, reference, extractor) -> dict:
@@ -76,6 +90,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "snr"))
+    parser.add_argument("--parallel", type=int, default=2, help="trainings at once (one thread each when > 1)")
     args = parser.parse_args(argv)
     from diffusion_extras import data, evaluation
     from diffusion_extras.config import TrainConfig
@@ -86,13 +101,12 @@ def main(argv=None) -> None:
     images = data.decode_dataset(data.load_image_dataset(config), "image", config.resolution, True, 1).as_array()
     reference = evaluation.reference_statistics(images[:1000], extractor)
     results = {"steps": args.steps, "real_digits": score_digits(classifier, images[:256]), "runs": {}}
-    for prediction_type in ("epsilon", "v_prediction", "sample"):
-        for snr_gamma in (None, 5.0):
-            name = f"{prediction_type}-{'snr5' if snr_gamma else 'plain'}"
-            out = os.path.join(args.out, name)
-            train(out, prediction_type, snr_gamma, args.steps)
-            results["runs"][name] = evaluate(out, classifier, reference, extractor)
-            print(name, results["runs"][name], flush=True)
+    runs = {f"{p}-{'snr5' if g else 'plain'}": (p, g) for p in ("epsilon", "v_prediction", "sample") for g in (None, 5.0)}
+    train_all([(os.path.join(args.out, name), train_command(os.path.join(args.out, name), p, g, args.steps))
+               for name, (p, g) in runs.items()], args.parallel)
+    for name in runs:
+        results["runs"][name] = evaluate(os.path.join(args.out, name), classifier, reference, extractor)
+        print(name, results["runs"][name], flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump(results, fh, indent=1)

@@ -79,7 +79,7 @@ class TrainConfig:
     train_batch_size: int = _f(64, "Images per process per micro-batch.")
     eval_batch_size: int = _f(64, "Images in each sample grid.")
     num_epochs: int = _f(100, "Epochs to train when --max_train_steps is not given.")
-    max_train_steps: Optional[int] = _f(1200, "Optimizer steps to train (overrides --num_epochs).")
+    max_train_steps: Optional[int] = _f(1200, "Optimizer steps to train; wins over --num_epochs when both are given, and giving only --num_epochs trains that many epochs.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
     learning_rate: float = _f(2e-3, "Peak learning rate (after warmup).")
     scale_lr: bool = _f(False, "Multiply the learning rate by batch size x accumulation x processes.")
@@ -185,6 +185,8 @@ def from_sources(yaml_values: dict, cli_values: dict) -> TrainConfig:
     if unknown:
         raise ConfigError(f"unknown setting(s) in the recipe: {', '.join(unknown)}; see `python train_ddpm.py --help`")
     values = {**yaml_values, **{k: v for k, v in cli_values.items() if v is not None and k in known}}
+    if "num_epochs" in values and "max_train_steps" not in values:
+        values["max_train_steps"] = None  # epochs asked for, steps not: the epochs decide the length
     for name, value in values.items():
         values[name] = _coerce(known[name], value)
     return TrainConfig(**values)
@@ -239,7 +241,7 @@ def validate(c: TrainConfig) -> None:
     need(c.shuffle_buffer_size >= 0, "--shuffle_buffer_size must be >= 0")
     need(not c.streaming or c.dataset_name or c.train_data_dir,
          "--streaming needs --dataset_name or --train_data_dir (the embedded digits are already in memory)")
-    need(not c.streaming or c.max_train_steps, "--streaming counts in steps: give --max_train_steps")
+    need(not c.streaming or c.max_train_steps, "--streaming counts in steps, not epochs: give --max_train_steps")
     for name, choices in (("prediction_type", PREDICTION_TYPES), ("ddpm_beta_schedule", BETA_SCHEDULES),
                           ("lr_scheduler", LR_SCHEDULERS), ("mixed_precision", MIXED_PRECISION),
                           ("logger", LOGGERS)):

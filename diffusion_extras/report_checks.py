@@ -235,8 +235,8 @@ def _reference_from_config(config: dict, num_bins: int, num_train_timesteps: int
     from .diagnostics import TimestepDiagnostics
     from .models import build_noise_scheduler
 
-    settings = {"ddpm_beta_schedule": "linear", "prediction_type": "epsilon", **config,
-                "ddpm_num_steps": num_train_timesteps}
+    settings = {"ddpm_beta_schedule": "linear", "prediction_type": "epsilon", "rescale_betas_zero_snr": False,
+                **config, "ddpm_num_steps": num_train_timesteps}
     scheduler = build_noise_scheduler(SimpleNamespace(**settings))  # the run's own schedule
     return TimestepDiagnostics(num_train_timesteps, num_bins).bayes_optimal_bins(
         scheduler.alphas_cumprod, float(config["sigma_data"]), config.get("prediction_type", "epsilon"))

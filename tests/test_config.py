@@ -51,6 +51,22 @@ def test_every_flag_maps_to_a_field():
     assert dests == fields
 
 
+def test_num_epochs_alone_sets_the_length_and_steps_win_when_both(tmp_path):
+    assert parse_config(["--num_epochs", "3"]).max_train_steps is None
+    assert parse_config(["--num_epochs", "3", "--max_train_steps", "7"]).max_train_steps == 7
+    path = tmp_path / "r.yaml"
+    path.write_text("num_epochs: 2\n")
+    assert parse_config(["--config", str(path)]).max_train_steps is None
+    assert parse_config(["--config", str(path), "--max_train_steps", "5"]).max_train_steps == 5
+
+
+def test_zero_terminal_snr_flag_reaches_the_scheduler():
+    scheduler = models.build_noise_scheduler(parse_config(["--rescale_betas_zero_snr", "--prediction_type",
+                                                           "v_prediction"]))
+    assert scheduler.alphas_cumprod[-1].item() == 0.0 and scheduler.config.prediction_type == "v_prediction"
+    assert models.build_noise_scheduler(parse_config([])).alphas_cumprod[-1].item() > 0
+
+
 def test_unknown_yaml_key_and_bad_types(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("learnig_rate: 1e-4\n")
