@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import time
 import warnings
 
 PREFIX = "checkpoint-"
@@ -123,7 +122,6 @@ def save_checkpoint(accelerator, output_dir: str, step: int, train_state: dict,
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this very step
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
-    started = time.perf_counter()
     accelerator.save_state(tmp)
     if rank_state is not None:
         _write_json(os.path.join(tmp, rank_state_file(accelerator.process_index)), rank_state)
@@ -138,7 +136,6 @@ def save_checkpoint(accelerator, output_dir: str, step: int, train_state: dict,
         if total_limit:
             prune_checkpoints(output_dir, total_limit)
     accelerator.wait_for_everyone()
-    train_state["_save_seconds"] = time.perf_counter() - started
     return final
 
 
