@@ -49,8 +49,7 @@ def score_digits(classifier, images: np.ndarray) -> dict:
 def train_command(out: str, prediction_type: str, snr_gamma: float | None, steps: int) -> list[str]:
     flags = ["--output_dir", out, "--max_train_steps", str(steps), "--prediction_type", prediction_type,
              "--save_images_steps", str(steps), "--checkpointing_steps", str(10 * steps), "--logger", "none"]
-    if snr_gamma:
-        flags += ["--snr_gamma", str(snr_gamma)]
+    flags += ["--snr_gamma", str(snr_gamma or 0)]  # 0: unweighted
     return [sys.executable, os.path.join(ROOT, "train_ddpm.py"), *flags]
 
 

@@ -87,7 +87,7 @@ def test_unknown_yaml_key_and_bad_types(tmp_path):
     (["--prediction_type", "noise"], "--prediction_type 'noise' is not one of"),
     (["--ema_max_decay", "1.0"], "--ema_max_decay must lie in (0, 1)"),
     (["--max_grad_norm", "-1"], "--max_grad_norm must be >= 0"),
-    (["--snr_gamma", "0"], "--snr_gamma must be positive"),
+    (["--snr_gamma=-1"], "--snr_gamma must be >= 0"),
     (["--loss_type", "l1"], "--loss_type 'l1' is not one of"),
     (["--dataset_name", "a", "--train_data_dir", "."], "not both"),
     (["--model_config_name_or_path", "/no/such/unet"], "no such file or folder"),
