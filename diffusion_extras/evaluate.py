@@ -17,6 +17,7 @@ from PIL import Image
 from diffusion_extras.evaluation import (ReferenceStatistics, build_feature_extractor, evaluate_unet,
                                          reference_statistics)
 from diffusion_extras.sample import positive_int
+from diffusion_extras.data import preprocess_image
 from diffusion_extras.sampling import SCHEDULERS, load_pipeline, make_scheduler, resolve_device
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -31,14 +32,10 @@ def list_images(folder: str) -> list[str]:
 
 
 def load_image(path: str, resolution: int) -> np.ndarray:
-    """RGB uint8, shorter side resized (bilinear) then center-cropped to `resolution`, as in training."""
-    image = Image.open(path).convert("RGB")
-    scale = resolution / min(image.size)
-    if scale != 1:
-        size = (max(resolution, round(image.width * scale)), max(resolution, round(image.height * scale)))
-        image = image.resize(size, Image.BILINEAR)
-    left, top = (image.width - resolution) // 2, (image.height - resolution) // 2
-    return np.asarray(image.crop((left, top, left + resolution, top + resolution)))
+    """RGB uint8 [H, W, 3], preprocessed exactly as training images are (shorter side to
+    `resolution`, centre crop)."""
+    with Image.open(path) as image:
+        return preprocess_image(image, resolution, center_crop=True, channels=3)
 
 
 def iter_image_batches(paths: list[str], resolution: int, batch_size: int):
