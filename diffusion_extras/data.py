@@ -19,7 +19,7 @@ from PIL import Image
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1  # bump when the cached layout or preprocessing changes
+CACHE_FORMAT = 2  # bump when the cached layout or preprocessing changes
 
 
 class DataError(ValueError):
@@ -140,21 +140,10 @@ class DecodedImages:
         height, width = self.shapes[0]
         return np.asarray(self.pixels).reshape(len(self), height, width, self.channels)
 
-    def save(self, directory: str) -> None:
-        tmp = directory + f".tmp{os.getpid()}"
-        os.makedirs(tmp, exist_ok=True)
-        np.save(os.path.join(tmp, "pixels.npy"), self.pixels)
-        np.save(os.path.join(tmp, "shapes.npy"), self.shapes)
-        if os.path.exists(directory):  # another process finished first: keep theirs
-            import shutil
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, directory)
-
     @classmethod
     def load(cls, directory: str, channels: int) -> "DecodedImages":
         shapes = np.load(os.path.join(directory, "shapes.npy"))
-        pixels = np.load(os.path.join(directory, "pixels.npy"), mmap_mode="r")
+        pixels = np.memmap(os.path.join(directory, "pixels.bin"), dtype=np.uint8, mode="r")
         return cls(pixels, shapes, _offsets(shapes, channels), channels)
 
 
@@ -185,26 +174,63 @@ def _decode(item: dict) -> Image.Image:
     return Image.open(item["path"])
 
 
-def decode_dataset(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
-                   progress: bool = False) -> DecodedImages:
-    """Decode every image once. Corrupt files are skipped with a warning naming them."""
-    import datasets
-    from tqdm.auto import tqdm
+DECODE_CHUNK = 512  # rows per decoding task
 
-    raw = dataset.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column])
-    arrays, skipped = [], []
-    items = (item for chunk in raw.iter(batch_size=256) for item in chunk[image_column])
-    for index, item in enumerate(tqdm(items, total=len(raw), desc="decoding images once", disable=not progress)):
+
+def _decode_rows(bounds: tuple[int, int], dataset, image_column: str, resolution: int, center_crop: bool,
+                 channels: int) -> tuple[list, list]:
+    """Decode rows [start, stop) from their stored bytes: (arrays, [(name, error)]). Runs in worker
+    processes too; the arrow format hands over bytes and paths without decoding."""
+    start, stop = bounds
+    items = dataset.with_format("arrow")[start:stop].column(image_column).to_pylist()
+    arrays, problems = [], []
+    for offset, item in enumerate(items):
         try:
             with _decode(item) as image:
                 image.load()
                 arrays.append(preprocess_image(image, resolution, center_crop, channels))
         except Exception as error:  # PIL raises several types for truncated or non-image files
-            name = item.get("path") or f"row {index}"
-            skipped.append(name)
-            warnings.warn(f"skipping unreadable image {name}: {type(error).__name__}: {error}")
-    if not arrays:
-        raise DataError(f"none of the {len(raw)} images could be decoded (first: {skipped[:3]})")
+            problems.append((item.get("path") or f"row {start + offset}", f"{type(error).__name__}: {error}"))
+    return arrays, problems
+
+
+def decode_workers(num_rows: int) -> int:
+    """Processes for decoding: all cores (up to 16) for datasets big enough to repay the start-up."""
+    return min(os.cpu_count() or 1, 16) if num_rows >= 4 * DECODE_CHUNK else 1
+
+
+def iter_decoded(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
+                 workers: int = 1, progress: bool = False):
+    """Every decodable image, in row order, as uint8 [H, W, C]; unreadable files are skipped with a
+    warning that names them. Raises DataError if none can be decoded."""
+    import functools
+    from concurrent.futures import ProcessPoolExecutor
+
+    from tqdm.auto import tqdm
+
+    bounds = [(a, min(a + DECODE_CHUNK, len(dataset))) for a in range(0, len(dataset), DECODE_CHUNK)]
+    task = functools.partial(_decode_rows, dataset=dataset, image_column=image_column, resolution=resolution,
+                             center_crop=center_crop, channels=channels)
+    pool = ProcessPoolExecutor(workers) if workers > 1 else None
+    decoded, skipped = 0, []
+    with tqdm(total=len(dataset), desc="decoding images once", disable=not progress) as bar:
+        for arrays, problems in (pool.map(task, bounds) if pool else map(task, bounds)):
+            for name, message in problems:
+                skipped.append(name)
+                warnings.warn(f"skipping unreadable image {name}: {message}")
+            decoded += len(arrays)
+            bar.update(len(arrays) + len(problems))
+            yield from arrays
+    if pool:
+        pool.shutdown()
+    if not decoded:
+        raise DataError(f"none of the {len(dataset)} images could be decoded (first: {skipped[:3]})")
+
+
+def decode_dataset(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
+                   progress: bool = False) -> DecodedImages:
+    """Decode every image once, in memory (small datasets: the digits)."""
+    arrays = list(iter_decoded(dataset, image_column, resolution, center_crop, channels, progress=progress))
     shapes = np.array([a.shape[:2] for a in arrays], dtype=np.int64)
     pixels = np.concatenate([a.reshape(-1) for a in arrays])
     return DecodedImages(pixels, shapes, _offsets(shapes, channels), channels)
@@ -212,9 +238,11 @@ def decode_dataset(dataset, image_column: str, resolution: int, center_crop: boo
 
 def cached_decode(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
                   cache_dir: str | None, progress: bool = False) -> DecodedImages:
-    """decode_dataset, stored on disk keyed by the dataset's fingerprint and the preprocessing, so
-    later runs (and the other ranks, which wait for the main one) only memory-map it. In-memory
-    datasets (the digits) have no stable fingerprint and are decoded each time (under a second)."""
+    """Decoded images stored on disk, keyed by the dataset's fingerprint and the preprocessing, so
+    later runs (and the other ranks, which wait for the main one) only memory-map them. Images are
+    written to the file as they are decoded (memory stays flat whatever the dataset size), by a
+    process pool for large datasets. In-memory datasets (the digits) have no stable fingerprint and
+    are decoded each time (under a second)."""
     if not dataset.cache_files:
         return decode_dataset(dataset, image_column, resolution, center_crop, channels, progress)
     import datasets
@@ -223,11 +251,29 @@ def cached_decode(dataset, image_column: str, resolution: int, center_crop: bool
                                center_crop, channels)).encode()).hexdigest()[:20]
     root = cache_dir or datasets.config.HF_DATASETS_CACHE
     directory = os.path.join(str(root), "ddpm_decoded", key)
-    if os.path.isfile(os.path.join(directory, "shapes.npy")):
-        return DecodedImages.load(directory, channels)
-    decoded = decode_dataset(dataset, image_column, resolution, center_crop, channels, progress)
-    decoded.save(directory)
-    return decoded
+    if not os.path.isfile(os.path.join(directory, "shapes.npy")):
+        images = iter_decoded(dataset, image_column, resolution, center_crop, channels,
+                              decode_workers(len(dataset)), progress)
+        _write_cache(directory, images)
+    return DecodedImages.load(directory, channels)
+
+
+def _write_cache(directory: str, images) -> None:
+    """pixels.bin (every image's bytes, in order) and shapes.npy, published by one rename."""
+    import shutil
+
+    tmp = directory + f".tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    shapes = []
+    with open(os.path.join(tmp, "pixels.bin"), "wb") as fh:
+        for array in images:
+            fh.write(np.ascontiguousarray(array).tobytes())
+            shapes.append(array.shape[:2])
+    np.save(os.path.join(tmp, "shapes.npy"), np.array(shapes, dtype=np.int64))  # written last: marks it complete
+    if os.path.exists(directory):  # another process finished first: keep theirs
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, directory)
 
 
 # ----------------------------------------------------------------------------- batch order

@@ -148,3 +148,27 @@ def test_to_model_input_scales_and_flips():
     out = data.to_model_input(batch, "cpu", torch.tensor([False, True]))
     assert out.dtype == torch.float32
     assert out[0].flatten().tolist() == [-1.0, 1.0] and out[1].flatten().tolist() == [1.0, -1.0]
+
+
+def test_pooled_decoding_equals_in_process_and_names_corrupt_files(tmp_path, monkeypatch):
+    folder = _image_folder(tmp_path / "imgs", count=11, size=(14, 10))
+    with open(os.path.join(folder, "05-bad.png"), "wb") as fh:
+        fh.write(b"\x89PNG\r\n\x1a\ntruncated")
+    dataset = data.load_image_dataset(config(train_data_dir=folder, cache_dir=str(tmp_path / "c")))
+    monkeypatch.setattr(data, "DECODE_CHUNK", 3)  # 12 rows -> 4 tasks
+    with pytest.warns(UserWarning, match="05-bad.png"):
+        alone = list(data.iter_decoded(dataset, "image", 8, False, 3, workers=1))
+    with pytest.warns(UserWarning, match="05-bad.png"):
+        pooled = list(data.iter_decoded(dataset, "image", 8, False, 3, workers=2))
+    assert len(alone) == len(pooled) == 11
+    assert all(np.array_equal(a, b) for a, b in zip(alone, pooled))
+
+
+def test_cache_file_holds_every_image_in_row_order(tmp_path):
+    folder = _image_folder(tmp_path / "imgs", count=7, size=(9, 13))
+    dataset = data.load_image_dataset(config(train_data_dir=folder, cache_dir=str(tmp_path / "c")))
+    cached = data.cached_decode(dataset, "image", 8, False, 3, str(tmp_path / "cache"))
+    direct = data.decode_dataset(dataset, "image", 8, False, 3)
+    [entry] = os.listdir(tmp_path / "cache" / "ddpm_decoded")
+    assert os.path.getsize(tmp_path / "cache" / "ddpm_decoded" / entry / "pixels.bin") == direct.pixels.size
+    assert all(np.array_equal(cached.image(i), direct.image(i)) for i in range(7))
