@@ -6,7 +6,7 @@
 
 Progress is counted in optimizer steps. Everything random in a step (data order, crops, flips,
 noise, timesteps) is a function of (seed, micro-step), so a resumed run continues bit for bit
-and P ranks with batch B train exactly like one rank with batch P*B.
+and P ranks with batch B train like one rank with batch P*B (up to float summation order).
 """
 from __future__ import annotations
 
@@ -70,12 +70,14 @@ def setup(config: TrainConfig) -> SimpleNamespace:
     build_data(run, unet.config.in_channels)
     build_optimization(run, unet)
     build_extras(run)
-    run.hub_pusher, run.secrets = artifacts.connect_hub(config, accelerator.is_main_process)
-    start_trackers(run)
-    if accelerator.is_main_process:
-        run.evaluation = artifacts.prepare_evaluation(run)
-    if config.resume_from_checkpoint:
+    if config.resume_from_checkpoint:  # refuse an incompatible resume before any remote side effect
         resume(run)
+    run.hub_pusher, run.secrets = (None, ()) if config.find_lr else artifacts.connect_hub(
+        config, accelerator.is_main_process)
+    start_trackers(run)
+    if accelerator.is_main_process and not config.find_lr:
+        run.evaluation = artifacts.prepare_evaluation(run)
+        artifacts.write_reference_bins(run)  # on-demand reports of a running or killed run use it
     return run
 
 
@@ -107,6 +109,7 @@ def build_data(run, channels: int) -> None:
         run.order = data.GlobalBatchOrder(len(run.images), run.global_batch_size, config.seed)
         steps_per_epoch = max(1, run.order.batches_per_epoch // config.gradient_accumulation_steps)
         run.max_train_steps = config.max_train_steps or config.num_epochs * steps_per_epoch
+        config.max_train_steps = run.max_train_steps  # saved configs and reports record the real length
     sample = torch.from_numpy(artifacts.reference_sample(run, 2048, channels))
     # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
     run.sigma_data = diagnostics.per_dimension_variance(data.to_model_input(sample, "cpu")) ** 0.5
@@ -457,6 +460,7 @@ def find_lr(run) -> None:
         accelerator.print(f"LR range test over {len(test.lrs)} steps ({test.lrs[0]:.1e} -> {test.lrs[-1]:.1e}): "
                           + (f"suggested --learning_rate {suggestion:.2e}" if suggestion else
                              "no clear descent; try more --find_lr_steps") + f"; plot {png_path}")
+    accelerator.end_training()
 
 
 def verify_replicas(run) -> None:
@@ -475,20 +479,20 @@ def verify_replicas(run) -> None:
     accelerator.print(f"replicas identical on {accelerator.num_processes} processes (weights and EMA)")
 
 
-def redact_argv(argv: list) -> None:
-    """Trackers (wandb) record the command line: replace secret flag values in place once parsed."""
+def redact_argv(argv: list, secrets) -> None:
+    """Trackers (wandb) record the command line: once parsed, every secret value is replaced in
+    place, whatever flag spelling carried it."""
     for index, arg in enumerate(argv):
-        if arg.startswith("--hub_token="):
-            argv[index] = "--hub_token=***"
-        elif arg == "--hub_token" and index + 1 < len(argv):
-            argv[index + 1] = "***"
+        for secret in secrets:
+            if secret and secret in arg:
+                argv[index] = arg = arg.replace(secret, "***")
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = parse_config(argv)
-        redact_argv(sys.argv)
+        redact_argv(sys.argv, [config.hub_token])
         run = setup(config)
     except (ConfigError, data.DataError, checkpointing.CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 from . import diagnostics, evaluation, hub, models, report, sampling, tracking
-from .config import ConfigError, save_config
+from .config import ConfigError
 
 CARD_GRID = "images/samples.png"
 CARD_PLOT = "images/loss_per_timestep.png"
@@ -55,13 +55,19 @@ def save_loss_plot(run) -> str:
     return path
 
 
-def write_health_report(run) -> str:
+def write_reference_bins(run) -> dict:
+    """The Bayes-optimal loss per timestep bin for this data (sigma_data) and schedule, into
+    logs/ so the report can judge the per-timestep losses whenever it is made."""
     reference = run.diagnostics.bayes_optimal_bins(run.schedule.alphas_cumprod.cpu(), run.sigma_data,
                                                    run.config.prediction_type)
     os.makedirs(os.path.join(run.config.output_dir, "logs"), exist_ok=True)
     with open(os.path.join(run.config.output_dir, "logs", report.REFERENCE_FILE), "w") as fh:
         json.dump({"sigma_data": run.sigma_data, "bayes_optimal_bins": reference}, fh, indent=1)
-    _, md_path = report.write_report(run.config.output_dir, bayes_optimal_bins=reference)
+    return reference
+
+
+def write_health_report(run) -> str:
+    _, md_path = report.write_report(run.config.output_dir, bayes_optimal_bins=write_reference_bins(run))
     return md_path
 
 
@@ -88,7 +94,6 @@ def export(run, final: bool = False) -> None:
     config = run.config
     with ema_weights(run):
         models.export_pipeline(run.accelerator.unwrap_model(run.unet), run.noise_scheduler, config.output_dir)
-    save_config(config, os.path.join(config.output_dir, "training_config.yaml"))
     if run.hub_pusher is None:
         return
     images_seen = run.global_step * config.gradient_accumulation_steps * run.global_batch_size

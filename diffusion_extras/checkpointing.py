@@ -22,12 +22,14 @@ PREFIX = "checkpoint-"
 MARKER = "checkpoint_complete.json"
 TRAIN_STATE = "train_state.json"
 # Settings that shape the saved state: resuming with another value would load wrong or mismatched state.
-STATE_SHAPING_KEYS = ("unet", "streaming", "timestep_sampling", "posthoc_ema", "prediction_type", "ddpm_num_steps", "ddpm_beta_schedule", "resolution",
+STATE_SHAPING_KEYS = ("unet", "streaming", "timestep_sampling", "posthoc_ema", "diagnostics_bins", "prediction_type", "ddpm_num_steps", "ddpm_beta_schedule", "resolution",
                       "train_batch_size", "gradient_accumulation_steps", "num_processes", "use_ema",
                       "mixed_precision")
 # Settings that change what the resumed run does compared with an uninterrupted one, but load fine.
 RUN_CHANGING_KEYS = ("seed", "learning_rate", "lr_scheduler", "lr_warmup_steps", "adam_beta1", "adam_beta2",
-                     "adam_weight_decay", "max_grad_norm", "dataset_name", "train_data_dir", "max_train_samples")
+                     "adam_weight_decay", "max_grad_norm", "dataset_name", "train_data_dir", "max_train_samples",
+                     "ema_max_decay", "ema_inv_gamma", "ema_power", "snr_gamma", "loss_type",
+                     "max_train_steps")  # a new length rescales the LR decay from here on
 
 
 class CheckpointError(ValueError):

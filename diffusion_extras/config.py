@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every TrainConfig field becomes a flag; defaults are None so we know which flags were given."""
     parser = _OneLineErrors(
         description="Train a DDPM (diffusers UNet2DModel + DDPMScheduler) with Accelerate.",
-        argument_default=None)
+        argument_default=None, allow_abbrev=False)  # no --hub_tok=...: every flag is spelled out
     parser.add_argument("--config", help="YAML recipe (see configs/); flags given here override it.")
     for f in config_fields():
         kind = f.type.replace("Optional[", "").rstrip("]")
@@ -184,9 +184,11 @@ def from_sources(yaml_values: dict, cli_values: dict) -> TrainConfig:
     unknown = sorted(set(yaml_values) - set(known))
     if unknown:
         raise ConfigError(f"unknown setting(s) in the recipe: {', '.join(unknown)}; see `python train_ddpm.py --help`")
-    values = {**yaml_values, **{k: v for k, v in cli_values.items() if v is not None and k in known}}
-    if "num_epochs" in values and "max_train_steps" not in values:
-        values["max_train_steps"] = None  # epochs asked for, steps not: the epochs decide the length
+    values = {}
+    for layer in (yaml_values, {k: v for k, v in cli_values.items() if v is not None and k in known}):
+        values.update(layer)
+        if "num_epochs" in layer and "max_train_steps" not in layer:
+            values["max_train_steps"] = None  # this source asks for epochs, not steps: epochs decide
     for name, value in values.items():
         values[name] = _coerce(known[name], value)
     return TrainConfig(**values)
@@ -290,7 +292,8 @@ def validate(c: TrainConfig) -> None:
         import torch
         need(torch.cuda.is_available(),
              "--mixed_precision fp16 needs a CUDA GPU and none is visible; use --mixed_precision bf16 or no on CPU")
-    validate_model_shape(c.model, c.resolution)
+    if c.model_config_name_or_path is None:  # a config file's UNet is checked when it is loaded
+        validate_model_shape(c.model, c.resolution)
 
 
 def validate_model_shape(model: dict, resolution: int) -> None:

@@ -1,6 +1,6 @@
 """LR range test (Smith 2017, "Cyclical Learning Rates"): raise the learning rate exponentially
 over a few hundred steps on the real model and data, watch the smoothed loss, stop once it
-diverges, and suggest a rate a bit below the steepest descent.
+diverges, and suggest the rate where the smoothed loss falls fastest.
 
 The training loop drives it (train_ddpm.find_lr); this module holds the schedule, the stopping
 rule, the suggestion and the plot, so each is testable alone.
@@ -49,9 +49,8 @@ class RangeTest:
         return smooth > DIVERGENCE_FACTOR * self.best
 
     def suggestion(self) -> float | None:
-        """The lr of the steepest descent of the smoothed loss (in log lr), before its minimum,
-        divided by 10 for a margin (fastai's heuristic picks near there; the minimum itself is
-        already too hot for training)."""
+        """The lr of the steepest descent of the smoothed loss (in log lr) before its minimum (the
+        minimum itself is already too hot for training; fastai's heuristic picks the same point)."""
         smooth = np.array(self.smoothed, dtype=np.float64)
         log_lr = np.log10(np.array(self.lrs, dtype=np.float64))
         finite = np.isfinite(smooth)

@@ -162,8 +162,9 @@ def check_loss_noise(run: Run) -> list[Finding]:
         f"Over the last half, logged losses scatter by {spread:.0%} around their running median and "
         f"{spikes} of {len(residual)} windows spike above {SPIKE_RATIO:g}x it.",
         _stability_fix(run.config, "Reduce the gradient noise: raise --train_batch_size or "
-                       "--gradient_accumulation_steps, and consider --snr_gamma 5 (Min-SNR, Hang et al. "
-                       f"2023, tames the large low-noise losses); each logged value averages ~{samples} "
+                       "--gradient_accumulation_steps" + ("" if run.config.get("snr_gamma") else
+                       ", and consider --snr_gamma 5 (Min-SNR, Hang et al. 2023, tames the large low-noise losses)")
+                       + f"; each logged value averages ~{samples} "
                        "samples per process, so a larger --diagnostics_steps smooths the log itself"),
         {"log_spread": spread, "spikes": spikes, "windows": len(residual),
          "samples_per_window_per_process": samples})]
@@ -273,8 +274,11 @@ def check_timestep_balance(run: Run, reference: dict[str, float] | None) -> list
     ranges = [f"{edges[i]}-{edges[i + 1] - 1}" for i in flagged]
     noisy = sum(edges[i] >= timesteps / 2 for i in flagged) > len(flagged) / 2
     if noisy:
-        fix = ("These noisy timesteps set the samples' global layout. Shift the loss weight toward them "
-               "with --snr_gamma 5 (Min-SNR, Hang et al. 2023, caps the weight of low-noise timesteps)"
+        gamma = run.config.get("snr_gamma")
+        shift = (f"Min-SNR is on (--snr_gamma {gamma}); a lower --snr_gamma (e.g. 2) moves more weight to them"
+                 if gamma else "Shift the loss weight toward them with --snr_gamma 5 (Min-SNR, Hang et al. "
+                 "2023, caps the weight of low-noise timesteps)")
+        fix = ("These noisy timesteps set the samples' global layout. " + shift
                + (", or switch to --prediction_type v_prediction (an "
                "epsilon error there is amplified sqrt((1-abar)/abar) times in the image estimate)"
                if prediction_type == "epsilon" else "") + "; and train longer (--max_train_steps).")

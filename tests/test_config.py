@@ -111,6 +111,19 @@ def test_model_config_from_json_file_and_pipeline_folder(tmp_path):
         assert list(built.config.block_out_channels) == [8, 16] and built.config.sample_size == 12
 
 
+def test_abbreviated_flags_are_refused():
+    """--hub_tok=... must not reach hub_token unnoticed (and then the command line, via trackers)."""
+    with pytest.raises(SystemExit):
+        parse_config(["--hub_tok=hf_abbreviated"])
+
+
+def test_secrets_are_scrubbed_from_argv_by_value():
+    import train_ddpm
+    argv = ["train_ddpm.py", "--hub_token", "hf_abc123", "--hub_token=hf_abc123", "--output_dir", "x"]
+    train_ddpm.redact_argv(argv, ["hf_abc123", None])
+    assert argv == ["train_ddpm.py", "--hub_token", "***", "--hub_token=***", "--output_dir", "x"]
+
+
 def test_saved_config_never_holds_tokens(tmp_path):
     config = TrainConfig()
     config.__dict__["hub_token"] = "hf_secret_value"  # whatever secret settings exist, by name

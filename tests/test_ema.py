@@ -75,7 +75,7 @@ def test_state_dict_round_trip_continues_identically():
     a = ExponentialMovingAverage(model.parameters(), max_decay=0.99, power=2 / 3)
     for _ in range(5):
         a.step(model.parameters())
-    b = ExponentialMovingAverage(torch.nn.Linear(4, 4).parameters())
+    b = ExponentialMovingAverage(torch.nn.Linear(4, 4).parameters(), max_decay=0.99, power=2 / 3)  # same config
     b.load_state_dict(a.state_dict())
     with torch.no_grad():
         for p in model.parameters():
@@ -86,6 +86,17 @@ def test_state_dict_round_trip_continues_identically():
     for x, y in zip(a.shadow_params, b.shadow_params):
         assert torch.equal(x, y)
     assert math.isclose(b.power, 2 / 3)
+
+
+def test_load_state_dict_keeps_the_current_settings():
+    """The decay settings come from the resumed run's config (a change is warned about at resume),
+    the checkpoint gives the position and the average."""
+    a = ExponentialMovingAverage(torch.nn.Linear(2, 2).parameters(), max_decay=0.99, power=2 / 3)
+    a.step(torch.nn.Linear(2, 2).parameters())
+    b = ExponentialMovingAverage(torch.nn.Linear(2, 2).parameters(), max_decay=0.5, power=1.0)
+    b.load_state_dict(a.state_dict())
+    assert (b.max_decay, b.power, b.optimization_step) == (0.5, 1.0, 1)
+    assert all(torch.equal(x, y) for x, y in zip(a.shadow_params, b.shadow_params))
 
 
 def test_load_state_dict_rejects_other_model():

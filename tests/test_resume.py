@@ -128,9 +128,13 @@ def test_state_breaking_change_is_refused_with_the_differences(run_cli, tiny_rec
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "prediction_type: 'epsilon' -> 'v_prediction'" in result.stderr
     assert "train_batch_size: 8 -> 4" in result.stderr
+    bins = train(run_cli, tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 4,
+                 "--resume_from_checkpoint", "latest", "--diagnostics_bins", 5)
+    assert bins.returncode == 2 and "diagnostics_bins: 10 -> 5" in bins.stderr and "Traceback" not in bins.stderr
     harmless = train(run_cli, tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 3,
-                     "--resume_from_checkpoint", "latest", "--diagnostics_steps", 3)
+                     "--resume_from_checkpoint", "latest", "--diagnostics_steps", 3, "--ema_max_decay", 0.5)
     assert harmless.returncode == 0, harmless.stderr
+    assert "run will differ from an uninterrupted one" in harmless.stderr and "ema_max_decay: 0.999 -> 0.5" in harmless.stderr
 
 
 def test_two_ranks_train_checkpoint_resume_and_match_one_rank(run_cli, tiny_recipe, tmp_path):
