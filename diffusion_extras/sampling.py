@@ -16,6 +16,8 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from .data import mix_seed
+
 SCHEDULERS = ("ddpm", "ddim", "dpm")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -43,9 +45,8 @@ def make_scheduler(name: str, config):
 
 
 def image_seed(seed: int, index: int) -> int:
-    """A 63-bit seed for image `index`; SeedSequence decorrelates neighbouring (seed, index) pairs."""
-    state = np.random.SeedSequence([seed, index]).generate_state(2, dtype=np.uint32)
-    return (int(state[0]) << 31) ^ int(state[1])
+    """A 63-bit seed for image `index`, decorrelated from its neighbours (the trainer's mix_seed)."""
+    return mix_seed(seed, index)
 
 
 def _image_shape(unet) -> tuple[int, int, int]:
