@@ -337,7 +337,8 @@ def save_checkpoint(run) -> None:
 
 
 def log_window(run, loss_sum: torch.Tensor, steps: int, seconds: float, progress) -> dict:
-    """Average over the window and over processes: the one host sync per logging interval."""
+    """Average over the window and over processes. The loss reduce and the diagnostics gather are
+    the host syncs of a logging interval (two small collectives); the steps between have none."""
     accelerator = run.accelerator
     loss = accelerator.reduce(loss_sum / max(steps, 1), reduction="mean").item()
     images = steps * run.global_batch_size * run.config.gradient_accumulation_steps
