@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 from . import diagnostics, evaluation, hub, models, report, sampling, tracking
-from .config import ConfigError
+from .config import ConfigError, redact_config
 
 CARD_GRID = "images/samples.png"
 CARD_PLOT = "images/loss_per_timestep.png"
@@ -97,7 +97,7 @@ def export(run, final: bool = False) -> None:
     if run.hub_pusher is None:
         return
     images_seen = run.global_step * config.gradient_accumulation_steps * run.global_batch_size
-    info = {"repo_id": run.hub_pusher.repo_id, "config": hub.redact_config(config.to_dict(), run.secrets),
+    info = {"repo_id": run.hub_pusher.repo_id, "config": redact_config(config.to_dict(), run.secrets),
             "global_step": run.global_step, "images_seen": images_seen, "metrics": run.last_metrics,
             "dataset_name": config.dataset_name or ("sklearn digits" if not config.train_data_dir else None),
             "_redact": list(run.secrets)}

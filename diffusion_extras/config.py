@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Iterable, Optional
 
 import yaml
 
@@ -306,9 +307,31 @@ def validate_model_shape(model: dict, resolution: int) -> None:
             f"{len(blocks)} blocks; use a multiple of {2 ** halvings} (e.g. {resolution - resolution % 2 ** halvings or 2 ** halvings})")
 
 
+_HF_TOKEN_RE = re.compile(r"hf_[A-Za-z0-9]{30,}")  # shape of Hub user access tokens
+
+
+def redact_config(config: dict, secrets: Iterable = ()) -> dict:
+    """Copy of `config` without secrets: keys containing "token", values holding a known secret
+    or shaped like a Hub token. Nested dicts and lists are cleaned the same way."""
+    secrets = [s for s in secrets if s]
+
+    def is_secret(value) -> bool:
+        return isinstance(value, str) and (any(s in value for s in secrets) or bool(_HF_TOKEN_RE.search(value)))
+
+    def clean(value):
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if "token" not in str(k).lower() and not is_secret(v)}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value if not is_secret(v)]
+        return value
+
+    return clean(config)
+
+
+
 def save_config(config: TrainConfig, path: str) -> None:
-    """The resolved config beside the pipeline. Secrets (any *token* setting) are never written."""
-    values = {k: v for k, v in config.to_dict().items() if "token" not in k.lower()}
+    """The resolved config beside the pipeline, through redact_config: no secret is written."""
+    values = redact_config(config.to_dict(), [config.hub_token])
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as fh:
         yaml.safe_dump(values, fh, sort_keys=False)

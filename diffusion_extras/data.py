@@ -168,6 +168,24 @@ def preprocess_image(image: Image.Image, resolution: int, center_crop: bool, cha
     return array[:, :, None] if array.ndim == 2 else array
 
 
+def decode_image(item: dict, resolution: int, center_crop: bool, channels: int) -> np.ndarray:
+    """A stored image ({"bytes", "path"}) decoded and preprocessed; raises on unreadable files."""
+    with _decode(item) as image:
+        image.load()
+        return preprocess_image(image, resolution, center_crop, channels)
+
+
+def random_crop(image: np.ndarray, resolution: int, *seed_parts: int) -> np.ndarray:
+    """A resolution^2 crop placed by mix_seed(*seed_parts), so a resumed run crops the same."""
+    height, width = image.shape[:2]
+    if height == width == resolution:
+        return image
+    rng = np.random.default_rng(mix_seed(*seed_parts))
+    top = rng.integers(0, height - resolution + 1)
+    left = rng.integers(0, width - resolution + 1)
+    return image[top:top + resolution, left:left + resolution]
+
+
 def _decode(item: dict) -> Image.Image:
     if item.get("bytes") is not None:
         return Image.open(io.BytesIO(item["bytes"]))
@@ -186,9 +204,7 @@ def _decode_rows(bounds: tuple[int, int], dataset, image_column: str, resolution
     arrays, problems = [], []
     for offset, item in enumerate(items):
         try:
-            with _decode(item) as image:
-                image.load()
-                arrays.append(preprocess_image(image, resolution, center_crop, channels))
+            arrays.append(decode_image(item, resolution, center_crop, channels))
         except Exception as error:  # PIL raises several types for truncated or non-image files
             problems.append((item.get("path") or f"row {start + offset}", f"{type(error).__name__}: {error}"))
     return arrays, problems
@@ -321,15 +337,7 @@ class MicroBatches(torch.utils.data.Dataset):
         rows = self.order.indices(micro_step)[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         batch = np.empty((len(rows), self.resolution, self.resolution, self.images.channels), np.uint8)
         for slot, row in enumerate(rows):
-            image = self.images.image(int(row))
-            height, width = image.shape[:2]
-            if height == width == self.resolution:
-                batch[slot] = image
-            else:  # random crop, placed by (seed, row, micro-step) so a resumed run crops the same
-                rng = np.random.default_rng(mix_seed(self.seed, int(row), micro_step))
-                top = rng.integers(0, height - self.resolution + 1)
-                left = rng.integers(0, width - self.resolution + 1)
-                batch[slot] = image[top:top + self.resolution, left:left + self.resolution]
+            batch[slot] = random_crop(self.images.image(int(row)), self.resolution, self.seed, int(row), micro_step)
         return torch.from_numpy(batch).permute(0, 3, 1, 2)
 
 

@@ -7,14 +7,14 @@ HTTP errors itself; a push that still fails is re-raised by the next `push` or b
 """
 
 import os
-import re
 import shutil
 import tempfile
-from collections.abc import Iterable
 from concurrent.futures import Future
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData, constants, get_token
 from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
+
+from .config import redact_config  # the project's one secret-dropping rule
 
 # What a DDPMPipeline needs, plus its card; everything else in the output dir stays local.
 PIPELINE_PATTERNS = ["model_index.json", "unet/*", "scheduler/*", "README.md", "images/*", "training_config.yaml"]
@@ -22,7 +22,6 @@ PIPELINE_PATTERNS = ["model_index.json", "unet/*", "scheduler/*", "README.md", "
 NEVER_PUSH_PATTERNS = ["*.pkl", "*optimizer*.bin", "*random_states*", "*.lock"]
 CARD_IMAGES_DIR = "images"  # card images live here, the only image folder that is pushed
 SECRET_SCAN_MAX_BYTES = 16 * 1024 * 1024  # weights are bigger and are not scanned for the token
-_HF_TOKEN_RE = re.compile(r"hf_[A-Za-z0-9]{30,}")  # shape of Hub user access tokens
 CARD_TAGS = ["pytorch", "diffusers", "unconditional-image-generation", "ddpm"]
 
 
@@ -47,24 +46,6 @@ def default_repo_id(output_dir: str, hub_model_id: str | None) -> str:
             f"'{repo_id}' is not a valid Hub repo id ({err}); pass --hub_model_id name or namespace/name"
         ) from None
     return repo_id
-
-
-def redact_config(config: dict, secrets: Iterable[str] = ()) -> dict:
-    """Copy of `config` without secrets: keys containing "token", values holding a known secret
-    or shaped like a Hub token. Nested dicts and lists are cleaned the same way."""
-    secrets = [s for s in secrets if s]
-
-    def is_secret(value) -> bool:
-        return isinstance(value, str) and (any(s in value for s in secrets) or bool(_HF_TOKEN_RE.search(value)))
-
-    def clean(value):
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items() if "token" not in str(k).lower() and not is_secret(v)}
-        if isinstance(value, (list, tuple)):
-            return [clean(v) for v in value if not is_secret(v)]
-        return value
-
-    return clean(config)
 
 
 class HubPusher:

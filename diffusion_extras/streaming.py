@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import torch
 
-from .data import DataError, _call_loader, _decode, find_image_column, mix_seed, preprocess_image
+from .data import DataError, _call_loader, decode_image, find_image_column, random_crop
 
 
 def load_stream(config, rank: int, world_size: int):
@@ -75,24 +75,14 @@ class StreamingBatches:
             image = self._next_example()
             self.examples_seen += 1
             try:
-                with _decode(image) as decoded:
-                    array = preprocess_image(decoded, self.resolution, self.center_crop, self.channels)
+                array = decode_image(image, self.resolution, self.center_crop, self.channels)
             except Exception as error:  # a corrupt file in a stream: skip it, name it, go on
                 name = image.get("path") or f"#{self.examples_seen}"
                 warnings.warn(f"skipping unreadable image {name}: {type(error).__name__}: {error}")
                 continue
-            batch[filled] = self._crop(array)
+            batch[filled] = random_crop(array, self.resolution, self.seed, self.examples_seen)
             filled += 1
         return torch.from_numpy(batch).permute(0, 3, 1, 2)
-
-    def _crop(self, array: np.ndarray) -> np.ndarray:
-        height, width = array.shape[:2]
-        if height == width == self.resolution:
-            return array
-        rng = np.random.default_rng(mix_seed(self.seed, self.examples_seen))
-        top = rng.integers(0, height - self.resolution + 1)
-        left = rng.integers(0, width - self.resolution + 1)
-        return array[top:top + self.resolution, left:left + self.resolution]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "examples_seen": self.examples_seen, "stream": self.stream.state_dict()}
@@ -110,8 +100,7 @@ def stream_reference_images(config, count: int, channels: int) -> np.ndarray:
     images = []
     for item in stream.take(count):
         try:
-            with _decode(item[column]) as decoded:
-                images.append(preprocess_image(decoded, config.resolution, True, channels))
+            images.append(decode_image(item[column], config.resolution, True, channels))
         except Exception:  # unreadable: the training stream warns about it; references just skip it
             continue
     if not images:

@@ -38,10 +38,10 @@ def _wandb_can_log() -> bool:
 
 def hyperparameters(config: dict) -> dict:
     """Trackers take scalars: lists and dicts become strings; secrets are dropped."""
+    from .config import redact_config
+
     flat = {}
-    for key, value in config.items():
-        if "token" in key.lower():
-            continue
+    for key, value in redact_config(config).items():
         flat[key] = value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
     return flat
 
