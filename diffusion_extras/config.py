@@ -27,6 +27,14 @@ MIXED_PRECISION = ("no", "fp16", "bf16")
 LOGGERS = ("tensorboard", "wandb", "all", "none")
 LOSS_TYPES = ("l2", "huber")
 TIMESTEP_SAMPLING = ("uniform", "loss_aware")
+FEATURE_EXTRACTORS = ("inception", "tiny")
+TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+
+# Resume policy: what `--resume_from_checkpoint` does when a setting differs from the checkpoint's.
+REFUSE = "refuse"  # the saved state cannot serve the new value (model shape, schedule, batch layout, ...)
+APPLY = "apply"    # the new value takes effect from the resumed step, and the run says so
+FREE = "free"      # no effect on what is trained (paths, workers, credentials)
+RESUME_POLICIES = (REFUSE, APPLY, FREE)
 
 # The digits recipe's UNet: 16 px grayscale, 16 -> 8 -> 4, attention at 4 px, 1.1M params.
 # One residual block per level: 1.44x the throughput of two, and at 1200 steps (~10 CPU-minutes
@@ -40,11 +48,15 @@ DIGITS_UNET = dict(
 )
 
 
-def _f(default, help_text, **kw):
-    """A field whose help text (with its unit) is declared beside its default."""
+def _f(default, help_text, *, resume: str, choices: tuple = None, cli: bool = True):
+    """A field declared with everything said about it: default, help (with its unit), allowed
+    values, and its resume policy. --help, validation and the resume check all read these."""
+    if resume not in RESUME_POLICIES:
+        raise ValueError(f"resume policy {resume!r} is not one of {RESUME_POLICIES}")
+    metadata = {"help": help_text, "resume": resume, "choices": choices, "cli": cli}
     if isinstance(default, (dict, list)):
-        return field(default_factory=lambda d=default: _copy(d), metadata={"help": help_text, **kw})
-    return field(default=default, metadata={"help": help_text, **kw})
+        return field(default_factory=lambda d=default: _copy(d), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def _copy(value):
@@ -54,87 +66,87 @@ def _copy(value):
 @dataclass
 class TrainConfig:
     # --- data -------------------------------------------------------------------------------
-    dataset_name: Optional[str] = _f(None, "Hub dataset id, or a local save_to_disk / load_dataset folder. None (and no --train_data_dir): the embedded scikit-learn digits.")
-    dataset_config_name: Optional[str] = _f(None, "Dataset configuration name (load_dataset's `name`).")
-    train_data_dir: Optional[str] = _f(None, "A folder of images, loaded with datasets' `imagefolder`.")
-    image_column: Optional[str] = _f(None, "Column holding the images; found from the features when not given.")
-    cache_dir: Optional[str] = _f(None, "Where datasets and the decoded-image cache are stored (default: datasets' cache).")
-    max_train_samples: Optional[int] = _f(None, "Keep only this many training images (for debugging or quick runs).")
-    resolution: int = _f(16, "Training image size in pixels (square).")
-    center_crop: bool = _f(True, "Center-crop to the square resolution; --no-center_crop crops at a random place.")
-    random_flip: bool = _f(False, "Flip images horizontally at random (off for digits: flipped digits are not digits).")
-    streaming: bool = _f(False, "Stream the dataset (load_dataset(streaming=True)) instead of downloading and caching it; needs --max_train_steps.")
-    shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.")
-    dataloader_num_workers: int = _f(0, "Loader worker processes (images are decoded once and cached, so 0-2 suffice).")
+    dataset_name: Optional[str] = _f(None, "Hub dataset id, or a local save_to_disk / load_dataset folder. None (and no --train_data_dir): the embedded scikit-learn digits.", resume=APPLY)
+    dataset_config_name: Optional[str] = _f(None, "Dataset configuration name (load_dataset's `name`).", resume=APPLY)
+    train_data_dir: Optional[str] = _f(None, "A folder of images, loaded with datasets' `imagefolder`.", resume=APPLY)
+    image_column: Optional[str] = _f(None, "Column holding the images; found from the features when not given.", resume=APPLY)
+    cache_dir: Optional[str] = _f(None, "Where datasets and the decoded-image cache are stored (default: datasets' cache).", resume=FREE)
+    max_train_samples: Optional[int] = _f(None, "Keep only this many training images (for debugging or quick runs).", resume=APPLY)
+    resolution: int = _f(16, "Training image size in pixels (square).", resume=REFUSE)
+    center_crop: bool = _f(True, "Center-crop to the square resolution; --no-center_crop crops at a random place.", resume=APPLY)
+    random_flip: bool = _f(False, "Flip images horizontally at random (off for digits: flipped digits are not digits).", resume=APPLY)
+    streaming: bool = _f(False, "Stream the dataset (load_dataset(streaming=True)) instead of downloading and caching it; needs --max_train_steps.", resume=REFUSE)
+    shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY)
+    dataloader_num_workers: int = _f(0, "Loader worker processes (images are decoded once and cached, so 0-2 suffice).", resume=FREE)
     # --- output and logging ---------------------------------------------------------------
-    output_dir: str = _f("ddpm-digits", "Where the pipeline, samples, logs and checkpoints are written.")
-    logging_dir: str = _f("logs", "Tracker logs, relative to output_dir.")
-    logger: str = _f("tensorboard", "Tracker: tensorboard | wandb | all | none.")
-    diagnostics_steps: int = _f(25, "Log loss, lr and diagnostics every N optimizer steps (also the progress-bar refresh).")
-    save_images_steps: int = _f(500, "Save a sample grid (EMA weights, DDIM) every N optimizer steps and at the end.")
-    save_model_steps: int = _f(1000, "Export the DDPMPipeline to output_dir every N optimizer steps and at the end.")
-    checkpointing_steps: int = _f(500, "Save a resumable checkpoint every N optimizer steps.")
-    checkpoints_total_limit: Optional[int] = _f(None, "Keep only the newest K checkpoints.")
-    resume_from_checkpoint: Optional[str] = _f(None, "'latest' or a checkpoint folder (anywhere) to resume from.")
+    output_dir: str = _f("ddpm-digits", "Where the pipeline, samples, logs and checkpoints are written.", resume=FREE)
+    logging_dir: str = _f("logs", "Tracker logs, relative to output_dir.", resume=FREE)
+    logger: str = _f("tensorboard", "Experiment tracker.", choices=LOGGERS, resume=FREE)
+    diagnostics_steps: int = _f(25, "Log loss, lr and diagnostics every N optimizer steps (also the progress-bar refresh).", resume=APPLY)
+    save_images_steps: int = _f(500, "Save a sample grid (EMA weights, DDIM) every N optimizer steps and at the end.", resume=APPLY)
+    save_model_steps: int = _f(1000, "Export the DDPMPipeline to output_dir every N optimizer steps and at the end.", resume=APPLY)
+    checkpointing_steps: int = _f(500, "Save a resumable checkpoint every N optimizer steps.", resume=APPLY)
+    checkpoints_total_limit: Optional[int] = _f(None, "Keep only the newest K checkpoints.", resume=APPLY)
+    resume_from_checkpoint: Optional[str] = _f(None, "'latest' or a checkpoint folder (anywhere) to resume from.", resume=FREE)
     # --- optimisation (counted in optimizer steps) -----------------------------------------
-    train_batch_size: int = _f(64, "Images per process per micro-batch.")
-    eval_batch_size: int = _f(64, "Images in each sample grid.")
-    num_epochs: int = _f(100, "Epochs to train when --max_train_steps is not given.")
-    max_train_steps: Optional[int] = _f(1200, "Optimizer steps to train; wins over --num_epochs when both are given, and giving only --num_epochs trains that many epochs.")
-    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
-    learning_rate: float = _f(2e-3, "Peak learning rate (after warmup).")
-    scale_lr: bool = _f(False, "Multiply the learning rate by batch size x accumulation x processes.")
-    lr_scheduler: str = _f("cosine", "cosine | constant_with_warmup | linear | constant.")
-    lr_warmup_steps: int = _f(100, "Linear warmup length in optimizer steps.")
-    adam_beta1: float = _f(0.9, "AdamW beta1.")
-    adam_beta2: float = _f(0.999, "AdamW beta2.")
-    adam_weight_decay: float = _f(0.0, "AdamW decoupled weight decay.")
-    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
-    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 disables clipping).")
-    mixed_precision: str = _f("no", "no | fp16 (GPU only) | bf16. Noising, targets and loss stay fp32.")
-    seed: int = _f(0, "Seed of everything: init, data order, noise, timesteps, flips.")
+    train_batch_size: int = _f(64, "Images per process per micro-batch.", resume=REFUSE)
+    eval_batch_size: int = _f(64, "Images in each sample grid.", resume=APPLY)
+    num_epochs: int = _f(100, "Epochs to train when --max_train_steps is not given.", resume=APPLY)
+    max_train_steps: Optional[int] = _f(1200, "Optimizer steps to train; wins over --num_epochs when both are given, and giving only --num_epochs trains that many epochs.", resume=APPLY)
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.", resume=REFUSE)
+    learning_rate: float = _f(2e-3, "Peak learning rate (after warmup).", resume=APPLY)
+    scale_lr: bool = _f(False, "Multiply the learning rate by batch size x accumulation x processes.", resume=APPLY)
+    lr_scheduler: str = _f("cosine", "Learning-rate schedule after warmup.", choices=LR_SCHEDULERS, resume=APPLY)
+    lr_warmup_steps: int = _f(100, "Linear warmup length in optimizer steps.", resume=APPLY)
+    adam_beta1: float = _f(0.9, "AdamW beta1.", resume=APPLY)
+    adam_beta2: float = _f(0.999, "AdamW beta2.", resume=APPLY)
+    adam_weight_decay: float = _f(0.0, "AdamW decoupled weight decay.", resume=APPLY)
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.", resume=APPLY)
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 disables clipping).", resume=APPLY)
+    mixed_precision: str = _f("no", "Autocast precision of the UNet (fp16 needs a GPU). Noising, targets and loss stay fp32.", choices=MIXED_PRECISION, resume=APPLY)
+    seed: int = _f(0, "Seed of everything: init, data order, noise, timesteps, flips.", resume=APPLY)
     # --- EMA -----------------------------------------------------------------------------
-    use_ema: bool = _f(True, "Keep an EMA of the weights; samples and the exported pipeline use it.")
-    ema_max_decay: float = _f(0.999, "EMA decay cap.")
-    ema_inv_gamma: float = _f(1.0, "EMA warmup: decay = 1 - (1 + step/inv_gamma)^-power.")
-    ema_power: float = _f(0.75, "EMA warmup power (3/4 suits short runs, 2/3 long ones).")
+    use_ema: bool = _f(True, "Keep an EMA of the weights; samples and the exported pipeline use it.", resume=REFUSE)
+    ema_max_decay: float = _f(0.999, "EMA decay cap.", resume=APPLY)
+    ema_inv_gamma: float = _f(1.0, "EMA warmup: decay = 1 - (1 + step/inv_gamma)^-power.", resume=APPLY)
+    ema_power: float = _f(0.75, "EMA warmup power (3/4 suits short runs, 2/3 long ones).", resume=APPLY)
     # --- model and noise schedule ----------------------------------------------------------
-    model_config_name_or_path: Optional[str] = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.")
-    model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only).", cli=False)
-    prediction_type: str = _f("epsilon", "epsilon | v_prediction | sample.")
-    ddpm_num_steps: int = _f(1000, "Diffusion timesteps T.")
-    ddpm_beta_schedule: str = _f("linear", "linear | scaled_linear | squaredcos_cap_v2.")
-    ddpm_num_inference_steps: int = _f(50, "DDIM steps for sample grids.")
-    rescale_betas_zero_snr: bool = _f(False, "Rescale betas to zero terminal SNR (Lin et al. 2024); pair with v_prediction.")
+    model_config_name_or_path: Optional[str] = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE)
+    model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only).", resume=REFUSE, cli=False)
+    prediction_type: str = _f("epsilon", "What the UNet predicts: the noise, v (Salimans & Ho 2022) or the clean image.", choices=PREDICTION_TYPES, resume=REFUSE)
+    ddpm_num_steps: int = _f(1000, "Diffusion timesteps T.", resume=REFUSE)
+    ddpm_beta_schedule: str = _f("linear", "Noise schedule of the betas.", choices=BETA_SCHEDULES, resume=REFUSE)
+    ddpm_num_inference_steps: int = _f(50, "DDIM steps for sample grids.", resume=APPLY)
+    rescale_betas_zero_snr: bool = _f(False, "Rescale betas to zero terminal SNR (Lin et al. 2024); pair with v_prediction.", resume=REFUSE)
     # --- loss -----------------------------------------------------------------------------
-    snr_gamma: Optional[float] = _f(5.0, "Min-SNR-gamma loss weighting (Hang et al. 2023); 0 turns it off. 5 beat no weighting on digits for every prediction type (docs/EXPERIMENTS.md).")
-    loss_type: str = _f("l2", "l2 | huber (pseudo-Huber with --huber_c).")
-    huber_c: float = _f(0.1, "Pseudo-Huber transition scale.")
-    timestep_sampling: str = _f("uniform", "uniform | loss_aware (importance sampling by per-timestep loss second moment, reweighted to stay unbiased).")
+    snr_gamma: Optional[float] = _f(5.0, "Min-SNR-gamma loss weighting (Hang et al. 2023); 0 turns it off. 5 beat no weighting on digits for every prediction type (docs/EXPERIMENTS.md).", resume=APPLY)
+    loss_type: str = _f("l2", "Loss: l2, or huber (pseudo-Huber with --huber_c).", choices=LOSS_TYPES, resume=APPLY)
+    huber_c: float = _f(0.1, "Pseudo-Huber transition scale.", resume=APPLY)
+    timestep_sampling: str = _f("uniform", "How timesteps are drawn: uniform, or loss_aware (importance sampling by the per-timestep loss second moment, reweighted to stay unbiased).", choices=TIMESTEP_SAMPLING, resume=REFUSE)
     # --- diagnostics -------------------------------------------------------------------------
-    diagnostics_bins: int = _f(10, "Timestep bins for the per-timestep loss statistics and plot.")
-    max_nonfinite_steps: int = _f(20, "Stop (saving the last good weights) after this many consecutive non-finite steps.")
-    find_lr: bool = _f(False, "Run an LR range test instead of training: exponential sweep 1e-7 -> 1e-2, plot and suggested lr.")
-    find_lr_steps: int = _f(100, "Optimizer steps of the LR range test.")
+    diagnostics_bins: int = _f(10, "Timestep bins for the per-timestep loss statistics and plot.", resume=REFUSE)
+    max_nonfinite_steps: int = _f(20, "Stop (saving the last good weights) after this many consecutive non-finite steps.", resume=APPLY)
+    find_lr: bool = _f(False, "Run an LR range test instead of training: exponential sweep 1e-7 -> 1e-2, plot and suggested lr.", resume=FREE)
+    find_lr_steps: int = _f(100, "Optimizer steps of the LR range test.", resume=FREE)
 
     # --- evaluation, post-hoc EMA, Hub ---------------------------------------------------------
-    eval_steps: Optional[int] = _f(None, "Every N optimizer steps (and at the end): FID/KID of EMA samples against the training data. None: off.")
-    eval_num_samples: int = _f(1000, "Samples per evaluation (and reference images, at most the dataset size).")
-    feature_extractor: str = _f("inception", "inception (needs --inception_weights: no download here) | tiny (smoke tests; not comparable with published FIDs).")
-    inception_weights: Optional[str] = _f(None, "Local TorchScript Inception file (inception-2015-12-05.pt) for FID/KID.")
-    posthoc_ema: bool = _f(False, "Keep EDM2 power-function EMA profiles (sigma_rel 0.05, 0.10) and snapshot them for post-hoc EMA.")
-    posthoc_ema_snapshot_steps: int = _f(500, "Post-hoc EMA snapshot interval (optimizer steps), fp16, into output_dir/posthoc_ema/.")
+    eval_steps: Optional[int] = _f(None, "Every N optimizer steps (and at the end): FID/KID of EMA samples against the training data. None: off.", resume=APPLY)
+    eval_num_samples: int = _f(1000, "Samples per evaluation (and reference images, at most the dataset size).", resume=APPLY)
+    feature_extractor: str = _f("inception", "Features for FID/KID: inception (needs --inception_weights), or tiny (random features for smoke tests; not comparable with published FIDs).", choices=FEATURE_EXTRACTORS, resume=APPLY)
+    inception_weights: Optional[str] = _f(None, "Local TorchScript Inception file (inception-2015-12-05.pt) for FID/KID.", resume=APPLY)
+    posthoc_ema: bool = _f(False, "Keep EDM2 power-function EMA profiles (sigma_rel 0.05, 0.10) and snapshot them for post-hoc EMA.", resume=REFUSE)
+    posthoc_ema_snapshot_steps: int = _f(500, "Post-hoc EMA snapshot interval (optimizer steps), fp16, into output_dir/posthoc_ema/.", resume=APPLY)
     # --- memory and speed ---------------------------------------------------------------------
-    gradient_checkpointing: bool = _f(False, "Recompute UNet activations in backward: ~30-40% less activation memory for ~20-30% more compute.")
-    allow_tf32: bool = _f(False, "TF32 matmuls/convolutions on Ampere+ GPUs (faster fp32; ~1e-3 relative precision). No effect on CPU.")
-    channels_last: bool = _f(False, "NHWC memory layout for the UNet and its inputs (faster convolutions with tensor cores).")
-    torch_compile: bool = _f(False, "torch.compile the UNet (first steps pay compilation; then faster steps).")
-    torch_compile_mode: str = _f("default", "default | reduce-overhead | max-autotune.")
-    use_8bit_adam: bool = _f(False, "bitsandbytes' 8-bit AdamW (less optimizer memory; needs `pip install bitsandbytes` and a GPU).")
-    push_to_hub: bool = _f(False, "Upload the pipeline and model card to the Hub at --save_model_steps and at the end.")
-    hub_model_id: Optional[str] = _f(None, "Hub repo id (default: the output dir's name).")
-    hub_token: Optional[str] = _f(None, "Hub token (default: the logged-in one). Never written anywhere.")
-    hub_private_repo: bool = _f(False, "Create the Hub repo private.")
+    gradient_checkpointing: bool = _f(False, "Recompute UNet activations in backward: ~30-40% less activation memory for ~20-30% more compute.", resume=FREE)
+    allow_tf32: bool = _f(False, "TF32 matmuls/convolutions on Ampere+ GPUs (faster fp32; ~1e-3 relative precision). No effect on CPU.", resume=APPLY)
+    channels_last: bool = _f(False, "NHWC memory layout for the UNet and its inputs (faster convolutions with tensor cores).", resume=APPLY)
+    torch_compile: bool = _f(False, "torch.compile the UNet (first steps pay compilation; then faster steps).", resume=APPLY)
+    torch_compile_mode: str = _f("default", "torch.compile mode.", choices=TORCH_COMPILE_MODES, resume=APPLY)
+    use_8bit_adam: bool = _f(False, "bitsandbytes' 8-bit AdamW (less optimizer memory; needs `pip install bitsandbytes` and a GPU).", resume=REFUSE)
+    push_to_hub: bool = _f(False, "Upload the pipeline and model card to the Hub at --save_model_steps and at the end.", resume=APPLY)
+    hub_model_id: Optional[str] = _f(None, "Hub repo id (default: the output dir's name).", resume=APPLY)
+    hub_token: Optional[str] = _f(None, "Hub token (default: the logged-in one). Never written anywhere.", resume=FREE)
+    hub_private_repo: bool = _f(False, "Create the Hub repo private.", resume=FREE)
 
     # ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -142,7 +154,22 @@ class TrainConfig:
 
 
 def config_fields():
-    return [f for f in fields(TrainConfig) if f.metadata.get("cli", True)]
+    return [f for f in fields(TrainConfig) if f.metadata["cli"]]
+
+
+def resume_policy(name: str) -> str:
+    """refuse | apply | free for a TrainConfig field."""
+    return {f.name: f.metadata["resume"] for f in fields(TrainConfig)}[name]
+
+
+def help_text(f) -> str:
+    """The flag's help as --help shows it: text, allowed values, default, resume policy."""
+    parts = [f.metadata["help"]]
+    if f.metadata["choices"]:
+        parts.append(f"One of: {', '.join(f.metadata['choices'])}.")
+    parts.append(f"(default: {f.default if f.default is not dataclasses.MISSING else f.default_factory()}; "
+                 f"on resume: {f.metadata['resume']})")
+    return " ".join(parts).replace("%", "%%")  # argparse formats help with %: a literal % must be doubled
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -161,11 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML recipe (see configs/); flags given here override it.")
     for f in config_fields():
         kind = f.type.replace("Optional[", "").rstrip("]")
-        help_text = f"{f.metadata['help']} (default: {f.default})"
         if kind == "bool":
-            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text(f))
         else:
-            parser.add_argument(f"--{f.name}", type={"int": int, "float": float}.get(kind, str), help=help_text)
+            parser.add_argument(f"--{f.name}", type={"int": int, "float": float}.get(kind, str), help=help_text(f))
     return parser
 
 
@@ -245,27 +271,21 @@ def validate(c: TrainConfig) -> None:
     need(not c.streaming or c.dataset_name or c.train_data_dir,
          "--streaming needs --dataset_name or --train_data_dir (the embedded digits are already in memory)")
     need(not c.streaming or c.max_train_steps, "--streaming counts in steps, not epochs: give --max_train_steps")
-    for name, choices in (("prediction_type", PREDICTION_TYPES), ("ddpm_beta_schedule", BETA_SCHEDULES),
-                          ("lr_scheduler", LR_SCHEDULERS), ("mixed_precision", MIXED_PRECISION),
-                          ("logger", LOGGERS)):
-        need(getattr(c, name) in choices, f"--{name} {getattr(c, name)!r} is not one of: {', '.join(choices)}")
-    need(c.loss_type in LOSS_TYPES, f"--loss_type {c.loss_type!r} is not one of: {', '.join(LOSS_TYPES)}")
+    for f in fields(TrainConfig):  # allowed values are declared once, on the field
+        choices = f.metadata["choices"]
+        need(not choices or getattr(c, f.name) in choices,
+             f"--{f.name} {getattr(c, f.name)!r} is not one of: {', '.join(choices or ())}")
     need(c.snr_gamma is None or c.snr_gamma >= 0, f"--snr_gamma must be >= 0 (0 turns the weighting off; got {c.snr_gamma})")
-    need(c.timestep_sampling in TIMESTEP_SAMPLING,
-         f"--timestep_sampling {c.timestep_sampling!r} is not one of: {', '.join(TIMESTEP_SAMPLING)}")
     need(c.diagnostics_bins >= 1 and c.diagnostics_bins <= c.ddpm_num_steps,
          f"--diagnostics_bins must lie in [1, --ddpm_num_steps] (got {c.diagnostics_bins})")
     need(c.max_nonfinite_steps >= 1, f"--max_nonfinite_steps must be at least 1 (got {c.max_nonfinite_steps})")
     need(c.find_lr_steps >= 10, f"--find_lr_steps must be at least 10 (got {c.find_lr_steps})")
     need(c.eval_steps is None or c.eval_steps >= 1, f"--eval_steps must be at least 1 (got {c.eval_steps})")
     need(c.eval_num_samples >= 2, f"--eval_num_samples must be at least 2 (got {c.eval_num_samples})")
-    need(c.feature_extractor in ("inception", "tiny"), f"--feature_extractor {c.feature_extractor!r} is not one of: inception, tiny")
     if c.eval_steps is not None and c.feature_extractor == "inception":
         need(c.inception_weights is not None and os.path.isfile(c.inception_weights),
              "--eval_steps with the Inception extractor needs --inception_weights FILE (the TorchScript "
              "inception-2015-12-05.pt; it cannot be downloaded here), or --feature_extractor tiny")
-    need(c.torch_compile_mode in ("default", "reduce-overhead", "max-autotune"),
-         f"--torch_compile_mode {c.torch_compile_mode!r} is not one of: default, reduce-overhead, max-autotune")
     if c.use_8bit_adam:
         try:
             import bitsandbytes  # noqa: F401  (presence check)
