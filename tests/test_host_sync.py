@@ -1,0 +1,172 @@
+"""No host syncs between logging intervals, proven on CPU.
+
+On a GPU a host sync (a scalar read, a device-to-host copy, an op whose output shape depends on
+the data) blocks Python until the queued work has run, so the next step cannot be queued ahead.
+CPU training shows no such stall, but the ops that cause it are visible here too: `SyncRecorder`
+records them at the dispatcher while the REAL loop (`train_ddpm.train`, set up by
+`train_ddpm.setup` from a recipe) runs with EMA, min-SNR, loss-aware timesteps, post-hoc EMA,
+diagnostics, the NaN guard and gradient accumulation 2.
+
+What it cannot see on CPU: host-to-device copies and `.to("cpu")` (a no-op here); the GPU test
+(tests/test_cuda.py, `torch.cuda.set_sync_debug_mode("error")`) covers those.
+"""
+import collections
+import os
+import sys
+import traceback
+
+import pytest
+import torch
+import yaml
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import ROOT, TINY_RECIPE
+
+import train_ddpm
+from diffusion_extras import artifacts
+from diffusion_extras.config import parse_config
+
+# aten ops that read a device value on the host: scalar reads (.item(), bool(), float(), .tolist()),
+# comparisons answered on the host, and ops whose output shape depends on the data.
+SYNCING_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "nonzero_static", "masked_select",
+               "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "repeat_interleave"}
+PROJECT = (os.path.join(ROOT, "train_ddpm.py"), os.path.join(ROOT, "diffusion_extras"))
+
+
+def where(stack) -> str:
+    """'function:line' of the innermost frame in the project's own code."""
+    for frame in reversed(stack):
+        if frame.filename.startswith(PROJECT):
+            return f"{frame.name}:{frame.lineno}"
+    return "outside the project"
+
+
+class SyncRecorder(TorchDispatchMode):
+    """Records host syncs with the phase of the loop they happen in (set by `phase`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []          # (phase, op, where)
+        self.phases = ["loop"]
+
+    def record(self, op: str) -> None:
+        self.events.append((self.phases[-1], op, where(traceback.extract_stack()[:-2])))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in SYNCING_OPS or (name == "index" and any(  # boolean-mask indexing runs nonzero
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()) if i is not None)):
+            self.record(name)
+        return func(*args, **(kwargs or {}))
+
+    def phase(self, name, function):
+        def wrapped(*args, **kwargs):
+            self.phases.append(name)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.phases.pop()
+        return wrapped
+
+    def in_phase(self, name) -> list:
+        return [(op, at) for phase, op, at in self.events if phase == name]
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """Each in-process run gets its own accelerate state (it is a process-wide singleton)."""
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True), GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True), GradientState._reset_state()
+
+
+def tiny_run(tmp_path, *flags, **recipe):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**TINY_RECIPE, **recipe}))
+    return train_ddpm.setup(parse_config(["--config", str(path), "--output_dir", str(tmp_path / "run"),
+                                          *map(str, flags)]))
+
+
+ALL_EXTRAS = ("--use_ema", "--snr_gamma", 5, "--timestep_sampling", "loss_aware", "--posthoc_ema",
+              "--gradient_accumulation_steps", 2, "--max_grad_norm", 1.0)
+
+
+def record_training(monkeypatch, run) -> SyncRecorder:
+    """Run the real loop, labelling every sync with the part of the loop it happened in."""
+    recorder = SyncRecorder()
+    original_cpu = torch.Tensor.cpu
+
+    def recorded_cpu(tensor, *args, **kwargs):  # a device-to-host copy on a GPU (a no-op, unseen, on CPU)
+        recorder.record("cpu")
+        return original_cpu(tensor, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "cpu", recorded_cpu)
+    monkeypatch.setattr(train_ddpm, "optimizer_step", recorder.phase("step", train_ddpm.optimizer_step))
+    monkeypatch.setattr(train_ddpm, "log_window", recorder.phase("log", train_ddpm.log_window))
+    for name in ("run_main_process_extras", "save_checkpoint", "verify_replicas"):  # grids, export, checkpoints
+        monkeypatch.setattr(train_ddpm, name, recorder.phase("extras", getattr(train_ddpm, name)))
+    monkeypatch.setattr(artifacts, "write_health_report", recorder.phase("extras", artifacts.write_health_report))
+    with recorder:
+        train_ddpm.train(run)
+    return recorder
+
+
+# The host syncs of one logging interval, as log_window's and reduce_and_reset's comments name them:
+# the loss reduce read back with .item(), and the diagnostics window copied to the host once.
+LOGGING_SYNCS = {("_local_scalar_dense", "log_window"), ("cpu", "reduce_and_reset")}
+
+
+def by_function(events) -> collections.Counter:
+    return collections.Counter((op, at.split(":")[0]) for op, at in events)
+
+
+def test_steps_between_logging_intervals_never_sync(tmp_path, monkeypatch, fresh_accelerate):
+    steps, interval = 6, 3
+    run = tiny_run(tmp_path, *ALL_EXTRAS, "--max_train_steps", steps, diagnostics_steps=interval,
+                   posthoc_ema_snapshot_steps=1000)
+    recorder = record_training(monkeypatch, run)
+    assert recorder.in_phase("step") == [], f"host syncs inside optimizer_step: {recorder.in_phase('step')}"
+    assert recorder.in_phase("loop") == [], f"host syncs in the loop between steps: {recorder.in_phase('loop')}"
+    intervals = steps // interval
+    assert by_function(recorder.in_phase("log")) == collections.Counter(
+        {sync: intervals for sync in LOGGING_SYNCS}), recorder.in_phase("log")
+
+
+def test_a_nonfinite_step_adds_no_sync_and_its_warning_names_one(tmp_path, monkeypatch, fresh_accelerate):
+    """The NaN guard skips on the device; only the interval's warning reads the offending inputs."""
+    run = tiny_run(tmp_path, *ALL_EXTRAS, "--max_train_steps", 4, diagnostics_steps=2)
+    original_input, calls = train_ddpm.data.to_model_input, []
+
+    def poisoned(*args, **kwargs):  # the 4th micro-batch: optimizer step 2 is non-finite
+        calls.append(1)
+        return original_input(*args, **kwargs) * (float("nan") if len(calls) == 4 else 1.0)
+    monkeypatch.setattr(train_ddpm.data, "to_model_input", poisoned)
+    with pytest.warns(UserWarning, match="1 non-finite step"):
+        recorder = record_training(monkeypatch, run)
+    assert recorder.in_phase("step") == [] and recorder.in_phase("loop") == []
+    expected = collections.Counter({sync: 2 for sync in LOGGING_SYNCS})
+    expected[("_local_scalar_dense", "log_window")] += 1  # run.nonfinite_inputs.tolist() in the warning
+    assert by_function(recorder.in_phase("log")) == expected, recorder.in_phase("log")
+
+
+class StandInOptimizer(torch.optim.Optimizer):
+    """An optimizer without `found_inf` support (like AdamW8bit) whose own step never syncs."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            torch._foreach_add_(params, [p.grad for p in params], alpha=-group["lr"])
+
+
+def test_an_optimizer_without_found_inf_syncs_once_per_step(tmp_path, monkeypatch, fresh_accelerate):
+    """bitsandbytes' AdamW8bit (not installed here) knows no `found_inf`: optimizer_step reads the
+    finite flag on the host to skip a non-finite step, the one named sync of that path. torch's
+    plain SGD above (sync-free itself, and not an AdamW) stands in for it."""
+    monkeypatch.setattr(train_ddpm, "make_optimizer", lambda config, unet, lr: StandInOptimizer(unet.parameters(), lr))
+    run = tiny_run(tmp_path, *ALL_EXTRAS, "--max_train_steps", 4, diagnostics_steps=2)
+    recorder = record_training(monkeypatch, run)
+    assert by_function(recorder.in_phase("step")) == collections.Counter({("_local_scalar_dense", "optimizer_step"): 4})
