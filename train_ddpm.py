@@ -305,12 +305,16 @@ def optimizer_step(run, batches) -> torch.Tensor:
         run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step_lr = run.lr_scheduler.get_last_lr()[0]  # the lr this step used (a float: no sync)
+    # A skipped step (non-finite, or an fp16 overflow) still counts: global_step, the LR schedule
+    # and the EMA decay clocks advance, since knowing it was skipped would need a host read. With
+    # fp16 the GradScaler skips a few early steps while it finds its scale: warmup starts that
+    # many steps shorter, the price of a sync-free step.
     run.lr_scheduler.step()
     run.global_step += 1
     if run.ema is not None:
         run.ema.step(run.unet.parameters(), finite=finite)
     if run.posthoc_ema is not None:
-        run.posthoc_ema.update(run.unet.parameters(), run.global_step)
+        run.posthoc_ema.update(run.unet.parameters(), run.global_step, finite=finite)
     scale = getattr(accelerator.scaler, "_scale", None)  # device tensor: reading it would sync
     run.diagnostics.update_step(grad_norm, config.max_grad_norm or None, finite, scale)
     run.nonfinite_inputs = torch.where(finite, run.nonfinite_inputs, run.input_statistics)
@@ -338,7 +342,8 @@ def save_checkpoint(run) -> None:
 
 def log_window(run, loss_sum: torch.Tensor, steps: int, seconds: float, progress) -> dict:
     """Average over the window and over processes. The loss reduce and the diagnostics gather are
-    the host syncs of a logging interval (two small collectives); the steps between have none."""
+    the host syncs of a logging interval (two small collectives); the steps between have none
+    (tests/test_host_sync.py). A window with a skipped step adds one: the warning's input statistics."""
     accelerator = run.accelerator
     loss = accelerator.reduce(loss_sum / max(steps, 1), reduction="mean").item()
     images = steps * run.global_batch_size * run.config.gradient_accumulation_steps

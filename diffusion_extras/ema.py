@@ -40,11 +40,16 @@ class ExponentialMovingAverage:
         params = [p.detach() for p in parameters]
         if any(p.dtype != torch.float32 for p in params):
             params = [p.float() for p in params]
-        if finite is not None:
-            # A tensor weight keeps this sync-free; a skipped step lerps by 0. The decay clock
-            # still advances: it counts optimizer steps, like the LR schedule.
-            weight = finite.to(torch.float32) * weight
-        torch._foreach_lerp_(self.shadow_params, params, weight)
+        if finite is None:
+            torch._foreach_lerp_(self.shadow_params, params, weight)
+            return
+        # A skipped step lerps by 0; the decay clock still advances (it counts optimizer steps, like
+        # the LR schedule). The weight must be a LIST of 0-dim tensors: torch has no overload taking
+        # one tensor weight, and its argument parser would read that one on the host (.item(), a
+        # sync every step; tests/test_host_sync.py). The list overload lerps tensor by tensor
+        # (one kernel each) but never leaves the device.
+        weight = finite.to(torch.float32) * weight
+        torch._foreach_lerp_(self.shadow_params, params, [weight] * len(params))
 
     @torch.no_grad()
     def copy_to(self, parameters: Iterable[torch.nn.Parameter]) -> None:

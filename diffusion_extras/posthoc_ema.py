@@ -74,8 +74,10 @@ class PowerFunctionEMA:
         self.step = 0
 
     @torch.no_grad()
-    def update(self, parameters, step: int) -> None:
-        """Fold in the parameters after `step` optimizer steps (1 after the first step)."""
+    def update(self, parameters, step: int, finite: torch.Tensor | None = None) -> None:
+        """Fold in the parameters after `step` optimizer steps (1 after the first step). `finite`
+        (0-dim bool on the device) false leaves the averages untouched, like a skipped optimizer
+        step leaves the weights, without a host read; the step count still advances."""
         step = int(step)
         if step <= self.step:
             raise ValueError(f"EMA step must increase: got {step} after {self.step}")
@@ -86,7 +88,10 @@ class PowerFunctionEMA:
             # (previous/step)**(gamma+1) is (1 - 1/t)**(gamma+1) for consecutive steps and stays
             # right if updates skip steps (EDM2's t_delta); beta = 0 at step 1 drops the init.
             beta = (self.step / step) ** (gamma + 1)
-            torch._foreach_lerp_(averages, sources, 1.0 - beta)
+            if finite is None:
+                torch._foreach_lerp_(averages, sources, 1.0 - beta)
+            else:  # a list of 0-dim weights: one tensor weight would be read with .item() (see ema.py)
+                torch._foreach_lerp_(averages, sources, [finite.to(torch.float32) * (1.0 - beta)] * len(sources))
         self.step = step
 
     def state_dict(self) -> dict:

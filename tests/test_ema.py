@@ -104,3 +104,32 @@ def test_load_state_dict_rejects_other_model():
     b = ExponentialMovingAverage(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)).parameters())
     with pytest.raises(ValueError, match="EMA state holds 2 tensors but the model has 4"):
         b.load_state_dict(a.state_dict())
+
+
+def test_step_with_device_flag_never_reads_it_on_the_host():
+    """A 0-dim tensor lerp weight is read with .item() by torch's argument parser (a sync per step on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ScalarReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket.__name__ == "_local_scalar_dense"
+            return func(*args, **(kwargs or {}))
+
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    ema = ExponentialMovingAverage(params, max_decay=0.9)
+    ema.step(params)
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    before = [s.clone() for s in ema.shadow_params]
+    with ScalarReads() as reads:
+        ema.step(params, finite=torch.tensor(False))
+        skipped = [s.clone() for s in ema.shadow_params]
+        ema.step(params, finite=torch.tensor(True))
+    assert reads.count == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, skipped)), "a skipped step moved the EMA"
+    decay = ema.decay(3)
+    for shadow, old, p in zip(ema.shadow_params, before, params):
+        assert torch.allclose(shadow, decay * old + (1 - decay) * p.detach(), atol=1e-6)

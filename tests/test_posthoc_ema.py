@@ -261,3 +261,18 @@ def test_cli_scores_widths_with_the_real_evaluation_module(tmp_path):
     assert summary["sigma_rel"] == min(scores, key=scores.get) and len(set(scores.values())) == 2
     state = reconstruct(str(output / "posthoc_ema"), summary["sigma_rel"])
     assert_exported_unet_equals(output / "posthoc-ema-best", state)
+
+
+def test_a_skipped_step_leaves_the_profiles_untouched():
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(2, 2))]
+    ema = PowerFunctionEMA(params)
+    ema.update(params, 1, finite=torch.tensor(True))
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    before = [[a.clone() for a in averages] for averages in ema.averages]
+    ema.update(params, 2, finite=torch.tensor(False))
+    assert ema.step == 2
+    assert all(torch.equal(a, b) for old, new in zip(before, ema.averages) for a, b in zip(old, new))
+    ema.update(params, 3, finite=torch.tensor(True))
+    assert not torch.equal(ema.averages[0][0], before[0][0])
