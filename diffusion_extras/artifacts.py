@@ -4,11 +4,13 @@ snapshots. Each takes the run (train_ddpm.setup's namespace) and runs on the mai
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 
 import numpy as np
+import torch
 from PIL import Image
 
 from . import diagnostics, evaluation, hub, models, report, sampling, tracking
@@ -18,20 +20,30 @@ CARD_GRID = "images/samples.png"
 CARD_PLOT = "images/loss_per_timestep.png"
 
 
-def ema_weights(run):
-    """Context manager: the EMA weights swapped into the training UNet (a no-op without EMA)."""
-    import contextlib
+@contextlib.contextmanager
+def sampling_unet(run):
+    """The UNet that grids, FID/KID and the exported pipeline use: a plain fp32 copy holding the EMA
+    weights (the training weights without EMA), whatever --mixed_precision says. A copy, because the
+    prepared UNet's forward is wrapped in accelerate's autocast, which unwrap_model keeps (or strips
+    from the training model for good with keep_fp32_wrapper=False): training keeps its autocast,
+    sampling runs in fp32. The training weights are never swapped; the cost is one fp32 model."""
     unet = run.accelerator.unwrap_model(run.unet)
-    return run.ema.average_parameters(unet.parameters()) if run.ema is not None else contextlib.nullcontext()
+    state = unet.state_dict()
+    if run.ema is not None:
+        state.update(zip([name for name, _ in unet.named_parameters()], run.ema.shadow_params))
+    with torch.device("meta"):  # no random init: every tensor comes from `state`
+        copy = type(unet).from_config(unet.config)
+    copy.load_state_dict({name: value.detach().to(torch.float32, copy=True) for name, value in state.items()},
+                         assign=True)
+    yield copy.eval()
 
 
 def save_sample_grid(run) -> str:
-    """EMA samples (DDIM, fixed seed) as samples/step_XXXXXX.png, images/samples.png (for the
+    """EMA samples (fp32, DDIM, fixed seed) as samples/step_XXXXXX.png, images/samples.png (for the
     card) and to the trackers."""
     config = run.config
-    unet = run.accelerator.unwrap_model(run.unet)
     scheduler = sampling.make_scheduler("ddim", run.noise_scheduler.config)
-    with ema_weights(run):
+    with sampling_unet(run) as unet:
         images = sampling.generate(unet, scheduler, config.eval_batch_size, config.ddpm_num_inference_steps,
                                    seed=config.seed, device=run.accelerator.device)
     grid = sampling.image_grid(images)
@@ -92,8 +104,8 @@ def export(run, final: bool = False) -> None:
     """The DDPMPipeline with EMA weights, its config and model card; then a Hub push (in the
     background, except the final one, which waits and reports the commit URL)."""
     config = run.config
-    with ema_weights(run):
-        models.export_pipeline(run.accelerator.unwrap_model(run.unet), run.noise_scheduler, config.output_dir)
+    with sampling_unet(run) as unet:
+        models.export_pipeline(unet, run.noise_scheduler, config.output_dir)
     if run.hub_pusher is None:
         return
     images_seen = run.global_step * config.gradient_accumulation_steps * run.global_batch_size
@@ -150,9 +162,8 @@ def evaluate(run) -> dict:
     """FID / KID of EMA samples; logged to the trackers and history, kept for the model card."""
     extractor, reference = run.evaluation
     config = run.config
-    unet = run.accelerator.unwrap_model(run.unet)
     scheduler = sampling.make_scheduler("ddim", run.noise_scheduler.config)
-    with ema_weights(run):
+    with sampling_unet(run) as unet:
         metrics = evaluation.evaluate_unet(unet, scheduler, reference, extractor, config.eval_num_samples,
                                            config.ddpm_num_inference_steps, config.seed, config.eval_batch_size,
                                            run.accelerator.device)
