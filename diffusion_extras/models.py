@@ -45,8 +45,12 @@ def build_unet(config: TrainConfig):
 def build_noise_scheduler(config: TrainConfig):
     from diffusers import DDPMScheduler
 
+    # Zero terminal SNR needs sampling to start at t = T-1 (Lin et al. 2024, Sec. 3.3): "trailing"
+    # spacing does, diffusers' default "leading" starts below it. Set here, the exported scheduler
+    # config carries it, so DDPMPipeline.from_pretrained samples from the zero-SNR step too.
+    spacing = "trailing" if config.rescale_betas_zero_snr else "leading"
     return DDPMScheduler(num_train_timesteps=config.ddpm_num_steps, beta_schedule=config.ddpm_beta_schedule,
-                         prediction_type=config.prediction_type,
+                         prediction_type=config.prediction_type, timestep_spacing=spacing,
                          rescale_betas_zero_snr=config.rescale_betas_zero_snr)
 
 

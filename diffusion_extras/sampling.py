@@ -35,13 +35,16 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_scheduler(name: str, config):
-    """A sampling scheduler built from the training scheduler's config (betas, prediction type)."""
+    """A sampling scheduler built from the training scheduler's config (betas, prediction type).
+    A zero-terminal-SNR schedule is sampled with "trailing" timesteps, which start at the zero-SNR
+    step (Lin et al. 2024, Sec. 3.3), also for pipelines whose config predates that setting."""
     from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 
     classes = {"ddpm": DDPMScheduler, "ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}
     if name not in classes:
         raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
-    return classes[name].from_config(config)
+    overrides = {"timestep_spacing": "trailing"} if config.get("rescale_betas_zero_snr") else {}
+    return classes[name].from_config(config, **overrides)
 
 
 def image_seed(seed: int, index: int) -> int:
