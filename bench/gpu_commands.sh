@@ -8,7 +8,7 @@
 # and bench/vendor/train_unconditional.py (unmodified, from the tag of the installed diffusers),
 # both ignored by git. Take both to the GPU machine (with this workplace's device tool:
 # carry=[".whl", "bench/vendor"], command "bash bench/gpu_commands.sh device").
-# `device` writes nvidia-smi.txt and, per precision, cifar10-PRECISION.json/.log to $OUT
+# `device` runs `pytest -m cuda` first (pytest-cuda.log), then writes nvidia-smi.txt and, per precision, cifar10-PRECISION.json/.log to $OUT
 # (bench/results/ when OUT is unset).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,7 @@ prepare() {
     # Same versions as here. torch, torchvision, accelerate, tensorboard, pyarrow, pandas,
     # xxhash, huggingface-hub (>= 1.32) are on the GPU image already.
     local wheels=()
-    for package in diffusers datasets dill multiprocess importlib_metadata fsspec; do
+    for package in diffusers datasets dill multiprocess importlib_metadata fsspec pytest iniconfig pluggy; do
         wheels+=("$package==$($PYTHON -c "import importlib.metadata as m; print(m.version('$package'))")")
     done
     $PYTHON -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -73,6 +73,10 @@ for name in ("torchvision", "tensorboard"):  # needed by train_unconditional.py 
     except ImportError as error:
         print(f"MISSING {name} ({error}): the diffusers reference will fail")
 EOF
+    # The GPU checks first (tests/test_cuda.py): sync-free steps per precision, pinned copies,
+    # fused AdamW's found_inf, channels_last + compile, save/resume. A failure does not stop the bench.
+    $PYTHON -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/pytest-cuda.log" | tail -30 ||
+        true
     local reference=()
     [[ -f $SCRIPT ]] && reference=(--diffusers_script "$SCRIPT") || echo "no $SCRIPT: diffusers reference skipped"
     for precision in bf16 fp16; do

@@ -61,3 +61,7 @@ def read_history(output_dir) -> list:
 def load_unet_weights(folder):
     from safetensors.torch import load_file
     return load_file(os.path.join(folder, "unet", "diffusion_pytorch_model.safetensors"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run them with `pytest -m cuda`")

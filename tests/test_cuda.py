@@ -1,0 +1,121 @@
+"""GPU checks (`pytest -m cuda`; skipped without CUDA; `bash bench/gpu_commands.sh device` runs them
+first). What the CPU tests can only approximate: `torch.cuda.set_sync_debug_mode("error")` turns
+every host sync the CUDA runtime sees (scalar reads, device-to-host and pageable copies, stream
+synchronizations) into an error, around the real `optimizer_step` of each precision.
+
+Not yet run: no GPU was lent to the session that wrote them (see README, "Verified on CPU, and on GPU").
+"""
+import contextlib
+
+import pytest
+import torch
+
+import train_ddpm
+from test_host_sync import ALL_EXTRAS, fresh_accelerate, tiny_run  # noqa: F401  (fixture)
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+WARMUP_STEPS = 2  # the first steps create optimizer state and pick kernels; they may sync
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def weights(run) -> list:
+    return [p.detach().clone() for p in run.unet.parameters()]
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16", "fp16"])
+def test_optimizer_steps_never_sync(tmp_path, fresh_accelerate, precision):
+    run = tiny_run(tmp_path, *ALL_EXTRAS, "--mixed_precision", precision, "--max_train_steps", 8)
+    assert run.accelerator.device.type == "cuda"
+    assert (run.accelerator.scaler is not None) == (precision == "fp16")
+    batches = train_ddpm.make_batches(run)
+    for _ in range(WARMUP_STEPS):
+        train_ddpm.optimizer_step(run, batches)
+    before = weights(run)
+    with no_host_sync():
+        for _ in range(4):
+            train_ddpm.optimizer_step(run, batches)
+    assert not all(torch.equal(a, b) for a, b in zip(before, weights(run)))
+    assert all(torch.isfinite(p).all() for p in run.unet.parameters())
+
+
+def test_batches_are_pinned_and_copied_without_sync(tmp_path, fresh_accelerate):
+    run = tiny_run(tmp_path, "--max_train_steps", 2)
+    batch = next(train_ddpm.make_batches(run))
+    assert batch.is_pinned(), "the loader must pin host batches (pin_memory) for non-blocking copies"
+    with no_host_sync():
+        clean = train_ddpm.data.to_model_input(batch, run.accelerator.device)
+    assert clean.is_cuda and clean.dtype == torch.float32
+
+
+def test_fused_adamw_skips_a_nonfinite_step_on_the_device(tmp_path, fresh_accelerate, monkeypatch):
+    run = tiny_run(tmp_path, *ALL_EXTRAS, "--max_train_steps", 8)
+    optimizer = run.optimizer.optimizer
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"]
+    batches = train_ddpm.make_batches(run)
+    for _ in range(WARMUP_STEPS):
+        train_ddpm.optimizer_step(run, batches)
+    original_input = train_ddpm.data.to_model_input
+    monkeypatch.setattr(train_ddpm.data, "to_model_input",
+                        lambda *args, **kwargs: original_input(*args, **kwargs) * float("nan"))
+    before, ema = weights(run), [s.clone() for s in run.ema.shadow_params]
+    steps = [optimizer.state[p]["step"].clone() for p in optimizer.param_groups[0]["params"]]
+    with no_host_sync():
+        train_ddpm.optimizer_step(run, batches)  # found_inf = 1: skipped inside the fused kernel
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(run)))
+    assert all(torch.equal(a, b) for a, b in zip(ema, run.ema.shadow_params))
+    assert all(torch.equal(s, optimizer.state[p]["step"]) for s, p in zip(steps, optimizer.param_groups[0]["params"]))
+
+
+def test_channels_last_and_compile(tmp_path, fresh_accelerate):
+    run = tiny_run(tmp_path, "--channels_last", "--torch_compile", "--mixed_precision", "bf16",
+                   "--max_train_steps", 8)
+    conv_weights = [p for p in run.unet.parameters() if p.dim() == 4]
+    assert conv_weights and all(p.is_contiguous(memory_format=torch.channels_last) for p in conv_weights)
+    batches = train_ddpm.make_batches(run)
+    for _ in range(WARMUP_STEPS):  # compilation happens here
+        train_ddpm.optimizer_step(run, batches)
+    with no_host_sync():
+        for _ in range(2):
+            train_ddpm.optimizer_step(run, batches)
+    assert all(torch.isfinite(p).all() for p in run.unet.parameters())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_save_and_resume_continue_bit_exactly(tmp_path, fresh_accelerate, monkeypatch, precision):
+    """Uniform timesteps: the loss-aware sampler's float64 index_add_ uses atomics on CUDA, whose
+    summation order (and so, rarely, a drawn timestep) is not fixed from run to run."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    flags = ("--use_ema", "--posthoc_ema", "--mixed_precision", precision, "--max_train_steps", 12)
+    run = tiny_run(tmp_path, *flags)
+    batches = train_ddpm.make_batches(run)
+    for _ in range(6):
+        train_ddpm.optimizer_step(run, batches)
+    train_ddpm.save_checkpoint(run)
+    for _ in range(3):
+        train_ddpm.optimizer_step(run, batches)
+    expected, expected_ema = weights(run), [s.clone() for s in run.ema.shadow_params]
+    expected_scale = run.accelerator.scaler.get_scale() if run.accelerator.scaler is not None else None
+
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True), GradientState._reset_state()
+    resumed = tiny_run(tmp_path, *flags, "--resume_from_checkpoint", "latest")
+    assert resumed.global_step == 6
+    batches = train_ddpm.make_batches(resumed)
+    for _ in range(3):
+        train_ddpm.optimizer_step(resumed, batches)
+    assert all(torch.equal(a, b) for a, b in zip(expected, weights(resumed)))
+    assert all(torch.equal(a, b) for a, b in zip(expected_ema, resumed.ema.shadow_params))
+    if expected_scale is not None:
+        assert resumed.accelerator.scaler.get_scale() == expected_scale
