@@ -3,7 +3,7 @@
 Our own wrapper (the issue asks for one) rather than diffusers' EMAModel, which has the same
 warm-up formula and a foreach path: this one keeps fp32 shadow weights whatever the model's
 dtype, takes an on-device `finite` flag that turns a skipped optimizer step into a no-op without
-a host read, swaps weights in and out for sampling, and checkpoints the position and the average
+a host read (nor a sync of its own: see `step`), and checkpoints the position and the average
 while its decay settings come from the run's config.
 """
 from __future__ import annotations
