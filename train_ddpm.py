@@ -307,8 +307,8 @@ def optimizer_step(run, batches) -> torch.Tensor:
     run.step_lr = run.lr_scheduler.get_last_lr()[0]  # the lr this step used (a float: no sync)
     # A skipped step (non-finite, or an fp16 overflow) still counts: global_step, the LR schedule
     # and the EMA decay clocks advance, since knowing it was skipped would need a host read. With
-    # fp16 the GradScaler skips a few early steps while it finds its scale: warmup starts that
-    # many steps shorter, the price of a sync-free step.
+    # fp16 the GradScaler skips a few early steps while it finds its scale, so the warmup holds
+    # that many fewer updates: the price of a sync-free step (tests/test_fp16_cpu.py).
     run.lr_scheduler.step()
     run.global_step += 1
     if run.ema is not None:

@@ -8,8 +8,8 @@
 # and bench/vendor/train_unconditional.py (unmodified, from the tag of the installed diffusers),
 # both ignored by git. Take both to the GPU machine (with this workplace's device tool:
 # carry=[".whl", "bench/vendor"], command "bash bench/gpu_commands.sh device").
-# `device` runs `pytest -m cuda` first (pytest-cuda.log), then writes nvidia-smi.txt and, per precision, cifar10-PRECISION.json/.log to $OUT
-# (bench/results/ when OUT is unset).
+# `device` runs `pytest -m cuda` first (pytest-cuda.log), then writes nvidia-smi.txt and, per
+# precision, cifar10-PRECISION.json/.log to $OUT (bench/results/ when OUT is unset).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
