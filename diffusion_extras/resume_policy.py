@@ -18,6 +18,10 @@ records it.
 """
 from __future__ import annotations
 
+from dataclasses import fields
+
+from .config import APPLY, FREE, REFUSE, TrainConfig
+
 LR_SCHEDULE_KEYS = ("learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "max_train_steps", "num_epochs")
 
 
@@ -55,3 +59,23 @@ def applied_change_lines(applied: dict, next_step: int, next_lr: float) -> list[
             line += "; the GradScaler starts fresh, as in a new fp16 run (its first steps may be skipped while it calibrates)"
         lines.append(line)
     return lines
+
+
+POLICY_MEANINGS = {
+    REFUSE: "refused, with the list of differences: the saved state cannot serve the new value",
+    APPLY: "applied from the first resumed step, one line each in the output",
+    FREE: "free: no effect on what is trained",
+}
+
+
+def policy_table() -> str:
+    """README's resume-policy table, generated from the fields' metadata (a test checks README
+    holds exactly this). `model` is the recipe's UNet; the process count is recorded too."""
+    rows = ["| On resume, a changed setting is | Settings |", "|---|---|"]
+    for policy in (REFUSE, APPLY, FREE):
+        names = [f"`--{f.name}`" if f.metadata["cli"] else f"`{f.name}` (recipe)"
+                 for f in fields(TrainConfig) if f.metadata["resume"] == policy]
+        if policy == REFUSE:
+            names.append("the number of processes")
+        rows.append(f"| {POLICY_MEANINGS[policy]} | {', '.join(names)} |")
+    return "\n".join(rows)
