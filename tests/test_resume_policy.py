@@ -157,3 +157,40 @@ def test_precision_no_to_bf16_and_back_resumes_and_changes_the_numerics(base, tm
     back = cli(["--config", recipe, "--output_dir", out, "--max_train_steps", 5, "--mixed_precision", "no",
                 "--resume_from_checkpoint", "latest"], tmp_path)
     assert "resuming with --mixed_precision 'no' (was 'bf16'): applied from step 5" in back.stdout
+
+
+# ----------------------------------------------------------------------------- GradScaler files
+def test_precision_changes_around_fp16_load_with_a_fresh_or_dropped_scaler(tmp_path):
+    """fp16 needs a GPU, so its GradScaler is stood in for by a CPU one: a checkpoint saved without
+    fp16 (no scaler.pt) loads into an fp16 run with a fresh scaler, and an fp16 checkpoint's
+    scaler.pt is ignored by a run without one."""
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(torch.nn.Linear(2, 2), torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()))
+    without = checkpointing.save_checkpoint(accelerator, str(tmp_path), 1, {"global_step": 1})
+    assert not os.path.exists(os.path.join(without, "scaler.pt"))
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # the fp16 run's
+    with pytest.raises(FileNotFoundError):
+        accelerator.load_state(without)  # what accelerate alone does
+    assert checkpointing.load_state(accelerator, without) is True
+    assert accelerator.scaler is not None and accelerator.scaler.get_scale() == 1024.0
+    accelerator.scaler.scale(torch.ones(()))  # initialises the scale tensor
+    accelerator.scaler.update(2048.0)
+    with_scaler = checkpointing.save_checkpoint(accelerator, str(tmp_path), 2, {"global_step": 2})
+    assert torch.load(os.path.join(with_scaler, "scaler.pt"))["scale"] == 2048.0
+    accelerator.scaler = None  # fp16 -> bf16 / no
+    assert checkpointing.load_state(accelerator, with_scaler) is False
+
+
+def test_only_the_main_process_saves_the_gradscaler():
+    """accelerate writes scaler.pt from every rank to one path; the other ranks save without it."""
+    from types import SimpleNamespace
+    seen = []
+    for main in (True, False):
+        scaler = object()
+        accelerator = SimpleNamespace(scaler=scaler, is_main_process=main)
+        accelerator.save_state = lambda path, a=accelerator: seen.append(a.scaler)
+        with checkpointing._scaler_saved_by_main_process_only(accelerator):
+            accelerator.save_state("x")
+        assert accelerator.scaler is scaler  # restored for training
+        assert seen[-1] is (scaler if main else None)
