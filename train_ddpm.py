@@ -221,6 +221,7 @@ def resume(run: SimpleNamespace) -> None:
         if run.stream is not None:
             with open(os.path.join(path, checkpointing.rank_state_file(accelerator.process_index))) as fh:
                 run.stream.load_state_dict(json.load(fh))
+        accelerator.wait_for_everyone()  # every rank has read its checkpoint before any folder moves
         if accelerator.is_main_process:
             abandoned = checkpointing.abandon_newer(config.output_dir, run.global_step, (run.history.path,))
             if abandoned:
@@ -379,7 +380,7 @@ def check_nonfinite(run, values: dict) -> None:
     streak = values.get("max_consecutive_nonfinite", 0)
     if streak >= run.config.max_nonfinite_steps:
         config = run.config
-        # every remedy named here is applied on resume (diffusion_extras.resume; tests/test_resume_remedies.py)
+        # every remedy named here is applied on resume (diffusion_extras.resume_policy; tests/test_resume_remedies.py)
         remedies = [f"Lower --learning_rate (now {config.learning_rate:g})"]
         if not config.max_grad_norm:  # a non-finite gradient cannot be clipped; clipping stops the blow-up before it
             remedies.append("set --max_grad_norm 1.0")

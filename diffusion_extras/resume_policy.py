@@ -42,7 +42,7 @@ def apply_optimizer_settings(optimizer, lr_scheduler, learning_rate: float, beta
 
 
 def _shown(value) -> str:
-    return repr(value) if isinstance(value, str) else str(value)
+    return "''" if value == "" else str(value)  # as typed on the command line
 
 
 def applied_change_lines(applied: dict, next_step: int, next_lr: float) -> list[str]:

@@ -86,7 +86,8 @@ def cosine_lr(peak, step, warmup, total):
 def test_changed_lr_weight_decay_and_betas_apply_from_the_first_resumed_step(base, tmp_path):
     recipe, out = copy_of(base, tmp_path)
     shutil.rmtree(out / "checkpoint-4")  # a run cut off after checkpoint-2
-    flags = ["--learning_rate", 1e-5, "--adam_weight_decay", 0.5, "--adam_beta1", 0.8, "--adam_beta2", 0.99]
+    flags = ["--learning_rate", 1e-5, "--adam_weight_decay", 0.5, "--adam_beta1", 0.8, "--adam_beta2", 0.99,
+             "--adam_epsilon", 1e-6]
     result = cli(["--config", recipe, "--output_dir", out, "--max_train_steps", 4, "--resume_from_checkpoint",
                   "latest", *flags], tmp_path)
     assert "resuming with --learning_rate 1e-05 (was 0.001): applied from step 3" in result.stdout
@@ -98,6 +99,7 @@ def test_changed_lr_weight_decay_and_betas_apply_from_the_first_resumed_step(bas
     optimizer = optimizer_state(out / "checkpoint-4")
     [group] = optimizer["param_groups"]
     assert group["weight_decay"] == 0.5 and tuple(group["betas"]) == (0.8, 0.99) and group["initial_lr"] == 1e-5
+    assert group["eps"] == 1e-6
     assert {float(s["step"]) for s in optimizer["state"].values()} == {4.0}, "Adam's moments were not kept"
     # the next resume compares with checkpoint-4's own recorded config: the applied values
     recorded = json.loads((out / "checkpoint-4" / "train_state.json").read_text())["config"]
@@ -123,9 +125,12 @@ def test_rollback_with_total_limit_keeps_the_abandoned_future(base, tmp_path):
 
 
 def test_rollback_without_limit_latest_never_picks_the_abandoned_future(base, tmp_path):
+    """Also resumes with --scale_lr: the peak becomes 1e-3 x batch 8 from the first resumed step."""
     recipe, out = copy_of(base, tmp_path)
-    cli(["--config", recipe, "--output_dir", out, "--resume_from_checkpoint", out / "checkpoint-2",
-         "--checkpointing_steps", 1, "--max_train_steps", 3], tmp_path)
+    result = cli(["--config", recipe, "--output_dir", out, "--resume_from_checkpoint", out / "checkpoint-2",
+                  "--checkpointing_steps", 1, "--max_train_steps", 3, "--scale_lr"], tmp_path)
+    assert "resuming with --scale_lr True (was False): applied from step 3" in result.stdout
+    assert read_history(out)[2]["lr"] == pytest.approx(cosine_lr(8e-3, 2, 2, 3))
     assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-3"]
     assert checkpointing.resume_candidates(str(out), "latest")[0] == str(out / "checkpoint-3")
     [abandoned] = [n for n in os.listdir(out) if n.startswith("abandoned-")]
@@ -151,12 +156,12 @@ def test_precision_no_to_bf16_and_back_resumes_and_changes_the_numerics(base, tm
     straight = [h["loss"] for h in read_history(base[1])]
     result = cli(["--config", recipe, "--output_dir", out, "--max_train_steps", 4, "--mixed_precision", "bf16",
                   "--resume_from_checkpoint", "latest"], tmp_path)
-    assert "resuming with --mixed_precision 'bf16' (was 'no'): applied from step 3" in result.stdout
+    assert "resuming with --mixed_precision bf16 (was no): applied from step 3" in result.stdout
     resumed = [h["loss"] for h in read_history(out)]
     assert resumed[:2] == straight[:2] and resumed[2] != straight[2], "bf16 autocast did not take effect"
     back = cli(["--config", recipe, "--output_dir", out, "--max_train_steps", 5, "--mixed_precision", "no",
                 "--resume_from_checkpoint", "latest"], tmp_path)
-    assert "resuming with --mixed_precision 'no' (was 'bf16'): applied from step 5" in back.stdout
+    assert "resuming with --mixed_precision no (was bf16): applied from step 5" in back.stdout
 
 
 # ----------------------------------------------------------------------------- GradScaler files
