@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import torch
 
-from diffusion_extras import (artifacts, checkpointing, data, diagnostics, losses, lr_finder, models, streaming,
-                              tracking)
+from diffusion_extras import (artifacts, checkpointing, data, diagnostics, losses, lr_finder, models, resume_policy,
+                              streaming, tracking)
 from diffusion_extras.timesteps import LossAwareTimestepSampler
 from diffusion_extras.config import ConfigError, TrainConfig, parse_config, save_config
 from diffusion_extras.ema import ExponentialMovingAverage
@@ -129,7 +129,7 @@ def build_optimization(run, unet) -> None:
     learning_rate = config.learning_rate
     if config.scale_lr:
         learning_rate *= config.train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
-    run.step_lr = learning_rate
+    run.step_lr = run.peak_lr = learning_rate  # peak_lr: what a resume rewrites the schedule to
     optimizer = make_optimizer(config, unet, learning_rate)
     # Not passed to prepare(): accelerate would step it once per process (diffusers issue #8384).
     # We step it once per optimizer step, so warmup and decay mean the same for any P and accumulation.
@@ -198,28 +198,40 @@ def state_config(config: TrainConfig, unet, accelerator) -> dict:
 
 
 def resume(run: SimpleNamespace) -> None:
+    """Load the newest usable checkpoint, apply the changed settings whose policy is apply (each
+    named in one line), and set aside the checkpoints of an abandoned future (a rollback)."""
     config, accelerator = run.config, run.accelerator
     candidates = checkpointing.resume_candidates(config.output_dir, config.resume_from_checkpoint)
     if not candidates:
         accelerator.print(f"no checkpoint in {config.output_dir}: starting a fresh run")
         return
     for path in candidates:
-        state = checkpointing.check_resumable(path, run.state_config)
+        state, applied = checkpointing.check_resumable(path, run.state_config)
         try:
-            accelerator.load_state(path)
+            checkpointing.load_state(accelerator, path)
         except Exception as error:  # unreadable despite a complete marker: fall back, as with truncation
             if config.resume_from_checkpoint != "latest" or path == candidates[-1]:
                 raise checkpointing.CheckpointError(f"cannot load {path}: {type(error).__name__}: {error}") from None
             warnings.warn(f"cannot load {path} ({type(error).__name__}: {error}); falling back to the previous one")
             continue
         run.global_step = state["global_step"]
+        run.step_lr = resume_policy.apply_optimizer_settings(
+            run.optimizer, run.lr_scheduler, run.peak_lr, (config.adam_beta1, config.adam_beta2),
+            config.adam_weight_decay, config.adam_epsilon)
         if run.stream is not None:
             with open(os.path.join(path, checkpointing.rank_state_file(accelerator.process_index))) as fh:
                 run.stream.load_state_dict(json.load(fh))
+        accelerator.wait_for_everyone()  # every rank has read its checkpoint before any folder moves
         if accelerator.is_main_process:
+            abandoned = checkpointing.abandon_newer(config.output_dir, run.global_step, (run.history.path,))
+            if abandoned:
+                accelerator.print(f"rolling back to step {run.global_step}: the newer checkpoints (and a copy of "
+                                  f"logs/history.jsonl) were moved to {abandoned}; nothing was deleted")
             run.history.truncate_after(run.global_step)
         accelerator.print(f"resumed from {path} at optimizer step {run.global_step} "
                           f"(epoch {state['epoch']}, batch {state['batch_in_epoch']})")
+        for line in resume_policy.applied_change_lines(applied, run.global_step + 1, run.step_lr):
+            accelerator.print(line)
         return
 
 
@@ -372,11 +384,18 @@ class NonFiniteStop(RuntimeError):
 def check_nonfinite(run, values: dict) -> None:
     streak = values.get("max_consecutive_nonfinite", 0)
     if streak >= run.config.max_nonfinite_steps:
+        config = run.config
+        # every remedy named here is applied on resume (diffusion_extras.resume_policy; tests/test_resume_remedies.py)
+        remedies = [f"Lower --learning_rate (now {config.learning_rate:g})"]
+        if not config.max_grad_norm:  # a non-finite gradient cannot be clipped; clipping stops the blow-up before it
+            remedies.append("set --max_grad_norm 1.0")
+        if config.mixed_precision == "fp16":
+            remedies.append("use --mixed_precision bf16 instead of fp16")
+        remedy = remedies[0] if len(remedies) == 1 else f"{', '.join(remedies[:-1])} or {remedies[-1]}"
         raise NonFiniteStop(
             f"{streak:.0f} consecutive non-finite steps by step {run.global_step} (--max_nonfinite_steps "
-            f"{run.config.max_nonfinite_steps}). Skipped steps never touch the weights, so the saved checkpoint "
-            "holds the last good ones. Lower --learning_rate, set --max_grad_norm, or use --mixed_precision bf16 "
-            "instead of fp16, then resume with --resume_from_checkpoint latest.")
+            f"{config.max_nonfinite_steps}). Skipped steps never touch the weights, so the saved checkpoint "
+            f"holds the last good ones. {remedy}, then resume with --resume_from_checkpoint latest.")
 
 
 # ----------------------------------------------------------------------------- the loop

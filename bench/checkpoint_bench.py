@@ -6,7 +6,8 @@
 Builds the run exactly as train_ddpm.setup does (model, fused AdamW, LR schedule, EMA,
 diagnostics) on synthetic 32 px images, takes one optimizer step so the Adam moments exist, then
 times diffusion_extras.checkpointing.save_checkpoint (accelerate's save_state + fsync + marker +
-rename) and accelerator.load_state, and lists the checkpoint's files and sizes.
+rename) with and without the marker's per-file checksums, verify_checkpoint (what `latest` runs
+on each candidate) and accelerator.load_state, and lists the checkpoint's files and sizes.
 """
 from __future__ import annotations
 
@@ -48,12 +49,19 @@ def main(argv=None) -> None:
                            "--mixed_precision", "no", "--logger", "none", "--dataloader_num_workers", "0"])
     run = train_ddpm.setup(config)
     train_ddpm.optimizer_step(run, train_ddpm.make_batches(run))
-    saves, loads, path = [], [], None
+    saves, plain_saves, verifies, loads, path = [], [], [], [], None
     for repeat in range(args.repeats):
+        started = time.perf_counter()
+        checkpointing.save_checkpoint(run.accelerator, config.output_dir, 1000 + repeat, train_ddpm.train_state(run),
+                                      checksums=False)
+        plain_saves.append(time.perf_counter() - started)
         started = time.perf_counter()
         path = checkpointing.save_checkpoint(run.accelerator, config.output_dir, run.global_step + repeat,
                                              train_ddpm.train_state(run))
         saves.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        assert checkpointing.verify_checkpoint(path) is None
+        verifies.append(time.perf_counter() - started)
         started = time.perf_counter()
         run.accelerator.load_state(path)
         loads.append(time.perf_counter() - started)
@@ -62,11 +70,17 @@ def main(argv=None) -> None:
               "unet_parameters": models.count_parameters(run.accelerator.unwrap_model(run.unet)),
               "checkpoint_bytes": sum(files.values()), "files": files,
               "save_seconds_median": statistics.median(saves), "load_seconds_median": statistics.median(loads),
-              "save_seconds": saves, "load_seconds": loads, "machine": f"{platform.processor() or platform.machine()}, "
+              "save_without_checksums_seconds_median": statistics.median(plain_saves),
+              "verify_seconds_median": statistics.median(verifies),
+              "checksum": checkpointing.file_checksum(os.path.join(path, "model.safetensors")).split(":")[0],
+              "save_seconds": saves, "save_without_checksums_seconds": plain_saves, "verify_seconds": verifies,
+              "load_seconds": loads, "machine": f"{platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     print(f"{result['recipe']}: {result['unet_parameters'] / 1e6:.1f}M params, checkpoint "
-          f"{result['checkpoint_bytes'] / 2**20:.1f} MiB; save {result['save_seconds_median']:.2f} s, "
-          f"load {result['load_seconds_median']:.2f} s (median of {args.repeats})")
+          f"{result['checkpoint_bytes'] / 2**20:.1f} MiB; save {result['save_seconds_median']:.2f} s with "
+          f"{result['checksum']} checksums, {result['save_without_checksums_seconds_median']:.2f} s without; "
+          f"verify {result['verify_seconds_median']:.2f} s; load {result['load_seconds_median']:.2f} s "
+          f"(median of {args.repeats})")
     for name, size in files.items():
         print(f"  {name:32s} {size / 2**20:9.2f} MiB")
     if args.json:

@@ -3,7 +3,8 @@
 Layout: OUTPUT_DIR/checkpoint-<step>/ holds what accelerate writes (model.safetensors,
 optimizer.bin, scaler.pt, random_states_<rank>.pkl, custom_checkpoint_<i>.pkl for the LR
 schedule, EMA and diagnostics) plus train_state.json (position, world size, the config that
-shapes the state) and, written last, checkpoint_complete.json listing every file and its size.
+shapes the state) and, written last, checkpoint_complete.json listing every file with its size
+and checksum (xxh3-64 when xxhash is installed, as `datasets` brings it; else zlib's crc32).
 
 Atomicity: every rank writes into `.checkpoint-<step>.tmp`; once all are done, the main process
 fsyncs, writes the marker and renames the folder. A kill at any moment leaves either the
@@ -12,24 +13,32 @@ Multi-node runs need output_dir on a filesystem all nodes share (as accelerate a
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import time
 import warnings
+import zlib
+from dataclasses import fields
+
+from .config import APPLY, REFUSE, TrainConfig
 
 PREFIX = "checkpoint-"
 MARKER = "checkpoint_complete.json"
 TRAIN_STATE = "train_state.json"
-# Settings that shape the saved state: resuming with another value would load wrong or mismatched state.
-STATE_SHAPING_KEYS = ("unet", "streaming", "timestep_sampling", "posthoc_ema", "diagnostics_bins", "prediction_type", "ddpm_num_steps", "ddpm_beta_schedule", "resolution",
-                      "train_batch_size", "gradient_accumulation_steps", "num_processes", "use_ema",
-                      "mixed_precision")
-# Settings that change what the resumed run does compared with an uninterrupted one, but load fine.
-RUN_CHANGING_KEYS = ("seed", "learning_rate", "lr_scheduler", "lr_warmup_steps", "adam_beta1", "adam_beta2",
-                     "adam_weight_decay", "max_grad_norm", "dataset_name", "train_data_dir", "max_train_samples",
-                     "ema_max_decay", "ema_inv_gamma", "ema_power", "snr_gamma", "loss_type",
-                     "max_train_steps")  # a new length rescales the LR decay from here on
+SCALER_FILE = "scaler.pt"  # accelerate's SCALER_NAME
+ABANDONED = "abandoned-"
+# A checkpoint records two keys that are not TrainConfig fields: the resolved UNet config (whose
+# shape the weights have) and the world size (every rank's RNG file and stream position).
+RECORDED_KEY_POLICIES = {"unet": REFUSE, "num_processes": REFUSE}
+
+
+def resume_policies() -> dict[str, str]:
+    """refuse | apply | free for every key a checkpoint's recorded config holds, read from the
+    TrainConfig fields' metadata (config._f) so the rules cannot drift from the fields."""
+    return {f.name: f.metadata["resume"] for f in fields(TrainConfig)} | RECORDED_KEY_POLICIES
 
 
 class CheckpointError(ValueError):
@@ -51,13 +60,16 @@ def list_checkpoints(output_dir: str) -> list[str]:
 
 
 def verify_checkpoint(path: str) -> str | None:
-    """None if the checkpoint is complete; else the reason it cannot be used."""
+    """None if the checkpoint is complete; else the reason it cannot be used. Reads every file
+    once to check its checksum (cost: ~1 s per GB from page cache; markers written before
+    checksums were recorded are checked by size only)."""
     marker = os.path.join(path, MARKER)
     if not os.path.isfile(marker):
         return "it has no completion marker (the save was interrupted)"
     try:
         with open(marker) as fh:
-            sizes = json.load(fh)["files"]
+            content = json.load(fh)
+        sizes, checksums = content["files"], content.get("checksums", {})
     except (OSError, ValueError, KeyError) as error:
         return f"its completion marker is unreadable ({error})"
     for name, size in sizes.items():
@@ -66,7 +78,36 @@ def verify_checkpoint(path: str) -> str | None:
             return f"{name} is missing"
         if os.path.getsize(file) != size:
             return f"{name} has {os.path.getsize(file)} bytes, {size} were written (truncated or altered)"
+        if name in checksums and file_checksum(file, checksums[name].split(":")[0]) != checksums[name]:
+            return f"{name} does not match the checksum recorded when it was written (torn or altered)"
     return None
+
+
+def _checksum_algorithm() -> str:
+    try:
+        import xxhash  # noqa: F401  (datasets depends on it)
+        return "xxh3_64"
+    except ImportError:
+        return "crc32"
+
+
+def file_checksum(path: str, algorithm: str | None = None, chunk_bytes: int = 1 << 22) -> str:
+    """'<algorithm>:<hex>' of a file, read in 4 MiB chunks (a checkpoint may not fit in memory
+    twice). xxh3-64 runs at memory speed; zlib's crc32 is the stdlib fallback (~1 GB/s)."""
+    algorithm = algorithm or _checksum_algorithm()
+    if algorithm == "xxh3_64":
+        import xxhash
+        digest = xxhash.xxh3_64()
+        update, value = digest.update, lambda: digest.intdigest()
+    elif algorithm == "crc32":
+        crc = [0]
+        update, value = (lambda chunk: crc.__setitem__(0, zlib.crc32(chunk, crc[0]))), (lambda: crc[0])
+    else:
+        return f"{algorithm}:unknown algorithm"  # never matches: the file is treated as unverifiable
+    with open(path, "rb") as fh:
+        while chunk := fh.read(chunk_bytes):
+            update(chunk)
+    return f"{algorithm}:{value():016x}"
 
 
 def resume_candidates(output_dir: str, resume_from: str) -> list[str]:
@@ -102,6 +143,16 @@ def _fsync_tree(directory: str) -> dict[str, int]:
     return sizes
 
 
+def completion_marker(directory: str, step: int, checksums: bool = True) -> dict:
+    """What checkpoint_complete.json records: every file's size and (unless turned off, for the
+    benchmark's comparison) checksum, read back after the fsync."""
+    sizes = _fsync_tree(directory)
+    marker = {"step": step, "files": sizes}
+    if checksums:
+        marker["checksums"] = {name: file_checksum(os.path.join(directory, name)) for name in sizes}
+    return marker
+
+
 def _write_json(path: str, value: dict) -> None:
     with open(path, "w") as fh:
         json.dump(value, fh, indent=2, sort_keys=True)
@@ -114,7 +165,7 @@ def rank_state_file(process_index: int) -> str:
 
 
 def save_checkpoint(accelerator, output_dir: str, step: int, train_state: dict,
-                    total_limit: int | None = None, rank_state: dict | None = None) -> str:
+                    total_limit: int | None = None, rank_state: dict | None = None, checksums: bool = True) -> str:
     """Save on every rank (accelerate requires it: each rank writes its RNG state, and DeepSpeed or
     FSDP shard weights), then complete and publish the folder on the main process. `rank_state`
     (e.g. a stream position) differs per rank, so each rank writes its own file."""
@@ -124,13 +175,14 @@ def save_checkpoint(accelerator, output_dir: str, step: int, train_state: dict,
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this very step
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
+    with _scaler_saved_by_main_process_only(accelerator):
+        accelerator.save_state(tmp)
     if rank_state is not None:
         _write_json(os.path.join(tmp, rank_state_file(accelerator.process_index)), rank_state)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _write_json(os.path.join(tmp, TRAIN_STATE), train_state)
-        _write_json(os.path.join(tmp, MARKER), {"step": step, "files": _fsync_tree(tmp)})
+        _write_json(os.path.join(tmp, MARKER), completion_marker(tmp, step, checksums))
         if os.path.exists(final):  # same step saved before (e.g. an explicit re-save): replace it last
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -139,6 +191,35 @@ def save_checkpoint(accelerator, output_dir: str, step: int, train_state: dict,
             prune_checkpoints(output_dir, total_limit)
     accelerator.wait_for_everyone()
     return final
+
+
+@contextlib.contextmanager
+def _scaler_saved_by_main_process_only(accelerator):
+    """accelerate 1.15's save_accelerator_state writes scaler.pt with a bare torch.save on every
+    rank, to the one shared path (the model and optimizer go through its main-process-only
+    `save`): concurrent writers can tear it. The GradScaler's state is identical on every rank (it
+    sees the all-reduced gradients), so the other ranks save without it."""
+    scaler = accelerator.scaler
+    if not accelerator.is_main_process:
+        accelerator.scaler = None
+    try:
+        yield
+    finally:
+        accelerator.scaler = scaler
+
+
+def load_state(accelerator, path: str) -> bool:
+    """accelerator.load_state, also from a checkpoint saved without fp16 (no scaler.pt) into an fp16
+    run: its GradScaler then starts fresh, as in a new fp16 run. True when that happened."""
+    scaler = accelerator.scaler
+    fresh_scaler = scaler is not None and not os.path.isfile(os.path.join(path, SCALER_FILE))
+    if fresh_scaler:
+        accelerator.scaler = None  # accelerate would try to read the missing scaler.pt
+    try:
+        accelerator.load_state(path)
+    finally:
+        accelerator.scaler = scaler
+    return fresh_scaler
 
 
 def _fsync_dir(directory: str) -> None:
@@ -162,30 +243,72 @@ def read_train_state(path: str) -> dict:
         return json.load(fh)
 
 
-def compare_configs(saved: dict, current: dict) -> tuple[list[str], list[str]]:
-    """(state-breaking differences, run-changing differences) as 'key: saved -> current' lines;
-    for nested settings (the UNet config) only the differing entries are named."""
-    def describe(key):
-        old, new = saved.get(key), current.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            inner = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
-            return ", ".join(f"{key}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in inner)
-        return f"{key}: {old!r} -> {new!r}"
-
-    def diffs(keys):
-        return [describe(key) for key in keys if key in saved and saved.get(key) != current.get(key)]
-    return diffs(STATE_SHAPING_KEYS), diffs(RUN_CHANGING_KEYS)
+def compare_configs(saved: dict, current: dict) -> dict[str, dict[str, tuple]]:
+    """{policy: {key: (saved, current)}} for every recorded key whose value changed. Keys the
+    checkpoint does not record (settings added since it was written) are not compared."""
+    policies, changes = resume_policies(), {}
+    for key in saved.keys() & current.keys():
+        if saved[key] != current[key] and key in policies:
+            changes.setdefault(policies[key], {})[key] = (saved[key], current[key])
+    return changes
 
 
-def check_resumable(path: str, current: dict) -> dict:
-    """The checkpoint's train state, after refusing state-breaking config changes (listed)."""
+def describe_change(key: str, old, new) -> str:
+    """'key: old -> new'; for nested settings (the UNet config) only the differing entries."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        inner = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+        return ", ".join(f"{key}.{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in inner)
+    return f"{key}: {old!r} -> {new!r}"
+
+
+def _unflatten(value):
+    """The recorded config stores non-scalars as JSON (tracking.hyperparameters): decode for display."""
+    if isinstance(value, str) and (value[:1] in ("[", "{") or value == "null"):
+        with contextlib.suppress(ValueError):
+            return json.loads(value)
+    return value
+
+
+def check_resumable(path: str, current: dict) -> tuple[dict, dict[str, tuple]]:
+    """The checkpoint's train state and the changed settings a resume applies ({key: (saved,
+    current)}), after refusing, with the full list, any change the saved state cannot serve."""
     state = read_train_state(path)
-    breaking, changing = compare_configs(state["config"], current)
-    if breaking:
+    changes = compare_configs(state["config"], current)
+    refused = changes.get(REFUSE, {})
+    if refused:
         raise CheckpointError(
             f"cannot resume from {path}: the config differs in ways the saved state depends on: "
-            + "; ".join(breaking) + ". Resume with the original settings or start a new --output_dir")
-    if changing:
+            + "; ".join(describe_change(k, *_decoded(refused[k])) for k in sorted(refused))
+            + ". Resume with the original settings or start a new --output_dir")
+    applied = {k: _decoded(v) for k, v in sorted(changes.get(APPLY, {}).items())}
+    if applied:
         warnings.warn("resuming with changed settings; the run will differ from an uninterrupted one: "
-                      + "; ".join(changing))
-    return state
+                      + "; ".join(describe_change(k, *v) for k, v in applied.items()))
+    return state, applied
+
+
+def _decoded(pair: tuple) -> tuple:
+    return tuple(_unflatten(v) for v in pair)
+
+
+def abandon_newer(output_dir: str, step: int, also_copy: tuple = ()) -> str | None:
+    """A rollback: move the checkpoints newer than `step` (the future being abandoned) into
+    output_dir/abandoned-<step>-<time>/, with copies of `also_copy` (the log history that the
+    resumed run truncates). Nothing is deleted; `latest` and retention list only top-level
+    checkpoint-<step> folders, so they never see these again. Returns the folder, or None."""
+    newer = [path for path in list_checkpoints(output_dir) if checkpoint_step(path) > step]
+    if not newer:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    folder = os.path.join(output_dir, f"{ABANDONED}{step}-{stamp}")
+    suffix = 1
+    while os.path.exists(folder):  # a second rollback within the same second
+        folder, suffix = os.path.join(output_dir, f"{ABANDONED}{step}-{stamp}-{suffix}"), suffix + 1
+    os.makedirs(folder)
+    for path in also_copy:
+        if os.path.isfile(path):
+            shutil.copy2(path, folder)
+    for path in newer:
+        os.rename(path, os.path.join(folder, os.path.basename(path)))
+    _fsync_dir(output_dir)
+    return folder

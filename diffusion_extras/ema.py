@@ -83,6 +83,6 @@ class ExponentialMovingAverage:
         if len(shadow) != len(self.shadow_params):
             raise ValueError(f"EMA state holds {len(shadow)} tensors but the model has {len(self.shadow_params)}")
         # the decay settings are the current run's (from its config); the checkpoint supplies the
-        # position and the average. checkpointing.RUN_CHANGING_KEYS warns when they differ.
+        # position and the average. A resume warns when they differ (their resume policy is apply).
         self.optimization_step = state["optimization_step"]
         self.shadow_params = [s.to(device=p.device, dtype=torch.float32) for s, p in zip(shadow, self.shadow_params)]
