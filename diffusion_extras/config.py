@@ -196,12 +196,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_yaml(path: str) -> dict:
+    """The recipe as a mapping; every way a file can be unusable is one ConfigError naming it."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--config {path} is a folder; give a YAML file (e.g. configs/digits.yaml)")
     if not os.path.isfile(path):
         raise ConfigError(f"--config {path}: no such file; recipes live in configs/ (e.g. configs/digits.yaml)")
-    with open(path) as fh:
-        data = yaml.safe_load(fh) or {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as error:
+        raise ConfigError(f"--config {path}: cannot read it ({error.strerror or error}); check its permissions") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
+                          f"{error.start}); save the recipe as UTF-8 YAML") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"--config {path}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of setting: value at the top level")
+        raise ConfigError(f"--config {path}: expected a mapping of setting: value at the top level, "
+                          f"got a {type(data).__name__}")
     return data
 
 
