@@ -112,7 +112,7 @@ class TrainConfig:
     ema_power: float = _f(0.75, "EMA warmup power (3/4 suits short runs, 2/3 long ones).", resume=APPLY)
     # --- model and noise schedule ----------------------------------------------------------
     model_config_name_or_path: Optional[str] = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE)
-    model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only).", resume=REFUSE, cli=False)
+    model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape).", resume=REFUSE, cli=False)
     prediction_type: str = _f("epsilon", "What the UNet predicts: the noise, v (Salimans & Ho 2022) or the clean image.", choices=PREDICTION_TYPES, resume=REFUSE)
     ddpm_num_steps: int = _f(1000, "Diffusion timesteps T.", resume=REFUSE)
     ddpm_beta_schedule: str = _f("linear", "Noise schedule of the betas.", choices=BETA_SCHEDULES, resume=REFUSE)
