@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import torch
 
-from diffusion_extras import (artifacts, checkpointing, data, diagnostics, losses, lr_finder, models, streaming,
-                              tracking)
+from diffusion_extras import (artifacts, checkpointing, compat, data, diagnostics, losses, lr_finder, models,
+                              streaming, tracking)
 from diffusion_extras.timesteps import LossAwareTimestepSampler
 from diffusion_extras.config import ConfigError, TrainConfig, parse_config, save_config
 from diffusion_extras.ema import ExponentialMovingAverage
@@ -56,6 +56,13 @@ def setup(config: TrainConfig) -> SimpleNamespace:
     accelerator = make_accelerator(config)
     refuse_sharded_training(accelerator)
     set_seed(config.seed)  # the init; per-step randomness has its own generators
+    if config.overwrite_output_dir:  # before anything is written there; the other ranks wait for the rename
+        moved = compat.move_aside_earlier_run(config.output_dir) if accelerator.is_main_process else None
+        accelerator.wait_for_everyone()
+        if moved:
+            accelerator.print(f"--overwrite_output_dir: the earlier run in {config.output_dir} is now {moved}")
+    for line in compat.notes(config):
+        accelerator.print(line)
     checkpoints = checkpointing.list_checkpoints(config.output_dir)
     if checkpoints and config.resume_from_checkpoint is None and not config.find_lr:
         raise ConfigError(f"--output_dir {config.output_dir} already holds {os.path.basename(checkpoints[-1])}: "
@@ -125,6 +132,7 @@ def build_data(run, channels: int) -> None:
                                                 config.resolution, config.center_crop, channels,
                                                 config.seed + accelerator.process_index)
         run.max_train_steps = config.max_train_steps
+        compat.map_epochs_to_steps(config, None)  # refuses epoch intervals: a stream has no epoch length
     else:
         with accelerator.main_process_first():
             run.images = data.cached_decode(run.dataset, run.image_column, config.resolution, config.center_crop,
@@ -133,6 +141,8 @@ def build_data(run, channels: int) -> None:
         steps_per_epoch = max(1, run.order.batches_per_epoch // config.gradient_accumulation_steps)
         run.max_train_steps = config.max_train_steps or config.num_epochs * steps_per_epoch
         config.max_train_steps = run.max_train_steps  # saved configs and reports record the real length
+        for line in compat.map_epochs_to_steps(config, steps_per_epoch):
+            accelerator.print(line)
     sample = torch.from_numpy(artifacts.reference_sample(run, 2048, channels))
     # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
     run.sigma_data = diagnostics.per_dimension_variance(data.to_model_input(sample, "cpu")) ** 0.5

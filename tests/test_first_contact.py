@@ -196,3 +196,90 @@ def test_image_channels_follow_the_pil_mode(tmp_path):
         Image.new(mode, (4, 4)).save(path)
         assert data.stored_channels(items + [{"path": str(path), "bytes": None}]) == 3
     assert data.stored_channels([{"path": str(tmp_path / "missing.png"), "bytes": None}]) is None
+
+
+# ------------------------------------------------------------------ diffusers' command lines
+# examples/unconditional_image_generation/README.md (diffusers), Hub ids replaced by a local folder.
+README_FLOWERS = ("--dataset_name={data} --resolution=64 --center_crop --random_flip "
+                  "--output_dir=ddpm-ema-flowers-64 --train_batch_size=16 --num_epochs=100 "
+                  "--gradient_accumulation_steps=1 --use_ema --learning_rate=1e-4 --lr_warmup_steps=500 "
+                  "--mixed_precision=no --push_to_hub")
+README_MULTI_GPU = ("--dataset_name={data} --resolution=64 --center_crop --random_flip "
+                    "--output_dir=ddpm-ema-pokemon-64 --train_batch_size=16 --num_epochs=100 "
+                    "--gradient_accumulation_steps=1 --use_ema --learning_rate=1e-4 --lr_warmup_steps=500 "
+                    "--mixed_precision=no --logger=wandb")  # the README's fp16 needs a GPU: no here
+# every other flag of train_unconditional.py, with a value of its own meaning
+OTHER_DIFFUSERS_FLAGS = ("--dataset_config_name=default --cache_dir=cache --eval_batch_size=16 "
+                         "--dataloader_num_workers=0 --save_images_epochs=10 --save_model_epochs=10 "
+                         "--lr_scheduler=cosine_with_restarts --adam_beta1=0.95 --adam_beta2=0.999 "
+                         "--adam_weight_decay=1e-6 --adam_epsilon=1e-08 --ema_inv_gamma=1.0 --ema_power=0.75 "
+                         "--ema_max_decay=0.9999 --hub_model_id=me/flowers --hub_private_repo --logging_dir=logs "
+                         "--local_rank=-1 --prediction_type=sample --ddpm_num_steps=1000 "
+                         "--ddpm_num_inference_steps=1000 --ddpm_beta_schedule=sigmoid --checkpointing_steps=500 "
+                         "--checkpoints_total_limit=3 --overwrite_output_dir "
+                         "--enable_xformers_memory_efficient_attention")
+
+
+def test_diffusers_readme_command_lines_parse_with_the_same_meaning(tmp_path):
+    from diffusion_extras.config import parse_config
+    data = str(tmp_path)
+    flowers = parse_config(README_FLOWERS.format(data=data).split())
+    assert (flowers.dataset_name, flowers.resolution, flowers.center_crop, flowers.random_flip) == (data, 64, True, True)
+    assert (flowers.output_dir, flowers.train_batch_size, flowers.gradient_accumulation_steps) == \
+        ("ddpm-ema-flowers-64", 16, 1)
+    assert flowers.num_epochs == 100 and flowers.max_train_steps is None  # epochs decide, as in diffusers
+    assert (flowers.use_ema, flowers.learning_rate, flowers.lr_warmup_steps) == (True, 1e-4, 500)
+    assert (flowers.mixed_precision, flowers.push_to_hub) == ("no", True)
+    multi = parse_config(README_MULTI_GPU.format(data=data).split())
+    assert multi.logger == "wandb" and multi.output_dir == "ddpm-ema-pokemon-64"
+    other = parse_config(README_FLOWERS.format(data=data).split() + OTHER_DIFFUSERS_FLAGS.split())
+    assert (other.dataset_config_name, other.cache_dir, other.eval_batch_size) == ("default", "cache", 16)
+    assert (other.save_images_epochs, other.save_model_epochs, other.lr_scheduler) == (10, 10, "cosine_with_restarts")
+    assert (other.adam_beta1, other.adam_weight_decay, other.ema_max_decay, other.ema_power) == (0.95, 1e-6, 0.9999, 0.75)
+    assert (other.hub_model_id, other.hub_private_repo, other.local_rank) == ("me/flowers", True, -1)
+    assert (other.prediction_type, other.ddpm_num_inference_steps, other.ddpm_beta_schedule) == \
+        ("sample", 1000, "sigmoid")
+    assert (other.checkpointing_steps, other.checkpoints_total_limit) == (500, 3)
+    assert other.overwrite_output_dir and other.enable_xformers_memory_efficient_attention
+
+
+def test_diffusers_only_flag_without_support_is_one_line_naming_why(run_cli, tmp_path):
+    result = run_cli(["train_ddpm.py", "--train_data_dir", str(tmp_path), "--preserve_input_precision"], timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: --preserve_input_precision is not supported: images are decoded once into an 8-bit cache "
+        "(as diffusers does without the flag); drop it"]
+    both = run_cli(["train_ddpm.py", "--overwrite_output_dir", "--resume_from_checkpoint", "latest"], timeout=120)
+    assert both.returncode == 2 and "give one of them" in both.stderr
+
+
+def test_diffusers_readme_training_on_own_folder(run_cli, tmp_path):
+    """README's "use your own data" line with the flowers flags, scaled to a CPU test: the epoch
+    intervals become step intervals (stated), --overwrite_output_dir moves the earlier run aside,
+    xformers is answered by SDPA, and the RGB images give an RGB pipeline."""
+    folder = _image_folder(tmp_path / "images", "RGB", count=8)
+    out = tmp_path / "ddpm-ema-flowers"
+    out.mkdir()
+    (out / "checkpoint-7").mkdir()  # an earlier run: kept, moved aside
+    (out / "checkpoint-7" / "note.txt").write_text("earlier")
+    command = (f"--train_data_dir {folder} --resolution=16 --center_crop --random_flip --output_dir={out} "
+               "--train_batch_size=4 --num_epochs=2 --gradient_accumulation_steps=1 --use_ema --learning_rate=1e-4 "
+               "--lr_warmup_steps=1 --mixed_precision=no --save_images_epochs=1 --save_model_epochs=1 "
+               "--overwrite_output_dir --enable_xformers_memory_efficient_attention --local_rank=0 "
+               "--eval_batch_size=1 --ddpm_num_inference_steps=1 --logger=tensorboard --checkpointing_steps=2 "
+               "--checkpoints_total_limit=1")
+    result = run_cli(["train_ddpm.py", *command.split()], check=True)
+    assert "--save_images_epochs 1 -> --save_images_steps 2 (2 optimizer steps per epoch)" in result.stdout
+    assert "--save_model_epochs 1 -> --save_model_steps 2 (2 optimizer steps per epoch)" in result.stdout
+    assert "scaled_dot_product_attention" in result.stdout
+    moved = [p for p in os.listdir(tmp_path) if p.startswith("ddpm-ema-flowers.previous-")]
+    assert len(moved) == 1 and (tmp_path / moved[0] / "checkpoint-7" / "note.txt").read_text() == "earlier"
+    assert f"the earlier run in {out} is now {tmp_path / moved[0]}" in result.stdout
+    assert "done: 4 optimizer steps" in result.stdout  # 2 epochs of 8 images in batches of 4
+    assert {"step_000002.png", "step_000004.png"} <= set(os.listdir(out / "samples"))  # every epoch
+    assert os.listdir(out) and sorted(p for p in os.listdir(out) if p.startswith("checkpoint-")) == ["checkpoint-4"]
+    from diffusers import DDPMPipeline
+    pipeline = DDPMPipeline.from_pretrained(str(out))
+    assert pipeline.unet.config.in_channels == 3
+    images = pipeline(batch_size=1, num_inference_steps=2, output_type="np").images
+    assert images.shape == (1, 16, 16, 3)
