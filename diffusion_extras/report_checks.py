@@ -229,38 +229,38 @@ def _recent_bins(run: Run) -> dict[int, float]:
     return {index: float(np.mean(v)) for index, v in sorted(values.items())}
 
 
+def _run_alphas_cumprod(config: dict, num_train_timesteps: int):
+    """The run's own noise schedule, rebuilt from its saved config."""
+    from types import SimpleNamespace
+
+    from .models import build_noise_scheduler
+
+    settings = {"ddpm_beta_schedule": "linear", "prediction_type": "epsilon", "rescale_betas_zero_snr": False,
+                **config, "ddpm_num_steps": num_train_timesteps}
+    return build_noise_scheduler(SimpleNamespace(**settings)).alphas_cumprod
+
+
 def _reference_from_config(config: dict, num_bins: int, num_train_timesteps: int):
     """Bayes-optimal bin means when the config records sigma_data (the data's standard deviation)."""
     if config.get("sigma_data") is None:
         return None
-    from types import SimpleNamespace
-
     from .diagnostics import TimestepDiagnostics
-    from .models import build_noise_scheduler
 
-    settings = {"ddpm_beta_schedule": "linear", "prediction_type": "epsilon", "rescale_betas_zero_snr": False,
-                **config, "ddpm_num_steps": num_train_timesteps}
-    scheduler = build_noise_scheduler(SimpleNamespace(**settings))  # the run's own schedule
     return TimestepDiagnostics(num_train_timesteps, num_bins).bayes_optimal_bins(
-        scheduler.alphas_cumprod, float(config["sigma_data"]), config.get("prediction_type", "epsilon"))
+        _run_alphas_cumprod(config, num_train_timesteps), float(config["sigma_data"]),
+        config.get("prediction_type", "epsilon"))
 
 
 def _objective_weights(config: dict, num_bins: int, num_train_timesteps: int) -> np.ndarray:
     """Mean loss weight of each bin in the run's objective (min-SNR when on, else 1), uniform t."""
-    import torch
-    from types import SimpleNamespace
-
     from .diagnostics import timestep_bin_edges
     from .losses import min_snr_weight
-    from .models import build_noise_scheduler
 
     if not config.get("snr_gamma"):
         return np.ones(num_bins)
-    settings = {"ddpm_beta_schedule": "linear", "prediction_type": "epsilon", "rescale_betas_zero_snr": False,
-                **config, "ddpm_num_steps": num_train_timesteps}
-    abar = build_noise_scheduler(SimpleNamespace(**settings)).alphas_cumprod.double()
+    abar = _run_alphas_cumprod(config, num_train_timesteps).double()
     weights = min_snr_weight(abar / (1 - abar).clamp_min(1e-20), float(config["snr_gamma"]),
-                             settings["prediction_type"]).double().numpy()
+                             config.get("prediction_type", "epsilon")).double().numpy()
     edges = timestep_bin_edges(num_train_timesteps, num_bins)
     return np.array([weights[lo:hi].mean() for lo, hi in zip(edges[:-1], edges[1:])])
 
