@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import torch
 
-from diffusion_extras import (artifacts, checkpointing, data, diagnostics, losses, lr_finder, models, resume_policy,
-                              streaming, tracking)
+from diffusion_extras import (artifacts, checkpointing, compat, data, diagnostics, losses, lr_finder, models,
+                              resume_policy, streaming, tracking)
 from diffusion_extras.timesteps import LossAwareTimestepSampler
 from diffusion_extras.config import ConfigError, TrainConfig, parse_config, save_config
 from diffusion_extras.ema import ExponentialMovingAverage
@@ -56,17 +56,25 @@ def setup(config: TrainConfig) -> SimpleNamespace:
     accelerator = make_accelerator(config)
     refuse_sharded_training(accelerator)
     set_seed(config.seed)  # the init; per-step randomness has its own generators
+    if config.overwrite_output_dir:  # before anything is written there; the other ranks wait for the rename
+        moved = compat.move_aside_earlier_run(config.output_dir) if accelerator.is_main_process else None
+        accelerator.wait_for_everyone()
+        if moved:
+            accelerator.print(f"--overwrite_output_dir: the earlier run in {config.output_dir} is now {moved}")
+    for line in compat.notes(config):
+        accelerator.print(line)
     checkpoints = checkpointing.list_checkpoints(config.output_dir)
     if checkpoints and config.resume_from_checkpoint is None and not config.find_lr:
         raise ConfigError(f"--output_dir {config.output_dir} already holds {os.path.basename(checkpoints[-1])}: "
                           "pass --resume_from_checkpoint latest to continue it, or choose a new --output_dir")
-    unet = models.build_unet(config)
     noise_scheduler = models.build_noise_scheduler(config)
     run = SimpleNamespace(config=config, accelerator=accelerator, noise_scheduler=noise_scheduler, global_step=0,
                           schedule=losses.NoiseSchedule.from_scheduler(noise_scheduler, accelerator.device),
                           history=tracking.History(config.output_dir), last_metrics={}, evaluation=None,
                           global_batch_size=config.train_batch_size * accelerator.num_processes,
                           nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device))
+    data_channels = open_data(run)  # before the model: with no model chosen, the model follows the images
+    unet = build_model(run, data_channels)
     build_data(run, unet.config.in_channels)
     build_optimization(run, unet)
     build_extras(run)
@@ -91,25 +99,50 @@ def refuse_sharded_training(accelerator) -> None:
             "with --gradient_checkpointing and --mixed_precision bf16 to save memory")
 
 
+def open_data(run) -> int:
+    """The dataset (or this rank's shard of the stream) and its image column; returns the images'
+    colour channels (1 or 3), judged from the first images' modes."""
+    config, accelerator = run.config, run.accelerator
+    run.dataset = run.shard = None
+    if config.streaming:
+        run.shard, run.image_column = streaming.load_stream(config, accelerator.process_index,
+                                                            accelerator.num_processes)
+        return data.stored_channels(item[run.image_column] for item in run.shard.take(16)) or 3
+    run.dataset = data.load_image_dataset(config)
+    run.image_column = data.find_image_column(run.dataset, config.image_column)
+    return data.dataset_channels(run.dataset, run.image_column)
+
+
+def build_model(run, data_channels: int):
+    """The UNet (the recipe's, or one that follows the images), announced in one line with its size."""
+    config = run.config
+    config.model, chosen = models.follow_data(config, data_channels)  # saved configs record the real model
+    unet = models.build_unet(config)
+    for line in models.describe(unet, chosen, data_channels):
+        run.accelerator.print(line)
+    return unet
+
+
 def build_data(run, channels: int) -> None:
     """Decode-once cached images with a (seed, step) order, or this rank's shard of a stream."""
     config, accelerator = run.config, run.accelerator
     run.images = run.order = run.stream = None
     if config.streaming:
-        shard, column = streaming.load_stream(config, accelerator.process_index, accelerator.num_processes)
-        run.stream = streaming.StreamingBatches(shard, column, config.train_batch_size, config.resolution,
-                                                config.center_crop, channels, config.seed + accelerator.process_index)
+        run.stream = streaming.StreamingBatches(run.shard, run.image_column, config.train_batch_size,
+                                                config.resolution, config.center_crop, channels,
+                                                config.seed + accelerator.process_index)
         run.max_train_steps = config.max_train_steps
+        compat.map_epochs_to_steps(config, None)  # refuses epoch intervals: a stream has no epoch length
     else:
-        dataset = data.load_image_dataset(config)
-        image_column = data.find_image_column(dataset, config.image_column)
         with accelerator.main_process_first():
-            run.images = data.cached_decode(dataset, image_column, config.resolution, config.center_crop,
+            run.images = data.cached_decode(run.dataset, run.image_column, config.resolution, config.center_crop,
                                             channels, config.cache_dir, accelerator.is_main_process)
         run.order = data.GlobalBatchOrder(len(run.images), run.global_batch_size, config.seed)
         steps_per_epoch = max(1, run.order.batches_per_epoch // config.gradient_accumulation_steps)
         run.max_train_steps = config.max_train_steps or config.num_epochs * steps_per_epoch
         config.max_train_steps = run.max_train_steps  # saved configs and reports record the real length
+        for line in compat.map_epochs_to_steps(config, steps_per_epoch):
+            accelerator.print(line)
     sample = torch.from_numpy(artifacts.reference_sample(run, 2048, channels))
     # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
     run.sigma_data = diagnostics.per_dimension_variance(data.to_model_input(sample, "cpu")) ** 0.5
@@ -446,28 +479,50 @@ def train(run) -> None:
         if checkpoint_now:
             save_checkpoint(run)
         if accelerator.is_main_process:  # the other ranks go on and meet it at the next collective
+            if last:
+                progress.close()  # the bar ends at the last step; the end-of-run work announces itself
             run_main_process_extras(run, step, last)
     progress.close()
     verify_replicas(run)
     if accelerator.is_main_process:
-        accelerator.print(f"health report: {artifacts.write_health_report(run)}")
+        start = time.perf_counter()
+        path = artifacts.write_health_report(run)
+        accelerator.print(f"health report: {path} (written in {time.perf_counter() - start:.1f} s)")
     accelerator.wait_for_everyone()
     accelerator.end_training()
     accelerator.print(f"done: {run.global_step} optimizer steps; pipeline in {config.output_dir}")
 
 
+@contextlib.contextmanager
+def end_of_run_work(run, what: str, show: bool = True):
+    """After the last step the bar is closed, so each piece of work says when it starts and how
+    long it took (on CPU the grid, export and report take about a minute: silence reads as a hang)."""
+    if not show:
+        yield
+        return
+    run.accelerator.print(f"{what} ...", flush=True)
+    start = time.perf_counter()
+    yield
+    run.accelerator.print(f"{what}: done in {time.perf_counter() - start:.1f} s", flush=True)
+
+
 def run_main_process_extras(run, step: int, last: bool) -> None:
     config = run.config
     if run.posthoc_ema is not None and (step % config.posthoc_ema_snapshot_steps == 0 or last):
-        artifacts.posthoc_snapshot(run)
+        with end_of_run_work(run, "final post-hoc EMA snapshot", last):
+            artifacts.posthoc_snapshot(run)
     if step % config.save_images_steps == 0 or last:
-        artifacts.save_sample_grid(run)
-        artifacts.save_loss_plot(run)
+        with end_of_run_work(run, f"final sample grid ({config.eval_batch_size} images, "
+                                  f"{config.ddpm_num_inference_steps} DDIM steps)", last):
+            artifacts.save_sample_grid(run)
+            artifacts.save_loss_plot(run)
     if run.evaluation is not None and (step % config.eval_steps == 0 or last):
-        metrics = artifacts.evaluate(run)
+        with end_of_run_work(run, f"final FID/KID ({config.eval_num_samples} samples)", last):
+            metrics = artifacts.evaluate(run)
         run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     if step % config.save_model_steps == 0 or last:
-        artifacts.export(run, final=last)
+        with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last):
+            artifacts.export(run, final=last)
 
 
 def find_lr(run) -> None:

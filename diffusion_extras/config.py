@@ -21,8 +21,8 @@ class ConfigError(ValueError):
 
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
-BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
-LR_SCHEDULERS = ("cosine", "constant_with_warmup", "linear", "constant")
+BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid")  # DDPMScheduler's
+LR_SCHEDULERS = ("cosine", "constant_with_warmup", "linear", "constant", "cosine_with_restarts", "polynomial")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 LOGGERS = ("tensorboard", "wandb", "all", "none")
 LOSS_TYPES = ("l2", "huber")
@@ -112,7 +112,7 @@ class TrainConfig:
     ema_power: float = _f(0.75, "EMA warmup power (3/4 suits short runs, 2/3 long ones).", resume=APPLY)
     # --- model and noise schedule ----------------------------------------------------------
     model_config_name_or_path: Optional[str] = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE)
-    model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only).", resume=REFUSE, cli=False)
+    model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape).", resume=REFUSE, cli=False)
     prediction_type: str = _f("epsilon", "What the UNet predicts: the noise, v (Salimans & Ho 2022) or the clean image.", choices=PREDICTION_TYPES, resume=REFUSE)
     ddpm_num_steps: int = _f(1000, "Diffusion timesteps T.", resume=REFUSE)
     ddpm_beta_schedule: str = _f("linear", "Noise schedule of the betas.", choices=BETA_SCHEDULES, resume=REFUSE)
@@ -147,6 +147,14 @@ class TrainConfig:
     hub_model_id: Optional[str] = _f(None, "Hub repo id (default: the output dir's name).", resume=APPLY)
     hub_token: Optional[str] = _f(None, "Hub token (default: the logged-in one). Never written anywhere.", resume=FREE)
     hub_private_repo: bool = _f(False, "Create the Hub repo private.", resume=FREE)
+
+    # --- diffusers train_unconditional.py compatibility (diffusion_extras/compat.py) ------------
+    save_images_epochs: Optional[int] = _f(None, "diffusers' flag: a sample grid every N epochs; sets --save_images_steps to N x the optimizer steps per epoch (stated in the log).", resume=APPLY)
+    save_model_epochs: Optional[int] = _f(None, "diffusers' flag: export the pipeline every N epochs; sets --save_model_steps to N x the optimizer steps per epoch (stated in the log).", resume=APPLY)
+    overwrite_output_dir: bool = _f(False, "Start afresh in an --output_dir that holds an earlier run: the earlier run is renamed to <output_dir>.previous-<time> first (nothing is deleted).", resume=FREE)
+    enable_xformers_memory_efficient_attention: bool = _f(False, "diffusers' flag, accepted: attention already uses PyTorch's scaled_dot_product_attention (diffusers' default, memory-efficient kernels included); xformers is not needed.", resume=FREE)
+    local_rank: int = _f(-1, "diffusers' flag, accepted and unused as there: accelerate launch sets each process's rank.", resume=FREE)
+    preserve_input_precision: bool = _f(False, "diffusers' flag (keep 16-bit images' precision): not supported, images are cached as 8-bit.", resume=FREE)
 
     # ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -196,12 +204,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_yaml(path: str) -> dict:
+    """The recipe as a mapping; every way a file can be unusable is one ConfigError naming it."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--config {path} is a folder; give a YAML file (e.g. configs/digits.yaml)")
     if not os.path.isfile(path):
         raise ConfigError(f"--config {path}: no such file; recipes live in configs/ (e.g. configs/digits.yaml)")
-    with open(path) as fh:
-        data = yaml.safe_load(fh) or {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as error:
+        raise ConfigError(f"--config {path}: cannot read it ({error.strerror or error}); check its permissions") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
+                          f"{error.start}); save the recipe as UTF-8 YAML") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"--config {path}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of setting: value at the top level")
+        raise ConfigError(f"--config {path}: expected a mapping of setting: value at the top level, "
+                          f"got a {type(data).__name__}")
     return data
 
 
@@ -295,6 +320,13 @@ def validate(c: TrainConfig) -> None:
     need(c.huber_c > 0, f"--huber_c must be positive (got {c.huber_c})")
     need(0 < c.ema_max_decay < 1, f"--ema_max_decay must lie in (0, 1) (got {c.ema_max_decay})")
     need(c.ema_inv_gamma > 0 and c.ema_power > 0, "--ema_inv_gamma and --ema_power must be positive")
+    for name in ("save_images_epochs", "save_model_epochs"):
+        need(getattr(c, name) is None or getattr(c, name) >= 1, f"--{name} must be at least 1 (got {getattr(c, name)})")
+    need(not (c.overwrite_output_dir and c.resume_from_checkpoint),
+         "--overwrite_output_dir starts afresh and --resume_from_checkpoint continues: give one of them")
+    need(not c.preserve_input_precision,
+         "--preserve_input_precision is not supported: images are decoded once into an 8-bit cache "
+         "(as diffusers does without the flag); drop it")
     need(not (c.dataset_name and c.train_data_dir),
          "give either --dataset_name or --train_data_dir, not both")
     if c.train_data_dir is not None:

@@ -118,6 +118,29 @@ def find_image_column(dataset, image_column: str | None = None) -> str:
     return found[0]
 
 
+# ----------------------------------------------------------------------------- channels
+GRAYSCALE_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")  # PIL modes with one colour
+
+
+def stored_channels(items) -> int | None:
+    """3 if any of the stored images ({"bytes", "path"}) is in colour (RGB, RGBA, P, CMYK, ...), 1 if
+    all are grayscale, None if none opens. Only the headers are read (PIL opens lazily)."""
+    modes = set()
+    for item in items:
+        try:
+            with _decode(item) as image:
+                modes.add(image.mode)
+        except Exception:  # an unreadable file is named (and skipped) by the decoder later
+            continue
+    return (1 if modes <= set(GRAYSCALE_MODES) else 3) if modes else None
+
+
+def dataset_channels(dataset, image_column: str, count: int = 16) -> int:
+    """Colour channels of the training images, judged by the first `count` rows."""
+    items = dataset.with_format("arrow")[:count].column(image_column).to_pylist()
+    return stored_channels(items) or 3
+
+
 # ----------------------------------------------------------------------------- decode once
 class DecodedImages:
     """Every training image decoded, converted and resized once, kept as uint8 (memory-mapped

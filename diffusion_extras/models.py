@@ -4,7 +4,17 @@ from __future__ import annotations
 import json
 import os
 
-from .config import ConfigError, TrainConfig, validate_model_shape
+from .config import DIGITS_UNET, ConfigError, TrainConfig, validate_model_shape
+
+# diffusers' examples/unconditional_image_generation/train_unconditional.py builds this UNet when no
+# --model_config_name_or_path is given (~114M parameters; diffusers' other UNet2DModel defaults):
+# six levels, so the resolution must be a multiple of 32, and attention at the fifth.
+DIFFUSERS_DEFAULT_UNET = dict(
+    layers_per_block=2, block_out_channels=[128, 128, 256, 256, 512, 512],
+    down_block_types=["DownBlock2D", "DownBlock2D", "DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "DownBlock2D"],
+    up_block_types=["UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D"],
+)
+COLOUR_NAMES = {1: "grayscale", 3: "RGB"}
 
 
 def unet_config(config: TrainConfig) -> dict:
@@ -31,6 +41,38 @@ def unet_config(config: TrainConfig) -> dict:
                           f"got {values.get('in_channels')} -> {values.get('out_channels')}")
     validate_model_shape(values, config.resolution)
     return values
+
+
+def follow_data(config: TrainConfig, data_channels: int) -> tuple[dict, str]:
+    """The UNet kwargs for this run and how they were chosen (one line for the log). With a dataset
+    and no model chosen (no --model_config_name_or_path, the recipe's `model` untouched), the model
+    follows the images: their channels, and diffusers' train_unconditional.py default shape where
+    the resolution allows it (a multiple of 32), else our 16 px digits recipe's shape. The embedded
+    digits keep the digits recipe."""
+    if config.model_config_name_or_path:
+        return config.model, f"UNet from {config.model_config_name_or_path}"
+    own_data = config.dataset_name or config.train_data_dir
+    if config.model != DIGITS_UNET or not own_data:
+        return config.model, "the recipe's UNet" if config.model != DIGITS_UNET else "the digits recipe's UNet"
+    channels = {"in_channels": data_channels, "out_channels": data_channels}
+    if config.resolution % 32 == 0:
+        return ({**DIFFUSERS_DEFAULT_UNET, **channels},
+                f"diffusers train_unconditional.py's default UNet at {config.resolution} px (no model chosen)")
+    return ({**DIGITS_UNET, **channels},
+            f"the digits recipe's UNet shape at {config.resolution} px (no model chosen; diffusers' default "
+            "needs a multiple of 32 px)")
+
+
+def describe(unet, chosen: str, data_channels: int) -> list[str]:
+    """The model line (shape and size) and, if the images are converted, the conversion line."""
+    channels = unet.config.in_channels
+    lines = [f"model: {chosen}: {channels} channel(s) ({COLOUR_NAMES.get(channels, channels)}), blocks "
+             f"{list(unet.config.block_out_channels)} x{unet.config.layers_per_block}, "
+             f"{count_parameters(unet) / 1e6:.1f}M parameters"]
+    if channels != data_channels:
+        lines.append(f"data: the images are {COLOUR_NAMES[data_channels]} and the UNet has {channels} channel(s): "
+                     f"converting them to {COLOUR_NAMES.get(channels, channels)}")
+    return lines
 
 
 def build_unet(config: TrainConfig):
