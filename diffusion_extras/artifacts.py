@@ -128,38 +128,44 @@ def reference_sample(run, count: int, channels: int) -> np.ndarray:
 
 
 def prepare_evaluation(run):
-    """Feature extractor and reference statistics (cached in logs/), before training."""
+    """(extractor, reference statistics, metrics) per extractor that --eval_metrics needs, before
+    training; reference statistics cached per extractor as logs/fid_reference_<extractor>.npz."""
     config = run.config
     if config.eval_steps is None:
         return None
-    try:
-        extractor = evaluation.build_feature_extractor(config.feature_extractor, config.inception_weights,
-                                                      run.accelerator.device)
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
-        raise ConfigError(str(error)) from None
     channels = run.accelerator.unwrap_model(run.unet).config.in_channels
-    reference = reference_sample(run, config.eval_num_samples, channels)
-    cache = os.path.join(config.output_dir, "logs", f"fid_reference_{config.feature_extractor}.npz")
-    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    reference = reference_sample(run, config.eval_num_samples, channels).transpose(0, 2, 3, 1)
     source = len(run.images) if run.images is not None else f"stream:{config.dataset_name or config.train_data_dir}"
     fingerprint = f"{source}-{config.resolution}-{len(reference)}-{config.seed}"
-    return extractor, evaluation.reference_statistics(reference.transpose(0, 2, 3, 1), extractor, cache, fingerprint)
+    groups = evaluation.extractors_for(evaluation.parse_metrics(config.eval_metrics), config.feature_extractor)
+    suites = []
+    for kind, metrics in groups.items():
+        try:
+            extractor = evaluation.build_feature_extractor(
+                kind, config.inception_weights, run.accelerator.device,
+                model={"dinov2": config.dinov2_model, "clip": config.clip_model}.get(kind))
+        except (ValueError, FileNotFoundError, RuntimeError) as error:
+            raise ConfigError(str(error)) from None
+        cache = os.path.join(config.output_dir, "logs", f"fid_reference_{kind}.npz")
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        suites.append((extractor, evaluation.reference_statistics(reference, extractor, cache, fingerprint), metrics))
+    return suites
 
 
 def evaluate(run) -> dict:
-    """FID / KID of EMA samples; logged to the trackers and history, kept for the model card."""
-    extractor, reference = run.evaluation
+    """--eval_metrics of EMA samples; logged to the trackers and history, kept for the model card."""
     config = run.config
     unet = run.accelerator.unwrap_model(run.unet)
     scheduler = sampling.make_scheduler("ddim", run.noise_scheduler.config)
     with ema_weights(run):
-        metrics = evaluation.evaluate_unet(unet, scheduler, reference, extractor, config.eval_num_samples,
-                                           config.ddpm_num_inference_steps, config.seed, config.eval_batch_size,
-                                           run.accelerator.device)
+        metrics = evaluation.evaluate_unet_metrics(unet, scheduler, run.evaluation, config.eval_num_samples,
+                                                   config.ddpm_num_inference_steps, config.seed,
+                                                   config.eval_batch_size, run.accelerator.device)
     values = {f"eval/{k}": float(v) for k, v in metrics.items()}
     run.accelerator.log(values, step=run.global_step)
     run.history.append({"step": run.global_step, **values})
-    run.last_metrics = {f"{k} ({extractor.name})" if k in ("fid", "kid") else k: v for k, v in metrics.items()}
+    names = {metric: extractor.name for extractor, _, group in run.evaluation for metric in group}
+    run.last_metrics = {f"{k} ({names[k]})" if k in names else k: v for k, v in metrics.items()}
     return metrics
 
 
