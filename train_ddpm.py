@@ -438,6 +438,7 @@ def run_main_process_extras(run, step: int, last: bool) -> None:
         artifacts.posthoc_snapshot(run)
     if step % config.save_images_steps == 0 or last:
         artifacts.save_sample_grid(run)
+        artifacts.save_debug_images(run)
         artifacts.save_loss_plot(run)
     if run.evaluation is not None and (step % config.eval_steps == 0 or last):
         metrics = artifacts.evaluate(run)

@@ -44,6 +44,38 @@ def save_sample_grid(run) -> str:
     return path
 
 
+DEBUG_SEEDS = 4  # seeds in the denoising strip; the raw-vs-EMA grid shows up to 16
+
+
+def save_debug_images(run) -> list[str]:
+    """Beside each sample grid: the first seeds from the raw weights | the EMA weights (with EMA on),
+    and the denoising strip of the EMA weights, as samples/step_XXXXXX_{raw_vs_ema,denoising}.png
+    and to the trackers. Costs about (2 x 16 + 4) images of sampling."""
+    from . import debug_images
+    config = run.config
+    unet = run.accelerator.unwrap_model(run.unet)
+    scheduler = sampling.make_scheduler("ddim", run.noise_scheduler.config)
+    prefix = os.path.join(config.output_dir, "samples", f"step_{run.global_step:06d}")
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    images, count = {}, min(config.eval_batch_size, 16)
+    if run.ema is not None:
+        sample = lambda: sampling.generate(unet, scheduler, count, config.ddpm_num_inference_steps,  # noqa: E731
+                                           seed=config.seed, device=run.accelerator.device)
+        raw = sample()
+        with ema_weights(run):
+            images["raw_vs_ema"] = debug_images.side_by_side(raw, sample())
+    with ema_weights(run):
+        images["denoising"], _ = debug_images.denoising_strip(
+            unet, scheduler, min(DEBUG_SEEDS, config.eval_batch_size), config.ddpm_num_inference_steps,
+            seed=config.seed, device=run.accelerator.device)
+    paths = []
+    for name, image in images.items():
+        paths.append(f"{prefix}_{name}.png")
+        image.save(paths[-1])
+        tracking.log_image(run.accelerator, name, np.asarray(image.convert("RGB")), run.global_step)
+    return paths
+
+
 def save_loss_plot(run) -> str:
     """Loss per timestep bin against the Bayes-optimal reference curve."""
     path = os.path.join(run.config.output_dir, CARD_PLOT)
