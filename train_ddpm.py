@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from diffusion_extras import (artifacts, checkpointing, data, diagnostics, losses, lr_finder, models, streaming,
-                              tracking)
+                              tracking, validation)
 from diffusion_extras.timesteps import LossAwareTimestepSampler
 from diffusion_extras.config import ConfigError, TrainConfig, parse_config, save_config
 from diffusion_extras.ema import ExponentialMovingAverage
@@ -94,7 +94,7 @@ def refuse_sharded_training(accelerator) -> None:
 def build_data(run, channels: int) -> None:
     """Decode-once cached images with a (seed, step) order, or this rank's shard of a stream."""
     config, accelerator = run.config, run.accelerator
-    run.images = run.order = run.stream = None
+    run.images = run.order = run.stream = run.held_out = None
     if config.streaming:
         shard, column = streaming.load_stream(config, accelerator.process_index, accelerator.num_processes)
         run.stream = streaming.StreamingBatches(shard, column, config.train_batch_size, config.resolution,
@@ -106,6 +106,10 @@ def build_data(run, channels: int) -> None:
         with accelerator.main_process_first():
             run.images = data.cached_decode(dataset, image_column, config.resolution, config.center_crop,
                                             channels, config.cache_dir, accelerator.is_main_process)
+        if config.validation_split:  # held out before the batch order exists: these images are never trained on
+            run.images, held_out = validation.split_held_out(run.images, config.validation_split, config.seed)
+            run.held_out = validation.HeldOutLoss(held_out, config.resolution, config.ddpm_num_steps,
+                                                  config.diagnostics_bins, config.seed, config.train_batch_size)
         run.order = data.GlobalBatchOrder(len(run.images), run.global_batch_size, config.seed)
         steps_per_epoch = max(1, run.order.batches_per_epoch // config.gradient_accumulation_steps)
         run.max_train_steps = config.max_train_steps or config.num_epochs * steps_per_epoch
@@ -440,6 +444,8 @@ def run_main_process_extras(run, step: int, last: bool) -> None:
         artifacts.save_sample_grid(run)
         artifacts.save_debug_images(run)
         artifacts.save_loss_plot(run)
+    if run.held_out is not None and (step % config.validation_steps == 0 or last):
+        artifacts.held_out_loss(run)
     if run.evaluation is not None and (step % config.eval_steps == 0 or last):
         metrics = artifacts.evaluate(run)
         run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))

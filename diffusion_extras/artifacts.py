@@ -87,6 +87,37 @@ def save_loss_plot(run) -> str:
     return path
 
 
+HELD_OUT_PLOT = "images/held_out_loss.png"
+
+
+def held_out_loss(run) -> dict:
+    """Held-out loss per timestep bin with the raw and the EMA weights (validation.py): logged to
+    the trackers and history, plotted against the training curve and the Bayes-optimal reference.
+    A sync and (held-out images x bins) forwards on the main process."""
+    from . import validation
+    config = run.config
+    unet = run.accelerator.unwrap_model(run.unet)
+    score = lambda: run.held_out.per_bin_loss(unet, run.schedule, config.prediction_type,  # noqa: E731
+                                              run.accelerator.device)
+    raw = score()
+    ema = None
+    if run.ema is not None:
+        with ema_weights(run):
+            ema = score()
+    values = validation.log_values(raw, ema)
+    run.accelerator.log(values, step=run.global_step)
+    run.history.append({"step": run.global_step, **values})
+    reference = run.diagnostics.bayes_optimal_bins(run.schedule.alphas_cumprod.cpu(), run.sigma_data,
+                                                   config.prediction_type)
+    path = os.path.join(config.output_dir, HELD_OUT_PLOT)
+    validation.plot_held_out(run.history.read(),
+                             run.diagnostics.running_bin_loss, raw, ema, np.array(list(reference.values())),
+                             run.diagnostics.bin_centers(), path, title=f"held-out loss, step {run.global_step}")
+    with Image.open(path) as image:
+        tracking.log_image(run.accelerator, "held_out_loss", np.asarray(image.convert("RGB")), run.global_step)
+    return values
+
+
 def write_reference_bins(run) -> dict:
     """The Bayes-optimal loss per timestep bin for this data (sigma_data) and schedule, into
     logs/ so the report can judge the per-timestep losses whenever it is made."""

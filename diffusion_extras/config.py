@@ -137,6 +137,8 @@ class TrainConfig:
     inception_weights: Optional[str] = _f(None, "Local TorchScript Inception file (inception-2015-12-05.pt) for FID/KID; default: downloaded once from its public URL.", resume=APPLY)
     dinov2_model: str = _f("facebook/dinov2-large", "DINOv2 backbone for fd_dinov2: a Hub id or a local save_pretrained folder.", resume=APPLY)
     clip_model: str = _f("openai/clip-vit-large-patch14-336", "CLIP backbone for cmmd: a Hub id or a local save_pretrained folder.", resume=APPLY)
+    validation_split: float = _f(0.0, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss; 0: none.", resume=REFUSE)
+    validation_steps: int = _f(250, "Every N optimizer steps (and at the end): held-out loss per timestep bin with raw and EMA weights, fixed noise and timesteps (held-out images x --diagnostics_bins forwards).", resume=APPLY)
     posthoc_ema: bool = _f(False, "Keep EDM2 power-function EMA profiles (sigma_rel 0.05, 0.10) and snapshot them for post-hoc EMA.", resume=REFUSE)
     posthoc_ema_snapshot_steps: int = _f(500, "Post-hoc EMA snapshot interval (optimizer steps), fp16, into output_dir/posthoc_ema/.", resume=APPLY)
     # --- memory and speed ---------------------------------------------------------------------
@@ -290,6 +292,10 @@ def validate(c: TrainConfig) -> None:
         parse_metrics(c.eval_metrics)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    need(0 <= c.validation_split < 1, f"--validation_split must lie in [0, 1) (got {c.validation_split})")
+    need(not (c.validation_split and c.streaming),
+         "--validation_split needs cached data (a stream has no fixed set to hold out); drop --streaming")
+    need(c.validation_steps >= 1, f"--validation_steps must be at least 1 (got {c.validation_steps})")
     need(c.inception_weights is None or os.path.isfile(c.inception_weights),
          f"--inception_weights {c.inception_weights}: no such file (leave it out to download the detector)")
     if c.use_8bit_adam:
