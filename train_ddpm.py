@@ -77,6 +77,7 @@ def setup(config: TrainConfig) -> SimpleNamespace:
     start_trackers(run)
     if accelerator.is_main_process and not config.find_lr:
         run.evaluation = artifacts.prepare_evaluation(run)
+        run.grad_monitor = artifacts.prepare_grad_monitor(run)
         artifacts.write_reference_bins(run)  # on-demand reports of a running or killed run use it
     return run
 
@@ -444,6 +445,8 @@ def run_main_process_extras(run, step: int, last: bool) -> None:
         artifacts.save_sample_grid(run)
         artifacts.save_debug_images(run)
         artifacts.save_loss_plot(run)
+    if run.grad_monitor is not None and step % config.grad_diagnostics_steps == 0:
+        artifacts.gradient_diagnostics(run)
     if run.held_out is not None and (step % config.validation_steps == 0 or last):
         artifacts.held_out_loss(run)
     if run.evaluation is not None and (step % config.eval_steps == 0 or last):

@@ -118,6 +118,37 @@ def held_out_loss(run) -> dict:
     return values
 
 
+GRAD_PLOT = "images/grad_per_timestep.png"
+
+
+def prepare_grad_monitor(run):
+    """The fixed probe batch of the per-timestep gradient monitor (training images), or None."""
+    from .grad_monitor import GradientMonitor
+    config = run.config
+    if config.grad_diagnostics_steps is None:
+        return None
+    channels = run.accelerator.unwrap_model(run.unet).config.in_channels
+    probe = reference_sample(run, config.train_batch_size, channels)
+    return GradientMonitor(probe, config.ddpm_num_steps, config.diagnostics_bins, config.seed)
+
+
+def gradient_diagnostics(run) -> dict:
+    """Per-bin gradient norms and shares of the raw weights on the probe batch: logged, plotted."""
+    from . import grad_monitor
+    config = run.config
+    measured = run.grad_monitor.measure(run.accelerator.unwrap_model(run.unet), run.schedule, config.prediction_type,
+                                        config.loss_type, config.huber_c, config.snr_gamma, run.accelerator.device)
+    values = grad_monitor.log_values(measured)
+    run.accelerator.log(values, step=run.global_step)
+    run.history.append({"step": run.global_step, **values})
+    path = grad_monitor.plot_gradients(run.history.read(), run.diagnostics.bin_centers(),
+                                       os.path.join(config.output_dir, GRAD_PLOT),
+                                       title=f"gradient share per timestep bin, step {run.global_step}")
+    with Image.open(path) as image:
+        tracking.log_image(run.accelerator, "grad_per_timestep", np.asarray(image.convert("RGB")), run.global_step)
+    return values
+
+
 def write_reference_bins(run) -> dict:
     """The Bayes-optimal loss per timestep bin for this data (sigma_data) and schedule, into
     logs/ so the report can judge the per-timestep losses whenever it is made."""

@@ -139,6 +139,7 @@ class TrainConfig:
     clip_model: str = _f("openai/clip-vit-large-patch14-336", "CLIP backbone for cmmd: a Hub id or a local save_pretrained folder.", resume=APPLY)
     validation_split: float = _f(0.0, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss; 0: none.", resume=REFUSE)
     validation_steps: int = _f(250, "Every N optimizer steps (and at the end): held-out loss per timestep bin with raw and EMA weights, fixed noise and timesteps (held-out images x --diagnostics_bins forwards).", resume=APPLY)
+    grad_diagnostics_steps: Optional[int] = _f(None, "Every N optimizer steps: per-timestep-bin gradient norms and shares of the total gradient on a fixed probe batch (--train_batch_size images; 2 x --diagnostics_bins backwards on the main process, off the training gradients). None: off.", resume=APPLY)
     posthoc_ema: bool = _f(False, "Keep EDM2 power-function EMA profiles (sigma_rel 0.05, 0.10) and snapshot them for post-hoc EMA.", resume=REFUSE)
     posthoc_ema_snapshot_steps: int = _f(500, "Post-hoc EMA snapshot interval (optimizer steps), fp16, into output_dir/posthoc_ema/.", resume=APPLY)
     # --- memory and speed ---------------------------------------------------------------------
@@ -295,6 +296,8 @@ def validate(c: TrainConfig) -> None:
     need(0 <= c.validation_split < 1, f"--validation_split must lie in [0, 1) (got {c.validation_split})")
     need(not (c.validation_split and c.streaming),
          "--validation_split needs cached data (a stream has no fixed set to hold out); drop --streaming")
+    need(c.grad_diagnostics_steps is None or c.grad_diagnostics_steps >= 1,
+         f"--grad_diagnostics_steps must be at least 1 (got {c.grad_diagnostics_steps})")
     need(c.validation_steps >= 1, f"--validation_steps must be at least 1 (got {c.validation_steps})")
     need(c.inception_weights is None or os.path.isfile(c.inception_weights),
          f"--inception_weights {c.inception_weights}: no such file (leave it out to download the detector)")

@@ -1,5 +1,5 @@
 """Health checks on the held-out loss (validation.py): overfitting, and EMA weights not yet ahead
-of the raw ones. report.analyze runs them beside report_checks; each reads only the logged history."""
+of the raw ones; on the per-timestep gradient monitor (grad_monitor.py): one bin dominating. report.analyze runs them beside report_checks; each reads only the logged history."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +10,8 @@ HELD_OUT_RISE = 1.05       # held-out loss 5 % above its best: the fixed noise a
                            # successive values differ only through the weights, so 5 % is no noise
 TRAINING_FALL = 0.98       # ... while the training loss fell by at least 2 % over the same steps
 EMA_BEHIND = 1.01          # EMA held-out loss over 1 % above the raw weights' at the last evaluation
+GRAD_DOMINANT_SHARE = 0.5  # one timestep bin carrying over half the total gradient (median of the
+                           # later half of the probes), whatever the number of bins
 
 
 def check_held_out_overfitting(run: Run) -> list[Finding]:
@@ -56,4 +58,30 @@ def check_ema_behind_raw(run: Run) -> list[Finding]:
         {"step": last["step"], "held_out_loss_ema": ema, "held_out_loss_raw": raw})]
 
 
-CHECKS = (check_held_out_overfitting, check_ema_behind_raw)
+def check_gradient_dominance(run: Run) -> list[Finding]:
+    rows = [r for r in run.records if "grad_probe/total_norm" in r]
+    if not rows:
+        return []
+    later = rows[len(rows) // 2:]
+    keys = sorted(k for k in later[-1] if k.startswith("grad_probe/share_bin/"))
+    shares = np.array([[float(r.get(k, np.nan)) for k in keys] for r in later])
+    median_share = np.nanmedian(shares, axis=0)
+    top = int(np.nanargmax(median_share))
+    if median_share[top] <= GRAD_DOMINANT_SHARE:
+        return []
+    num_bins, gamma = len(keys), run.config.get("snr_gamma")
+    steps = int(run.config.get("ddpm_num_steps") or 1000)
+    edges = [-(-i * steps // num_bins) for i in (top, top + 1)]  # diagnostics.timestep_bin_edges
+    fix = ("turn on min-SNR weighting, --snr_gamma 5" if not gamma else
+           f"lower --snr_gamma (now {gamma})" if top < num_bins // 2 else
+           "check --prediction_type (v_prediction balances the noisy end) and --rescale_betas_zero_snr")
+    return [Finding(
+        "gradient_dominated_by_one_bin", "warning",
+        f"Timesteps {edges[0]}-{edges[1] - 1} carry {median_share[top]:.0%} of the total gradient (median over the "
+        f"last {len(later)} probes; an even split is {1 / num_bins:.0%}): the update mostly serves that range "
+        "and the others learn slowly.",
+        f"Rebalance the loss over timesteps: {fix}; images/grad_per_timestep.png shows every bin.",
+        {"bin": top, "median_share": float(median_share[top]), "probes": len(later)})]
+
+
+CHECKS = (check_held_out_overfitting, check_ema_behind_raw, check_gradient_dominance)
