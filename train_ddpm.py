@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from diffusion_extras import (artifacts, checkpointing, compat, data, diagnostics, losses, lr_finder, models,
-                              resume_policy, streaming, tracking)
+                              resume_policy, streaming, tracking, validation)
 from diffusion_extras.timesteps import LossAwareTimestepSampler
 from diffusion_extras.config import ConfigError, TrainConfig, parse_config, save_config
 from diffusion_extras.ema import ExponentialMovingAverage
@@ -85,6 +85,7 @@ def setup(config: TrainConfig) -> SimpleNamespace:
     start_trackers(run)
     if accelerator.is_main_process and not config.find_lr:
         run.evaluation = artifacts.prepare_evaluation(run)
+        run.grad_monitor = artifacts.prepare_grad_monitor(run)
         artifacts.write_reference_bins(run)  # on-demand reports of a running or killed run use it
     return run
 
@@ -126,7 +127,7 @@ def build_model(run, data_channels: int):
 def build_data(run, channels: int) -> None:
     """Decode-once cached images with a (seed, step) order, or this rank's shard of a stream."""
     config, accelerator = run.config, run.accelerator
-    run.images = run.order = run.stream = None
+    run.images = run.order = run.stream = run.held_out = None
     if config.streaming:
         run.stream = streaming.StreamingBatches(run.shard, run.image_column, config.train_batch_size,
                                                 config.resolution, config.center_crop, channels,
@@ -137,6 +138,10 @@ def build_data(run, channels: int) -> None:
         with accelerator.main_process_first():
             run.images = data.cached_decode(run.dataset, run.image_column, config.resolution, config.center_crop,
                                             channels, config.cache_dir, accelerator.is_main_process)
+        if config.validation_split:  # held out before the batch order exists: these images are never trained on
+            run.images, held_out = validation.split_held_out(run.images, config.validation_split, config.seed)
+            run.held_out = validation.HeldOutLoss(held_out, config.resolution, config.ddpm_num_steps,
+                                                  config.diagnostics_bins, config.seed, config.train_batch_size)
         run.order = data.GlobalBatchOrder(len(run.images), run.global_batch_size, config.seed)
         steps_per_epoch = max(1, run.order.batches_per_epoch // config.gradient_accumulation_steps)
         run.max_train_steps = config.max_train_steps or config.num_epochs * steps_per_epoch
@@ -515,7 +520,12 @@ def run_main_process_extras(run, step: int, last: bool) -> None:
         with end_of_run_work(run, f"final sample grid ({config.eval_batch_size} images, "
                                   f"{config.ddpm_num_inference_steps} DDIM steps)", last):
             artifacts.save_sample_grid(run)
+            artifacts.save_debug_images(run)
             artifacts.save_loss_plot(run)
+    if run.grad_monitor is not None and step % config.grad_diagnostics_steps == 0:
+        artifacts.gradient_diagnostics(run)
+    if run.held_out is not None and (step % config.validation_steps == 0 or last):
+        artifacts.held_out_loss(run)
     if run.evaluation is not None and (step % config.eval_steps == 0 or last):
         with end_of_run_work(run, f"final FID/KID ({config.eval_num_samples} samples)", last):
             metrics = artifacts.evaluate(run)

@@ -34,14 +34,19 @@ def digit_classifier():
     return LogisticRegression(max_iter=2000).fit(features, digits.target)
 
 
-def score_digits(classifier, images: np.ndarray) -> dict:
-    """images uint8 [N, H, W, 1] at 16 px -> the 8x8 0..1 scale the classifier knows."""
+def classifier_input(images: np.ndarray) -> np.ndarray:
+    """images uint8 [N, H, W, 1] at the model's resolution -> [N, 64] at the 8x8 0..1 scale the
+    classifier knows."""
     from PIL import Image
 
     small = np.stack([np.asarray(Image.fromarray(im[:, :, 0]).resize((8, 8), Image.BILINEAR), np.float64)
                       for im in images]) / 255.0
-    probabilities = classifier.predict_proba(small.reshape(len(small), -1))
-    histogram = np.bincount(probabilities.argmax(1), minlength=10) / len(small)
+    return small.reshape(len(small), -1)
+
+
+def score_digits(classifier, images: np.ndarray) -> dict:
+    probabilities = classifier.predict_proba(classifier_input(images))
+    histogram = np.bincount(probabilities.argmax(1), minlength=10) / len(images)
     entropy = -(histogram[histogram > 0] * np.log(histogram[histogram > 0])).sum()
     return {"confident": float((probabilities.max(1) > 0.9).mean()), "coverage": float(entropy / np.log(10))}
 

@@ -132,8 +132,14 @@ class TrainConfig:
     # --- evaluation, post-hoc EMA, Hub ---------------------------------------------------------
     eval_steps: Optional[int] = _f(None, "Every N optimizer steps (and at the end): FID/KID of EMA samples against the training data. None: off.", resume=APPLY)
     eval_num_samples: int = _f(1000, "Samples per evaluation (and reference images, at most the dataset size).", resume=APPLY)
-    feature_extractor: str = _f("inception", "Features for FID/KID: inception (needs --inception_weights), or tiny (random features for smoke tests; not comparable with published FIDs).", choices=FEATURE_EXTRACTORS, resume=APPLY)
-    inception_weights: Optional[str] = _f(None, "Local TorchScript Inception file (inception-2015-12-05.pt) for FID/KID.", resume=APPLY)
+    eval_metrics: str = _f("fid,kid", "Comma list of metrics at --eval_steps: fid, kid (in --feature_extractor features), fd_dinov2 (Frechet distance in DINOv2 features, --dinov2_model), cmmd (CLIP MMD, --clip_model). README: which to use and how many samples each needs.", resume=APPLY)
+    feature_extractor: str = _f("inception", "Features for FID/KID: inception (the StyleGAN/EDM TorchScript detector; downloaded into the HF cache when no --inception_weights), or tiny (random features for smoke tests; not comparable with published FIDs).", choices=FEATURE_EXTRACTORS, resume=APPLY)
+    inception_weights: Optional[str] = _f(None, "Local TorchScript Inception file (inception-2015-12-05.pt) for FID/KID; default: downloaded once from its public URL.", resume=APPLY)
+    dinov2_model: str = _f("facebook/dinov2-large", "DINOv2 backbone for fd_dinov2: a Hub id or a local save_pretrained folder.", resume=APPLY)
+    clip_model: str = _f("openai/clip-vit-large-patch14-336", "CLIP backbone for cmmd: a Hub id or a local save_pretrained folder.", resume=APPLY)
+    validation_split: float = _f(0.0, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss; 0: none.", resume=REFUSE)
+    validation_steps: int = _f(250, "Every N optimizer steps (and at the end): held-out loss per timestep bin with raw and EMA weights, fixed noise and timesteps (held-out images x --diagnostics_bins forwards).", resume=APPLY)
+    grad_diagnostics_steps: Optional[int] = _f(None, "Every N optimizer steps: per-timestep-bin gradient norms and shares of the total gradient on a fixed probe batch (--train_batch_size images; 2 x --diagnostics_bins backwards on the main process, off the training gradients). None: off.", resume=APPLY)
     posthoc_ema: bool = _f(False, "Keep EDM2 power-function EMA profiles (sigma_rel 0.05, 0.10) and snapshot them for post-hoc EMA.", resume=REFUSE)
     posthoc_ema_snapshot_steps: int = _f(500, "Post-hoc EMA snapshot interval (optimizer steps), fp16, into output_dir/posthoc_ema/.", resume=APPLY)
     # --- memory and speed ---------------------------------------------------------------------
@@ -307,10 +313,19 @@ def validate(c: TrainConfig) -> None:
     need(c.find_lr_steps >= 10, f"--find_lr_steps must be at least 10 (got {c.find_lr_steps})")
     need(c.eval_steps is None or c.eval_steps >= 1, f"--eval_steps must be at least 1 (got {c.eval_steps})")
     need(c.eval_num_samples >= 2, f"--eval_num_samples must be at least 2 (got {c.eval_num_samples})")
-    if c.eval_steps is not None and c.feature_extractor == "inception":
-        need(c.inception_weights is not None and os.path.isfile(c.inception_weights),
-             "--eval_steps with the Inception extractor needs --inception_weights FILE (the TorchScript "
-             "inception-2015-12-05.pt; it cannot be downloaded here), or --feature_extractor tiny")
+    from .evaluation import parse_metrics  # the metric names are declared once, beside their extractors
+    try:
+        parse_metrics(c.eval_metrics)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    need(0 <= c.validation_split < 1, f"--validation_split must lie in [0, 1) (got {c.validation_split})")
+    need(not (c.validation_split and c.streaming),
+         "--validation_split needs cached data (a stream has no fixed set to hold out); drop --streaming")
+    need(c.grad_diagnostics_steps is None or c.grad_diagnostics_steps >= 1,
+         f"--grad_diagnostics_steps must be at least 1 (got {c.grad_diagnostics_steps})")
+    need(c.validation_steps >= 1, f"--validation_steps must be at least 1 (got {c.validation_steps})")
+    need(c.inception_weights is None or os.path.isfile(c.inception_weights),
+         f"--inception_weights {c.inception_weights}: no such file (leave it out to download the detector)")
     if c.use_8bit_adam:
         try:
             import bitsandbytes  # noqa: F401  (presence check)

@@ -2,9 +2,11 @@
 
 FID: Heusel et al. 2017, "GANs Trained by a Two Time-Scale Update Rule..." (Frechet distance of
 Gaussians fitted to Inception pool features). KID: Binkowski et al. 2018, "Demystifying MMD GANs"
-(unbiased MMD^2, cubic polynomial kernel). Only the "inception" extractor gives numbers comparable
-with published ones; "tiny" is a random conv net for tests and CPU smoke runs.
-The command line lives in `diffusion_extras/evaluate.py`.
+(unbiased MMD^2, cubic polynomial kernel). FD-DINOv2: the Frechet distance in DINOv2 ViT-L/14
+features (Stein et al. 2023; reported by EDM2). CMMD: Jayasumana et al. 2024, "Rethinking FID"
+(MMD^2 with a Gaussian kernel over CLIP ViT-L/14@336 image embeddings). Only "inception",
+"dinov2" and "clip" give numbers comparable with published ones; "tiny" is a random conv net for
+tests and CPU smoke runs. Backbones live in `backbones.py`; the command line in `evaluate.py`.
 """
 from __future__ import annotations
 
@@ -92,16 +94,41 @@ class InceptionTorchScriptFeatures:
         return features.double().cpu().numpy()
 
 
-def build_feature_extractor(name: str = "inception", weights: str | None = None, device=None) -> FeatureExtractor:
+# Metric -> the extractor it is computed in; None: the one --feature_extractor names (inception/tiny).
+METRIC_EXTRACTORS = {"fid": None, "kid": None, "fd_dinov2": "dinov2", "cmmd": "clip"}
+CMMD_SIGMA, CMMD_SCALE = 10.0, 1000.0  # the paper's kernel width and display scale (google-research/cmmd)
+
+
+def parse_metrics(text: str) -> list[str]:
+    """'fid,kid,cmmd' -> ['fid', 'kid', 'cmmd'], refusing unknown names."""
+    metrics = [m.strip() for m in str(text).split(",") if m.strip()]
+    unknown = [m for m in metrics if m not in METRIC_EXTRACTORS]
+    if not metrics or unknown:
+        raise ValueError(f"--eval_metrics {text!r}: choose a comma list of {', '.join(METRIC_EXTRACTORS)}")
+    return list(dict.fromkeys(metrics))
+
+
+def extractors_for(metrics: list[str], feature_extractor: str) -> dict[str, list[str]]:
+    """{extractor kind: the metrics computed in its features}, e.g. {'inception': ['fid'], 'clip': ['cmmd']}."""
+    groups: dict[str, list[str]] = {}
+    for metric in metrics:
+        groups.setdefault(METRIC_EXTRACTORS[metric] or feature_extractor, []).append(metric)
+    return groups
+
+
+def build_feature_extractor(name: str = "inception", weights: str | None = None, device=None,
+                            model: str | None = None) -> FeatureExtractor:
+    """`model`: a Hub id or local folder for dinov2 / clip (default: the paper's backbone)."""
+    from . import backbones
     if name == "tiny":
         return TinyRandomConvFeatures(device)
+    if name == "dinov2":
+        return backbones.Dinov2Features(model or backbones.DINOV2_DEFAULT, device)
+    if name == "clip":
+        return backbones.ClipImageEmbeddings(model or backbones.CLIP_DEFAULT, device)
     if name != "inception":
-        raise ValueError(f"unknown feature extractor {name!r}; choose inception or tiny")
-    if weights is None:
-        raise ValueError("the Inception weights cannot be downloaded here: pass --inception_weights FILE "
-                         "(the TorchScript inception-2015-12-05.pt) or use --feature_extractor tiny "
-                         "(not comparable with published FIDs)")
-    return InceptionTorchScriptFeatures(weights, device)
+        raise ValueError(f"unknown feature extractor {name!r}; choose inception, dinov2, clip or tiny")
+    return InceptionTorchScriptFeatures(weights or backbones.fetch_inception(), device)
 
 
 def feature_statistics(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -150,6 +177,33 @@ def kernel_inception_distance(features1, features2, num_subsets: int = 100, subs
         within = (k_xx.sum() - np.trace(k_xx) + k_yy.sum() - np.trace(k_yy)) / (m * (m - 1))
         estimates[index] = within - 2 * k_xy.mean()
     return float(estimates.mean()), float(estimates.std())
+
+
+def cmmd(features1, features2, sigma: float = CMMD_SIGMA, scale: float = CMMD_SCALE) -> float:
+    """scale * MMD^2 with k(x, y) = exp(-||x - y||^2 / (2 sigma^2)), the minimum-variance (biased, V-statistic)
+    estimator the CMMD reference uses (Gretton et al. 2012, eq. 5): every pair, diagonal included."""
+    x, y = np.asarray(features1, np.float64), np.asarray(features2, np.float64)
+    gamma = 1 / (2 * sigma ** 2)
+
+    def mean_kernel(a, b):  # [len(a), len(b)] matrices: memory grows as the product of the set sizes
+        squared = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2 * a @ b.T
+        return np.exp(-gamma * np.maximum(squared, 0)).mean()
+
+    return float(scale * (mean_kernel(x, x) + mean_kernel(y, y) - 2 * mean_kernel(x, y)))
+
+
+def score(features: np.ndarray, reference: "ReferenceStatistics", metrics: list[str], seed: int = 0) -> dict:
+    """The requested metrics of generated `features` against `reference` (same extractor)."""
+    values = {}
+    if "fid" in metrics or "fd_dinov2" in metrics:
+        mu, sigma = feature_statistics(features)
+        distance = frechet_distance(mu, sigma, reference.mu, reference.sigma)
+        values.update({m: distance for m in ("fid", "fd_dinov2") if m in metrics})
+    if "kid" in metrics:
+        values["kid"], values["kid_std"] = kernel_inception_distance(features, reference.features, seed=seed)
+    if "cmmd" in metrics:
+        values["cmmd"] = cmmd(features, reference.features)
+    return values
 
 
 @dataclass
@@ -214,14 +268,26 @@ def reference_statistics(images: np.ndarray | Iterable[np.ndarray], extractor, c
 def evaluate_unet(unet, scheduler, reference: ReferenceStatistics, extractor, num_samples: int,
                   num_inference_steps: int = 50, seed: int = 0, batch_size: int = 64, device=None) -> dict:
     """FID and KID of `num_samples` images sampled with `scheduler` against `reference`."""
-    if reference.extractor_name != extractor.name:
-        raise ValueError(f"reference statistics were made with {reference.extractor_name!r}, "
-                         f"not {extractor.name!r}; recompute them with the same feature extractor")
+    return evaluate_unet_metrics(unet, scheduler, [(extractor, reference, ["fid", "kid"])], num_samples,
+                                 num_inference_steps, seed, batch_size, device)
+
+
+def evaluate_unet_metrics(unet, scheduler, suites, num_samples: int, num_inference_steps: int = 50, seed: int = 0,
+                          batch_size: int = 64, device=None) -> dict:
+    """`suites`: (extractor, its reference statistics, metrics) triples. One set of samples serves
+    every extractor, so all metrics judge the same images."""
+    for extractor, reference, _ in suites:
+        if reference.extractor_name != extractor.name:
+            raise ValueError(f"reference statistics were made with {reference.extractor_name!r}, "
+                             f"not {extractor.name!r}; recompute them with the same feature extractor")
+    features = [[] for _ in suites]
     # Chunks of one seeded run (start_index), so memory holds one batch of images at a time.
-    chunks = (generate(unet, scheduler, min(batch_size, num_samples - first), num_inference_steps, seed=seed,
-                       device=device, start_index=first) for first in range(0, num_samples, batch_size))
-    features = _extract_all(chunks, extractor)
-    mu, sigma = feature_statistics(features)
-    fid = frechet_distance(mu, sigma, reference.mu, reference.sigma)
-    kid, kid_std = kernel_inception_distance(features, reference.features, seed=seed)
-    return {"fid": fid, "kid": kid, "kid_std": kid_std, "num_samples": num_samples}
+    for first in range(0, num_samples, batch_size):
+        images = generate(unet, scheduler, min(batch_size, num_samples - first), num_inference_steps, seed=seed,
+                          device=device, start_index=first)
+        for collected, (extractor, _, _) in zip(features, suites):
+            collected.append(_extract_all([images], extractor))
+    values = {}
+    for collected, (_, reference, metrics) in zip(features, suites):
+        values.update(score(np.concatenate(collected), reference, metrics, seed))
+    return {**values, "num_samples": num_samples}

@@ -15,6 +15,7 @@ import numpy as np
 import yaml
 
 from . import report_checks as checks
+from . import report_dynamics
 from .report_checks import SEVERITY_ORDER, Finding, Run, median
 
 __all__ = ["Finding", "analyze", "summarize", "write_report", "main"]
@@ -24,7 +25,7 @@ def analyze(history: list[dict], config: dict,
             bayes_optimal_bins: dict[str, float] | None = None) -> list[Finding]:
     """All findings for a run, most severe first; ValueError when nothing was logged yet."""
     run = Run(history, config or {})
-    findings = [finding for check in checks.RUN_CHECKS for finding in check(run)]
+    findings = [finding for check in checks.RUN_CHECKS + report_dynamics.CHECKS for finding in check(run)]
     findings += checks.check_timestep_balance(run, bayes_optimal_bins)
     return sorted(findings, key=lambda finding: SEVERITY_ORDER[finding.severity])
 
