@@ -69,6 +69,7 @@ class TrainConfig:
     dataset_name: Optional[str] = _f(None, "Hub dataset id, or a local save_to_disk / load_dataset folder. None (and no --train_data_dir): the embedded scikit-learn digits.", resume=APPLY)
     dataset_config_name: Optional[str] = _f(None, "Dataset configuration name (load_dataset's `name`).", resume=APPLY)
     train_data_dir: Optional[str] = _f(None, "A folder of images, loaded with datasets' `imagefolder`.", resume=APPLY)
+    train_data_files: Optional[str] = _f(None, "Data files to train on: whitespace-separated globs or brace lists of webdataset .tar shards or .parquet files (e.g. 'shards/train-{000..127}.tar'), read with datasets' webdataset / parquet builders, cached or --streaming.", resume=APPLY)
     image_column: Optional[str] = _f(None, "Column holding the images; found from the features when not given.", resume=APPLY)
     cache_dir: Optional[str] = _f(None, "Where datasets and the decoded-image cache are stored (default: datasets' cache).", resume=FREE)
     max_train_samples: Optional[int] = _f(None, "Keep only this many training images (for debugging or quick runs).", resume=APPLY)
@@ -268,8 +269,8 @@ def validate(c: TrainConfig) -> None:
     need(0 <= c.adam_beta1 < 1 and 0 <= c.adam_beta2 < 1, "--adam_beta1 and --adam_beta2 must lie in [0, 1)")
     need(c.dataloader_num_workers >= 0, "--dataloader_num_workers must be >= 0")
     need(c.shuffle_buffer_size >= 0, "--shuffle_buffer_size must be >= 0")
-    need(not c.streaming or c.dataset_name or c.train_data_dir,
-         "--streaming needs --dataset_name or --train_data_dir (the embedded digits are already in memory)")
+    need(not c.streaming or c.dataset_name or c.train_data_dir or c.train_data_files,
+         "--streaming needs --dataset_name or --train_data_dir or --train_data_files (the embedded digits are already in memory)")
     need(not c.streaming or c.max_train_steps, "--streaming counts in steps, not epochs: give --max_train_steps")
     for f in fields(TrainConfig):  # allowed values are declared once, on the field
         choices = f.metadata["choices"]
@@ -295,8 +296,8 @@ def validate(c: TrainConfig) -> None:
     need(c.huber_c > 0, f"--huber_c must be positive (got {c.huber_c})")
     need(0 < c.ema_max_decay < 1, f"--ema_max_decay must lie in (0, 1) (got {c.ema_max_decay})")
     need(c.ema_inv_gamma > 0 and c.ema_power > 0, "--ema_inv_gamma and --ema_power must be positive")
-    need(not (c.dataset_name and c.train_data_dir),
-         "give either --dataset_name or --train_data_dir, not both")
+    sources = [f"--{name}" for name in ("dataset_name", "train_data_dir", "train_data_files") if getattr(c, name)]
+    need(len(sources) <= 1, f"give one data source, not both {' and '.join(sources[:2])}")
     if c.train_data_dir is not None:
         need(os.path.isdir(c.train_data_dir), f"--train_data_dir {c.train_data_dir}: no such folder")
     if c.model_config_name_or_path is not None:

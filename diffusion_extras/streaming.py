@@ -13,7 +13,7 @@ import warnings
 import numpy as np
 import torch
 
-from .data import DataError, _call_loader, decode_image, find_image_column, random_crop
+from .data import DataError, decode_image, find_image_column, open_dataset, random_crop
 
 
 def load_stream(config, rank: int, world_size: int):
@@ -21,16 +21,7 @@ def load_stream(config, rank: int, world_size: int):
     import datasets
     from datasets.distributed import split_dataset_by_node
 
-    if config.train_data_dir:
-        stream = _call_loader(lambda: datasets.load_dataset("imagefolder", data_dir=config.train_data_dir,
-                                                            split="train", streaming=True),
-                              f"--train_data_dir {config.train_data_dir}")
-    elif config.dataset_name:
-        stream = _call_loader(lambda: datasets.load_dataset(config.dataset_name, config.dataset_config_name,
-                                                            split="train", streaming=True, cache_dir=config.cache_dir),
-                              f"--dataset_name {config.dataset_name}")
-    else:
-        raise DataError("--streaming needs --dataset_name or --train_data_dir (the embedded digits are in memory)")
+    stream = open_dataset(config, streaming=True)
     if stream.features is None:
         raise DataError("the streamed dataset does not declare its features; pass --image_column and a dataset "
                         "whose features are known (parquet, imagefolder or a Hub dataset with metadata)")
