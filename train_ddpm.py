@@ -101,11 +101,12 @@ def build_data(run, channels: int) -> None:
                                                 config.center_crop, channels, config.seed + accelerator.process_index)
         run.max_train_steps = config.max_train_steps
     else:
-        dataset = data.load_image_dataset(config)
-        image_column = data.find_image_column(dataset, config.image_column)
-        with accelerator.main_process_first():
+        # once per node: the node's first rank loads and decodes, the others then read its cache
+        with accelerator.local_main_process_first():
+            dataset = data.load_image_dataset(config)
+            image_column = data.find_image_column(dataset, config.image_column)
             run.images = data.cached_decode(dataset, image_column, config.resolution, config.center_crop,
-                                            channels, config.cache_dir, accelerator.is_main_process)
+                                            channels, config.cache_dir, accelerator.is_local_main_process)
         run.order = data.GlobalBatchOrder(len(run.images), run.global_batch_size, config.seed)
         steps_per_epoch = max(1, run.order.batches_per_epoch // config.gradient_accumulation_steps)
         run.max_train_steps = config.max_train_steps or config.num_epochs * steps_per_epoch

@@ -13,6 +13,7 @@ import io
 import logging
 import os
 import re
+import time
 import warnings
 
 import numpy as np
@@ -312,41 +313,64 @@ def decode_dataset(dataset, image_column: str, resolution: int, center_crop: boo
 def cached_decode(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
                   cache_dir: str | None, progress: bool = False) -> DecodedImages:
     """Decoded images stored on disk, keyed by the dataset's fingerprint and the preprocessing, so
-    later runs (and the other ranks, which wait for the main one) only memory-map them. Images are
-    written to the file as they are decoded (memory stays flat whatever the dataset size), by a
-    process pool for large datasets. In-memory datasets (the digits) have no stable fingerprint and
-    are decoded each time (under a second)."""
+    later runs (and the other local ranks, which wait for the node's main one) only memory-map
+    them. Images are written to the file as they are decoded (memory stays flat whatever the
+    dataset size), by a process pool for large datasets. In-memory datasets (the digits) have no
+    stable fingerprint and are decoded each time (under a second)."""
     if not dataset.cache_files:
         return decode_dataset(dataset, image_column, resolution, center_crop, channels, progress)
     import datasets
 
     key = hashlib.sha256(repr((CACHE_FORMAT, dataset._fingerprint, image_column, resolution,
                                center_crop, channels)).encode()).hexdigest()[:20]
-    root = cache_dir or datasets.config.HF_DATASETS_CACHE
-    directory = os.path.join(str(root), "ddpm_decoded", key)
-    if not os.path.isfile(os.path.join(directory, "shapes.npy")):
+    root = str(cache_dir or datasets.config.HF_DATASETS_CACHE)
+    directory = os.path.join(root, "ddpm_decoded", key)
+    if not os.path.isdir(directory):  # published whole by one rename: present means complete
+        check_cache_space(root, len(dataset), resolution, channels)
+        start = time.perf_counter()
         images = iter_decoded(dataset, image_column, resolution, center_crop, channels,
                               decode_workers(len(dataset)), progress)
         _write_cache(directory, images)
+        # one line per decode: how often a node decoded is visible in its log (and tested)
+        print(f"decoded {len(dataset)} images once into {directory} in {time.perf_counter() - start:.1f} s", flush=True)
     return DecodedImages.load(directory, channels)
 
 
-def _write_cache(directory: str, images) -> None:
-    """pixels.bin (every image's bytes, in order) and shapes.npy, published by one rename."""
+def check_cache_space(root: str, rows: int, resolution: int, channels: int) -> None:
+    """Refuse before decoding when the cache's disk cannot hold rows x resolution^2 x channels
+    bytes (a lower bound: without --center_crop the stored images are larger)."""
     import shutil
 
-    tmp = directory + f".tmp{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
+    os.makedirs(root, exist_ok=True)
+    needed, free = rows * resolution * resolution * channels, shutil.disk_usage(root).free
+    if needed > free:
+        raise DataError(f"the decoded-image cache needs at least {needed / 1e9:.2f} GB ({rows} images of "
+                        f"{resolution}x{resolution}x{channels} bytes) but {root} has {free / 1e9:.2f} GB free: "
+                        "use --streaming (decodes on the fly, no cache) or a --cache_dir on a larger disk")
+
+
+def _write_cache(directory: str, images) -> None:
+    """pixels.bin (every image's bytes, in order) and shapes.npy, written under a name no other
+    process uses (host, pid, random) and published by one atomic rename. Nodes sharing a cache
+    folder may race: the first rename wins, a loser deletes its copy and uses the winner's."""
+    import shutil
+    import socket
+    import uuid
+
+    tmp = f"{directory}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.makedirs(tmp)
     shapes = []
     with open(os.path.join(tmp, "pixels.bin"), "wb") as fh:
         for array in images:
             fh.write(np.ascontiguousarray(array).tobytes())
             shapes.append(array.shape[:2])
-    np.save(os.path.join(tmp, "shapes.npy"), np.array(shapes, dtype=np.int64))  # written last: marks it complete
-    if os.path.exists(directory):  # another process finished first: keep theirs
+    np.save(os.path.join(tmp, "shapes.npy"), np.array(shapes, dtype=np.int64))
+    try:
+        os.rename(tmp, directory)  # atomic; fails when the (non-empty) winner's folder is there
+    except OSError:
+        if not os.path.isfile(os.path.join(directory, "shapes.npy")):
+            raise
         shutil.rmtree(tmp)
-    else:
-        os.replace(tmp, directory)
 
 
 # ----------------------------------------------------------------------------- batch order
