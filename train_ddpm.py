@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from diffusion_extras import (artifacts, checkpointing, data, diagnostics, losses, lr_finder, models, streaming,
+from diffusion_extras import (artifacts, checkpointing, data, diagnostics, losses, lr_finder, models, sources,
                               tracking)
 from diffusion_extras.timesteps import LossAwareTimestepSampler
 from diffusion_extras.config import ConfigError, TrainConfig, parse_config, save_config
@@ -92,26 +92,14 @@ def refuse_sharded_training(accelerator) -> None:
 
 
 def build_data(run, channels: int) -> None:
-    """Decode-once cached images with a (seed, step) order, or this rank's shard of a stream."""
-    config, accelerator = run.config, run.accelerator
-    run.images = run.order = run.stream = None
-    if config.streaming:
-        shard, column = streaming.load_stream(config, accelerator.process_index, accelerator.num_processes)
-        run.stream = streaming.StreamingBatches(shard, column, config.train_batch_size, config.resolution,
-                                                config.center_crop, channels, config.seed + accelerator.process_index)
-        run.max_train_steps = config.max_train_steps
-    else:
-        # once per node: the node's first rank loads and decodes, the others then read its cache
-        with accelerator.local_main_process_first():
-            dataset = data.load_image_dataset(config)
-            image_column = data.find_image_column(dataset, config.image_column)
-            run.images = data.cached_decode(dataset, image_column, config.resolution, config.center_crop,
-                                            channels, config.cache_dir, accelerator.is_local_main_process)
-        run.order = data.GlobalBatchOrder(len(run.images), run.global_batch_size, config.seed)
-        steps_per_epoch = max(1, run.order.batches_per_epoch // config.gradient_accumulation_steps)
-        run.max_train_steps = config.max_train_steps or config.num_epochs * steps_per_epoch
-        config.max_train_steps = run.max_train_steps  # saved configs and reports record the real length
-    sample = torch.from_numpy(artifacts.reference_sample(run, 2048, channels))
+    """The data source (decode-once cache or this rank's shard of a stream) and sigma_data."""
+    config = run.config
+    run.data = sources.build_source(config, run.accelerator, channels)
+    # streams have no epoch length: validate() made them give --max_train_steps
+    run.max_train_steps = config.max_train_steps or config.num_epochs * max(
+        1, run.data.batches_per_epoch // config.gradient_accumulation_steps)
+    config.max_train_steps = run.max_train_steps  # saved configs and reports record the real length
+    sample = torch.from_numpy(run.data.reference_sample(2048))
     # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
     run.sigma_data = diagnostics.per_dimension_variance(data.to_model_input(sample, "cpu")) ** 0.5
 
@@ -214,9 +202,7 @@ def resume(run: SimpleNamespace) -> None:
             warnings.warn(f"cannot load {path} ({type(error).__name__}: {error}); falling back to the previous one")
             continue
         run.global_step = state["global_step"]
-        if run.stream is not None:
-            with open(os.path.join(path, checkpointing.rank_state_file(accelerator.process_index))) as fh:
-                run.stream.load_state_dict(json.load(fh))
+        run.data.load_state_dict(sources.rank_state(path, accelerator.process_index))
         if accelerator.is_main_process:
             run.history.truncate_after(run.global_step)
         accelerator.print(f"resumed from {path} at optimizer step {run.global_step} "
@@ -321,19 +307,15 @@ def optimizer_step(run, batches) -> torch.Tensor:
 # ----------------------------------------------------------------------------- extras
 def train_state(run) -> dict:
     micro_step = run.global_step * run.config.gradient_accumulation_steps
-    if run.stream is not None:  # the per-rank stream positions go in rank_state_<i>.json
-        epoch, batch = run.stream.epoch, None
-    else:
-        epoch, batch = run.order.position(micro_step)
-    return {"global_step": run.global_step, "micro_step": micro_step, "epoch": epoch, "batch_in_epoch": batch,
+    return {"global_step": run.global_step, "micro_step": micro_step, **run.data.position(micro_step),
             "images_seen": micro_step * run.global_batch_size, "seed": run.config.seed,
             "config": run.state_config}
 
 
 def save_checkpoint(run) -> None:
+    # the source's per-rank position (a stream's) goes in rank_state_<i>.json
     path = checkpointing.save_checkpoint(run.accelerator, run.config.output_dir, run.global_step, train_state(run),
-                                         run.config.checkpoints_total_limit,
-                                         rank_state=run.stream.state_dict() if run.stream is not None else None)
+                                         run.config.checkpoints_total_limit, rank_state=run.data.state_dict())
     run.accelerator.print(f"saved {path}")
 
 
@@ -377,18 +359,9 @@ def check_nonfinite(run, values: dict) -> None:
 
 # ----------------------------------------------------------------------------- the loop
 def make_batches(run):
-    """This rank's micro-batches from the run's position on, prefetched in order by the workers."""
-    config, accelerator = run.config, run.accelerator
-    if run.stream is not None:  # decoded on the fly, already positioned after a resume
-        return run.stream
-    accumulation = config.gradient_accumulation_steps
-    loader = torch.utils.data.DataLoader(
-        data.MicroBatches(run.images, run.order, accelerator.process_index, config.train_batch_size,
-                          config.resolution, config.seed),
-        batch_size=None, sampler=range(run.global_step * accumulation, run.max_train_steps * accumulation),
-        num_workers=config.dataloader_num_workers, pin_memory=accelerator.device.type == "cuda",
-        generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
-    return iter(loader)
+    """This rank's micro-batches from the run's position on, prefetched by the data source."""
+    accumulation = run.config.gradient_accumulation_steps
+    return run.data.batches(run.global_step * accumulation, run.max_train_steps * accumulation)
 
 
 def train(run) -> None:

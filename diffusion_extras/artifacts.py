@@ -111,22 +111,6 @@ def export(run, final: bool = False) -> None:
 
 
 # ----------------------------------------------------------------------------- FID / KID
-def reference_images(images, count: int, resolution: int, seed: int) -> np.ndarray:
-    """Up to `count` training images as uint8 NCHW, a seeded random subset with the run's crops."""
-    from . import data
-    count = min(len(images), count)
-    order = data.GlobalBatchOrder(len(images), count, seed)
-    return data.MicroBatches(images, order, 0, count, resolution, seed)[0].numpy()
-
-
-def reference_sample(run, count: int, channels: int) -> np.ndarray:
-    """Up to `count` training images, uint8 NCHW, from the cache or from a copy of the stream."""
-    if run.images is not None:
-        return reference_images(run.images, count, run.config.resolution, run.config.seed)
-    from .streaming import stream_reference_images
-    return stream_reference_images(run.config, count, channels)
-
-
 def prepare_evaluation(run):
     """Feature extractor and reference statistics (cached in logs/), before training."""
     config = run.config
@@ -137,12 +121,10 @@ def prepare_evaluation(run):
                                                       run.accelerator.device)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         raise ConfigError(str(error)) from None
-    channels = run.accelerator.unwrap_model(run.unet).config.in_channels
-    reference = reference_sample(run, config.eval_num_samples, channels)
+    reference = run.data.reference_sample(config.eval_num_samples)
     cache = os.path.join(config.output_dir, "logs", f"fid_reference_{config.feature_extractor}.npz")
     os.makedirs(os.path.dirname(cache), exist_ok=True)
-    source = len(run.images) if run.images is not None else f"stream:{config.dataset_name or config.train_data_dir}"
-    fingerprint = f"{source}-{config.resolution}-{len(reference)}-{config.seed}"
+    fingerprint = f"{run.data.description}-{config.resolution}-{len(reference)}-{config.seed}"
     return extractor, evaluation.reference_statistics(reference.transpose(0, 2, 3, 1), extractor, cache, fingerprint)
 
 

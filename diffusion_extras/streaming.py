@@ -1,5 +1,6 @@
 """Streaming training data: `load_dataset(..., streaming=True)`, a shuffle buffer, one shard of the
-stream per rank (`split_dataset_by_node`), decoding and preprocessing on the fly.
+stream per rank (`split_dataset_by_node`), decoding and preprocessing on the fly; `StreamSource`
+is the data source (sources.py) the loop sees.
 
 For data that outgrows the disk. Progress is counted in steps, not epochs: the stream restarts
 (with `set_epoch`, so the shuffle changes) whenever a rank exhausts its shard. Each rank's
@@ -97,3 +98,35 @@ def stream_reference_images(config, count: int, channels: int) -> np.ndarray:
     if not images:
         raise DataError("the stream yielded no readable image")
     return np.stack(images).transpose(0, 3, 1, 2)
+
+
+class StreamSource:
+    """A data source (see sources.py) over this rank's shard of the stream. The position is the
+    stream's state, restored by load_state_dict before batches() is called."""
+
+    batches_per_epoch = None  # unknown for a stream: runs are counted in steps (--max_train_steps)
+
+    def __init__(self, config, accelerator, channels: int):
+        shard, column = load_stream(config, accelerator.process_index, accelerator.num_processes)
+        self.stream = StreamingBatches(shard, column, config.train_batch_size, config.resolution, config.center_crop,
+                                       channels, config.seed + accelerator.process_index)
+        self.config, self.channels, self.rank = config, channels, accelerator.process_index
+        self.description = f"stream:{config.dataset_name or config.train_data_dir or config.train_data_files}"
+
+    def batches(self, first: int, last: int):
+        return self.stream  # already at `first`: the restored state, not the micro-step, holds the position
+
+    def position(self, micro_step: int) -> dict:
+        return {"epoch": self.stream.epoch, "batch_in_epoch": None}  # per-rank positions: rank_state files
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is None:
+            raise DataError(f"the checkpoint holds no stream position for rank {self.rank}; resume a streaming "
+                            "run from a checkpoint it saved, or start a new --output_dir")
+        self.stream.load_state_dict(state)
+
+    def reference_sample(self, count: int) -> np.ndarray:
+        return stream_reference_images(self.config, count, self.channels)
