@@ -78,7 +78,7 @@ class TrainConfig:
     random_flip: bool = _f(False, "Flip images horizontally at random (off for digits: flipped digits are not digits).", resume=APPLY)
     streaming: bool = _f(False, "Stream the dataset (load_dataset(streaming=True)) instead of downloading and caching it; needs --max_train_steps.", resume=REFUSE)
     shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY)
-    dataloader_num_workers: int = _f(0, "Loader worker processes (images are decoded once and cached, so 0-2 suffice).", resume=FREE)
+    dataloader_num_workers: int = _f(0, "Loader worker processes. With --streaming they decode the stream in parallel (a 256 px JPEG costs a few ms of a core; see docs/BENCHMARKS.md) and a resume needs the same value; cached images are decoded once, so 0-2 suffice.", resume=FREE)
     # --- output and logging ---------------------------------------------------------------
     output_dir: str = _f("ddpm-digits", "Where the pipeline, samples, logs and checkpoints are written.", resume=FREE)
     logging_dir: str = _f("logs", "Tracker logs, relative to output_dir.", resume=FREE)

@@ -14,15 +14,15 @@ from diffusion_extras.config import TrainConfig
 from test_resume import train
 
 
-def write_tar_shards(folder, shards=3, per_shard=4, size=(10, 12), extension="jpg"):
-    """Image i (grey value 10*i) in shard i // per_shard as JPEG (or PNG), with a .cls label beside
+def write_tar_shards(folder, shards=3, per_shard=4, size=(10, 12), extension="jpg", grey_step=10):
+    """Image i (grey value grey_step*i) in shard i // per_shard as JPEG (or PNG), with a .cls label beside
     it, webdataset style (one key, several extensions; every key has the same ones)."""
     os.makedirs(folder, exist_ok=True)
     for shard in range(shards):
         with tarfile.open(os.path.join(folder, f"train-{shard:03d}.tar"), "w") as tar:
             for i in range(shard * per_shard, (shard + 1) * per_shard):
                 encoded = io.BytesIO()
-                Image.fromarray(np.full((*size, 3), 10 * i % 256, np.uint8)).save(encoded, format={"jpg": "JPEG", "png": "PNG"}[extension])
+                Image.fromarray(np.full((*size, 3), grey_step * i % 256, np.uint8)).save(encoded, format={"jpg": "JPEG", "png": "PNG"}[extension])
                 for name, payload in ((f"{i:05d}.{extension}", encoded.getvalue()),
                                       (f"{i:05d}.cls", str(i).encode())):
                     info = tarfile.TarInfo(name)
