@@ -130,7 +130,10 @@ class StreamingBatches:
         return {"num_workers": self.num_workers, "loader": self.loader.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("num_workers") != self.num_workers:
+        if "loader" not in state:
+            raise DataError("the checkpoint's stream position predates worker decoding (no loader state) and "
+                            "cannot be restored exactly; start a new --output_dir")
+        if state["num_workers"] != self.num_workers:
             raise DataError(f"the checkpoint's stream position was saved with --dataloader_num_workers "
                             f"{state.get('num_workers')} (each worker reads its own shards); resume with that value")
         self.loader.load_state_dict(state["loader"])

@@ -106,3 +106,10 @@ def test_cli_trains_on_tar_shards_cached_and_streamed(run_cli, tiny_recipe, tmp_
     result = train(run_cli, recipe, tmp_path / "bad", "--train_data_files", f"{folder}/nope-*.tar",
                    "--max_train_steps", 2)
     assert result.returncode == 2 and "--train_data_files" in result.stderr and "matches no file" in result.stderr
+
+
+def test_one_data_source_at_a_time():
+    from diffusion_extras.config import ConfigError, validate
+    with pytest.raises(ConfigError, match="not both --dataset_name and --train_data_files"):
+        validate(TrainConfig(dataset_name="x", train_data_files="a.tar"))
+    validate(TrainConfig(train_data_files="a.tar", streaming=True, max_train_steps=2))  # a source for streaming

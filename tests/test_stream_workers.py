@@ -82,3 +82,8 @@ def test_cli_streaming_with_two_workers_resumes_bit_exactly(run_cli, tiny_recipe
         assert json.load(fh)["num_workers"] == 2
     train(run_cli, recipe, resumed, *flags, "--resume_from_checkpoint", "latest", check=True)
     assert_same_state(straight, resumed, 10)
+
+
+def test_stream_position_without_loader_state_is_refused(shards):
+    with pytest.raises(DataError, match="new --output_dir"):
+        batches_for(shards).load_state_dict({"epoch": 0, "examples_seen": 4, "stream": {}})
