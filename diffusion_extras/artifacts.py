@@ -99,7 +99,8 @@ def export(run, final: bool = False) -> None:
     images_seen = run.global_step * config.gradient_accumulation_steps * run.global_batch_size
     info = {"repo_id": run.hub_pusher.repo_id, "config": redact_config(config.to_dict(), run.secrets),
             "global_step": run.global_step, "images_seen": images_seen, "metrics": run.last_metrics,
-            "dataset_name": config.dataset_name or ("sklearn digits" if not (config.train_data_dir or config.train_data_files) else None),
+            "dataset_name": config.dataset_name or (
+                "sklearn digits" if not (config.train_data_dir or config.train_data_files) else None),
             "_redact": list(run.secrets)}
     for key, rel in (("sample_grid", CARD_GRID), ("loss_plot", CARD_PLOT)):
         if os.path.isfile(os.path.join(config.output_dir, rel)):

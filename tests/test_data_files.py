@@ -22,7 +22,8 @@ def write_tar_shards(folder, shards=3, per_shard=4, size=(10, 12), extension="jp
         with tarfile.open(os.path.join(folder, f"train-{shard:03d}.tar"), "w") as tar:
             for i in range(shard * per_shard, (shard + 1) * per_shard):
                 encoded = io.BytesIO()
-                Image.fromarray(np.full((*size, 3), grey_step * i % 256, np.uint8)).save(encoded, format={"jpg": "JPEG", "png": "PNG"}[extension])
+                image = Image.fromarray(np.full((*size, 3), grey_step * i % 256, np.uint8))
+                image.save(encoded, format={"jpg": "JPEG", "png": "PNG"}[extension])
                 for name, payload in ((f"{i:05d}.{extension}", encoded.getvalue()),
                                       (f"{i:05d}.cls", str(i).encode())):
                     info = tarfile.TarInfo(name)
