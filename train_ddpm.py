@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 
 from diffusion_extras import (artifacts, checkpointing, compat, data, diagnostics, losses, lr_finder, models,
-                              resume_policy, streaming, tracking, validation)
+                              resume_policy, sources, tracking, validation)
 from diffusion_extras.timesteps import LossAwareTimestepSampler
 from diffusion_extras.config import ConfigError, TrainConfig, parse_config, save_config
 from diffusion_extras.ema import ExponentialMovingAverage
@@ -101,17 +101,10 @@ def refuse_sharded_training(accelerator) -> None:
 
 
 def open_data(run) -> int:
-    """The dataset (or this rank's shard of the stream) and its image column; returns the images'
-    colour channels (1 or 3), judged from the first images' modes."""
-    config, accelerator = run.config, run.accelerator
-    run.dataset = run.shard = None
-    if config.streaming:
-        run.shard, run.image_column = streaming.load_stream(config, accelerator.process_index,
-                                                            accelerator.num_processes)
-        return data.stored_channels(item[run.image_column] for item in run.shard.take(16)) or 3
-    run.dataset = data.load_image_dataset(config)
-    run.image_column = data.find_image_column(run.dataset, config.image_column)
-    return data.dataset_channels(run.dataset, run.image_column)
+    """Open the training data before the model (with no model chosen, the model follows the
+    images); returns the images' colour channels (1 or 3), judged from the first images' modes."""
+    run.opened_dataset, channels = sources.open_training_data(run.config, run.accelerator)
+    return channels
 
 
 def build_model(run, data_channels: int):
@@ -125,30 +118,23 @@ def build_model(run, data_channels: int):
 
 
 def build_data(run, channels: int) -> None:
-    """Decode-once cached images with a (seed, step) order, or this rank's shard of a stream."""
+    """The data source (decode-once cache or this rank's shard of a stream), the held-out images
+    (--validation_split), the real run length and sigma_data."""
     config, accelerator = run.config, run.accelerator
-    run.images = run.order = run.stream = run.held_out = None
-    if config.streaming:
-        run.stream = streaming.StreamingBatches(run.shard, run.image_column, config.train_batch_size,
-                                                config.resolution, config.center_crop, channels,
-                                                config.seed + accelerator.process_index)
-        run.max_train_steps = config.max_train_steps
-        compat.map_epochs_to_steps(config, None)  # refuses epoch intervals: a stream has no epoch length
-    else:
-        with accelerator.main_process_first():
-            run.images = data.cached_decode(run.dataset, run.image_column, config.resolution, config.center_crop,
-                                            channels, config.cache_dir, accelerator.is_main_process)
-        if config.validation_split:  # held out before the batch order exists: these images are never trained on
-            run.images, held_out = validation.split_held_out(run.images, config.validation_split, config.seed)
-            run.held_out = validation.HeldOutLoss(held_out, config.resolution, config.ddpm_num_steps,
-                                                  config.diagnostics_bins, config.seed, config.train_batch_size)
-        run.order = data.GlobalBatchOrder(len(run.images), run.global_batch_size, config.seed)
-        steps_per_epoch = max(1, run.order.batches_per_epoch // config.gradient_accumulation_steps)
-        run.max_train_steps = config.max_train_steps or config.num_epochs * steps_per_epoch
-        config.max_train_steps = run.max_train_steps  # saved configs and reports record the real length
-        for line in compat.map_epochs_to_steps(config, steps_per_epoch):
-            accelerator.print(line)
-    sample = torch.from_numpy(artifacts.reference_sample(run, 2048, channels))
+    run.data = sources.build_source(config, accelerator, channels, run.opened_dataset)
+    run.opened_dataset = None  # the source holds what it needs
+    run.held_out = None
+    if run.data.held_out_images is not None:  # never trained on: split off before the batch order exists
+        run.held_out = validation.HeldOutLoss(run.data.held_out_images, config.resolution, config.ddpm_num_steps,
+                                              config.diagnostics_bins, config.seed, config.train_batch_size)
+    # streams have no epoch length: validate() made them give --max_train_steps
+    steps_per_epoch = (None if run.data.batches_per_epoch is None
+                       else max(1, run.data.batches_per_epoch // config.gradient_accumulation_steps))
+    run.max_train_steps = config.max_train_steps or config.num_epochs * steps_per_epoch
+    config.max_train_steps = run.max_train_steps  # saved configs and reports record the real length
+    for line in compat.map_epochs_to_steps(config, steps_per_epoch):  # a stream refuses epoch intervals
+        accelerator.print(line)
+    sample = torch.from_numpy(run.data.reference_sample(2048))
     # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
     run.sigma_data = diagnostics.per_dimension_variance(data.to_model_input(sample, "cpu")) ** 0.5
 
@@ -256,9 +242,7 @@ def resume(run: SimpleNamespace) -> None:
         run.step_lr = resume_policy.apply_optimizer_settings(
             run.optimizer, run.lr_scheduler, run.peak_lr, (config.adam_beta1, config.adam_beta2),
             config.adam_weight_decay, config.adam_epsilon)
-        if run.stream is not None:
-            with open(os.path.join(path, checkpointing.rank_state_file(accelerator.process_index))) as fh:
-                run.stream.load_state_dict(json.load(fh))
+        run.data.load_state_dict(sources.rank_state(path, accelerator.process_index))
         accelerator.wait_for_everyone()  # every rank has read its checkpoint before any folder moves
         if accelerator.is_main_process:
             abandoned = checkpointing.abandon_newer(config.output_dir, run.global_step, (run.history.path,))
@@ -374,19 +358,15 @@ def optimizer_step(run, batches) -> torch.Tensor:
 # ----------------------------------------------------------------------------- extras
 def train_state(run) -> dict:
     micro_step = run.global_step * run.config.gradient_accumulation_steps
-    if run.stream is not None:  # the per-rank stream positions go in rank_state_<i>.json
-        epoch, batch = run.stream.epoch, None
-    else:
-        epoch, batch = run.order.position(micro_step)
-    return {"global_step": run.global_step, "micro_step": micro_step, "epoch": epoch, "batch_in_epoch": batch,
+    return {"global_step": run.global_step, "micro_step": micro_step, **run.data.position(micro_step),
             "images_seen": micro_step * run.global_batch_size, "seed": run.config.seed,
             "config": run.state_config}
 
 
 def save_checkpoint(run) -> None:
+    # the source's per-rank position (a stream's) goes in rank_state_<i>.json
     path = checkpointing.save_checkpoint(run.accelerator, run.config.output_dir, run.global_step, train_state(run),
-                                         run.config.checkpoints_total_limit,
-                                         rank_state=run.stream.state_dict() if run.stream is not None else None)
+                                         run.config.checkpoints_total_limit, rank_state=run.data.state_dict())
     run.accelerator.print(f"saved {path}")
 
 
@@ -438,18 +418,9 @@ def check_nonfinite(run, values: dict) -> None:
 
 # ----------------------------------------------------------------------------- the loop
 def make_batches(run):
-    """This rank's micro-batches from the run's position on, prefetched in order by the workers."""
-    config, accelerator = run.config, run.accelerator
-    if run.stream is not None:  # decoded on the fly, already positioned after a resume
-        return run.stream
-    accumulation = config.gradient_accumulation_steps
-    loader = torch.utils.data.DataLoader(
-        data.MicroBatches(run.images, run.order, accelerator.process_index, config.train_batch_size,
-                          config.resolution, config.seed),
-        batch_size=None, sampler=range(run.global_step * accumulation, run.max_train_steps * accumulation),
-        num_workers=config.dataloader_num_workers, pin_memory=accelerator.device.type == "cuda",
-        generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
-    return iter(loader)
+    """This rank's micro-batches from the run's position on, prefetched by the data source."""
+    accumulation = run.config.gradient_accumulation_steps
+    return run.data.batches(run.global_step * accumulation, run.max_train_steps * accumulation)
 
 
 def train(run) -> None:

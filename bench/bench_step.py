@@ -141,15 +141,11 @@ def synchronizer(device):
 
 # ----------------------------------------------------------------------------- the two steps
 def full_step(run, batches: int = 4):
-    """train_ddpm.optimizer_step as train() calls it, on micro-batches made by the training
-    MicroBatches beforehand (loading is measured on its own, in measure_data_pipeline)."""
+    """train_ddpm.optimizer_step as train() calls it, on micro-batches made by the run's data
+    source beforehand (loading is measured on its own, in measure_data_pipeline)."""
     import train_ddpm
-    from diffusion_extras import data
 
-    config = run.config
-    source = data.MicroBatches(run.images, run.order, run.accelerator.process_index, config.train_batch_size,
-                               config.resolution, config.seed)
-    made = [source[k] for k in range(batches)]
+    made = list(itertools.islice(run.data.batches(0, batches), batches))
     if run.accelerator.device.type == "cuda":
         made = [batch.pin_memory() for batch in made]  # as the DataLoader's pin_memory=True delivers them
     cycle = itertools.cycle(made)
@@ -161,8 +157,7 @@ def bare_step(run):
     from diffusion_extras import data
 
     config, device = run.config, run.accelerator.device
-    source = data.MicroBatches(run.images, run.order, 0, config.train_batch_size, config.resolution, config.seed)
-    clean = data.to_model_input(source[0], device)
+    clean = data.to_model_input(next(run.data.batches(0, 1)), device)
     generator = torch.Generator(device).manual_seed(config.seed)
     noise = torch.randn(clean.shape, generator=generator, device=device)
     timesteps = torch.randint(0, run.schedule.num_train_timesteps, (clean.shape[0],), generator=generator,

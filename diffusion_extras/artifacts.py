@@ -138,8 +138,7 @@ def prepare_grad_monitor(run):
     config = run.config
     if config.grad_diagnostics_steps is None:
         return None
-    channels = run.accelerator.unwrap_model(run.unet).config.in_channels
-    probe = reference_sample(run, config.train_batch_size, channels)
+    probe = run.data.reference_sample(config.train_batch_size)
     return GradientMonitor(probe, config.ddpm_num_steps, config.diagnostics_bins, config.seed)
 
 
@@ -204,7 +203,8 @@ def export(run, final: bool = False) -> None:
     images_seen = run.global_step * config.gradient_accumulation_steps * run.global_batch_size
     info = {"repo_id": run.hub_pusher.repo_id, "config": redact_config(config.to_dict(), run.secrets),
             "global_step": run.global_step, "images_seen": images_seen, "metrics": run.last_metrics,
-            "dataset_name": config.dataset_name or ("sklearn digits" if not config.train_data_dir else None),
+            "dataset_name": config.dataset_name or (
+                "sklearn digits" if not (config.train_data_dir or config.train_data_files) else None),
             "_redact": list(run.secrets)}
     for key, rel in (("sample_grid", CARD_GRID), ("loss_plot", CARD_PLOT)):
         if os.path.isfile(os.path.join(config.output_dir, rel)):
@@ -216,32 +216,14 @@ def export(run, final: bool = False) -> None:
 
 
 # ----------------------------------------------------------------------------- FID / KID
-def reference_images(images, count: int, resolution: int, seed: int) -> np.ndarray:
-    """Up to `count` training images as uint8 NCHW, a seeded random subset with the run's crops."""
-    from . import data
-    count = min(len(images), count)
-    order = data.GlobalBatchOrder(len(images), count, seed)
-    return data.MicroBatches(images, order, 0, count, resolution, seed)[0].numpy()
-
-
-def reference_sample(run, count: int, channels: int) -> np.ndarray:
-    """Up to `count` training images, uint8 NCHW, from the cache or from a copy of the stream."""
-    if run.images is not None:
-        return reference_images(run.images, count, run.config.resolution, run.config.seed)
-    from .streaming import stream_reference_images
-    return stream_reference_images(run.config, count, channels)
-
-
 def prepare_evaluation(run):
     """(extractor, reference statistics, metrics) per extractor that --eval_metrics needs, before
     training; reference statistics cached per extractor as logs/fid_reference_<extractor>.npz."""
     config = run.config
     if config.eval_steps is None:
         return None
-    channels = run.accelerator.unwrap_model(run.unet).config.in_channels
-    reference = reference_sample(run, config.eval_num_samples, channels).transpose(0, 2, 3, 1)
-    source = len(run.images) if run.images is not None else f"stream:{config.dataset_name or config.train_data_dir}"
-    fingerprint = f"{source}-{config.resolution}-{len(reference)}-{config.seed}"
+    reference = run.data.reference_sample(config.eval_num_samples).transpose(0, 2, 3, 1)
+    fingerprint = f"{run.data.description}-{config.resolution}-{len(reference)}-{config.seed}"
     groups = evaluation.extractors_for(evaluation.parse_metrics(config.eval_metrics), config.feature_extractor)
     suites = []
     for kind, metrics in groups.items():

@@ -69,6 +69,7 @@ class TrainConfig:
     dataset_name: Optional[str] = _f(None, "Hub dataset id, or a local save_to_disk / load_dataset folder. None (and no --train_data_dir): the embedded scikit-learn digits.", resume=APPLY)
     dataset_config_name: Optional[str] = _f(None, "Dataset configuration name (load_dataset's `name`).", resume=APPLY)
     train_data_dir: Optional[str] = _f(None, "A folder of images, loaded with datasets' `imagefolder`.", resume=APPLY)
+    train_data_files: Optional[str] = _f(None, "Data files to train on: whitespace-separated globs or brace lists of webdataset .tar shards or .parquet files (e.g. 'shards/train-{000..127}.tar'), read with datasets' webdataset / parquet builders, cached or --streaming.", resume=APPLY)
     image_column: Optional[str] = _f(None, "Column holding the images; found from the features when not given.", resume=APPLY)
     cache_dir: Optional[str] = _f(None, "Where datasets and the decoded-image cache are stored (default: datasets' cache).", resume=FREE)
     max_train_samples: Optional[int] = _f(None, "Keep only this many training images (for debugging or quick runs).", resume=APPLY)
@@ -77,7 +78,7 @@ class TrainConfig:
     random_flip: bool = _f(False, "Flip images horizontally at random (off for digits: flipped digits are not digits).", resume=APPLY)
     streaming: bool = _f(False, "Stream the dataset (load_dataset(streaming=True)) instead of downloading and caching it; needs --max_train_steps.", resume=REFUSE)
     shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY)
-    dataloader_num_workers: int = _f(0, "Loader worker processes (images are decoded once and cached, so 0-2 suffice).", resume=FREE)
+    dataloader_num_workers: int = _f(0, "Loader worker processes. With --streaming they decode the stream in parallel (a 256 px JPEG costs a few ms of a core; see docs/BENCHMARKS.md) and a resume needs the same value; cached images are decoded once, so 0-2 suffice.", resume=FREE)
     # --- output and logging ---------------------------------------------------------------
     output_dir: str = _f("ddpm-digits", "Where the pipeline, samples, logs and checkpoints are written.", resume=FREE)
     logging_dir: str = _f("logs", "Tracker logs, relative to output_dir.", resume=FREE)
@@ -194,11 +195,21 @@ class _OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"error: {message}{hint}; see {self.prog} --help\n")
 
 
+class _UnbrokenNames(argparse.HelpFormatter):
+    """argparse wraps help at hyphens, splitting Hub ids and paths (openai/clip-vit- / large-...)
+    across lines: wrap at spaces only, so a name can be copied from --help whole."""
+
+    def _split_lines(self, text, width):
+        import textwrap
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every TrainConfig field becomes a flag; defaults are None so we know which flags were given."""
     parser = _OneLineErrors(
         description="Train a DDPM (diffusers UNet2DModel + DDPMScheduler) with Accelerate.",
-        argument_default=None, allow_abbrev=False)  # no --hub_tok=...: every flag is spelled out
+        argument_default=None, allow_abbrev=False,  # no --hub_tok=...: every flag is spelled out
+        formatter_class=_UnbrokenNames)
     parser.add_argument("--config", help="YAML recipe (see configs/); flags given here override it.")
     for f in config_fields():
         kind = f.type.replace("Optional[", "").rstrip("]")
@@ -299,8 +310,8 @@ def validate(c: TrainConfig) -> None:
     need(0 <= c.adam_beta1 < 1 and 0 <= c.adam_beta2 < 1, "--adam_beta1 and --adam_beta2 must lie in [0, 1)")
     need(c.dataloader_num_workers >= 0, "--dataloader_num_workers must be >= 0")
     need(c.shuffle_buffer_size >= 0, "--shuffle_buffer_size must be >= 0")
-    need(not c.streaming or c.dataset_name or c.train_data_dir,
-         "--streaming needs --dataset_name or --train_data_dir (the embedded digits are already in memory)")
+    need(not c.streaming or c.dataset_name or c.train_data_dir or c.train_data_files,
+         "--streaming needs --dataset_name or --train_data_dir or --train_data_files (the embedded digits are already in memory)")
     need(not c.streaming or c.max_train_steps, "--streaming counts in steps, not epochs: give --max_train_steps")
     for f in fields(TrainConfig):  # allowed values are declared once, on the field
         choices = f.metadata["choices"]
@@ -342,8 +353,8 @@ def validate(c: TrainConfig) -> None:
     need(not c.preserve_input_precision,
          "--preserve_input_precision is not supported: images are decoded once into an 8-bit cache "
          "(as diffusers does without the flag); drop it")
-    need(not (c.dataset_name and c.train_data_dir),
-         "give either --dataset_name or --train_data_dir, not both")
+    sources = [f"--{name}" for name in ("dataset_name", "train_data_dir", "train_data_files") if getattr(c, name)]
+    need(len(sources) <= 1, f"give one data source, not both {' and '.join(sources[:2])}")
     if c.train_data_dir is not None:
         need(os.path.isdir(c.train_data_dir), f"--train_data_dir {c.train_data_dir}: no such folder")
     if c.model_config_name_or_path is not None:

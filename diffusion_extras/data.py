@@ -7,10 +7,13 @@ slice of the same global batch (so P ranks x B images see exactly what 1 rank x 
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import io
 import logging
 import os
+import re
+import time
 import warnings
 
 import numpy as np
@@ -46,31 +49,86 @@ def _looks_like_path(name: str) -> bool:
 
 
 def load_image_dataset(config):
-    """The training split as a datasets.Dataset, from the embedded digits, an image folder, a
-    save_to_disk folder, a folder load_dataset understands, or a Hub id."""
-    import datasets
-
-    if config.train_data_dir:
-        dataset = _call_loader(lambda: datasets.load_dataset("imagefolder", data_dir=config.train_data_dir,
-                                                             cache_dir=config.cache_dir, split="train"),
-                               f"--train_data_dir {config.train_data_dir}")
-    elif config.dataset_name:
-        name = os.path.expanduser(config.dataset_name)
-        if os.path.isdir(name) and _is_saved_to_disk(name):
-            dataset = _train_split(_call_loader(lambda: datasets.load_from_disk(name), f"--dataset_name {name}"), name)
-        elif os.path.isdir(name) or not _looks_like_path(name):
-            dataset = _train_split(_call_loader(
-                lambda: datasets.load_dataset(name, config.dataset_config_name, cache_dir=config.cache_dir),
-                f"--dataset_name {name}"), name)
-        else:
-            raise DataError(f"--dataset_name {name}: no such folder (give an existing path or a Hub dataset id)")
-    else:
-        dataset = digits_dataset()
+    """The training split as a datasets.Dataset (open_dataset), cut to --max_train_samples."""
+    dataset = open_dataset(config)
     if config.max_train_samples is not None and config.max_train_samples < len(dataset):
         dataset = dataset.shuffle(seed=config.seed).select(range(config.max_train_samples))
     if len(dataset) == 0:
         raise DataError("the training dataset is empty")
     return dataset
+
+
+def open_dataset(config, streaming: bool = False):
+    """The one dispatch from the data flags to the training split, a datasets.Dataset (or an
+    IterableDataset when streaming), for both the cached and the streamed source: --train_data_files
+    (.tar shards or parquet, through datasets' `webdataset` / `parquet` builders), --train_data_dir
+    (`imagefolder`), --dataset_name (a save_to_disk folder, a folder load_dataset understands, or a
+    Hub id; --dataset_config_name picks its configuration), else the embedded digits."""
+    import datasets
+
+    cache_dir = config.cache_dir
+    if config.train_data_files:
+        files, builder = resolve_data_files(config.train_data_files)
+        return _train_split(_call_loader(lambda: datasets.load_dataset(
+            builder, data_files={"train": files}, cache_dir=cache_dir, streaming=streaming),
+            f"--train_data_files {config.train_data_files}"), config.train_data_files)
+    if config.train_data_dir:
+        return _train_split(_call_loader(lambda: datasets.load_dataset(
+            "imagefolder", data_dir=config.train_data_dir, cache_dir=cache_dir, streaming=streaming),
+            f"--train_data_dir {config.train_data_dir}"), config.train_data_dir)
+    if config.dataset_name:
+        name = os.path.expanduser(config.dataset_name)
+        if os.path.isdir(name) and _is_saved_to_disk(name):
+            saved = _train_split(_call_loader(lambda: datasets.load_from_disk(name), f"--dataset_name {name}"), name)
+            # a saved dataset streams from its own arrow files, in shards that ranks and workers split
+            return saved.to_iterable_dataset(num_shards=min(len(saved), 64) or 1) if streaming else saved
+        if os.path.isdir(name) or not _looks_like_path(name):
+            return _train_split(_call_loader(lambda: datasets.load_dataset(
+                name, config.dataset_config_name, cache_dir=cache_dir, streaming=streaming),
+                f"--dataset_name {name}"), name)
+        raise DataError(f"--dataset_name {name}: no such folder (give an existing path or a Hub dataset id)")
+    if streaming:
+        raise DataError("--streaming needs --dataset_name or --train_data_dir or --train_data_files "
+                        "(the embedded digits are in memory)")
+    return digits_dataset()
+
+
+DATA_FILE_BUILDERS = {".tar": "webdataset", ".parquet": "parquet"}  # datasets' packaged builders
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Shell-style brace lists, as webdataset shard names are written: `a-{0..9}.tar` (zero padding
+    kept), `{train,extra}-*.tar`. datasets resolves globs but not braces."""
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if match is None:
+        return [pattern]
+    body, head, tail = match.group(1), pattern[:match.start()], pattern[match.end():]
+    bounds = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if bounds:
+        width = len(bounds.group(1)) if bounds.group(1).startswith("0") else 0
+        options = [str(i).zfill(width) for i in range(int(bounds.group(1)), int(bounds.group(2)) + 1)]
+    else:
+        options = body.split(",")
+    return [expanded for option in options for expanded in expand_braces(head + option + tail)]
+
+
+def resolve_data_files(spec: str) -> tuple[list[str], str]:
+    """(files, builder) for --train_data_files: whitespace-separated globs or brace lists of .tar
+    shards or .parquet files, all of one kind. Local patterns must match something; remote ones
+    (hf://, s3://, ...) are left to datasets to resolve."""
+    files = []
+    for pattern in (p for part in spec.split() for p in expand_braces(os.path.expanduser(part))):
+        if "://" in pattern:
+            files.append(pattern)
+            continue
+        matched = sorted(glob.glob(pattern))
+        if not matched:
+            raise DataError(f"--train_data_files: {pattern} matches no file")
+        files += matched
+    kinds = {os.path.splitext(f)[1].lower() for f in files}
+    if len(kinds) != 1 or next(iter(kinds)) not in DATA_FILE_BUILDERS:
+        raise DataError(f"--train_data_files must name only .tar shards or only .parquet files (got {sorted(kinds)})")
+    return files, DATA_FILE_BUILDERS[kinds.pop()]
 
 
 def _is_saved_to_disk(path: str) -> bool:
@@ -278,41 +336,64 @@ def decode_dataset(dataset, image_column: str, resolution: int, center_crop: boo
 def cached_decode(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
                   cache_dir: str | None, progress: bool = False) -> DecodedImages:
     """Decoded images stored on disk, keyed by the dataset's fingerprint and the preprocessing, so
-    later runs (and the other ranks, which wait for the main one) only memory-map them. Images are
-    written to the file as they are decoded (memory stays flat whatever the dataset size), by a
-    process pool for large datasets. In-memory datasets (the digits) have no stable fingerprint and
-    are decoded each time (under a second)."""
+    later runs (and the other local ranks, which wait for the node's main one) only memory-map
+    them. Images are written to the file as they are decoded (memory stays flat whatever the
+    dataset size), by a process pool for large datasets. In-memory datasets (the digits) have no
+    stable fingerprint and are decoded each time (under a second)."""
     if not dataset.cache_files:
         return decode_dataset(dataset, image_column, resolution, center_crop, channels, progress)
     import datasets
 
     key = hashlib.sha256(repr((CACHE_FORMAT, dataset._fingerprint, image_column, resolution,
                                center_crop, channels)).encode()).hexdigest()[:20]
-    root = cache_dir or datasets.config.HF_DATASETS_CACHE
-    directory = os.path.join(str(root), "ddpm_decoded", key)
-    if not os.path.isfile(os.path.join(directory, "shapes.npy")):
+    root = str(cache_dir or datasets.config.HF_DATASETS_CACHE)
+    directory = os.path.join(root, "ddpm_decoded", key)
+    if not os.path.isdir(directory):  # published whole by one rename: present means complete
+        check_cache_space(root, len(dataset), resolution, channels)
+        start = time.perf_counter()
         images = iter_decoded(dataset, image_column, resolution, center_crop, channels,
                               decode_workers(len(dataset)), progress)
         _write_cache(directory, images)
+        # one line per decode: how often a node decoded is visible in its log (and tested)
+        print(f"decoded {len(dataset)} images once into {directory} in {time.perf_counter() - start:.1f} s", flush=True)
     return DecodedImages.load(directory, channels)
 
 
-def _write_cache(directory: str, images) -> None:
-    """pixels.bin (every image's bytes, in order) and shapes.npy, published by one rename."""
+def check_cache_space(root: str, rows: int, resolution: int, channels: int) -> None:
+    """Refuse before decoding when the cache's disk cannot hold rows x resolution^2 x channels
+    bytes (a lower bound: without --center_crop the stored images are larger)."""
     import shutil
 
-    tmp = directory + f".tmp{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
+    os.makedirs(root, exist_ok=True)
+    needed, free = rows * resolution * resolution * channels, shutil.disk_usage(root).free
+    if needed > free:
+        raise DataError(f"the decoded-image cache needs at least {needed / 1e9:.2f} GB ({rows} images of "
+                        f"{resolution}x{resolution}x{channels} bytes) but {root} has {free / 1e9:.2f} GB free: "
+                        "use --streaming (decodes on the fly, no cache) or a --cache_dir on a larger disk")
+
+
+def _write_cache(directory: str, images) -> None:
+    """pixels.bin (every image's bytes, in order) and shapes.npy, written under a name no other
+    process uses (host, pid, random) and published by one atomic rename. Nodes sharing a cache
+    folder may race: the first rename wins, a loser deletes its copy and uses the winner's."""
+    import shutil
+    import socket
+    import uuid
+
+    tmp = f"{directory}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.makedirs(tmp)
     shapes = []
     with open(os.path.join(tmp, "pixels.bin"), "wb") as fh:
         for array in images:
             fh.write(np.ascontiguousarray(array).tobytes())
             shapes.append(array.shape[:2])
-    np.save(os.path.join(tmp, "shapes.npy"), np.array(shapes, dtype=np.int64))  # written last: marks it complete
-    if os.path.exists(directory):  # another process finished first: keep theirs
+    np.save(os.path.join(tmp, "shapes.npy"), np.array(shapes, dtype=np.int64))
+    try:
+        os.rename(tmp, directory)  # atomic; fails when the (non-empty) winner's folder is there
+    except OSError:
+        if not os.path.isfile(os.path.join(directory, "shapes.npy")):
+            raise
         shutil.rmtree(tmp)
-    else:
-        os.replace(tmp, directory)
 
 
 # ----------------------------------------------------------------------------- batch order

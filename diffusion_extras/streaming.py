@@ -1,9 +1,14 @@
 """Streaming training data: `load_dataset(..., streaming=True)`, a shuffle buffer, one shard of the
-stream per rank (`split_dataset_by_node`), decoding and preprocessing on the fly.
+stream per rank (`split_dataset_by_node`), decoding and preprocessing on the fly; `StreamSource`
+is the data source (sources.py) the loop sees.
 
-For data that outgrows the disk. Progress is counted in steps, not epochs: the stream restarts
-(with `set_epoch`, so the shuffle changes) whenever a rank exhausts its shard. Each rank's
-position is the iterable dataset's own `state_dict()`, saved per rank in the checkpoint
+For data that outgrows the disk. Images are decoded in DataLoader worker processes (a 256 px
+JPEG costs milliseconds of a core: one thread cannot feed a GPU), prefetched and pinned. Shards
+are split twice: between ranks (`split_dataset_by_node`) and, inside each rank, between its
+workers (datasets does this in each worker), so every example is read once per epoch. Progress
+is counted in steps, not epochs: each worker restarts its share (with `set_epoch`, so the
+shuffle changes) when it runs out. The position is torchdata's `StatefulDataLoader` state: every
+worker's datasets `state_dict()` plus which worker yields next, saved per rank in the checkpoint
 (accelerate only saves the main process's custom objects, and positions differ per rank).
 """
 from __future__ import annotations
@@ -13,7 +18,7 @@ import warnings
 import numpy as np
 import torch
 
-from .data import DataError, _call_loader, decode_image, find_image_column, random_crop
+from .data import DataError, decode_image, find_image_column, open_dataset, random_crop
 
 
 def load_stream(config, rank: int, world_size: int):
@@ -21,16 +26,7 @@ def load_stream(config, rank: int, world_size: int):
     import datasets
     from datasets.distributed import split_dataset_by_node
 
-    if config.train_data_dir:
-        stream = _call_loader(lambda: datasets.load_dataset("imagefolder", data_dir=config.train_data_dir,
-                                                            split="train", streaming=True),
-                              f"--train_data_dir {config.train_data_dir}")
-    elif config.dataset_name:
-        stream = _call_loader(lambda: datasets.load_dataset(config.dataset_name, config.dataset_config_name,
-                                                            split="train", streaming=True, cache_dir=config.cache_dir),
-                              f"--dataset_name {config.dataset_name}")
-    else:
-        raise DataError("--streaming needs --dataset_name or --train_data_dir (the embedded digits are in memory)")
+    stream = open_dataset(config, streaming=True)
     if stream.features is None:
         raise DataError("the streamed dataset does not declare its features; pass --image_column and a dataset "
                         "whose features are known (parquet, imagefolder or a Hub dataset with metadata)")
@@ -44,52 +40,103 @@ def load_stream(config, rank: int, world_size: int):
     return split_dataset_by_node(stream, rank=rank, world_size=world_size), column
 
 
-class StreamingBatches:
-    """Iterator of this rank's uint8 micro-batches [B, C, H, W], with a resumable position."""
+class DecodedStream(torch.utils.data.IterableDataset):
+    """This rank's shard of the stream as decoded uint8 [C, H, W] images, endlessly, epoch after
+    epoch; in a DataLoader worker, over the worker's share of the shards. Its state (epoch, count,
+    datasets' own position) is what StatefulDataLoader saves for each worker."""
 
-    def __init__(self, stream, column: str, batch_size: int, resolution: int, center_crop: bool,
-                 channels: int, seed: int):
-        self.stream, self.column, self.batch_size = stream, column, batch_size
+    def __init__(self, stream, column: str, resolution: int, center_crop: bool, channels: int, seed: int):
+        self.stream, self.column = stream, column
         self.resolution, self.center_crop, self.channels, self.seed = resolution, center_crop, channels, seed
-        self.epoch, self.examples_seen = 0, 0
-        self._iterator = None
+        self.epoch, self.examples_seen, self._restored = 0, 0, False
 
     def __iter__(self):
-        return self
+        worker = torch.utils.data.get_worker_info()
+        worker_id = worker.id if worker is not None else 0
+        while True:
+            self.stream.set_epoch(self.epoch)
+            found = False
+            for example in self.stream:  # in a worker, datasets reads only that worker's shards
+                found = True
+                self.examples_seen += 1
+                array = self._decode(example[self.column])
+                if array is not None:
+                    crop = random_crop(array, self.resolution, self.seed, worker_id, self.examples_seen)
+                    yield torch.from_numpy(np.array(crop)).permute(2, 0, 1)  # a writable copy
+            if not found and not self._restored:
+                return  # no shard for this worker (more workers than shards): the others go on
+            self.epoch, self._restored = self.epoch + 1, False  # a restored epoch may be at its end
 
-    def _next_example(self):
-        for _ in range(2):  # one restart at most: an empty shard must not loop forever
-            if self._iterator is None:
-                self.stream.set_epoch(self.epoch)
-                self._iterator = iter(self.stream)
-            try:
-                return next(self._iterator)[self.column]
-            except StopIteration:
-                self._iterator, self.epoch = None, self.epoch + 1
-        raise DataError("this rank's shard of the stream is empty; use fewer processes or more data")
-
-    def __next__(self) -> torch.Tensor:
-        batch = np.empty((self.batch_size, self.resolution, self.resolution, self.channels), np.uint8)
-        filled = 0
-        while filled < self.batch_size:
-            image = self._next_example()
-            self.examples_seen += 1
-            try:
-                array = decode_image(image, self.resolution, self.center_crop, self.channels)
-            except Exception as error:  # a corrupt file in a stream: skip it, name it, go on
-                name = image.get("path") or f"#{self.examples_seen}"
-                warnings.warn(f"skipping unreadable image {name}: {type(error).__name__}: {error}")
-                continue
-            batch[filled] = random_crop(array, self.resolution, self.seed, self.examples_seen)
-            filled += 1
-        return torch.from_numpy(batch).permute(0, 3, 1, 2)
+    def _decode(self, image: dict):
+        try:
+            return decode_image(image, self.resolution, self.center_crop, self.channels)
+        except Exception as error:  # a corrupt file in a stream: skip it, name it, go on
+            name = image.get("path") or f"#{self.examples_seen}"
+            warnings.warn(f"skipping unreadable image {name}: {type(error).__name__}: {error}")
+            return None
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "examples_seen": self.examples_seen, "stream": self.stream.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.examples_seen = state["epoch"], state["examples_seen"]
+        self.epoch, self.examples_seen, self._restored = state["epoch"], state["examples_seen"], True
         self.stream.load_state_dict(state["stream"])
+
+
+class StreamingBatches:
+    """Iterator of this rank's uint8 micro-batches [B, C, H, W], decoded by `num_workers` worker
+    processes (0: on this thread), with a resumable position. torchdata's StatefulDataLoader is
+    used instead of torch's DataLoader because it saves and restores each worker's dataset state
+    and the worker round-robin, so a resume continues at the exact example."""
+
+    def __init__(self, stream, column: str, batch_size: int, resolution: int, center_crop: bool,
+                 channels: int, seed: int, num_workers: int = 0, pin_memory: bool = False):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        self.num_workers = num_workers
+        self.loader = StatefulDataLoader(
+            DecodedStream(stream, column, resolution, center_crop, channels, seed), batch_size=batch_size,
+            num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=4 if num_workers else None,
+            generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
+        self._iterator = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._iterator is None:
+            self._iterator = iter(self.loader)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            raise DataError("this rank's shard of the stream is empty; use fewer processes or more data") from None
+
+    def _worker_states(self) -> list[dict]:
+        state = self.loader.state_dict()
+        if "dataset_state" in state:  # no workers
+            return [state["dataset_state"]] if state["dataset_state"] else []
+        workers = state.get("_snapshot", {}).get("_worker_snapshots", {})
+        return [w["dataset_state"] for w in workers.values() if w.get("dataset_state")]
+
+    @property
+    def epoch(self) -> int:
+        return max((s["epoch"] for s in self._worker_states()), default=0)
+
+    @property
+    def examples_seen(self) -> int:
+        return sum(s["examples_seen"] for s in self._worker_states())
+
+    def state_dict(self) -> dict:
+        return {"num_workers": self.num_workers, "loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "loader" not in state:
+            raise DataError("the checkpoint's stream position predates worker decoding (no loader state) and "
+                            "cannot be restored exactly; start a new --output_dir")
+        if state["num_workers"] != self.num_workers:
+            raise DataError(f"the checkpoint's stream position was saved with --dataloader_num_workers "
+                            f"{state.get('num_workers')} (each worker reads its own shards); resume with that value")
+        self.loader.load_state_dict(state["loader"])
         self._iterator = None
 
 
@@ -106,3 +153,37 @@ def stream_reference_images(config, count: int, channels: int) -> np.ndarray:
     if not images:
         raise DataError("the stream yielded no readable image")
     return np.stack(images).transpose(0, 3, 1, 2)
+
+
+class StreamSource:
+    """A data source (see sources.py) over this rank's shard of the stream. The position is the
+    stream's state, restored by load_state_dict before batches() is called."""
+
+    batches_per_epoch = None  # unknown for a stream: runs are counted in steps (--max_train_steps)
+    held_out_images = None  # --validation_split needs a fixed set: cached data only (validate refuses it)
+
+    def __init__(self, config, accelerator, channels: int):
+        shard, column = load_stream(config, accelerator.process_index, accelerator.num_processes)
+        self.stream = StreamingBatches(shard, column, config.train_batch_size, config.resolution, config.center_crop,
+                                       channels, config.seed + accelerator.process_index,
+                                       config.dataloader_num_workers, accelerator.device.type == "cuda")
+        self.config, self.channels, self.rank = config, channels, accelerator.process_index
+        self.description = f"stream:{config.dataset_name or config.train_data_dir or config.train_data_files}"
+
+    def batches(self, first: int, last: int):
+        return self.stream  # already at `first`: the restored state, not the micro-step, holds the position
+
+    def position(self, micro_step: int) -> dict:
+        return {"epoch": self.stream.epoch, "batch_in_epoch": None}  # per-rank positions: rank_state files
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state is None:
+            raise DataError(f"the checkpoint holds no stream position for rank {self.rank}; resume a streaming "
+                            "run from a checkpoint it saved, or start a new --output_dir")
+        self.stream.load_state_dict(state)
+
+    def reference_sample(self, count: int) -> np.ndarray:
+        return stream_reference_images(self.config, count, self.channels)

@@ -1,0 +1,104 @@
+"""Where training images come from, behind one interface: the loop, resume, checkpoints and the
+artifacts (sigma_data, FID references) see a data source and never ask which kind it is.
+
+    source = build_source(config, accelerator, channels)
+    batches = source.batches(first, last)   # this rank's uint8 [B, C, H, W] micro-batches, first..last-1
+    source.position(micro_step)             # {"epoch", "batch_in_epoch"} for the train state
+    source.state_dict() / load_state_dict() # this rank's position, when the micro-step alone cannot say it
+    source.reference_sample(count)          # uint8 NCHW training images, the run's position untouched
+
+Two kinds: `CachedImages` (decoded once, a (seed, micro-step) order: the position is a function of
+the step, nothing to save) and `streaming.StreamSource` (decoded on the fly; the position is the
+stream's own state, saved per rank).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import data
+
+
+class CachedImages:
+    """Every image decoded once (data.cached_decode) and drawn in a (seed, micro-step) order."""
+
+    def __init__(self, config, accelerator, channels: int, dataset=None):
+        # once per node: the node's first rank loads and decodes, the others then read its cache
+        with accelerator.local_main_process_first():
+            dataset = dataset if dataset is not None else data.load_image_dataset(config)
+            image_column = data.find_image_column(dataset, config.image_column)
+            self.images = data.cached_decode(dataset, image_column, config.resolution, config.center_crop,
+                                             channels, config.cache_dir, accelerator.is_local_main_process)
+        self.held_out_images = None  # --validation_split: held out before the order exists, never trained on
+        if config.validation_split:
+            from .validation import split_held_out
+            self.images, self.held_out_images = split_held_out(self.images, config.validation_split, config.seed)
+        self.order = data.GlobalBatchOrder(len(self.images), config.train_batch_size * accelerator.num_processes,
+                                           config.seed)
+        self.config, self.rank = config, accelerator.process_index
+        self.pin_memory = accelerator.device.type == "cuda"
+        self.batches_per_epoch = self.order.batches_per_epoch
+        self.description = str(len(self.images))  # names the data in the FID reference fingerprint
+
+    def batches(self, first: int, last: int):
+        """Micro-batches first..last-1, prefetched in order by the DataLoader workers."""
+        config = self.config
+        loader = torch.utils.data.DataLoader(
+            data.MicroBatches(self.images, self.order, self.rank, config.train_batch_size, config.resolution,
+                              config.seed),
+            batch_size=None, sampler=range(first, last), num_workers=config.dataloader_num_workers,
+            pin_memory=self.pin_memory,
+            generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
+        return iter(loader)
+
+    def position(self, micro_step: int) -> dict:
+        epoch, batch = self.order.position(micro_step)
+        return {"epoch": epoch, "batch_in_epoch": batch}
+
+    def state_dict(self) -> None:
+        return None  # the position is a function of the micro-step: nothing per rank to save
+
+    def load_state_dict(self, state) -> None:
+        pass
+
+    def reference_sample(self, count: int) -> np.ndarray:
+        """Up to `count` training images as uint8 NCHW, a seeded random subset with the run's crops."""
+        count = min(len(self.images), count)
+        order = data.GlobalBatchOrder(len(self.images), count, self.config.seed)
+        return data.MicroBatches(self.images, order, 0, count, self.config.resolution, self.config.seed)[0].numpy()
+
+
+def open_training_data(config, accelerator) -> tuple:
+    """(the opened dataset or None, the images' colour channels: 1 or 3), judged from the first
+    images' modes before any model exists, so that a model can follow the data. The opened
+    dataset is handed to build_source (a stream is reopened there, lazily, per rank)."""
+    if config.streaming:
+        from .streaming import load_stream
+        shard, column = load_stream(config, accelerator.process_index, accelerator.num_processes)
+        return None, data.stored_channels(item[column] for item in shard.take(16)) or 3
+    with accelerator.local_main_process_first():  # the node's first rank downloads, the others reuse it
+        dataset = data.load_image_dataset(config)
+    return dataset, data.dataset_channels(dataset, data.find_image_column(dataset, config.image_column))
+
+
+def build_source(config, accelerator, channels: int, dataset=None):
+    """The run's data source: a stream with --streaming, else the decode-once cache (of `dataset`,
+    when open_training_data already opened it)."""
+    if config.streaming:
+        from .streaming import StreamSource
+        return StreamSource(config, accelerator, channels)
+    return CachedImages(config, accelerator, channels, dataset)
+
+
+def rank_state(checkpoint: str, process_index: int):
+    """This rank's saved source state in a checkpoint folder, or None when none was saved."""
+    import json
+    import os
+
+    from .checkpointing import rank_state_file
+
+    path = os.path.join(checkpoint, rank_state_file(process_index))
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh)

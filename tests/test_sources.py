@@ -1,0 +1,55 @@
+"""The data-source interface (diffusion_extras/sources.py): the loop, resume, checkpoints and the
+artifacts use only it, so a third kind of source trains, checkpoints and resumes unchanged."""
+import json
+import os
+import re
+
+import numpy as np
+import torch
+
+from conftest import ROOT
+from diffusion_extras.config import TrainConfig
+from diffusion_extras.sources import CachedImages
+
+
+class OneProcess:
+    process_index, num_processes, is_local_main_process = 0, 1, True
+    device = torch.device("cpu")
+
+    def local_main_process_first(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def test_cached_source_serves_the_seeded_order_from_any_micro_step():
+    config = TrainConfig(max_train_samples=40, resolution=8, train_batch_size=4)
+    source = CachedImages(config, OneProcess(), 1)
+    assert source.batches_per_epoch == 10
+    straight = list(source.batches(0, 12))
+    resumed = list(source.batches(7, 12))
+    assert all(torch.equal(a, b) for a, b in zip(straight[7:], resumed))
+    assert source.position(12) == {"epoch": 1, "batch_in_epoch": 2}
+    assert source.state_dict() is None  # the micro-step is the whole position
+    sample = source.reference_sample(16)
+    assert sample.shape == (16, 1, 8, 8) and sample.dtype == np.uint8
+
+
+def test_loop_and_artifacts_do_not_branch_on_the_kind_of_source():
+    for name in ("train_ddpm.py", os.path.join("diffusion_extras", "artifacts.py")):
+        with open(os.path.join(ROOT, name)) as fh:
+            text = fh.read()
+        assert not re.search(r"run\.(stream|images|order)\b|streaming\.", text), name
+
+
+def test_a_third_source_trains_checkpoints_and_resumes(run_cli, tiny_recipe, tmp_path):
+    recipe = tiny_recipe(checkpointing_steps=2, eval_steps=4, feature_extractor="tiny", eval_num_samples=4)
+    flags = ["tests/custom_source_train.py", "--config", recipe, "--output_dir", str(tmp_path / "run")]
+    first = run_cli([*map(str, flags), "--max_train_steps", "2"], check=True)
+    assert "batches from 0 to 2, served so far 0" in first.stdout
+    with open(tmp_path / "run" / "checkpoint-2" / "rank_state_0.json") as fh:
+        assert json.load(fh) == {"served": 2}
+    with open(tmp_path / "run" / "checkpoint-2" / "train_state.json") as fh:
+        assert {"epoch": 0, "batch_in_epoch": 2}.items() <= json.load(fh).items()
+    second = run_cli([*map(str, flags), "--max_train_steps", "4", "--resume_from_checkpoint", "latest"], check=True)
+    assert "batches from 2 to 4, served so far 2" in second.stdout  # the restored state reached the source
+    assert os.path.isdir(tmp_path / "run" / "checkpoint-4")

@@ -1,0 +1,27 @@
+"""bench/stream_bench.py runs end to end on tiny settings and writes its JSON; the recipe FLOP
+count it uses for the GPU estimate is the UNet's (counted on the meta device)."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_stream_bench_runs_and_writes_json(tmp_path):
+    out = tmp_path / "stream.json"
+    result = subprocess.run([sys.executable, "bench/stream_bench.py", "--resolutions", "16", "--workers", "0", "1",
+                             "--images", "16", "--batch_size", "4", "--batches", "2", "--json", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["resolution"], r["workers"]) for r in rows] == [(16, 0), (16, 1)]
+    assert all(r["delivered_images_per_s"] > 0 for r in rows)
+
+
+def test_recipe_flops_grow_with_resolution():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import stream_bench
+    assert stream_bench.recipe_gflop_per_image("configs/ddpm-256.yaml") > 4 * stream_bench.recipe_gflop_per_image(
+        "configs/ddpm-64.yaml") > 0
