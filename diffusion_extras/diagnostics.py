@@ -278,8 +278,16 @@ def plot_loss_per_timestep(diag: TimestepDiagnostics, alphas_cumprod, sigma_data
     ax.set_xlabel("timestep t")
     ax.set_ylabel(f"per-dimension MSE ({prediction_type} target)")
     ax.set_title(title or f"Loss per timestep (sigma_data={float(sigma_data):.3g})")
-    ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=8, loc="best")
+    return save_figure(fig, [ax], path)
+
+
+def save_figure(fig, axes, path: str) -> str:
+    """The diagnostics plots' common finish: a light log grid, a legend where there are labels,
+    a tight layout, a PNG at `path` (folders created)."""
+    for axis in axes:
+        axis.grid(True, which="both", alpha=0.25)
+        if axis.get_legend_handles_labels()[0] and axis.get_legend() is None:
+            axis.legend(fontsize=8, loc="best")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, format="png")

@@ -12,14 +12,13 @@ generators, so training with and without the monitor gives identical weights.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
 
 from . import losses
 from .data import mix_seed, to_model_input
-from .diagnostics import loss_bin_key, timestep_bin_edges
+from .diagnostics import loss_bin_key, save_figure, timestep_bin_edges
 
 PROBE_STREAM = 0x67AD  # seed stream of the probe batch's timesteps and noise
 
@@ -116,9 +115,4 @@ def plot_gradients(history: list[dict], bin_centers: np.ndarray, path: str, titl
         norms_axis.legend(fontsize=7, ncol=2)
     shares_axis.set(xlabel="timestep t", ylabel="share of the total gradient", title=title or "gradient per bin")
     norms_axis.set(xlabel="optimizer step", ylabel="gradient norm of the bin's loss", title="over training")
-    for axis in (shares_axis, norms_axis):
-        axis.grid(True, alpha=0.25)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
+    return save_figure(fig, (shares_axis, norms_axis), path)

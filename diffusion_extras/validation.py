@@ -8,14 +8,13 @@ caught up with the weights it averages (the exported pipeline uses the EMA).
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
 
 from . import losses
 from .data import DataError, mix_seed, random_crop, to_model_input
-from .diagnostics import loss_bin_key, timestep_bin_edges
+from .diagnostics import loss_bin_key, save_figure, timestep_bin_edges
 
 VALIDATION_STREAM = 0x48E1D0  # seed stream of the split, the held-out timesteps and noise
 
@@ -124,10 +123,4 @@ def plot_held_out(history: list[dict], training_bins: np.ndarray, raw: np.ndarra
             over_steps.plot(*zip(*rows), "o-", color=color, label=label)
     over_steps.set(yscale="log", xlabel="optimizer step", ylabel="per-dimension MSE, mean over bins",
                    title="over training")
-    for axis in (per_bin, over_steps):
-        axis.grid(True, which="both", alpha=0.25)
-        axis.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
+    return save_figure(fig, (per_bin, over_steps), path)
