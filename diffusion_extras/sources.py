@@ -6,6 +6,7 @@ artifacts (sigma_data, FID references) see a data source and never ask which kin
     source.position(micro_step)             # {"epoch", "batch_in_epoch"} for the train state
     source.state_dict() / load_state_dict() # this rank's position, when the micro-step alone cannot say it
     source.reference_sample(count)          # uint8 NCHW training images, the run's position untouched
+    source.held_out_images                  # images kept out of training (--validation_split), or None
 
 Two kinds: `CachedImages` (decoded once, a (seed, micro-step) order: the position is a function of
 the step, nothing to save) and `streaming.StreamSource` (decoded on the fly; the position is the

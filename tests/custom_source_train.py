@@ -16,8 +16,9 @@ from diffusion_extras import sources  # noqa: E402
 class CountingSource:
     batches_per_epoch = 5
     description = "counting"
+    held_out_images = None
 
-    def __init__(self, config, accelerator, channels):
+    def __init__(self, config, accelerator, channels, dataset=None):
         self.config, self.channels, self.served = config, channels, 0
 
     def _batch(self, micro_step):

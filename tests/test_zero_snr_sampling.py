@@ -49,7 +49,7 @@ def test_in_training_grid_and_fid_sample_from_the_zero_snr_step(tmp_path, monkey
             return original(unet, scheduler, *args, **kwargs)
         return wrapped
     monkeypatch.setattr(sampling, "generate", record(sampling.generate))
-    monkeypatch.setattr(evaluation, "evaluate_unet", record(evaluation.evaluate_unet))
+    monkeypatch.setattr(evaluation, "evaluate_unet_metrics", record(evaluation.evaluate_unet_metrics))
     artifacts.save_sample_grid(run)
     artifacts.evaluate(run)
     assert seen[:1] == [999] and seen[-1] == 999 and len(seen) >= 2
