@@ -1,14 +1,27 @@
 """Parts of the DDPM trainer, one concern per module; each usable on its own.
 
-config        typed training configuration (YAML + CLI), validation
-data          datasets loading, embedded digits default, decode-once cache, index sampler
-ema           exponential moving average of weights (decay warm-up, foreach updates)
-losses        noising, targets per prediction type, SNR and min-SNR weights, timestep sampling
-diagnostics   per-timestep loss statistics on the device, Bayes-optimal reference curve
-report        end-of-run health report with recommendations
-checkpointing atomic accelerate checkpoints, retention, resume selection, compatibility
-sampling      image generation from a UNet or pipeline, grids, `python -m diffusion_extras.sample`
-evaluation    FID / KID with a pluggable feature extractor
-hub           Hub push and model card
-posthoc_ema   EDM2 post-hoc EMA snapshots and reconstruction
+config          typed training configuration (YAML + CLI): defaults, choices, resume policy, validation
+compat          diffusers train_unconditional.py flags: epochs mapped to steps, --overwrite_output_dir
+data            dataset dispatch, embedded digits default, decode-once cache, (seed, step) batch order
+sources         the data-source interface and the decode-once cached source
+streaming       the streamed source: worker decoding, per-rank resumable positions
+models          UNet2DModel / DDPMScheduler from the config (or following the data), pipeline export
+ema             exponential moving average of weights (decay warm-up, sync-free foreach updates)
+posthoc_ema     EDM2 post-hoc EMA snapshots and reconstruction
+losses          fp32 noising, targets per prediction type, SNR and min-SNR weights, l2 / pseudo-Huber
+timesteps       loss-aware (importance-sampled) timesteps
+diagnostics     per-timestep loss statistics on the device, Bayes-optimal reference curve, plots
+validation      held-out split and per-timestep held-out loss with raw and EMA weights
+grad_monitor    per-timestep-bin gradient norms and shares on a fixed probe batch
+report          end-of-run health report; report_checks and report_dynamics hold its findings
+lr_finder       LR range test
+checkpointing   atomic accelerate checkpoints with checksums, retention, rollback, resume check
+resume_policy   what a resume does with each changed setting; applying changed optimizer settings
+tracking        trackers, images to trackers, history.jsonl
+artifacts       what a run writes besides checkpoints: grids, plots, report, export, Hub push, FID
+sampling        image generation from a UNet or pipeline, grids; sample: its command line
+debug_images    raw-vs-EMA samples and the denoising strip
+evaluation      FID / KID / FD-DINOv2 / CMMD with pluggable feature extractors; evaluate: its CLI
+backbones       DINOv2 and CLIP feature extractors (transformers), the Inception detector download
+hub             Hub push and model card
 """
