@@ -4,7 +4,6 @@ train_unconditional.py command lines, and what the end of a run shows."""
 import json
 import os
 import re
-import shutil
 import sys
 
 import numpy as np
@@ -12,7 +11,6 @@ import pytest
 import yaml
 from PIL import Image
 
-from conftest import TINY_RECIPE
 
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 

@@ -1,7 +1,6 @@
 """Tests for diffusion_extras/validation.py and report_dynamics.py: the held-out per-timestep loss
 with raw and EMA weights through the training command line, and its health checks."""
 import json
-import os
 
 import numpy as np
 import pytest

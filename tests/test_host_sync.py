@@ -12,7 +12,6 @@ What it cannot see on CPU: host-to-device copies and `.to("cpu")` (a no-op here)
 """
 import collections
 import os
-import sys
 import traceback
 
 import pytest

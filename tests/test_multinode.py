@@ -11,7 +11,6 @@ import pytest
 from conftest import ROOT, cli_env
 from diffusion_extras import data
 from test_data_files import write_tar_shards
-from test_resume import train
 
 
 def test_cache_race_loser_uses_the_winners_cache(tmp_path):

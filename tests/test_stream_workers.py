@@ -4,7 +4,6 @@ resumes at the exact example, with 0 or 2 workers."""
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 
