@@ -73,9 +73,10 @@ def setup(config: TrainConfig) -> SimpleNamespace:
                           history=tracking.History(config.output_dir), last_metrics={}, evaluation=None,
                           global_batch_size=config.train_batch_size * accelerator.num_processes,
                           nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device))
-    data_channels = open_data(run)  # before the model: with no model chosen, the model follows the images
+    # the data is opened before the model: with no model chosen, the model follows the images
+    dataset, data_channels = sources.open_training_data(config, accelerator)
     unet = build_model(run, data_channels)
-    build_data(run, unet.config.in_channels)
+    build_data(run, unet.config.in_channels, dataset)
     build_optimization(run, unet)
     build_extras(run)
     if config.resume_from_checkpoint:  # refuse an incompatible resume before any remote side effect
@@ -100,13 +101,6 @@ def refuse_sharded_training(accelerator) -> None:
             "with --gradient_checkpointing and --mixed_precision bf16 to save memory")
 
 
-def open_data(run) -> int:
-    """Open the training data before the model (with no model chosen, the model follows the
-    images); returns the images' colour channels (1 or 3), judged from the first images' modes."""
-    run.opened_dataset, channels = sources.open_training_data(run.config, run.accelerator)
-    return channels
-
-
 def build_model(run, data_channels: int):
     """The UNet (the recipe's, or one that follows the images), announced in one line with its size."""
     config = run.config
@@ -117,12 +111,11 @@ def build_model(run, data_channels: int):
     return unet
 
 
-def build_data(run, channels: int) -> None:
+def build_data(run, channels: int, dataset=None) -> None:
     """The data source (decode-once cache or this rank's shard of a stream), the held-out images
     (--validation_split), the real run length and sigma_data."""
     config, accelerator = run.config, run.accelerator
-    run.data = sources.build_source(config, accelerator, channels, run.opened_dataset)
-    run.opened_dataset = None  # the source holds what it needs
+    run.data = sources.build_source(config, accelerator, channels, dataset)  # `dataset`: already opened
     run.held_out = None
     if run.data.held_out_images is not None:  # never trained on: split off before the batch order exists
         run.held_out = validation.HeldOutLoss(run.data.held_out_images, config.resolution, config.ddpm_num_steps,
