@@ -55,11 +55,11 @@ def config_summary(args, config, run) -> dict:
     return {"recipe": "tiny" if args.tiny else args.recipe, "mixed_precision": config.mixed_precision,
             "train_batch_size": config.train_batch_size,
             "gradient_accumulation_steps": config.gradient_accumulation_steps, "resolution": config.resolution,
-            "unet_parameters": models.count_parameters(run.unet),
+            "unet_parameters": models.count_parameters(run.model.unet),
             "dataloader_num_workers": config.dataloader_num_workers,
             "data": "synthetic random images (parquet)" if config.dataset_name else "embedded digits",
             # what the full step did, read off the run rather than assumed from flags
-            "extras": {"ema": run.ema is not None, "snr_gamma": config.snr_gamma,
+            "extras": {"ema": run.extras.ema is not None, "snr_gamma": config.snr_gamma,
                        "diagnostics": getattr(run, "diagnostics", None) is not None,
                        "max_grad_norm": config.max_grad_norm, "prediction_type": config.prediction_type},
             "steps_per_variant": args.steps, "warmup": args.warmup, "rounds": min(args.rounds, args.steps)}

@@ -56,7 +56,7 @@ def main(argv=None) -> None:
                                       checksums=False)
         plain_saves.append(time.perf_counter() - started)
         started = time.perf_counter()
-        path = checkpointing.save_checkpoint(run.accelerator, config.output_dir, run.global_step + repeat,
+        path = checkpointing.save_checkpoint(run.accelerator, config.output_dir, run.progress.global_step + repeat,
                                              train_ddpm.train_state(run))
         saves.append(time.perf_counter() - started)
         started = time.perf_counter()
@@ -67,7 +67,7 @@ def main(argv=None) -> None:
         loads.append(time.perf_counter() - started)
     files = {name: os.path.getsize(os.path.join(path, name)) for name in sorted(os.listdir(path))}
     result = {"recipe": os.path.relpath(args.recipe, ROOT),
-              "unet_parameters": models.count_parameters(run.accelerator.unwrap_model(run.unet)),
+              "unet_parameters": models.count_parameters(run.accelerator.unwrap_model(run.model.unet)),
               "checkpoint_bytes": sum(files.values()), "files": files,
               "save_seconds_median": statistics.median(saves), "load_seconds_median": statistics.median(loads),
               "save_without_checksums_seconds_median": statistics.median(plain_saves),

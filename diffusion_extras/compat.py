@@ -17,22 +17,24 @@ import time
 from .config import ConfigError, TrainConfig
 
 
-def map_epochs_to_steps(config: TrainConfig, steps_per_epoch: int | None) -> list[str]:
-    """Set the step intervals from diffusers' epoch intervals; returns the lines saying so.
-    diffusers saves at the end of every N-th epoch and at the last; ours: every N x steps_per_epoch
-    optimizer steps and at the last step, the same points for whole epochs."""
-    lines = []
+def epoch_intervals(config: TrainConfig, steps_per_epoch: int | None) -> tuple[dict, list[str]]:
+    """({"save_images_steps": ..., "save_model_steps": ...}, the lines saying how diffusers' epoch
+    intervals became steps). diffusers saves at the end of every N-th epoch and at the last; ours:
+    every N x steps_per_epoch optimizer steps and at the last step, the same points for whole
+    epochs. The config is left as given."""
+    intervals, lines = {}, []
     for unit in ("images", "model"):
         epochs = getattr(config, f"save_{unit}_epochs")
+        intervals[f"save_{unit}_steps"] = getattr(config, f"save_{unit}_steps")
         if epochs is None:
             continue
         if steps_per_epoch is None:
             raise ConfigError(f"--save_{unit}_epochs: a streamed dataset has no known epoch length; "
                               f"give --save_{unit}_steps instead")
-        setattr(config, f"save_{unit}_steps", epochs * steps_per_epoch)
+        intervals[f"save_{unit}_steps"] = epochs * steps_per_epoch
         lines.append(f"--save_{unit}_epochs {epochs} -> --save_{unit}_steps {epochs * steps_per_epoch} "
                      f"({steps_per_epoch} optimizer steps per epoch)")
-    return lines
+    return intervals, lines
 
 
 def move_aside_earlier_run(output_dir: str) -> str | None:

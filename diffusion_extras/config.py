@@ -138,9 +138,9 @@ class TrainConfig:
     inception_weights: Optional[str] = _f(None, "Local TorchScript Inception file (inception-2015-12-05.pt) for FID/KID; default: downloaded once from its public URL.", resume=APPLY)
     dinov2_model: str = _f("facebook/dinov2-large", "DINOv2 backbone for fd_dinov2: a Hub id or a local save_pretrained folder.", resume=APPLY)
     clip_model: str = _f("openai/clip-vit-large-patch14-336", "CLIP backbone for cmmd: a Hub id or a local save_pretrained folder.", resume=APPLY)
-    validation_split: float = _f(0.0, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss; 0: none.", resume=REFUSE)
+    validation_split: Optional[float] = _f(None, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss; 0: none. None: 0.1 of the embedded digits, none of your data.", resume=REFUSE)
     validation_steps: int = _f(250, "Every N optimizer steps (and at the end): held-out loss per timestep bin with raw and EMA weights, fixed noise and timesteps (held-out images x --diagnostics_bins forwards).", resume=APPLY)
-    grad_diagnostics_steps: Optional[int] = _f(None, "Every N optimizer steps: per-timestep-bin gradient norms and shares of the total gradient on a fixed probe batch (--train_batch_size images; 2 x --diagnostics_bins backwards on the main process, off the training gradients). None: off.", resume=APPLY)
+    grad_diagnostics_steps: Optional[int] = _f(None, "Every N optimizer steps: per-timestep-bin gradient norms and shares of the total gradient on a fixed probe batch (--train_batch_size images; 2 x --diagnostics_bins backwards on the main process, off the training gradients). 0: off. None: every --validation_steps on the embedded digits, off on your data.", resume=APPLY)
     posthoc_ema: bool = _f(False, "Keep EDM2 power-function EMA profiles (sigma_rel 0.05, 0.10) and snapshot them for post-hoc EMA.", resume=REFUSE)
     posthoc_ema_snapshot_steps: int = _f(500, "Post-hoc EMA snapshot interval (optimizer steps), fp16, into output_dir/posthoc_ema/.", resume=APPLY)
     # --- memory and speed ---------------------------------------------------------------------
@@ -329,11 +329,12 @@ def validate(c: TrainConfig) -> None:
         parse_metrics(c.eval_metrics)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    need(0 <= c.validation_split < 1, f"--validation_split must lie in [0, 1) (got {c.validation_split})")
+    need(c.validation_split is None or 0 <= c.validation_split < 1,
+         f"--validation_split must lie in [0, 1) (got {c.validation_split})")
     need(not (c.validation_split and c.streaming),
          "--validation_split needs cached data (a stream has no fixed set to hold out); drop --streaming")
-    need(c.grad_diagnostics_steps is None or c.grad_diagnostics_steps >= 1,
-         f"--grad_diagnostics_steps must be at least 1 (got {c.grad_diagnostics_steps})")
+    need(c.grad_diagnostics_steps is None or c.grad_diagnostics_steps >= 0,
+         f"--grad_diagnostics_steps must be at least 0 (0: off; got {c.grad_diagnostics_steps})")
     need(c.validation_steps >= 1, f"--validation_steps must be at least 1 (got {c.validation_steps})")
     need(c.inception_weights is None or os.path.isfile(c.inception_weights),
          f"--inception_weights {c.inception_weights}: no such file (leave it out to download the detector)")
@@ -407,9 +408,21 @@ def redact_config(config: dict, secrets: Iterable = ()) -> dict:
 
 
 
-def save_config(config: TrainConfig, path: str) -> None:
-    """The resolved config beside the pipeline, through redact_config: no secret is written."""
-    values = redact_config(config.to_dict(), [config.hub_token])
+def redact_argv(argv: list, secrets: Iterable) -> None:
+    """Trackers (wandb) record the command line: once parsed, every secret value is replaced in
+    place, whatever flag spelling carried it."""
+    for index, arg in enumerate(argv):
+        for secret in secrets:
+            if secret and secret in arg:
+                argv[index] = arg = arg.replace(secret, "***")
+
+
+def save_config(config: TrainConfig | dict, path: str, secrets: Iterable = ()) -> None:
+    """A config (a TrainConfig, or the resolved values of run_state.Plan.resolved_config) as YAML
+    beside the pipeline, through redact_config: no secret is written."""
+    if isinstance(config, TrainConfig):
+        config, secrets = config.to_dict(), [config.hub_token, *secrets]
+    values = redact_config(config, secrets)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as fh:
         yaml.safe_dump(values, fh, sort_keys=False)

@@ -44,6 +44,11 @@ def digits_dataset():
         features=features)
 
 
+def uses_embedded_digits(config) -> bool:
+    """No data flag given: the run trains on the embedded digits."""
+    return not (config.train_data_files or config.train_data_dir or config.dataset_name)
+
+
 def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
 
@@ -405,12 +410,12 @@ def mix_seed(*values: int) -> int:
 class GlobalBatchOrder:
     """Which dataset rows micro-step k uses, for every rank: a function of (seed, k) only."""
 
-    def __init__(self, num_examples: int, global_batch_size: int, seed: int):
-        if global_batch_size > num_examples:
-            raise DataError(f"the global batch ({global_batch_size} images = batch size x processes) is larger than "
-                            f"the dataset ({num_examples} images); lower --train_batch_size")
-        self.num_examples, self.global_batch_size, self.seed = num_examples, global_batch_size, seed
-        self.batches_per_epoch = num_examples // global_batch_size  # the last partial batch is dropped
+    def __init__(self, num_examples: int, global_micro_batch_size: int, seed: int):
+        if global_micro_batch_size > num_examples:
+            raise DataError(f"the global batch ({global_micro_batch_size} images = batch size x processes) is larger "
+                            f"than the dataset ({num_examples} images); lower --train_batch_size")
+        self.num_examples, self.global_micro_batch_size, self.seed = num_examples, global_micro_batch_size, seed
+        self.batches_per_epoch = num_examples // global_micro_batch_size  # the last partial batch is dropped
         self._epoch, self._permutation = None, None
 
     def position(self, micro_step: int) -> tuple[int, int]:
@@ -422,7 +427,7 @@ class GlobalBatchOrder:
         if epoch != self._epoch:
             self._epoch = epoch
             self._permutation = np.random.default_rng(mix_seed(self.seed, epoch)).permutation(self.num_examples)
-        return self._permutation[batch * self.global_batch_size:(batch + 1) * self.global_batch_size]
+        return self._permutation[batch * self.global_micro_batch_size:(batch + 1) * self.global_micro_batch_size]
 
 
 class MicroBatches(torch.utils.data.Dataset):

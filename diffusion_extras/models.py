@@ -17,9 +17,9 @@ DIFFUSERS_DEFAULT_UNET = dict(
 COLOUR_NAMES = {1: "grayscale", 3: "RGB"}
 
 
-def unet_config(config: TrainConfig) -> dict:
-    """UNet2DModel kwargs from --model_config_name_or_path (folder or JSON) or the recipe's `model`,
-    with sample_size set to the training resolution (the pipeline samples at sample_size)."""
+def unet_config(config: TrainConfig, model: dict | None = None) -> dict:
+    """UNet2DModel kwargs from --model_config_name_or_path (folder or JSON) or `model` (default: the
+    recipe's), with sample_size set to the training resolution (the pipeline samples at sample_size)."""
     if config.model_config_name_or_path:
         path = config.model_config_name_or_path
         if os.path.isdir(path):
@@ -34,7 +34,7 @@ def unet_config(config: TrainConfig) -> dict:
             raise ConfigError(f"--model_config_name_or_path {path}: not valid JSON ({error})") from None
         values = {k: v for k, v in values.items() if not k.startswith("_")}
     else:
-        values = dict(config.model)
+        values = dict(config.model if model is None else model)
     values["sample_size"] = config.resolution
     if values.get("in_channels", 3) not in (1, 3) or values.get("out_channels", 3) != values.get("in_channels", 3):
         raise ConfigError("the UNet must have in_channels == out_channels, 1 (grayscale) or 3 (RGB); "
@@ -51,8 +51,8 @@ def follow_data(config: TrainConfig, data_channels: int) -> tuple[dict, str]:
     digits keep the digits recipe."""
     if config.model_config_name_or_path:
         return config.model, f"UNet from {config.model_config_name_or_path}"
-    own_data = config.dataset_name or config.train_data_dir
-    if config.model != DIGITS_UNET or not own_data:
+    from .data import uses_embedded_digits
+    if config.model != DIGITS_UNET or uses_embedded_digits(config):
         return config.model, "the recipe's UNet" if config.model != DIGITS_UNET else "the digits recipe's UNet"
     channels = {"in_channels": data_channels, "out_channels": data_channels}
     if config.resolution % 32 == 0:
@@ -75,11 +75,12 @@ def describe(unet, chosen: str, data_channels: int) -> list[str]:
     return lines
 
 
-def build_unet(config: TrainConfig):
+def build_unet(config: TrainConfig, model: dict | None = None):
+    """The UNet of `model` kwargs (default: the recipe's, or --model_config_name_or_path)."""
     from diffusers import UNet2DModel
 
     try:
-        return UNet2DModel(**unet_config(config))
+        return UNet2DModel(**unet_config(config, model))
     except (TypeError, ValueError) as error:
         raise ConfigError(f"the UNet config is invalid: {error}") from None
 

@@ -1,7 +1,7 @@
 """Where training images come from, behind one interface: the loop, resume, checkpoints and the
 artifacts (sigma_data, FID references) see a data source and never ask which kind it is.
 
-    source = build_source(config, accelerator, channels)
+    source = build_source(config, accelerator, channels, dataset, validation_split)
     batches = source.batches(first, last)   # this rank's uint8 [B, C, H, W] micro-batches, first..last-1
     source.position(micro_step)             # {"epoch", "batch_in_epoch"} for the train state
     source.state_dict() / load_state_dict() # this rank's position, when the micro-step alone cannot say it
@@ -23,7 +23,7 @@ from . import data
 class CachedImages:
     """Every image decoded once (data.cached_decode) and drawn in a (seed, micro-step) order."""
 
-    def __init__(self, config, accelerator, channels: int, dataset=None):
+    def __init__(self, config, accelerator, channels: int, dataset=None, validation_split: float = 0.0):
         # once per node: the node's first rank loads and decodes, the others then read its cache
         with accelerator.local_main_process_first():
             dataset = dataset if dataset is not None else data.load_image_dataset(config)
@@ -31,9 +31,9 @@ class CachedImages:
             self.images = data.cached_decode(dataset, image_column, config.resolution, config.center_crop,
                                              channels, config.cache_dir, accelerator.is_local_main_process)
         self.held_out_images = None  # --validation_split: held out before the order exists, never trained on
-        if config.validation_split:
+        if validation_split:
             from .validation import split_held_out
-            self.images, self.held_out_images = split_held_out(self.images, config.validation_split, config.seed)
+            self.images, self.held_out_images = split_held_out(self.images, validation_split, config.seed)
         self.order = data.GlobalBatchOrder(len(self.images), config.train_batch_size * accelerator.num_processes,
                                            config.seed)
         self.config, self.rank = config, accelerator.process_index
@@ -82,13 +82,14 @@ def open_training_data(config, accelerator) -> tuple:
     return dataset, data.dataset_channels(dataset, data.find_image_column(dataset, config.image_column))
 
 
-def build_source(config, accelerator, channels: int, dataset=None):
+def build_source(config, accelerator, channels: int, dataset=None, validation_split: float = 0.0):
     """The run's data source: a stream with --streaming, else the decode-once cache (of `dataset`,
-    when open_training_data already opened it)."""
+    when open_training_data already opened it) less its held-out fraction (a stream has none:
+    config.validate refuses --validation_split with --streaming)."""
     if config.streaming:
         from .streaming import StreamSource
         return StreamSource(config, accelerator, channels)
-    return CachedImages(config, accelerator, channels, dataset)
+    return CachedImages(config, accelerator, channels, dataset, validation_split)
 
 
 def rank_state(checkpoint: str, process_index: int):

@@ -1,4 +1,10 @@
-"""Timestep sampling: uniform, or importance sampling by each timestep's loss second moment.
+"""Timestep sampling behind one interface: uniform, or importance sampling by each timestep's
+loss second moment (--timestep_sampling).
+
+    sampler = make_timestep_sampler(kind, num_train_timesteps, device)
+    timesteps, weights = sampler.sample(batch_size, generator)  # weights: None when all are 1
+    if sampler.learns_from_losses:                                # then it also has state to checkpoint
+        sampler.update(timesteps, unweighted_losses)
 
 Loss-aware sampling (Nichol & Dhariwal 2021, Sec. 3.3) draws t with probability proportional to
 sqrt(E[L_t^2]) and weights each sample's loss by 1 / (T p_t), so the expected weighted loss
@@ -12,7 +18,22 @@ from __future__ import annotations
 import torch
 
 
+class UniformTimesteps:
+    """t uniform in [0, T): the DDPM objective as written (Ho et al. 2020, Algorithm 1)."""
+    learns_from_losses = False
+
+    def __init__(self, num_train_timesteps: int, device=None):
+        self.num_train_timesteps, self.device = num_train_timesteps, device
+
+    def sample(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, None]:
+        """(timesteps [B] long, None: every loss weight is 1)."""
+        timesteps = torch.randint(0, self.num_train_timesteps, (batch_size,), generator=generator, device=self.device)
+        return timesteps, None
+
+
 class LossAwareTimestepSampler:
+    learns_from_losses = True  # update() after each micro-batch; its state goes into checkpoints
+
     def __init__(self, num_train_timesteps: int, device=None, warmup_samples_per_timestep: int = 10,
                  decay: float = 0.9, uniform_fraction: float = 0.001):
         self.num_train_timesteps = num_train_timesteps
@@ -61,3 +82,11 @@ class LossAwareTimestepSampler:
     def load_state_dict(self, state: dict) -> None:
         self.second_moment = state["second_moment"].to(self.second_moment.device, torch.float64)
         self.counts = state["counts"].to(self.counts.device, torch.float64)
+
+
+SAMPLERS = {"uniform": UniformTimesteps, "loss_aware": LossAwareTimestepSampler}
+
+
+def make_timestep_sampler(kind: str, num_train_timesteps: int, device=None):
+    """The sampler --timestep_sampling names (uniform or loss_aware)."""
+    return SAMPLERS[kind](num_train_timesteps, device)

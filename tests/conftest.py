@@ -15,6 +15,7 @@ TINY_RECIPE = {
     "resolution": 8, "train_batch_size": 8, "eval_batch_size": 4, "ddpm_num_inference_steps": 2,
     "diagnostics_steps": 1, "save_images_steps": 1000, "save_model_steps": 1000, "checkpointing_steps": 1000,
     "logger": "none", "max_train_samples": 64, "learning_rate": 1e-3, "lr_warmup_steps": 2,
+    "validation_split": 0.0, "grad_diagnostics_steps": 0,  # the digits default's held-out and gradient probes: off
     "model": {"in_channels": 1, "out_channels": 1, "layers_per_block": 1, "block_out_channels": [8, 16],
               "down_block_types": ["DownBlock2D", "DownBlock2D"], "up_block_types": ["UpBlock2D", "UpBlock2D"],
               "norm_num_groups": 4, "dropout": 0.0},

@@ -22,7 +22,7 @@ if stop_after:
 
     def save_then_die(run):
         original_save(run)
-        if run.global_step == int(stop_after):
+        if run.progress.global_step == int(stop_after):
             sys.stdout.flush(), sys.stderr.flush()
             os._exit(0)
     train_ddpm.save_checkpoint = save_then_die

@@ -118,9 +118,9 @@ def test_abbreviated_flags_are_refused():
 
 
 def test_secrets_are_scrubbed_from_argv_by_value():
-    import train_ddpm
+    from diffusion_extras.config import redact_argv
     argv = ["train_ddpm.py", "--hub_token", "hf_abc123", "--hub_token=hf_abc123", "--output_dir", "x"]
-    train_ddpm.redact_argv(argv, ["hf_abc123", None])
+    redact_argv(argv, ["hf_abc123", None])
     assert argv == ["train_ddpm.py", "--hub_token", "***", "--hub_token=***", "--output_dir", "x"]
 
 

@@ -30,7 +30,7 @@ def no_host_sync():
 
 
 def weights(run) -> list:
-    return [p.detach().clone() for p in run.unet.parameters()]
+    return [p.detach().clone() for p in run.model.unet.parameters()]
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16", "fp16"])
@@ -46,7 +46,7 @@ def test_optimizer_steps_never_sync(tmp_path, fresh_accelerate, precision):
         for _ in range(4):
             train_ddpm.optimizer_step(run, batches)
     assert not all(torch.equal(a, b) for a, b in zip(before, weights(run)))
-    assert all(torch.isfinite(p).all() for p in run.unet.parameters())
+    assert all(torch.isfinite(p).all() for p in run.model.unet.parameters())
 
 
 def test_batches_are_pinned_and_copied_without_sync(tmp_path, fresh_accelerate):
@@ -60,7 +60,7 @@ def test_batches_are_pinned_and_copied_without_sync(tmp_path, fresh_accelerate):
 
 def test_fused_adamw_skips_a_nonfinite_step_on_the_device(tmp_path, fresh_accelerate, monkeypatch):
     run = tiny_run(tmp_path, *ALL_EXTRAS, "--max_train_steps", 8)
-    optimizer = run.optimizer.optimizer
+    optimizer = run.model.optimizer.optimizer
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"]
     batches = train_ddpm.make_batches(run)
     for _ in range(WARMUP_STEPS):
@@ -68,19 +68,19 @@ def test_fused_adamw_skips_a_nonfinite_step_on_the_device(tmp_path, fresh_accele
     original_input = train_ddpm.data.to_model_input
     monkeypatch.setattr(train_ddpm.data, "to_model_input",
                         lambda *args, **kwargs: original_input(*args, **kwargs) * float("nan"))
-    before, ema = weights(run), [s.clone() for s in run.ema.shadow_params]
+    before, ema = weights(run), [s.clone() for s in run.extras.ema.shadow_params]
     steps = [optimizer.state[p]["step"].clone() for p in optimizer.param_groups[0]["params"]]
     with no_host_sync():
         train_ddpm.optimizer_step(run, batches)  # found_inf = 1: skipped inside the fused kernel
     assert all(torch.equal(a, b) for a, b in zip(before, weights(run)))
-    assert all(torch.equal(a, b) for a, b in zip(ema, run.ema.shadow_params))
+    assert all(torch.equal(a, b) for a, b in zip(ema, run.extras.ema.shadow_params))
     assert all(torch.equal(s, optimizer.state[p]["step"]) for s, p in zip(steps, optimizer.param_groups[0]["params"]))
 
 
 def test_channels_last_and_compile(tmp_path, fresh_accelerate):
     run = tiny_run(tmp_path, "--channels_last", "--torch_compile", "--mixed_precision", "bf16",
                    "--max_train_steps", 8)
-    conv_weights = [p for p in run.unet.parameters() if p.dim() == 4]
+    conv_weights = [p for p in run.model.unet.parameters() if p.dim() == 4]
     assert conv_weights and all(p.is_contiguous(memory_format=torch.channels_last) for p in conv_weights)
     batches = train_ddpm.make_batches(run)
     for _ in range(WARMUP_STEPS):  # compilation happens here
@@ -88,7 +88,7 @@ def test_channels_last_and_compile(tmp_path, fresh_accelerate):
     with no_host_sync():
         for _ in range(2):
             train_ddpm.optimizer_step(run, batches)
-    assert all(torch.isfinite(p).all() for p in run.unet.parameters())
+    assert all(torch.isfinite(p).all() for p in run.model.unet.parameters())
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -105,17 +105,17 @@ def test_save_and_resume_continue_bit_exactly(tmp_path, fresh_accelerate, monkey
     train_ddpm.save_checkpoint(run)
     for _ in range(3):
         train_ddpm.optimizer_step(run, batches)
-    expected, expected_ema = weights(run), [s.clone() for s in run.ema.shadow_params]
+    expected, expected_ema = weights(run), [s.clone() for s in run.extras.ema.shadow_params]
     expected_scale = run.accelerator.scaler.get_scale() if run.accelerator.scaler is not None else None
 
     from accelerate.state import AcceleratorState, GradientState
     AcceleratorState._reset_state(True), GradientState._reset_state()
     resumed = tiny_run(tmp_path, *flags, "--resume_from_checkpoint", "latest")
-    assert resumed.global_step == 6
+    assert resumed.progress.global_step == 6
     batches = train_ddpm.make_batches(resumed)
     for _ in range(3):
         train_ddpm.optimizer_step(resumed, batches)
     assert all(torch.equal(a, b) for a, b in zip(expected, weights(resumed)))
-    assert all(torch.equal(a, b) for a, b in zip(expected_ema, resumed.ema.shadow_params))
+    assert all(torch.equal(a, b) for a, b in zip(expected_ema, resumed.extras.ema.shadow_params))
     if expected_scale is not None:
         assert resumed.accelerator.scaler.get_scale() == expected_scale

@@ -12,7 +12,7 @@ from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 
 def fp32_grid(run, unet, dtype=torch.float32) -> np.ndarray:
     config = run.config
-    scheduler = sampling.make_scheduler("ddim", run.noise_scheduler.config)
+    scheduler = sampling.make_scheduler("ddim", run.model.noise_scheduler.config)
     images = sampling.generate(unet, scheduler, config.eval_batch_size, config.ddpm_num_inference_steps,
                                seed=config.seed, device="cpu", dtype=dtype)
     return np.asarray(sampling.image_grid(images))
@@ -25,26 +25,26 @@ def test_bf16_run_samples_its_grid_in_fp32(tmp_path, fresh_accelerate):
     train_ddpm.train(run)
     saved = np.asarray(Image.open(tmp_path / "run" / "samples" / f"step_{steps:06d}.png"))
 
-    ema_unet = models.build_unet(run.config)  # the same EMA weights, sampled separately in plain fp32
-    run.ema.copy_to(ema_unet.parameters())
+    ema_unet = models.build_unet(run.config, run.plan.model)  # the same EMA weights, sampled separately in plain fp32
+    run.extras.ema.copy_to(ema_unet.parameters())
     np.testing.assert_array_equal(saved, fp32_grid(run, ema_unet))
     # the comparison can tell: the same weights under bf16 autocast give another grid
     assert not np.array_equal(saved, fp32_grid(run, ema_unet, torch.bfloat16))
 
     weights = load_unet_weights(tmp_path / "run")  # the exported pipeline: the EMA weights, fp32
     assert {w.dtype for w in weights.values()} == {torch.float32}
-    for (name, _), shadow in zip(ema_unet.named_parameters(), run.ema.shadow_params):
+    for (name, _), shadow in zip(ema_unet.named_parameters(), run.extras.ema.shadow_params):
         assert torch.equal(weights[name], shadow), f"exported {name} is not the EMA weight"
 
 
 def test_training_forward_keeps_its_autocast_after_sampling(tmp_path, fresh_accelerate):
     run = tiny_run(tmp_path, "--mixed_precision", "bf16", "--max_train_steps", 1)
-    inner = run.accelerator.unwrap_model(run.unet)
+    inner = run.accelerator.unwrap_model(run.model.unet)
     seen = []
     inner.conv_in.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
     noisy, timesteps = torch.randn(2, 1, 8, 8), torch.tensor([10, 500])
-    with artifacts.sampling_unet(run) as unet:
+    with artifacts.sampling_unet(inner) as unet:
         unet(noisy, timesteps)  # a copy: the hook on the training UNet does not fire
     assert seen == []
-    run.unet(noisy, timesteps)
+    run.model.unet(noisy, timesteps)
     assert seen == [torch.bfloat16], "the training forward lost accelerate's bf16 autocast"

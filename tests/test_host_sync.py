@@ -107,9 +107,9 @@ def record_training(monkeypatch, run) -> SyncRecorder:
     monkeypatch.setattr(train_ddpm, "log_window", recorder.phase("log", train_ddpm.log_window))
     # once, before the first step: the DataLoader draws its base seed from a CPU generator (.item())
     monkeypatch.setattr(train_ddpm, "make_batches", recorder.phase("start", train_ddpm.make_batches))
-    for name in ("run_main_process_extras", "save_checkpoint", "verify_replicas"):  # grids, export, checkpoints
+    # grids, export, checkpoints, the report
+    for name in ("run_main_process_extras", "save_checkpoint", "verify_replicas", "write_health_report"):
         monkeypatch.setattr(train_ddpm, name, recorder.phase("extras", getattr(train_ddpm, name)))
-    monkeypatch.setattr(artifacts, "write_health_report", recorder.phase("extras", artifacts.write_health_report))
     with recorder:
         train_ddpm.train(run)
     return recorder
@@ -149,7 +149,7 @@ def test_a_nonfinite_step_adds_no_sync_and_its_warning_names_one(tmp_path, monke
         recorder = record_training(monkeypatch, run)
     assert recorder.in_phase("step") == [] and recorder.in_phase("loop") == []
     expected = collections.Counter({sync: 2 for sync in LOGGING_SYNCS})
-    expected[("tolist", "log_window")] = 1  # run.nonfinite_inputs.tolist(), for the warning
+    expected[("tolist", "log_window")] = 1  # run.progress.nonfinite_inputs.tolist(), for the warning
     assert by_function(recorder.in_phase("log")) == expected, recorder.in_phase("log")
 
 
@@ -168,9 +168,10 @@ class StandInOptimizer(torch.optim.Optimizer):
 
 def test_an_optimizer_without_found_inf_syncs_once_per_step(tmp_path, monkeypatch, fresh_accelerate):
     """bitsandbytes' AdamW8bit (not installed here) knows no `found_inf`: optimizer_step reads the
-    finite flag on the host to skip a non-finite step, the one named sync of that path. torch's
+    finite flag on the host (in step_unless_nonfinite) to skip a non-finite step, the one named sync of that path. torch's
     plain SGD above (sync-free itself, and not an AdamW) stands in for it."""
     monkeypatch.setattr(train_ddpm, "make_optimizer", lambda config, unet, lr: StandInOptimizer(unet.parameters(), lr))
     run = tiny_run(tmp_path, *ALL_EXTRAS, "--max_train_steps", 4, diagnostics_steps=2)
     recorder = record_training(monkeypatch, run)
-    assert by_function(recorder.in_phase("step")) == collections.Counter({("_local_scalar_dense", "optimizer_step"): 4})
+    assert by_function(recorder.in_phase("step")) == collections.Counter(
+        {("_local_scalar_dense", "step_unless_nonfinite"): 4})

@@ -1,0 +1,111 @@
+"""The state of a training run, typed and grouped by what it is for. train_ddpm.setup builds it,
+the loop advances `progress`, and nothing else is carried between the parts: every field a
+function of the trainer may read is declared here, with its unit.
+
+    Run.config     the TrainConfig as the user gave it (never changed at run time)
+    Run.plan       what the run derived from it: real length, intervals, the UNet, the extras' switches
+    Run.model      model and optimisation: prepared UNet, optimizer, LR schedule, noise schedule
+    Run.data       the data source, its scale and the images one optimizer step consumes
+    Run.extras     EMA, post-hoc EMA, diagnostics, timestep sampler, held-out loss, gradient monitor,
+                   evaluation suites: each None when switched off
+    Run.progress   the optimizer-step counter and what the last steps left for logging
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+HELD_OUT_FRACTION_DIGITS = 0.1  # --validation_split on the embedded digits when left unset: 180 images
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Settings derived from the config and the data when the run starts. Saved configs and
+    checkpoints record these values in place of what the user left unset."""
+    max_train_steps: int         # optimizer steps (from --max_train_steps, or epochs x steps per epoch)
+    save_images_steps: int       # optimizer steps (or diffusers' --save_images_epochs mapped to steps)
+    save_model_steps: int        # optimizer steps (or --save_model_epochs mapped to steps)
+    model: dict                  # UNet2DModel keyword arguments: the recipe's, or following the data
+    validation_split: float      # fraction of cached images held out; 0: none
+    grad_diagnostics_steps: int  # optimizer steps between gradient-monitor probes; 0: off
+
+    def resolved_config(self, config) -> dict:
+        """The config as it ran: the user's values with every derived one filled in."""
+        return config.to_dict() | {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def extras_switches(config, embedded_digits: bool) -> dict:
+    """--validation_split and --grad_diagnostics_steps left unset: on for the embedded digits (the
+    default run shows the held-out and gradient plots), off for your data, where a held-out part
+    is yours to choose and the probe costs 2 x --diagnostics_bins backward passes."""
+    split = config.validation_split
+    if split is None:
+        split = HELD_OUT_FRACTION_DIGITS if embedded_digits else 0.0
+    grad_steps = config.grad_diagnostics_steps
+    if grad_steps is None:
+        grad_steps = config.validation_steps if embedded_digits else 0
+    return {"validation_split": split, "grad_diagnostics_steps": grad_steps}
+
+
+@dataclass
+class Model:
+    """Model and optimisation."""
+    unet: torch.nn.Module  # prepared by accelerate (DDP-wrapped with several processes)
+    optimizer: Any         # accelerate's AcceleratedOptimizer around AdamW (or 8-bit AdamW)
+    lr_scheduler: Any      # stepped once per optimizer step, whatever the processes and accumulation
+    noise_scheduler: Any   # diffusers DDPMScheduler: exported with the pipeline, configures samplers
+    schedule: Any          # losses.NoiseSchedule: its alphas_cumprod on the device, for fp32 noising
+    peak_lr: float         # after --scale_lr; a resume rewrites the schedule to it
+    state_config: dict     # what checkpoints record of the config (checked on resume)
+
+
+@dataclass
+class Data:
+    """The training images."""
+    source: Any                    # sources.CachedImages or streaming.StreamSource
+    sigma_data: float              # std of the model input in [-1, 1]: the Bayes-optimal reference scale
+    global_micro_batch_size: int   # images in one micro-step over all processes (without accumulation)
+    gradient_accumulation_steps: int
+
+    def images_seen(self, optimizer_steps: int) -> int:
+        """Training images consumed by that many optimizer steps, over all processes."""
+        return optimizer_steps * self.gradient_accumulation_steps * self.global_micro_batch_size
+
+
+@dataclass
+class Extras:
+    """What the run keeps beside the weights; each registered for checkpointing where it has state."""
+    diagnostics: Any                # diagnostics.TimestepDiagnostics
+    timestep_sampler: Any           # timesteps.UniformTimesteps or LossAwareTimestepSampler
+    ema: Any = None                 # ema.ExponentialMovingAverage, with --use_ema
+    posthoc_ema: Any = None         # posthoc.PowerFunctionEMA, with --posthoc_ema
+    held_out: Any = None            # validation.HeldOutLoss, with a held-out split (main process)
+    grad_monitor: Any = None        # grad_monitor.GradientMonitor, with --grad_diagnostics_steps (main process)
+    evaluation: Optional[list] = None  # (extractor, reference statistics, metrics) per extractor (main process)
+
+
+@dataclass
+class Progress:
+    """What the loop advances."""
+    global_step: int = 0       # optimizer steps done (skipped non-finite steps count)
+    step_lr: float = 0.0       # the learning rate the last step used
+    last_metrics: dict = field(default_factory=dict)  # the last evaluation, named for the model card
+    input_statistics: Optional[torch.Tensor] = None   # mean, std, min, max of the last clean micro-batch
+    nonfinite_inputs: Optional[torch.Tensor] = None   # the same, of the last skipped step (NaN: none yet)
+
+
+@dataclass
+class Run:
+    config: Any            # TrainConfig, as given
+    plan: Plan
+    accelerator: Any
+    model: Model
+    data: Data
+    extras: Extras
+    progress: Progress
+    history: Any           # tracking.History: logs/history.jsonl
+    hub_pusher: Any = None  # hub.HubPusher on the main process with --push_to_hub
+    secrets: tuple = ()    # values never to be written (the Hub token)
