@@ -232,7 +232,7 @@ def test_diffusers_readme_command_lines_parse_with_the_same_meaning(tmp_path):
     assert multi.logger == "wandb" and multi.output_dir == "ddpm-ema-pokemon-64"
     other = parse_config(README_FLOWERS.format(data=data).split() + OTHER_DIFFUSERS_FLAGS.split())
     assert (other.dataset_config_name, other.cache_dir, other.eval_batch_size) == ("default", "cache", 16)
-    assert (other.save_images_epochs, other.save_model_epochs, other.model.lr_scheduler) == (10, 10, "cosine_with_restarts")
+    assert (other.save_images_epochs, other.save_model_epochs, other.lr_scheduler) == (10, 10, "cosine_with_restarts")
     assert (other.adam_beta1, other.adam_weight_decay, other.ema_max_decay, other.ema_power) == (0.95, 1e-6, 0.9999, 0.75)
     assert (other.hub_model_id, other.hub_private_repo, other.local_rank) == ("me/flowers", True, -1)
     assert (other.prediction_type, other.ddpm_num_inference_steps, other.ddpm_beta_schedule) == \
