@@ -14,7 +14,6 @@ import copy
 import json
 import os
 import re
-import sys
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -23,6 +22,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from scipy.optimize import brentq
+
+from diffusion_extras.cli import (add_device_argument, check_pipeline_folder, load_pipeline, load_reference,
+                                  one_line_errors, pipeline_resolution, positive_int, resolve_device)
 
 # gamma = 0 (a flat profile) is the widest power function that still weights recent steps at
 # least as much as old ones; EDM2's reconstruct_phema.py accepts sigma_rel in (0, 0.289) likewise.
@@ -252,14 +254,14 @@ def _parse_args(argv):
                                                             "widths, e.g. 0.05,0.1,0.15")
     parser.add_argument("--step", type=int, default=None, help="snapshot step (default: last)")
     parser.add_argument("--evaluate", action="store_true", help="score each width, export best")
-    parser.add_argument("--num_samples", type=int, default=256, help="generated images per width")
-    parser.add_argument("--num_inference_steps", type=int, default=100, help="sampler steps")
+    parser.add_argument("--num_samples", type=positive_int, default=256, help="generated images per width")
+    parser.add_argument("--num_inference_steps", type=positive_int, default=100, help="sampler steps")
     parser.add_argument("--feature_extractor", choices=("tiny", "inception"), default="inception")
     parser.add_argument("--inception_weights", default=None, help="local Inception weights file")
     parser.add_argument("--reference", default=None, help="reference images dir or stats .npz")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed, same for every width")
-    parser.add_argument("--batch_size", type=int, default=64, help="sampling batch size")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--batch_size", type=positive_int, default=64, help="sampling batch size")
+    add_device_argument(parser)
     parser.add_argument("--export", default=None, help="default: OUTPUT_DIR/posthoc-ema-best")
     args = parser.parse_args(argv)
     try:
@@ -293,23 +295,21 @@ def _with_parameters(unet, state: dict[str, torch.Tensor]):
 
 def _run(args) -> None:
     from diffusers import DDPMPipeline
-    if not os.path.isfile(os.path.join(args.output_dir, "model_index.json")):
-        raise FileNotFoundError(f"{args.output_dir} holds no saved DDPMPipeline (model_index.json)")
+    check_pipeline_folder(args.output_dir)
     snapshot_dir = os.path.join(args.output_dir, "posthoc_ema")
     snapshots = _require_snapshots(snapshot_dir)
     step = max(s.step for s in snapshots) if args.step is None else args.step
     for sigma_rel in args.sigma_rels:  # reject a bad --step before the slow loads
         solve_weights([s.step for s in snapshots], [s.gamma for s in snapshots], step, sigma_rel)
-    pipeline = DDPMPipeline.from_pretrained(args.output_dir)
+    pipeline = load_pipeline(args.output_dir)
     if args.evaluate:  # imported lazily: only scoring needs the feature extractors
-        from diffusion_extras import evaluate, evaluation, sampling
-        args.device = sampling.resolve_device(args.device)
+        from diffusion_extras import evaluation
+        args.device = resolve_device(args.device)
         extractor = evaluation.build_feature_extractor(
             args.feature_extractor, args.inception_weights, args.device)
         # A folder of images is resized like the training data and its statistics cached.
-        reference = evaluate.load_reference(args.reference, extractor,
-                                            pipeline.unet.config.sample_size, args.output_dir,
-                                            args.batch_size)
+        reference = load_reference(args.reference, extractor, pipeline_resolution(pipeline),
+                                   args.output_dir, args.batch_size)
     results, best, best_unet = [], None, None
     for sigma_rel in args.sigma_rels:
         unet = _with_parameters(pipeline.unet, reconstruct(snapshot_dir, sigma_rel, step))
@@ -337,11 +337,8 @@ def _run(args) -> None:
 
 
 def main(argv=None) -> None:
-    try:
+    with one_line_errors():
         _run(_parse_args(argv))
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 if __name__ == "__main__":

@@ -202,11 +202,11 @@ def test_cli_evaluates_each_width_and_exports_the_lowest_fid(tmp_path, monkeypat
     fakes = {"evaluation": types.SimpleNamespace(
         build_feature_extractor=lambda name, weights, device: ("extractor", name),
         evaluate_unet=lambda *args, **kwargs: calls.append(kwargs) or {"fid": next(fids),
-                                                                        "kid": 0.1}),
-             "evaluate": types.SimpleNamespace(load_reference=lambda *args: "reference")}
+                                                                        "kid": 0.1})}
     for name, fake in fakes.items():
         monkeypatch.setitem(sys.modules, f"diffusion_extras.{name}", fake)
         monkeypatch.setattr(diffusion_extras, name, fake, raising=False)
+    monkeypatch.setattr(posthoc_ema, "load_reference", lambda *args: "reference")
     main([str(output), "--sigma_rels", "0.05,0.1,0.15", "--evaluate", "--num_samples", "16",
           "--reference", "ref.npz", "--device", "cpu", "--export", str(tmp_path / "x")])
     assert [c["num_samples"] for c in calls] == [16, 16, 16]
