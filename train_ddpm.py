@@ -26,7 +26,7 @@ from diffusion_extras import (artifacts, checkpointing, compat, data, diagnostic
 from diffusion_extras.timesteps import LossAwareTimestepSampler
 from diffusion_extras.config import ConfigError, TrainConfig, parse_config, save_config
 from diffusion_extras.ema import ExponentialMovingAverage
-from diffusion_extras.posthoc_ema import PowerFunctionEMA
+from diffusion_extras.phema import PowerFunctionEMA
 
 
 # ----------------------------------------------------------------------------- setup

@@ -7,7 +7,7 @@ sources         the data-source interface and the decode-once cached source
 streaming       the streamed source: worker decoding, per-rank resumable positions
 models          UNet2DModel / DDPMScheduler from the config (or following the data), pipeline export
 ema             exponential moving average of weights (decay warm-up, sync-free foreach updates)
-posthoc_ema     EDM2 post-hoc EMA snapshots and reconstruction
+phema           EDM2 post-hoc EMA: power-function profiles, fp16 snapshots, reconstruction; posthoc_ema: its CLI
 losses          fp32 noising, targets per prediction type, SNR and min-SNR weights, l2 / pseudo-Huber
 timesteps       loss-aware (importance-sampled) timesteps
 diagnostics     per-timestep loss statistics on the device, Bayes-optimal reference curve, plots
