@@ -25,7 +25,7 @@ from diffusion_extras import (artifacts, checkpointing, compat, data, diagnostic
 from diffusion_extras.config import ConfigError, TrainConfig, parse_config, redact_argv, redact_config, save_config
 from diffusion_extras.ema import ExponentialMovingAverage
 from diffusion_extras.optimization import make_optimizer, step_unless_nonfinite
-from diffusion_extras.posthoc_ema import PowerFunctionEMA
+from diffusion_extras.phema import PowerFunctionEMA
 from diffusion_extras.run_state import Data, Extras, Model, Plan, Progress, Run
 from diffusion_extras.timesteps import make_timestep_sampler
 

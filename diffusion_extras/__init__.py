@@ -7,7 +7,7 @@ sources         the data-source interface and the decode-once cached source
 streaming       the streamed source: worker decoding, per-rank resumable positions
 models          UNet2DModel / DDPMScheduler from the config (or following the data), pipeline export
 ema             exponential moving average of weights (decay warm-up, sync-free foreach updates)
-posthoc_ema     EDM2 post-hoc EMA snapshots and reconstruction
+phema           EDM2 post-hoc EMA: power-function profiles, fp16 snapshots, reconstruction; posthoc_ema: its CLI
 losses          fp32 noising, targets per prediction type, SNR and min-SNR weights, l2 / pseudo-Huber
 timesteps       loss-aware (importance-sampled) timesteps
 diagnostics     per-timestep loss statistics on the device, Bayes-optimal reference curve, plots
@@ -19,9 +19,10 @@ checkpointing   atomic accelerate checkpoints with checksums, retention, rollbac
 resume_policy   what a resume does with each changed setting; applying changed optimizer settings
 tracking        trackers, images to trackers, history.jsonl
 artifacts       what a run writes besides checkpoints: grids, plots, report, export, Hub push, FID
-sampling        image generation from a UNet or pipeline, grids; sample: its command line
+sampling        image generation from a UNet, grids, saved images; sample: its command line
 debug_images    raw-vs-EMA samples and the denoising strip
 evaluation      FID / KID / FD-DINOv2 / CMMD with pluggable feature extractors; evaluate: its CLI
 backbones       DINOv2 and CLIP feature extractors (transformers), the Inception detector download
 hub             Hub push and model card
+cli             helpers the command lines share: --device, pipeline and reference loading, one-line errors
 """

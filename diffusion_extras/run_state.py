@@ -81,7 +81,7 @@ class Extras:
     diagnostics: Any                # diagnostics.TimestepDiagnostics
     timestep_sampler: Any           # timesteps.UniformTimesteps or LossAwareTimestepSampler
     ema: Any = None                 # ema.ExponentialMovingAverage, with --use_ema
-    posthoc_ema: Any = None         # posthoc.PowerFunctionEMA, with --posthoc_ema
+    posthoc_ema: Any = None         # phema.PowerFunctionEMA, with --posthoc_ema
     held_out: Any = None            # validation.HeldOutLoss, with a held-out split (main process)
     grad_monitor: Any = None        # grad_monitor.GradientMonitor, with --grad_diagnostics_steps (main process)
     evaluation: Optional[list] = None  # (extractor, reference statistics, metrics) per extractor (main process)

@@ -1,13 +1,13 @@
-"""Image generation from a trained UNet2DModel: seeded sampling, grids, pipeline loading.
+"""Image generation from a trained UNet2DModel: seeded sampling, grids, saved images.
 
 Reproducibility contract of `generate`: image i of a call with `seed` is drawn from its own CPU
 generator seeded from (seed, i), so its noise (initial and per-step) does not depend on the batch
 size, the device or the other images, and the global torch RNG is never touched (the training
-loop's exact resume relies on that). The command line lives in `diffusion_extras/sample.py`.
+loop's exact resume relies on that). The command line lives in `diffusion_extras/sample.py`, and
+loading a saved pipeline in `diffusion_extras/cli.py`.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -20,18 +20,6 @@ from .data import mix_seed
 
 SCHEDULERS = ("ddpm", "ddim", "dpm")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda when available else cpu; a clear error when cuda is asked for and absent."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {name} was asked for but CUDA is not available; use --device cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto") from None
 
 
 def make_scheduler(name: str, config):
@@ -147,75 +135,3 @@ def save_images(images: np.ndarray, output_dir: str, grid_name: str = "grid.png"
     grid_path = os.path.join(output_dir, grid_name)
     image_grid(images).save(grid_path)
     return paths + [grid_path]
-
-
-def _check_pipeline_folder(path: str) -> None:
-    index_path = os.path.join(path, "model_index.json")
-    if not os.path.isfile(index_path):
-        raise ValueError(f"{path} is not a diffusers pipeline folder (no model_index.json); pass the "
-                         "output_dir that train_ddpm.py saved, or a folder written by save_pretrained")
-    try:
-        with open(index_path) as f:
-            index = json.load(f)
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{index_path} is not readable JSON ({error})") from None
-    unet_class = (index.get("unet") or [None, None])[-1]
-    if unet_class != "UNet2DModel" or "scheduler" not in index:
-        raise ValueError(f"{path} holds a {index.get('_class_name', 'unknown')} with unet {unet_class}; "
-                         "expected an unconditional DDPMPipeline (UNet2DModel + scheduler)")
-
-
-def _is_offline_error(error: BaseException) -> bool:
-    """True when loading failed for want of a network (offline mode, DNS, refused, timeout)."""
-    while error is not None:
-        name = type(error).__name__
-        if isinstance(error, (ConnectionError, TimeoutError)) or name in (
-                "OfflineModeIsEnabled", "ConnectError", "ConnectTimeout", "gaierror", "LocalEntryNotFoundError"):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
-
-
-def _load_from_hub(repo_id: str, dtype):
-    from diffusers import DDPMPipeline
-    from diffusers.utils import logging as diffusers_logging
-
-    verbosity = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()  # its "Couldn't connect" warning would repeat our error
-    try:
-        return DDPMPipeline.from_pretrained(repo_id, dtype=dtype)
-    except Exception as error:  # noqa: BLE001 - hub failures come as OSError, HTTP or value errors
-        if _is_offline_error(error):
-            raise ValueError(f"{repo_id!r} is not a local folder and the Hub is offline (nor is it in "
-                             "the local Hub cache); pass the folder that train_ddpm.py saved") from None
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"{repo_id!r} is not a local folder and could not be loaded from the Hub: "
-                         f"{first_line}") from None
-    finally:
-        diffusers_logging.set_verbosity(verbosity)
-
-
-def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
-    """A DDPMPipeline from a local save_pretrained folder or a Hub id, moved to `device`."""
-    from diffusers import DDPMPipeline, UNet2DModel
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    path = os.path.expanduser(name_or_path)
-    if os.path.isdir(path):
-        _check_pipeline_folder(path)
-        try:
-            pipeline = DDPMPipeline.from_pretrained(path, dtype=dtype)
-        except (OSError, ValueError, EnvironmentError) as error:
-            raise ValueError(f"could not load the pipeline in {path}: "
-                             f"{str(error).strip().splitlines()[0]}") from None
-    elif os.path.exists(path):
-        raise ValueError(f"{path} is a file; pass the pipeline folder (the one with model_index.json)")
-    else:
-        try:
-            validate_repo_id(name_or_path)
-        except HFValidationError:
-            raise FileNotFoundError(f"pipeline folder {path} does not exist") from None
-        pipeline = _load_from_hub(name_or_path, dtype)
-        if not isinstance(pipeline.unet, UNet2DModel):
-            raise ValueError(f"{name_or_path} has a {type(pipeline.unet).__name__}; expected a UNet2DModel")
-    return pipeline.to(device)

@@ -9,7 +9,7 @@ from diffusers import UNet2DModel
 from PIL import Image
 from safetensors.torch import load_file
 
-from diffusion_extras import sampling
+from diffusion_extras import cli, sampling
 from diffusion_extras.debug_images import recorded_steps
 
 STEPS, SAMPLER_STEPS = 3, 10
@@ -38,7 +38,7 @@ def test_debug_images_show_raw_beside_ema_and_the_denoising_trajectory(run_cli, 
     # The raw side: the checkpoint's raw weights sampled with the same seeds.
     unet = UNet2DModel.from_config(UNet2DModel.load_config(out / "unet"))
     unet.load_state_dict(load_file(out / f"checkpoint-{STEPS}" / "model.safetensors"))
-    scheduler = sampling.make_scheduler("ddim", sampling.load_pipeline(str(out)).scheduler.config)
+    scheduler = sampling.make_scheduler("ddim", cli.load_pipeline(str(out)).scheduler.config)
     torch.set_num_threads(1)
     raw = np.asarray(sampling.image_grid(sampling.generate(unet, scheduler, 4, SAMPLER_STEPS, seed=0)))
     assert np.abs(raw.astype(int) - raw_half).max() <= 1  # uint8 rounding of ~1e-7 kernel differences

@@ -1,3 +1,4 @@
+"""Tests for diffusion_extras/phema.py and the `python -m diffusion_extras.posthoc_ema` command line."""
 import io
 import json
 import os
@@ -10,9 +11,10 @@ import pytest
 import torch
 
 import diffusion_extras
-from diffusion_extras import posthoc_ema
-from diffusion_extras.posthoc_ema import (PowerFunctionEMA, gamma_to_sigma_rel, load_snapshots,
-                                          main, reconstruct, sigma_rel_to_gamma, solve_weights)
+from diffusion_extras import phema, posthoc_ema
+from diffusion_extras.phema import (PowerFunctionEMA, gamma_to_sigma_rel, load_snapshots, reconstruct,
+                                    sigma_rel_to_gamma, solve_weights)
+from diffusion_extras.posthoc_ema import main
 
 FP16_UNIT_ROUNDOFF = 2.0 ** -11  # fp16 keeps 11 significant bits
 
@@ -135,8 +137,8 @@ def test_snapshot_files_are_fp16_atomic_and_sorted(tmp_path, monkeypatch):
         writes.append((path, len(list(tmp_path.glob("phema-*.safetensors")))))
         real_save_file(tensors, path, metadata=metadata)
 
-    real_save_file = posthoc_ema.save_file
-    monkeypatch.setattr(posthoc_ema, "save_file", recording_save_file)
+    real_save_file = phema.save_file
+    monkeypatch.setattr(phema, "save_file", recording_save_file)
     late, early = PowerFunctionEMA([torch.ones(3)]), PowerFunctionEMA([torch.ones(3)])
     late.update([torch.full((3,), 2.0)], 120)
     path = late.save_snapshot(str(tmp_path), 120, ["w"])
@@ -202,11 +204,11 @@ def test_cli_evaluates_each_width_and_exports_the_lowest_fid(tmp_path, monkeypat
     fakes = {"evaluation": types.SimpleNamespace(
         build_feature_extractor=lambda name, weights, device: ("extractor", name),
         evaluate_unet=lambda *args, **kwargs: calls.append(kwargs) or {"fid": next(fids),
-                                                                        "kid": 0.1}),
-             "evaluate": types.SimpleNamespace(load_reference=lambda *args: "reference")}
+                                                                        "kid": 0.1})}
     for name, fake in fakes.items():
         monkeypatch.setitem(sys.modules, f"diffusion_extras.{name}", fake)
         monkeypatch.setattr(diffusion_extras, name, fake, raising=False)
+    monkeypatch.setattr(posthoc_ema, "load_reference", lambda *args: "reference")
     main([str(output), "--sigma_rels", "0.05,0.1,0.15", "--evaluate", "--num_samples", "16",
           "--reference", "ref.npz", "--device", "cpu", "--export", str(tmp_path / "x")])
     assert [c["num_samples"] for c in calls] == [16, 16, 16]
@@ -245,7 +247,7 @@ def test_module_entry_point_reports_missing_snapshots(tmp_path):
 
 
 def test_cli_scores_widths_with_the_real_evaluation_module(tmp_path):
-    pytest.importorskip("diffusion_extras.evaluate")
+    pytest.importorskip("diffusion_extras.evaluation")
     from PIL import Image
     output = tiny_training_output(tmp_path / "run")
     generator = np.random.default_rng(0)

@@ -1,5 +1,4 @@
 """Tests for diffusion_extras/sampling.py and the `python -m diffusion_extras.sample` command line."""
-import json
 import os
 import subprocess
 import sys
@@ -12,8 +11,7 @@ from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
 from PIL import Image
 
 from diffusion_extras import sample as sample_cli
-from diffusion_extras.sampling import (SCHEDULERS, generate, image_grid, load_pipeline, make_scheduler,
-                                       save_images)
+from diffusion_extras.sampling import SCHEDULERS, generate, image_grid, make_scheduler, save_images
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -131,34 +129,6 @@ def test_save_images_writes_numbered_pngs_and_grid(tmp_path):
     assert [os.path.basename(path) for path in paths] == ["000000.png", "000001.png", "000002.png", "grid.png"]
     for image, path in zip(images, paths):
         np.testing.assert_array_equal(np.asarray(Image.open(path)), image)
-
-
-def test_load_pipeline_reads_a_training_output_folder(tmp_path):
-    pipeline = load_pipeline(save_tiny_pipeline(tmp_path / "run"))
-    assert isinstance(pipeline.unet, UNet2DModel) and pipeline.scheduler.config.num_train_timesteps == 100
-
-
-def test_load_pipeline_rejects_bad_inputs(tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_pipeline(str(tmp_path / "missing" / "run"))
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no model_index.json"):
-        load_pipeline(str(tmp_path / "empty"))
-    (tmp_path / "file.txt").write_text("x")
-    with pytest.raises(ValueError, match="is a file"):
-        load_pipeline(str(tmp_path / "file.txt"))
-    conditional = tmp_path / "sd"
-    conditional.mkdir()
-    (conditional / "model_index.json").write_text(json.dumps({
-        "_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
-        "scheduler": ["diffusers", "PNDMScheduler"]}))
-    with pytest.raises(ValueError, match="expected an unconditional DDPMPipeline"):
-        load_pipeline(str(conditional))
-    import huggingface_hub.constants
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ValueError, match="is not a local folder and the Hub is offline"):
-        load_pipeline("someone/ddpm-model-that-is-not-cached")
 
 
 def test_cli_bad_input_is_one_line_error_exit_2(tmp_path, capsys):

@@ -1,0 +1,197 @@
+"""Helpers the command lines share (`python -m diffusion_extras.sample`, `.evaluate`, `.posthoc_ema`):
+argument types and the --device flag, loading a saved pipeline (a local folder or a Hub id), loading
+reference images or statistics for the metrics, and bad input reported as one `error: ...` line with
+exit status 2 instead of a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .data import preprocess_image
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+
+# ----------------------------------------------------------------------------- arguments and errors
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def pipeline_parser(command: str, description: str) -> argparse.ArgumentParser:
+    """The parser of `python -m diffusion_extras.COMMAND PIPELINE ...`; `description`: the module docstring."""
+    parser = argparse.ArgumentParser(prog=f"python -m diffusion_extras.{command}", description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("pipeline", help="folder saved by train_ddpm.py (save_pretrained) or a Hub id")
+    return parser
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available else cpu; a clear error when cuda is asked for and absent."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name} was asked for but CUDA is not available; use --device cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto") from None
+
+
+@contextmanager
+def one_line_errors():
+    """Bad input and missing or unreadable files (ValueError, OSError) end the command with
+    `error: ...` on stderr and exit status 2, as argparse does for a bad flag."""
+    try:
+        yield
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+# ----------------------------------------------------------------------------- pipelines
+def check_pipeline_folder(path: str) -> None:
+    """A one-line ValueError unless `path` holds an unconditional DDPMPipeline (read from
+    model_index.json, without loading any weights)."""
+    index_path = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index_path):
+        raise ValueError(f"{path} is not a diffusers pipeline folder (no model_index.json); pass the "
+                         "output_dir that train_ddpm.py saved, or a folder written by save_pretrained")
+    try:
+        with open(index_path) as f:
+            index = json.load(f)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{index_path} is not readable JSON ({error})") from None
+    unet_class = (index.get("unet") or [None, None])[-1]
+    if unet_class != "UNet2DModel" or "scheduler" not in index:
+        raise ValueError(f"{path} holds a {index.get('_class_name', 'unknown')} with unet {unet_class}; "
+                         "expected an unconditional DDPMPipeline (UNet2DModel + scheduler)")
+
+
+def _is_offline_error(error: BaseException) -> bool:
+    """True when loading failed for want of a network (offline mode, DNS, refused, timeout)."""
+    while error is not None:
+        name = type(error).__name__
+        if isinstance(error, (ConnectionError, TimeoutError)) or name in (
+                "OfflineModeIsEnabled", "ConnectError", "ConnectTimeout", "gaierror", "LocalEntryNotFoundError"):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _load_from_hub(repo_id: str, dtype):
+    from diffusers import DDPMPipeline
+    from diffusers.utils import logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # its "Couldn't connect" warning would repeat our error
+    try:
+        return DDPMPipeline.from_pretrained(repo_id, dtype=dtype)
+    except Exception as error:  # noqa: BLE001 - hub failures come as OSError, HTTP or value errors
+        if _is_offline_error(error):
+            raise ValueError(f"{repo_id!r} is not a local folder and the Hub is offline (nor is it in "
+                             "the local Hub cache); pass the folder that train_ddpm.py saved") from None
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{repo_id!r} is not a local folder and could not be loaded from the Hub: "
+                         f"{first_line}") from None
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+
+
+def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
+    """A DDPMPipeline from a local save_pretrained folder or a Hub id, moved to `device`."""
+    from diffusers import DDPMPipeline, UNet2DModel
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    path = os.path.expanduser(name_or_path)
+    if os.path.isdir(path):
+        check_pipeline_folder(path)
+        try:
+            pipeline = DDPMPipeline.from_pretrained(path, dtype=dtype)
+        except (OSError, ValueError, EnvironmentError) as error:
+            raise ValueError(f"could not load the pipeline in {path}: "
+                             f"{str(error).strip().splitlines()[0]}") from None
+    elif os.path.exists(path):
+        raise ValueError(f"{path} is a file; pass the pipeline folder (the one with model_index.json)")
+    else:
+        try:
+            validate_repo_id(name_or_path)
+        except HFValidationError:
+            raise FileNotFoundError(f"pipeline folder {path} does not exist") from None
+        pipeline = _load_from_hub(name_or_path, dtype)
+        if not isinstance(pipeline.unet, UNet2DModel):
+            raise ValueError(f"{name_or_path} has a {type(pipeline.unet).__name__}; expected a UNet2DModel")
+    return pipeline.to(device)
+
+
+def pipeline_resolution(pipeline) -> int:
+    """The side that images are generated at, and reference images resized to."""
+    size = pipeline.unet.config.sample_size
+    return size if isinstance(size, int) else size[0]
+
+
+# ----------------------------------------------------------------------------- reference images
+def list_images(folder: str) -> list[str]:
+    paths = sorted(os.path.join(root, name) for root, _, names in os.walk(folder)
+                   for name in names if name.lower().endswith(IMAGE_EXTENSIONS))
+    if not paths:
+        raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {folder}")
+    return paths
+
+
+def load_image(path: str, resolution: int) -> np.ndarray:
+    """RGB uint8 [H, W, 3], preprocessed exactly as training images are (shorter side to
+    `resolution`, centre crop)."""
+    with Image.open(path) as image:
+        return preprocess_image(image, resolution, center_crop=True, channels=3)
+
+
+def iter_image_batches(paths: list[str], resolution: int, batch_size: int):
+    for first in range(0, len(paths), batch_size):
+        yield np.stack([load_image(path, resolution) for path in paths[first:first + batch_size]])
+
+
+def folder_fingerprint(paths: list[str], resolution: int) -> str:
+    """Changes when a file is added, removed, rewritten or the resolution changes."""
+    digest = hashlib.sha256(f"resolution={resolution}".encode())
+    for path in paths:
+        stat = os.stat(path)
+        digest.update(f"\n{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def load_reference(reference: str, extractor, resolution: int, cache_dir: str | None, batch_size: int):
+    """ReferenceStatistics from --reference: a statistics .npz made by the same extractor, or a folder
+    of images (preprocessed like training images; its statistics cached in `cache_dir`)."""
+    from .evaluation import ReferenceStatistics, reference_statistics  # scipy: only when a command scores
+
+    if os.path.isfile(reference):
+        statistics = ReferenceStatistics.load(reference)
+        if statistics.extractor_name != extractor.name:
+            raise ValueError(f"{reference} was made with {statistics.extractor_name!r}, not {extractor.name!r}; "
+                             "pass the matching --feature_extractor / --inception_weights or a folder of images")
+        return statistics
+    if not os.path.isdir(reference):
+        raise FileNotFoundError(f"--reference {reference} is neither a folder of images nor a .npz statistics file")
+    paths = list_images(reference)
+    fingerprint = folder_fingerprint(paths, resolution)
+    extractor_key = hashlib.sha256(extractor.name.encode()).hexdigest()[:8]
+    cache_path = (os.path.join(cache_dir, f"reference-{fingerprint[:16]}-{extractor_key}.npz")
+                  if cache_dir else None)
+    return reference_statistics(iter_image_batches(paths, resolution, batch_size), extractor,
+                                cache_path=cache_path, fingerprint=fingerprint)

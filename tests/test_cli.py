@@ -1,0 +1,62 @@
+"""Tests for diffusion_extras/cli.py, the helpers the command lines share; each command line's own
+end-to-end tests are in test_sampling.py, test_evaluation.py and test_posthoc_ema.py."""
+import argparse
+import json
+
+import pytest
+import torch
+from diffusers import UNet2DModel
+
+from diffusion_extras.cli import load_pipeline, one_line_errors, pipeline_resolution, positive_int, resolve_device
+from test_sampling import save_tiny_pipeline
+
+
+def test_positive_int_refuses_zero_and_negatives():
+    assert positive_int("3") == 3
+    for text in ("0", "-2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be a positive integer"):
+            positive_int(text)
+
+
+def test_resolve_device_names_the_flag_in_its_errors():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        resolve_device("gpu")
+
+
+@pytest.mark.parametrize("error", [ValueError("bad value"), FileNotFoundError("no such file"),
+                                   PermissionError("read-only")])
+def test_bad_input_and_unreadable_files_are_one_line_errors_with_exit_2(capsys, error):
+    with pytest.raises(SystemExit) as exit_info, one_line_errors():
+        raise error
+    assert exit_info.value.code == 2 and capsys.readouterr().err == f"error: {error}\n"
+
+
+def test_load_pipeline_reads_a_training_output_folder(tmp_path):
+    pipeline = load_pipeline(save_tiny_pipeline(tmp_path / "run"))
+    assert isinstance(pipeline.unet, UNet2DModel) and pipeline.scheduler.config.num_train_timesteps == 100
+    assert pipeline_resolution(pipeline) == 8
+
+
+def test_load_pipeline_rejects_bad_inputs(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_pipeline(str(tmp_path / "missing" / "run"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no model_index.json"):
+        load_pipeline(str(tmp_path / "empty"))
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        load_pipeline(str(tmp_path / "file.txt"))
+    conditional = tmp_path / "sd"
+    conditional.mkdir()
+    (conditional / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
+        "scheduler": ["diffusers", "PNDMScheduler"]}))
+    with pytest.raises(ValueError, match="expected an unconditional DDPMPipeline"):
+        load_pipeline(str(conditional))
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="is not a local folder and the Hub is offline"):
+        load_pipeline("someone/ddpm-model-that-is-not-cached")
