@@ -9,7 +9,9 @@ models          UNet2DModel / DDPMScheduler from the config (or following the da
 ema             exponential moving average of weights (decay warm-up, sync-free foreach updates)
 phema           EDM2 post-hoc EMA: power-function profiles, fp16 snapshots, reconstruction; posthoc_ema: its CLI
 losses          fp32 noising, targets per prediction type, SNR and min-SNR weights, l2 / pseudo-Huber
-timesteps       loss-aware (importance-sampled) timesteps
+timesteps       timestep samplers behind one interface: uniform, loss-aware (importance-sampled)
+optimization    AdamW, the training LR schedule, the optimizer step a non-finite loss or gradient skips
+run_state       the typed state of a run: plan (derived settings), model, data, extras, progress
 diagnostics     per-timestep loss statistics on the device, Bayes-optimal reference curve, plots
 validation      held-out split and per-timestep held-out loss with raw and EMA weights
 grad_monitor    per-timestep-bin gradient norms and shares on a fixed probe batch

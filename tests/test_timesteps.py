@@ -58,3 +58,17 @@ def test_state_dict_round_trip_samples_identically():
     ta, wa = a.sample(64, torch.Generator().manual_seed(3))
     tb, wb = b.sample(64, torch.Generator().manual_seed(3))
     assert torch.equal(ta, tb) and torch.equal(wa, wb)
+
+
+def test_both_samplers_share_one_interface():
+    from diffusion_extras.timesteps import UniformTimesteps, make_timestep_sampler
+    uniform = make_timestep_sampler("uniform", 50)
+    assert isinstance(uniform, UniformTimesteps) and not uniform.learns_from_losses
+    timesteps, weights = uniform.sample(64, torch.Generator().manual_seed(3))
+    # the draw of the DDPM algorithm itself, t ~ U{0..T-1}, all weights 1
+    assert torch.equal(timesteps, torch.randint(0, 50, (64,), generator=torch.Generator().manual_seed(3)))
+    assert weights is None
+    aware = make_timestep_sampler("loss_aware", 50)
+    assert isinstance(aware, LossAwareTimestepSampler) and aware.learns_from_losses
+    timesteps, weights = aware.sample(64, torch.Generator().manual_seed(3))
+    assert timesteps.shape == weights.shape == (64,) and torch.allclose(weights, torch.ones(64))  # uniform until warm
