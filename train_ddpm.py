@@ -7,6 +7,10 @@
 Progress is counted in optimizer steps. Everything random in a step (data order, crops, flips,
 noise, timesteps) is a function of (seed, micro-step), so a resumed run continues bit for bit
 and P ranks with batch B train like one rank with batch P*B (up to float summation order).
+
+All state lives in one typed run_state.Run: the config as given, the plan derived from it, model
+and optimisation, data, extras, progress. setup() builds it, the loop advances run.progress,
+and the artifacts (grids, plots, export, evaluation) take what they use, not the run.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ class CountingSource:
     description = "counting"
     held_out_images = None
 
-    def __init__(self, config, accelerator, channels, dataset=None):
+    def __init__(self, config, accelerator, channels, dataset=None, validation_split=0.0):
         self.config, self.channels, self.served = config, channels, 0
 
     def _batch(self, micro_step):

@@ -78,7 +78,7 @@ def test_the_digits_default_run_writes_the_held_out_and_gradient_plots(run_cli, 
     held_out = [row for row in history if "validation/raw_loss" in row]
     assert probes == [2, 4] and [row["step"] for row in held_out] == [2, 4]
     shares = [held for held in history if "grad_probe/total_norm" in held][-1]
-    assert sum(v for k, v in shares.items() if k.startswith("grad_probe/share/")) == pytest.approx(1.0, abs=1e-6)
+    assert sum(v for k, v in shares.items() if k.startswith("grad_probe/share_bin/")) == pytest.approx(1.0, abs=1e-6)
     assert all(torch.isfinite(torch.tensor(row["validation/ema_loss"])) for row in held_out)
     for plot in ("held_out_loss.png", "grad_per_timestep.png"):
         assert (out / "images" / plot).stat().st_size > 10_000
