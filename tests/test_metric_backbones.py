@@ -194,11 +194,11 @@ def test_evaluate_cli_computes_every_metric_with_local_backbones(run_cli, tmp_pa
 
 
 def test_training_evaluates_fd_dinov2_and_cmmd_and_caches_a_reference_per_extractor(
-        run_cli, tiny_recipe, tmp_path, tiny_dinov2, tiny_clip):
+        train, tiny_recipe, tmp_path, tiny_dinov2, tiny_clip):
     out = tmp_path / "run"
-    run_cli(["train_ddpm.py", "--config", tiny_recipe(), "--output_dir", str(out), "--max_train_steps", "2",
-             "--eval_steps", "2", "--eval_num_samples", "6", "--eval_metrics", "kid,fd_dinov2,cmmd",
-             "--feature_extractor", "tiny", "--dinov2_model", tiny_dinov2, "--clip_model", tiny_clip], check=True)
+    train(tiny_recipe(), out, "--max_train_steps", 2, "--eval_steps", 2, "--eval_num_samples", 6,
+          "--eval_metrics", "kid,fd_dinov2,cmmd", "--feature_extractor", "tiny", "--dinov2_model", tiny_dinov2,
+          "--clip_model", tiny_clip)
     evaluated = [row for row in read_history(out) if "eval/cmmd" in row]
     assert len(evaluated) == 1 and evaluated[0]["step"] == 2
     assert all(np.isfinite(evaluated[0][f"eval/{key}"]) for key in ("kid", "fd_dinov2", "cmmd"))
@@ -212,10 +212,9 @@ def test_training_evaluates_fd_dinov2_and_cmmd_and_caches_a_reference_per_extrac
     (["--eval_metrics", "fd_dinov2"], "cannot load 'facebook/dinov2-large' for --dinov2_model"),
     (["--eval_metrics", "cmmd", "--clip_model", "no/such-clip"], "cannot load 'no/such-clip' for --clip_model"),
 ])
-def test_training_refuses_bad_metrics_and_unloadable_backbones_before_any_step(run_cli, tiny_recipe, tmp_path,
+def test_training_refuses_bad_metrics_and_unloadable_backbones_before_any_step(train, tiny_recipe, tmp_path,
                                                                                flags, message):
     out = tmp_path / "run"
-    result = run_cli(["train_ddpm.py", "--config", tiny_recipe(), "--output_dir", str(out), "--max_train_steps", "2",
-                      "--eval_steps", "1", *flags])
+    result = train(tiny_recipe(), out, "--max_train_steps", 2, "--eval_steps", 1, *flags, check=False)
     assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
     assert not (out / "checkpoint-1").exists() and not (out / "unet").exists()
