@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny UNet recipe and runners for the real command line."""
+"""Shared fixtures: a tiny UNet recipe and model, and runners for the real command line."""
 import functools
 import json
 import os
@@ -81,6 +81,29 @@ def train(tmp_path):
 def hooked_train(train):
     """train() through tests/hooked_train.py, which injects the failures its DDPM_TEST_* variables name."""
     return functools.partial(train, script=HOOKED_TRAIN)
+
+
+def tiny_unet(channels: int = 1, sample_size: int = TINY_RECIPE["resolution"], seed: int = 0, **overrides):
+    """The TINY_RECIPE UNet as a diffusers model (initialised from torch.manual_seed(seed)), for
+    tests that need one without a training run; keyword arguments override its architecture."""
+    import torch
+    from diffusers import UNet2DModel
+    torch.manual_seed(seed)
+    architecture = {**TINY_RECIPE["model"], "in_channels": channels, "out_channels": channels, **overrides}
+    return UNet2DModel(sample_size=sample_size, **architecture)
+
+
+def save_tiny_pipeline(path, channels: int = 1) -> str:
+    """A tiny_unet DDPMPipeline saved like a training output folder, with the files training
+    leaves beside it (a checkpoint, samples, a model card) that loading must ignore."""
+    from diffusers import DDPMPipeline, DDPMScheduler
+    pipeline = DDPMPipeline(unet=tiny_unet(channels=channels), scheduler=DDPMScheduler(num_train_timesteps=100))
+    pipeline.save_pretrained(path)
+    os.makedirs(os.path.join(path, "checkpoint-10"))
+    os.makedirs(os.path.join(path, "samples"))
+    with open(os.path.join(path, "README.md"), "w") as f:
+        f.write("model card")
+    return str(path)
 
 
 def read_history(output_dir) -> list:

@@ -3,6 +3,7 @@ import os
 import pytest
 import yaml
 
+from conftest import tiny_unet
 from diffusion_extras import models
 from diffusion_extras.config import (ConfigError, TrainConfig, build_parser, from_sources, load_yaml, parse_config,
                                      save_config)
@@ -100,10 +101,7 @@ def test_validation_messages(flags, message):
 
 
 def test_model_config_from_json_file_and_pipeline_folder(tmp_path):
-    from diffusers import UNet2DModel
-    unet = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, layers_per_block=1, block_out_channels=(8, 16),
-                       down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
-                       norm_num_groups=4)
+    unet = tiny_unet()  # block_out_channels (8, 16), checked below
     unet.save_config(str(tmp_path / "pipe" / "unet"))
     for path in (tmp_path / "pipe", tmp_path / "pipe" / "unet", tmp_path / "pipe" / "unet" / "config.json"):
         config = parse_config(["--model_config_name_or_path", str(path), "--resolution", "12"])

@@ -9,17 +9,16 @@ import torch
 from diffusers import DDPMScheduler
 from safetensors.torch import load_file
 
-from conftest import TINY_RECIPE, load_unet_weights, read_history
+from conftest import TINY_RECIPE, load_unet_weights, read_history, tiny_unet
 from diffusion_extras.grad_monitor import GradientMonitor
 from diffusion_extras.losses import NoiseSchedule, min_snr_weight
 from diffusion_extras.report_checks import Run
 from diffusion_extras.report_dynamics import check_gradient_dominance
-from test_sampling import tiny_unet
 
 
 def test_bin_gradients_match_plain_backward_and_leave_grad_untouched():
     torch.manual_seed(0)
-    unet = tiny_unet()
+    unet = tiny_unet(channels=3)
     unet.train()
     schedule = NoiseSchedule.from_scheduler(DDPMScheduler(num_train_timesteps=100))
     images = np.random.default_rng(0).integers(0, 256, (4, 3, 8, 8), dtype=np.uint8)

@@ -12,10 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import read_history
+from conftest import read_history, save_tiny_pipeline
 from diffusion_extras import backbones
 from diffusion_extras.evaluation import build_feature_extractor, cmmd, extractors_for, parse_metrics
-from test_sampling import save_tiny_pipeline
 
 IMAGENET_MEAN, IMAGENET_STD = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
 
@@ -166,7 +165,7 @@ def test_inception_download_with_a_wrong_checksum_is_refused_and_leaves_nothing(
 
 
 def test_evaluate_cli_offline_without_inception_weights_names_the_file_url_and_flag(run_cli, tmp_path):
-    pipeline = save_tiny_pipeline(tmp_path / "run")
+    pipeline = save_tiny_pipeline(tmp_path / "run", channels=3)
     result = run_cli(["-m", "diffusion_extras.evaluate", pipeline, "--reference", str(tmp_path),
                       "--eval_metrics", "fid", "--device", "cpu"])
     error = result.stderr.strip().splitlines()[-1]
@@ -177,7 +176,7 @@ def test_evaluate_cli_offline_without_inception_weights_names_the_file_url_and_f
 
 # ----------------------------------------------------------------------------- command lines
 def test_evaluate_cli_computes_every_metric_with_local_backbones(run_cli, tmp_path, tiny_dinov2, tiny_clip):
-    pipeline = save_tiny_pipeline(tmp_path / "run")
+    pipeline = save_tiny_pipeline(tmp_path / "run", channels=3)
     reference = tmp_path / "reference"
     reference.mkdir()
     for index, image in enumerate(np.random.default_rng(3).integers(0, 256, (10, 8, 8, 3), dtype=np.uint8)):
