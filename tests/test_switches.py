@@ -3,8 +3,10 @@
 import math
 
 import pytest
+import torch
 
 from conftest import read_history
+from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 
 
 def losses(train, recipe, tmp_path, name, *flags):
@@ -13,13 +15,26 @@ def losses(train, recipe, tmp_path, name, *flags):
     return [h["loss"] for h in read_history(out)]
 
 
-@pytest.mark.parametrize("flag", ["--gradient_checkpointing", "--channels_last", "--allow_tf32"])
+@pytest.mark.parametrize("flag", ["--gradient_checkpointing", "--channels_last"])
 def test_switch_trains_like_the_default(train, tiny_recipe, tmp_path, flag):
-    """Recomputation, memory layout and TF32 (a no-op on CPU) give the default run's numbers."""
+    """Recomputation and memory layout give the default run's numbers."""
     recipe = tiny_recipe()
     reference = losses(train, recipe, tmp_path, "default")
     switched = losses(train, recipe, tmp_path, "switched", flag)
     assert switched == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("flags, expected", [((), False), (("--allow_tf32",), True)])
+def test_allow_tf32_sets_the_tf32_switches_of_matmuls_and_convolutions(tmp_path, fresh_accelerate, flags, expected):
+    """TF32 is a no-op on CPU, so a CPU run's numbers cannot show it: check instead that the flag
+    reaches the two switches torch reads on an Ampere+ GPU, and that without it they are left alone."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        tiny_run(tmp_path, *flags, "--max_train_steps", 1)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (expected, expected)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def test_torch_compile_on_cpu(train, tiny_recipe, tmp_path):
