@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, cli_env
+from conftest import HOOKED_TRAIN, ROOT, cli_env
 from diffusion_extras import data
 from test_data_files import write_tar_shards
 
@@ -61,7 +61,7 @@ def launch_two_nodes(tmp_path, output_dir, *flags):
         env = {**cli_env(tmp_path), "ACCELERATE_USE_CPU": "1", "HF_DATASETS_CACHE": str(tmp_path / f"node{node}")}
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                    "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-                   "tests/hooked_train.py", "--output_dir", str(output_dir), *map(str, flags)]
+                   HOOKED_TRAIN, "--output_dir", str(output_dir), *map(str, flags)]
         procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     results = []
