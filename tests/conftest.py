@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny UNet recipe and a runner for the real command line."""
+"""Shared fixtures: a tiny UNet recipe and model, and runners for the real command line."""
+import functools
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+HOOKED_TRAIN = "tests/hooked_train.py"  # train_ddpm.py with failures injected by DDPM_TEST_* variables
 
 # 8 px grayscale, two levels, ~20k parameters: a CPU step takes milliseconds.
 TINY_RECIPE = {
@@ -40,18 +42,69 @@ def cli_env(tmp_path) -> dict:
     return env
 
 
+def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False):
+    """Run `launcher + args` (default launcher: this interpreter) from the project root in a fresh
+    process with cli_env(env_dir) updated by `env` (a None value unsets); returns CompletedProcess."""
+    command = (launcher or [sys.executable]) + [str(arg) for arg in args]
+    merged = {k: v for k, v in {**cli_env(env_dir), **(env or {})}.items() if v is not None}  # None unsets
+    result = subprocess.run(command, cwd=ROOT, env=merged, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
+
+
 @pytest.fixture
 def run_cli(tmp_path):
     """Run a command in a fresh interpreter from the project root; returns CompletedProcess."""
     def run(args, launcher=None, env=None, timeout=300, check=False):
-        command = (launcher or [sys.executable]) + args
-        merged = {k: v for k, v in {**cli_env(tmp_path), **(env or {})}.items() if v is not None}  # None unsets
-        result = subprocess.run(command, cwd=ROOT, env=merged,
-                                capture_output=True, text=True, timeout=timeout)
-        if check and result.returncode != 0:
-            raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
-        return result
+        return run_command(args, tmp_path, launcher=launcher, env=env, timeout=timeout, check=check)
     return run
+
+
+def run_training(env_dir, recipe, output_dir, *flags, script="train_ddpm.py", launcher=None, env=None, timeout=300,
+                 check=True):
+    """The training command line on a recipe, run by run_command; returns CompletedProcess.
+
+    Flags may be numbers or paths. A non-zero exit fails the test unless check=False (for tests
+    of a refusal). script: a test-only wrapper of train_ddpm.py (tests/*_train.py); launcher: e.g.
+    torch.distributed.run; env: variables set (None: unset) on top of the clean test environment."""
+    return run_command([script, "--config", recipe, "--output_dir", output_dir, *flags], env_dir,
+                       launcher=launcher, env=env, timeout=timeout, check=check)
+
+
+@pytest.fixture
+def train(tmp_path):
+    """train(recipe, output_dir, *flags, ...): run_training in this test's environment."""
+    return functools.partial(run_training, tmp_path)
+
+
+@pytest.fixture
+def hooked_train(train):
+    """train() through tests/hooked_train.py, which injects the failures its DDPM_TEST_* variables name."""
+    return functools.partial(train, script=HOOKED_TRAIN)
+
+
+def tiny_unet(channels: int = 1, sample_size: int = TINY_RECIPE["resolution"], seed: int = 0, **overrides):
+    """The TINY_RECIPE UNet as a diffusers model (initialised from torch.manual_seed(seed)), for
+    tests that need one without a training run; keyword arguments override its architecture."""
+    import torch
+    from diffusers import UNet2DModel
+    torch.manual_seed(seed)
+    architecture = {**TINY_RECIPE["model"], "in_channels": channels, "out_channels": channels, **overrides}
+    return UNet2DModel(sample_size=sample_size, **architecture)
+
+
+def save_tiny_pipeline(path, channels: int = 1) -> str:
+    """A tiny_unet DDPMPipeline saved like a training output folder, with the files training
+    leaves beside it (a checkpoint, samples, a model card) that loading must ignore."""
+    from diffusers import DDPMPipeline, DDPMScheduler
+    pipeline = DDPMPipeline(unet=tiny_unet(channels=channels), scheduler=DDPMScheduler(num_train_timesteps=100))
+    pipeline.save_pretrained(path)
+    os.makedirs(os.path.join(path, "checkpoint-10"))
+    os.makedirs(os.path.join(path, "samples"))
+    with open(os.path.join(path, "README.md"), "w") as f:
+        f.write("model card")
+    return str(path)
 
 
 def read_history(output_dir) -> list:

@@ -3,17 +3,16 @@ import json
 
 import numpy as np
 import torch
-from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+from diffusers import DDPMPipeline, DDPMScheduler
 from PIL import Image
 
-from conftest import TINY_RECIPE
+from conftest import tiny_unet
 from diffusion_extras import artifacts, sampling, tracking
 from diffusion_extras.ema import ExponentialMovingAverage
 
 
 def tiny_unet_and_ema():
-    torch.manual_seed(0)
-    unet = UNet2DModel(sample_size=8, **TINY_RECIPE["model"])
+    unet = tiny_unet()
     ema = ExponentialMovingAverage(unet.parameters())
     with torch.no_grad():  # the EMA holds other weights than the raw UNet
         for shadow in ema.shadow_params:

@@ -4,7 +4,6 @@ the figures are measurements, only their presence and sanity are checked."""
 import json
 import math
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -15,18 +14,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import diffusers_reference  # noqa: E402
-
-
-def bench_env(tmp_path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "WANDB_", "ACCELERATE_"))}
-    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf_home"),
-               HF_DATASETS_CACHE=str(tmp_path / "hf_datasets"))
-    return env
+from conftest import run_command  # noqa: E402
 
 
 def run_bench(tmp_path, *args):
-    return subprocess.run([sys.executable, os.path.join("bench", "bench_step.py"), *args], cwd=ROOT,
-                          env=bench_env(tmp_path), capture_output=True, text=True, timeout=300)
+    return run_command([os.path.join("bench", "bench_step.py"), *args], tmp_path)
 
 
 def positive_finite(value) -> bool:

@@ -4,17 +4,14 @@ sanity: they are measurements."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 
-from conftest import ROOT, cli_env
+from conftest import run_command
 
 
 def run_quality(tmp_path, *args):
-    return subprocess.run([sys.executable, os.path.join("bench", "quality.py"), *args], cwd=ROOT,
-                          env=cli_env(tmp_path), capture_output=True, text=True, timeout=600)
+    return run_command([os.path.join("bench", "quality.py"), *args], tmp_path, timeout=600)
 
 
 def test_step_budget_reports_classifier_fid_and_the_real_data_floor(tmp_path, tiny_recipe):

@@ -8,7 +8,7 @@ import torch
 from diffusers import UNet2DModel
 
 from diffusion_extras.cli import load_pipeline, one_line_errors, pipeline_resolution, positive_int, resolve_device
-from test_sampling import save_tiny_pipeline
+from conftest import save_tiny_pipeline
 
 
 def test_positive_int_refuses_zero_and_negatives():
@@ -34,7 +34,7 @@ def test_bad_input_and_unreadable_files_are_one_line_errors_with_exit_2(capsys, 
 
 
 def test_load_pipeline_reads_a_training_output_folder(tmp_path):
-    pipeline = load_pipeline(save_tiny_pipeline(tmp_path / "run"))
+    pipeline = load_pipeline(save_tiny_pipeline(tmp_path / "run", channels=3))
     assert isinstance(pipeline.unet, UNet2DModel) and pipeline.scheduler.config.num_train_timesteps == 100
     assert pipeline_resolution(pipeline) == 8
 

@@ -23,11 +23,10 @@ def grid_cells(grid: np.ndarray, nrow: int, size: int, padding: int = 2) -> list
             for r in range(rows) for c in range(nrow)]
 
 
-def test_debug_images_show_raw_beside_ema_and_the_denoising_trajectory(run_cli, tiny_recipe, tmp_path):
+def test_debug_images_show_raw_beside_ema_and_the_denoising_trajectory(train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    run_cli(["train_ddpm.py", "--config", tiny_recipe(), "--output_dir", str(out), "--max_train_steps", str(STEPS),
-             "--save_images_steps", str(STEPS), "--checkpointing_steps", str(STEPS), "--learning_rate", "1e-2",
-             "--ddpm_num_inference_steps", str(SAMPLER_STEPS), "--logger", "tensorboard"], check=True)
+    train(tiny_recipe(), out, "--max_train_steps", STEPS, "--save_images_steps", STEPS, "--checkpointing_steps", STEPS,
+          "--learning_rate", 1e-2, "--ddpm_num_inference_steps", SAMPLER_STEPS, "--logger", "tensorboard")
     prefix = out / "samples" / f"step_{STEPS:06d}"
     ema_grid = np.asarray(Image.open(f"{prefix}.png"))
     both = np.asarray(Image.open(f"{prefix}_raw_vs_ema.png"))
@@ -62,9 +61,8 @@ def test_debug_images_show_raw_beside_ema_and_the_denoising_trajectory(run_cli, 
     assert {"raw_vs_ema", "denoising", "samples"} <= set(events.Tags()["images"])
 
 
-def test_without_ema_only_the_denoising_strip_is_written(run_cli, tiny_recipe, tmp_path):
+def test_without_ema_only_the_denoising_strip_is_written(train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    run_cli(["train_ddpm.py", "--config", tiny_recipe(), "--output_dir", str(out), "--max_train_steps", "2",
-             "--no-use_ema"], check=True)
+    train(tiny_recipe(), out, "--max_train_steps", 2, "--no-use_ema")
     written = sorted(os.path.basename(p) for p in glob.glob(str(out / "samples" / "*.png")))
     assert written == ["step_000002.png", "step_000002_denoising.png"]

@@ -1,8 +1,6 @@
 """Tests for diffusion_extras/evaluation.py and the `python -m diffusion_extras.evaluate` command line."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -10,12 +8,12 @@ import torch
 from diffusers import DDPMScheduler
 from PIL import Image
 
-from diffusion_extras import evaluate as evaluate_cli
+from conftest import save_tiny_pipeline, tiny_unet
 from diffusion_extras.evaluation import (ReferenceStatistics, build_feature_extractor, evaluate_unet,
                                          feature_statistics, frechet_distance, kernel_inception_distance,
                                          reference_statistics)
 from diffusion_extras.sampling import make_scheduler
-from test_sampling import REPO_ROOT, one_cpu_thread, save_tiny_pipeline, tiny_unet  # noqa: F401 (fixture)
+from test_sampling import one_cpu_thread  # noqa: F401 (fixture)
 
 
 def test_frechet_distance_matches_closed_form_for_diagonal_gaussians():
@@ -138,7 +136,7 @@ def test_reference_statistics_cache_is_reused_and_invalidated_by_fingerprint(tmp
 
 
 def test_evaluate_unet_returns_finite_metrics_and_is_seeded():
-    unet, scheduler = tiny_unet(), make_scheduler("ddim", DDPMScheduler(num_train_timesteps=100).config)
+    unet, scheduler = tiny_unet(channels=3), make_scheduler("ddim", DDPMScheduler(num_train_timesteps=100).config)
     extractor = build_feature_extractor("tiny")
     images = np.random.default_rng(7).integers(0, 256, (24, 8, 8, 3), dtype=np.uint8)
     reference = reference_statistics(images, extractor)
@@ -151,19 +149,16 @@ def test_evaluate_unet_returns_finite_metrics_and_is_seeded():
         evaluate_unet(unet, scheduler, reference, CountingExtractor("other"), 4, 2)
 
 
-def test_cli_writes_metrics_json_and_caches_the_reference(tmp_path):
-    pipeline_dir = save_tiny_pipeline(tmp_path / "run")
+def test_cli_writes_metrics_json_and_caches_the_reference(run_cli, tmp_path):
+    pipeline_dir = save_tiny_pipeline(tmp_path / "run", channels=3)
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
     for index, image in enumerate(np.random.default_rng(8).integers(0, 256, (12, 16, 12, 3), dtype=np.uint8)):
         Image.fromarray(image).save(reference_dir / f"{index}.png")
-    command = [sys.executable, "-m", "diffusion_extras.evaluate", pipeline_dir, "--reference", str(reference_dir),
-               "--num_samples", "6", "--feature_extractor", "tiny", "--num_inference_steps", "3",
-               "--batch_size", "6", "--cache_dir", str(tmp_path / "cache"), "--output", str(tmp_path / "m.json"),
-               "--device", "cpu"]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=environment)
-    assert result.returncode == 0, result.stderr
+    run_cli(["-m", "diffusion_extras.evaluate", pipeline_dir, "--reference", str(reference_dir),
+             "--num_samples", "6", "--feature_extractor", "tiny", "--num_inference_steps", "3",
+             "--batch_size", "6", "--cache_dir", str(tmp_path / "cache"), "--output", str(tmp_path / "m.json"),
+             "--device", "cpu"], check=True)
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["num_samples"] == 6 and metrics["reference_images"] == 12 and np.isfinite(metrics["fid"])
     assert len(os.listdir(tmp_path / "cache")) == 1
@@ -171,12 +166,10 @@ def test_cli_writes_metrics_json_and_caches_the_reference(tmp_path):
 
 @pytest.mark.parametrize("reference, message", [("nowhere", "neither a folder of images nor"),
                                                 ("stats.npz", "was made with")])
-def test_cli_bad_reference_is_one_line_error_exit_2(tmp_path, capsys, reference, message):
+def test_cli_bad_reference_is_one_line_error_exit_2(run_cli, tmp_path, reference, message):
     images = np.random.default_rng(9).integers(0, 256, (4, 8, 8, 3), dtype=np.uint8)
     reference_statistics(images, CountingExtractor("other"), cache_path=str(tmp_path / "stats.npz"))
-    argv = [save_tiny_pipeline(tmp_path / "run"), "--reference", str(tmp_path / reference),
-            "--feature_extractor", "tiny", "--device", "cpu"]
-    with pytest.raises(SystemExit) as exit_info:
-        evaluate_cli.main(argv)
-    error = capsys.readouterr().err.strip().splitlines()[-1]  # after diffusers' loading progress bar
-    assert exit_info.value.code == 2 and error.startswith("error: ") and message in error
+    result = run_cli(["-m", "diffusion_extras.evaluate", save_tiny_pipeline(tmp_path / "run", channels=3),
+                      "--reference", str(tmp_path / reference), "--feature_extractor", "tiny", "--device", "cpu"])
+    error = result.stderr.strip().splitlines()[-1]  # after diffusers' loading progress bar
+    assert result.returncode == 2 and error.startswith("error: ") and message in error

@@ -145,11 +145,10 @@ def test_image_folder_without_a_recipe_trains_a_model_of_its_channels(run_cli, t
     assert re.search(r"health report: \S+training_report.md \(written in \d+\.\d s\)", text)
 
 
-def test_a_recipe_model_keeps_its_channels_and_the_conversion_is_announced_once(run_cli, tmp_path, tiny_recipe):
+def test_a_recipe_model_keeps_its_channels_and_the_conversion_is_announced_once(train, tmp_path, tiny_recipe):
     folder = _image_folder(tmp_path / "images", "RGB")
     out = tmp_path / "run"
-    result = run_cli(["train_ddpm.py", "--config", tiny_recipe(), "--train_data_dir", folder,
-                      "--output_dir", str(out), "--max_train_steps", "1"], check=True)
+    result = train(tiny_recipe(), out, "--train_data_dir", folder, "--max_train_steps", 1)
     assert result.stdout.count("converting them to grayscale") == 1
     assert "the images are RGB and the UNet has 1 channel(s)" in result.stdout
     assert json.loads((out / "unet" / "config.json").read_text())["in_channels"] == 1

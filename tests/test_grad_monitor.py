@@ -9,17 +9,16 @@ import torch
 from diffusers import DDPMScheduler
 from safetensors.torch import load_file
 
-from conftest import TINY_RECIPE, load_unet_weights, read_history
+from conftest import TINY_RECIPE, load_unet_weights, read_history, tiny_unet
 from diffusion_extras.grad_monitor import GradientMonitor
 from diffusion_extras.losses import NoiseSchedule, min_snr_weight
 from diffusion_extras.report_checks import Run
 from diffusion_extras.report_dynamics import check_gradient_dominance
-from test_sampling import tiny_unet
 
 
 def test_bin_gradients_match_plain_backward_and_leave_grad_untouched():
     torch.manual_seed(0)
-    unet = tiny_unet()
+    unet = tiny_unet(channels=3)
     unet.train()
     schedule = NoiseSchedule.from_scheduler(DDPMScheduler(num_train_timesteps=100))
     images = np.random.default_rng(0).integers(0, 256, (4, 3, 8, 8), dtype=np.uint8)
@@ -48,12 +47,12 @@ def test_bin_gradients_match_plain_backward_and_leave_grad_untouched():
         np.linalg.norm(total), rel=1e-5)
 
 
-def test_monitor_logs_per_bin_and_does_not_change_the_training_result(run_cli, tiny_recipe, tmp_path):
+def test_monitor_logs_per_bin_and_does_not_change_the_training_result(train, tiny_recipe, tmp_path):
     # Dropout on: a probe that ran the UNet in training mode would draw from the global RNG.
     recipe = tiny_recipe(model={**TINY_RECIPE["model"], "dropout": 0.1})
     flags = ["--max_train_steps", "4", "--checkpointing_steps", "4"]
     for name, extra in (("plain", []), ("probed", ["--grad_diagnostics_steps", "1"])):
-        run_cli(["train_ddpm.py", "--config", recipe, "--output_dir", str(tmp_path / name), *flags, *extra], check=True)
+        train(recipe, tmp_path / name, *flags, *extra)
     for exported in (True, False):  # the exported (EMA) pipeline and the checkpoint's raw weights
         plain, probed = (load_unet_weights(tmp_path / name) if exported else
                          load_file(tmp_path / name / "checkpoint-4" / "model.safetensors") for name in ("plain", "probed"))

@@ -15,10 +15,6 @@ from diffusion_extras.report_dynamics import check_ema_behind_raw, check_held_ou
 from diffusion_extras.report_checks import Run
 
 
-def train(run_cli, recipe, out, *flags, check=True):
-    return run_cli(["train_ddpm.py", "--config", recipe, "--output_dir", str(out), *map(str, flags)], check=check)
-
-
 def test_split_is_seeded_disjoint_and_complete():
     images = data.DecodedImages(np.arange(20 * 4, dtype=np.uint8), np.full((20, 2), 2), np.arange(20) * 4, 1)
     train_part, held = validation.split_held_out(images, 0.25, seed=3)
@@ -29,9 +25,9 @@ def test_split_is_seeded_disjoint_and_complete():
     assert validation.split_held_out(images, 0.25, seed=4)[1].rows.tolist() != held.rows.tolist()
 
 
-def test_training_logs_raw_and_ema_held_out_loss_per_bin_with_fixed_noise(run_cli, tiny_recipe, tmp_path):
+def test_training_logs_raw_and_ema_held_out_loss_per_bin_with_fixed_noise(train, tiny_recipe, tmp_path):
     out, recipe = tmp_path / "run", tiny_recipe()
-    train(run_cli, recipe, out, "--max_train_steps", 6, "--validation_split", 0.25, "--validation_steps", 3)
+    train(recipe, out, "--max_train_steps", 6, "--validation_split", 0.25, "--validation_steps", 3)
     rows = [r for r in read_history(out) if "validation/raw_loss" in r]
     assert [r["step"] for r in rows] == [3, 6]
     for row in rows:
@@ -58,10 +54,10 @@ def test_training_logs_raw_and_ema_held_out_loss_per_bin_with_fixed_noise(run_cl
     assert "ema_behind_raw" in (out / "training_report.md").read_text()
 
 
-def test_held_out_loss_is_off_by_default_and_without_ema_logs_raw_only(run_cli, tiny_recipe, tmp_path):
-    train(run_cli, tiny_recipe(), tmp_path / "off", "--max_train_steps", 2)
+def test_held_out_loss_is_off_by_default_and_without_ema_logs_raw_only(train, tiny_recipe, tmp_path):
+    train(tiny_recipe(), tmp_path / "off", "--max_train_steps", 2)
     assert not any("validation/raw_loss" in r for r in read_history(tmp_path / "off"))
-    train(run_cli, tiny_recipe(), tmp_path / "raw", "--max_train_steps", 2, "--validation_split", 0.25, "--no-use_ema")
+    train(tiny_recipe(), tmp_path / "raw", "--max_train_steps", 2, "--validation_split", 0.25, "--no-use_ema")
     rows = [r for r in read_history(tmp_path / "raw") if "validation/raw_loss" in r]
     assert len(rows) == 1 and not any(key.startswith("validation/ema") for key in rows[0])
 
@@ -71,8 +67,8 @@ def test_held_out_loss_is_off_by_default_and_without_ema_logs_raw_only(run_cli, 
     (["--validation_split", "1.5"], "--validation_split must lie in [0, 1)"),
     (["--validation_split", "0.1", "--streaming", "--dataset_name", "x"], "--validation_split needs cached data"),
 ])
-def test_bad_validation_split_is_a_one_line_error_before_training(run_cli, tiny_recipe, tmp_path, flags, message):
-    result = train(run_cli, tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, *flags, check=False)
+def test_bad_validation_split_is_a_one_line_error_before_training(train, tiny_recipe, tmp_path, flags, message):
+    result = train(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, *flags, check=False)
     assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "run" / "unet").exists()
 

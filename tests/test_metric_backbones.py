@@ -12,10 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import read_history
+from conftest import read_history, save_tiny_pipeline
 from diffusion_extras import backbones
 from diffusion_extras.evaluation import build_feature_extractor, cmmd, extractors_for, parse_metrics
-from test_sampling import save_tiny_pipeline
 
 IMAGENET_MEAN, IMAGENET_STD = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
 
@@ -166,7 +165,7 @@ def test_inception_download_with_a_wrong_checksum_is_refused_and_leaves_nothing(
 
 
 def test_evaluate_cli_offline_without_inception_weights_names_the_file_url_and_flag(run_cli, tmp_path):
-    pipeline = save_tiny_pipeline(tmp_path / "run")
+    pipeline = save_tiny_pipeline(tmp_path / "run", channels=3)
     result = run_cli(["-m", "diffusion_extras.evaluate", pipeline, "--reference", str(tmp_path),
                       "--eval_metrics", "fid", "--device", "cpu"])
     error = result.stderr.strip().splitlines()[-1]
@@ -177,7 +176,7 @@ def test_evaluate_cli_offline_without_inception_weights_names_the_file_url_and_f
 
 # ----------------------------------------------------------------------------- command lines
 def test_evaluate_cli_computes_every_metric_with_local_backbones(run_cli, tmp_path, tiny_dinov2, tiny_clip):
-    pipeline = save_tiny_pipeline(tmp_path / "run")
+    pipeline = save_tiny_pipeline(tmp_path / "run", channels=3)
     reference = tmp_path / "reference"
     reference.mkdir()
     for index, image in enumerate(np.random.default_rng(3).integers(0, 256, (10, 8, 8, 3), dtype=np.uint8)):
@@ -194,11 +193,11 @@ def test_evaluate_cli_computes_every_metric_with_local_backbones(run_cli, tmp_pa
 
 
 def test_training_evaluates_fd_dinov2_and_cmmd_and_caches_a_reference_per_extractor(
-        run_cli, tiny_recipe, tmp_path, tiny_dinov2, tiny_clip):
+        train, tiny_recipe, tmp_path, tiny_dinov2, tiny_clip):
     out = tmp_path / "run"
-    run_cli(["train_ddpm.py", "--config", tiny_recipe(), "--output_dir", str(out), "--max_train_steps", "2",
-             "--eval_steps", "2", "--eval_num_samples", "6", "--eval_metrics", "kid,fd_dinov2,cmmd",
-             "--feature_extractor", "tiny", "--dinov2_model", tiny_dinov2, "--clip_model", tiny_clip], check=True)
+    train(tiny_recipe(), out, "--max_train_steps", 2, "--eval_steps", 2, "--eval_num_samples", 6,
+          "--eval_metrics", "kid,fd_dinov2,cmmd", "--feature_extractor", "tiny", "--dinov2_model", tiny_dinov2,
+          "--clip_model", tiny_clip)
     evaluated = [row for row in read_history(out) if "eval/cmmd" in row]
     assert len(evaluated) == 1 and evaluated[0]["step"] == 2
     assert all(np.isfinite(evaluated[0][f"eval/{key}"]) for key in ("kid", "fd_dinov2", "cmmd"))
@@ -212,10 +211,9 @@ def test_training_evaluates_fd_dinov2_and_cmmd_and_caches_a_reference_per_extrac
     (["--eval_metrics", "fd_dinov2"], "cannot load 'facebook/dinov2-large' for --dinov2_model"),
     (["--eval_metrics", "cmmd", "--clip_model", "no/such-clip"], "cannot load 'no/such-clip' for --clip_model"),
 ])
-def test_training_refuses_bad_metrics_and_unloadable_backbones_before_any_step(run_cli, tiny_recipe, tmp_path,
+def test_training_refuses_bad_metrics_and_unloadable_backbones_before_any_step(train, tiny_recipe, tmp_path,
                                                                                flags, message):
     out = tmp_path / "run"
-    result = run_cli(["train_ddpm.py", "--config", tiny_recipe(), "--output_dir", str(out), "--max_train_steps", "2",
-                      "--eval_steps", "1", *flags])
+    result = train(tiny_recipe(), out, "--max_train_steps", 2, "--eval_steps", 1, *flags, check=False)
     assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
     assert not (out / "checkpoint-1").exists() and not (out / "unet").exists()

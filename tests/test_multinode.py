@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, cli_env
+from conftest import HOOKED_TRAIN, ROOT, cli_env
 from diffusion_extras import data
 from test_data_files import write_tar_shards
 
@@ -31,18 +31,17 @@ def test_disk_guard_message_names_streaming(tmp_path, monkeypatch):
         data.check_cache_space(str(tmp_path), 100, 8, 3)  # 19,200 bytes do not
 
 
-def test_cli_refuses_a_cache_that_does_not_fit_and_streams_instead(run_cli, tiny_recipe, tmp_path):
+def test_cli_refuses_a_cache_that_does_not_fit_and_streams_instead(train, tiny_recipe, tmp_path):
     folder = write_tar_shards(tmp_path / "shards", shards=2, per_shard=8)
     recipe = tiny_recipe(train_batch_size=4, max_train_samples=None)
-    flags = ["--config", recipe, "--train_data_files", f"{folder}/train-*.tar", "--max_train_steps", "2"]
+    flags = ["--train_data_files", f"{folder}/train-*.tar", "--max_train_steps", 2]
     env = {"DDPM_TEST_FREE_BYTES": "500"}  # 16 images of 8x8x1 = 1,024 bytes
-    result = run_cli(["tests/low_disk_train.py", *flags, "--output_dir", str(tmp_path / "cached")], env=env)
+    result = train(recipe, tmp_path / "cached", *flags, script="tests/low_disk_train.py", env=env, check=False)
     assert result.returncode == 2
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("error: the decoded-image cache needs") and "--streaming" in line
     assert not os.path.exists(tmp_path / "cached" / "checkpoint-2")
-    run_cli(["tests/low_disk_train.py", *flags, "--streaming", "--output_dir", str(tmp_path / "streamed")],
-            env=env, check=True)
+    train(recipe, tmp_path / "streamed", *flags, "--streaming", script="tests/low_disk_train.py", env=env)
     assert os.path.isfile(tmp_path / "streamed" / "unet" / "diffusion_pytorch_model.safetensors")
 
 
@@ -62,7 +61,7 @@ def launch_two_nodes(tmp_path, output_dir, *flags):
         env = {**cli_env(tmp_path), "ACCELERATE_USE_CPU": "1", "HF_DATASETS_CACHE": str(tmp_path / f"node{node}")}
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                    "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-                   "tests/hooked_train.py", "--output_dir", str(output_dir), *map(str, flags)]
+                   HOOKED_TRAIN, "--output_dir", str(output_dir), *map(str, flags)]
         procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     results = []

@@ -8,11 +8,6 @@ from safetensors.torch import load_file
 from conftest import read_history
 
 
-def train(run_cli, recipe, output_dir, *flags, **kwargs):
-    return run_cli(["tests/hooked_train.py", "--config", recipe, "--output_dir", str(output_dir), *map(str, flags)],
-                   **kwargs)
-
-
 def checkpoint_state(folder):
     model = load_file(os.path.join(folder, "model.safetensors"))
     ema = torch.load(os.path.join(folder, "custom_checkpoint_1.pkl"), weights_only=True)["shadow_params"]
@@ -21,10 +16,10 @@ def checkpoint_state(folder):
     return model, ema, steps
 
 
-def test_nonfinite_steps_are_skipped_and_training_continues(run_cli, tiny_recipe, tmp_path):
+def test_nonfinite_steps_are_skipped_and_training_continues(hooked_train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    result = train(run_cli, tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 6,
-                   env={"DDPM_TEST_NAN_AT_STEPS": "3,4"}, check=True)
+    result = hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 6,
+                          env={"DDPM_TEST_NAN_AT_STEPS": "3,4"})
     m2, e2, s2 = checkpoint_state(out / "checkpoint-2")
     m4, e4, s4 = checkpoint_state(out / "checkpoint-4")
     assert all(torch.equal(m2[k], m4[k]) for k in m2), "a skipped step changed the weights"
@@ -41,10 +36,11 @@ def test_nonfinite_steps_are_skipped_and_training_continues(run_cli, tiny_recipe
     assert "nonfinite_events" in {f["code"] for f in report["findings"]}
 
 
-def test_consecutive_nonfinite_steps_stop_with_last_good_checkpoint(run_cli, tiny_recipe, tmp_path):
+def test_consecutive_nonfinite_steps_stop_with_last_good_checkpoint(hooked_train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    result = train(run_cli, tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 20,
-                   "--max_nonfinite_steps", 3, env={"DDPM_TEST_NAN_AT_STEPS": ",".join(map(str, range(3, 21)))})
+    result = hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 20,
+                          "--max_nonfinite_steps", 3, env={"DDPM_TEST_NAN_AT_STEPS": ",".join(map(str, range(3, 21)))},
+                          check=False)
     assert result.returncode == 3, result.stderr[-2000:]
     assert "error: stopped: 3 consecutive non-finite steps by step 5" in result.stderr
     assert "Traceback" not in result.stderr

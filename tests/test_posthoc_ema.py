@@ -2,7 +2,6 @@
 import io
 import json
 import os
-import subprocess
 import sys
 import types
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 import diffusion_extras
+from conftest import tiny_unet
 from diffusion_extras import phema, posthoc_ema
 from diffusion_extras.phema import (PowerFunctionEMA, gamma_to_sigma_rel, load_snapshots, reconstruct,
                                     sigma_rel_to_gamma, solve_weights)
@@ -159,11 +159,8 @@ def test_snapshot_files_are_fp16_atomic_and_sorted(tmp_path, monkeypatch):
 
 
 def tiny_training_output(tmp_path):
-    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
-    torch.manual_seed(0)
-    unet = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16),
-                       layers_per_block=1, down_block_types=("DownBlock2D", "DownBlock2D"),
-                       up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4)
+    from diffusers import DDPMPipeline, DDPMScheduler
+    unet = tiny_unet(seed=0)
     names, parameters = zip(*unet.named_parameters())
     ema = PowerFunctionEMA(parameters)
     for step in range(1, 41):
@@ -232,16 +229,11 @@ def test_cli_rejects_bad_input_with_one_line(tmp_path, capsys, argv, message):
     assert error.startswith("error: ") and message in error and error.count("\n") == 1
 
 
-def test_module_entry_point_reports_missing_snapshots(tmp_path):
-    from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
-    unet = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16),
-                       layers_per_block=1, down_block_types=("DownBlock2D", "DownBlock2D"),
-                       up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4)
-    DDPMPipeline(unet=unet, scheduler=DDPMScheduler()).save_pretrained(tmp_path)
+def test_module_entry_point_reports_missing_snapshots(run_cli, tmp_path):
+    from diffusers import DDPMPipeline, DDPMScheduler
+    DDPMPipeline(unet=tiny_unet(), scheduler=DDPMScheduler()).save_pretrained(tmp_path)
     os.makedirs(tmp_path / "posthoc_ema")
-    result = subprocess.run(
-        [sys.executable, "-m", "diffusion_extras.posthoc_ema", str(tmp_path), "--sigma_rels", "0.1"],
-        capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    result = run_cli(["-m", "diffusion_extras.posthoc_ema", str(tmp_path), "--sigma_rels", "0.1"])
     assert result.returncode == 2
     assert result.stderr.startswith("error: no phema-") and "Traceback" not in result.stderr
 

@@ -16,10 +16,6 @@ except ImportError:
 TOKEN = "hf_" + secrets.token_hex(17)
 
 
-def train(run_cli, recipe, output_dir, *flags, **kwargs):
-    return run_cli(["train_ddpm.py", "--config", recipe, "--output_dir", str(output_dir), *map(str, flags)], **kwargs)
-
-
 def all_text(folder) -> str:
     chunks = []
     for root, _, files in os.walk(folder):
@@ -30,7 +26,7 @@ def all_text(folder) -> str:
 
 
 @pytest.mark.parametrize("private", [True, False])
-def test_push_to_hub_commits_pipeline_and_card_only(run_cli, tiny_recipe, tmp_path, private):
+def test_push_to_hub_commits_pipeline_and_card_only(train, tiny_recipe, tmp_path, private):
     out = tmp_path / "my-digits"
     hub_env = {"HF_ENDPOINT": None, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"}
     with HubServer(token=TOKEN) as server:
@@ -39,7 +35,7 @@ def test_push_to_hub_commits_pipeline_and_card_only(run_cli, tiny_recipe, tmp_pa
                  "--push_to_hub", "--hub_token", TOKEN, "--logger", "tensorboard"]
         if private:
             flags.append("--hub_private_repo")
-        result = train(run_cli, tiny_recipe(), out, *flags, env=hub_env, check=True)
+        result = train(tiny_recipe(), out, *flags, env=hub_env)
         repo_id = "test-user/my-digits"
         commits = server.commits(repo_id)
         created = [r for r in server.requests if r["path"] == "/api/repos/create"]
@@ -61,41 +57,41 @@ def test_push_to_hub_commits_pipeline_and_card_only(run_cli, tiny_recipe, tmp_pa
     assert not any(TOKEN in f.decode("latin-1") for f in server.repos[repo_id]["files"].values())
 
 
-def test_push_to_hub_without_token_fails_before_training(run_cli, tiny_recipe, tmp_path):
-    result = train(run_cli, tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--push_to_hub",
-                   env={"HF_HUB_OFFLINE": "0", "HF_TOKEN": None})
+def test_push_to_hub_without_token_fails_before_training(train, tiny_recipe, tmp_path):
+    result = train(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--push_to_hub",
+                   env={"HF_HUB_OFFLINE": "0", "HF_TOKEN": None}, check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--push_to_hub needs a token" in result.stderr
     assert not (tmp_path / "run" / "model_index.json").exists()
 
 
-def test_push_to_hub_while_offline_fails_before_training(run_cli, tiny_recipe, tmp_path):
-    result = train(run_cli, tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--push_to_hub",
-                   "--hub_token", TOKEN)
+def test_push_to_hub_while_offline_fails_before_training(train, tiny_recipe, tmp_path):
+    result = train(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--push_to_hub",
+                   "--hub_token", TOKEN, check=False)
     assert result.returncode == 2 and "offline" in result.stderr.lower() and "Traceback" not in result.stderr
     assert TOKEN not in result.stderr
 
 
-def test_wandb_offline_logs_into_output_dir_without_secrets(run_cli, tiny_recipe, tmp_path):
+def test_wandb_offline_logs_into_output_dir_without_secrets(train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    train(run_cli, tiny_recipe(), out, "--max_train_steps", 2, "--logger", "wandb", "--hub_token", TOKEN,
-          env={"WANDB_MODE": "offline"}, check=True)
+    train(tiny_recipe(), out, "--max_train_steps", 2, "--logger", "wandb", "--hub_token", TOKEN,
+          env={"WANDB_MODE": "offline"})
     runs = list((out / "logs").glob("wandb/offline-run-*"))
     assert len(runs) == 1
     text = all_text(runs[0])
     assert "learning_rate" in text and TOKEN not in text and TOKEN not in all_text(out)
 
 
-def test_wandb_online_without_login_is_a_one_line_error(run_cli, tiny_recipe, tmp_path):
-    result = train(run_cli, tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--logger", "wandb",
-                   env={"WANDB_MODE": "online", "WANDB_API_KEY": None, "NETRC": str(tmp_path / "none")})
+def test_wandb_online_without_login_is_a_one_line_error(train, tiny_recipe, tmp_path):
+    result = train(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--logger", "wandb",
+                   env={"WANDB_MODE": "online", "WANDB_API_KEY": None, "NETRC": str(tmp_path / "none")}, check=False)
     assert result.returncode == 2 and "no wandb login found" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_evaluation_during_training_and_posthoc_ema_export(run_cli, tiny_recipe, tmp_path):
+def test_evaluation_during_training_and_posthoc_ema_export(run_cli, train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    train(run_cli, tiny_recipe(), out, "--max_train_steps", 6, "--eval_steps", 3, "--eval_num_samples", 8,
-          "--feature_extractor", "tiny", "--posthoc_ema", "--posthoc_ema_snapshot_steps", 2, check=True)
+    train(tiny_recipe(), out, "--max_train_steps", 6, "--eval_steps", 3, "--eval_num_samples", 8,
+          "--feature_extractor", "tiny", "--posthoc_ema", "--posthoc_ema_snapshot_steps", 2)
     evals = [h for h in read_history(out) if "eval/fid" in h]
     assert [h["step"] for h in evals] == [3, 6] and all(h["eval/fid"] >= 0 for h in evals)
     assert sorted(os.listdir(out / "posthoc_ema")) == [f"phema-{s:09d}.safetensors" for s in (2, 4, 6)]
@@ -108,6 +104,6 @@ def test_evaluation_during_training_and_posthoc_ema_export(run_cli, tiny_recipe,
     assert json.loads(open(str(export) + ".json").read())["sigma_rel"] == pytest.approx(0.07)
 
 
-def test_eval_with_inception_but_no_weights_is_refused(run_cli, tiny_recipe, tmp_path):
-    result = train(run_cli, tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--eval_steps", 1)
+def test_eval_with_inception_but_no_weights_is_refused(train, tiny_recipe, tmp_path):
+    result = train(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--eval_steps", 1, check=False)
     assert result.returncode == 2 and "--inception_weights FILE" in result.stderr

@@ -1,7 +1,5 @@
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -208,35 +206,30 @@ def test_written_report_parses_and_holds_every_recommendation(tmp_path):
     assert "| steps run | 20000 |" in markdown
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "diffusion_extras.report", *args], capture_output=True,
-                          text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def test_cli_on_output_and_checkpoint_dirs(tmp_path):
+def test_cli_on_output_and_checkpoint_dirs(run_cli, tmp_path):
     _write_run(tmp_path, make_history(steps=600, every=20, timescale=100.0),
                {**CONFIG, "max_train_steps": 600, "lr_warmup_steps": 50})
-    result = _cli(str(tmp_path))
+    result = run_cli(["-m", "diffusion_extras.report", str(tmp_path)])
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("# Training health report") and "too_few_steps" in result.stdout
     assert open(tmp_path / "training_report.md").read() == result.stdout
     os.remove(tmp_path / "training_report.md")
     os.makedirs(tmp_path / "checkpoint-600")
-    result = _cli(str(tmp_path / "checkpoint-600"))
+    result = run_cli(["-m", "diffusion_extras.report", str(tmp_path / "checkpoint-600")])
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "training_report.md").is_file()
 
 
-def test_cli_errors_cleanly(tmp_path):
+def test_cli_errors_cleanly(run_cli, tmp_path):
     for args, expected in (((str(tmp_path / "missing"),), "no such directory"),
                            ((str(tmp_path),), "no logs/history.jsonl")):
-        result = _cli(*args)
+        result = run_cli(["-m", "diffusion_extras.report", *args])
         assert result.returncode == 2 and result.stderr.startswith("error: ") and expected in result.stderr
         assert "Traceback" not in result.stderr
     _write_run(tmp_path, make_history(steps=300))
     with open(tmp_path / "logs" / "history.jsonl", "a") as fh:
         fh.write("{not json\n")
-    result = _cli(str(tmp_path))
+    result = run_cli(["-m", "diffusion_extras.report", str(tmp_path)])
     assert result.returncode == 2 and "history.jsonl:4:" in result.stderr and "Traceback" not in result.stderr
 
 

@@ -21,11 +21,6 @@ def torchrun():
             "--master_addr", "127.0.0.1", "--master_port", str(port)]
 
 
-def train(run_cli, recipe, output_dir, *flags, launcher=None, **kwargs):
-    return run_cli(["tests/hooked_train.py", "--config", recipe, "--output_dir", str(output_dir), *map(str, flags)],
-                   launcher=launcher, **kwargs)
-
-
 def assert_same_state(a, b, step):
     """Same losses at every step, same exported (EMA) weights, same training weights and optimizer."""
     la, lb = read_history(a), read_history(b)
@@ -47,115 +42,115 @@ def assert_same_state(a, b, step):
     (1, 4, {"timestep_sampling": "loss_aware", "snr_gamma": 5.0, "prediction_type": "v_prediction",
             "posthoc_ema": True}),
 ])
-def test_resume_is_bitwise_identical_to_straight_run(run_cli, tiny_recipe, tmp_path, accumulation, half, extras):
+def test_resume_is_bitwise_identical_to_straight_run(hooked_train, tiny_recipe, tmp_path, accumulation, half, extras):
     recipe = tiny_recipe(checkpointing_steps=half, lr_scheduler="cosine", gradient_accumulation_steps=accumulation,
                          **extras)
     full = 2 * half
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(run_cli, recipe, straight, "--max_train_steps", full, "--checkpointing_steps", half, check=True)
+    hooked_train(recipe, straight, "--max_train_steps", full, "--checkpointing_steps", half)
     # the first half is a run that dies at step `half`: the LR schedule still spans `full` steps
-    train(run_cli, recipe, resumed, "--max_train_steps", full, "--checkpointing_steps", half,
-          env={"DDPM_TEST_STOP_AFTER_STEP": str(half)}, check=True)
+    hooked_train(recipe, resumed, "--max_train_steps", full, "--checkpointing_steps", half,
+                 env={"DDPM_TEST_STOP_AFTER_STEP": str(half)})
     assert not (resumed / "model_index.json").exists()  # it died before exporting
-    result = train(run_cli, recipe, resumed, "--max_train_steps", full, "--checkpointing_steps", half,
-                   "--resume_from_checkpoint", "latest", check=True)
+    result = hooked_train(recipe, resumed, "--max_train_steps", full, "--checkpointing_steps", half,
+                          "--resume_from_checkpoint", "latest")
     assert f"resumed from {resumed / f'checkpoint-{half}'} at optimizer step {half}" in result.stdout
     assert_same_state(straight, resumed, full)
 
 
-def test_resume_from_explicit_path_outside_output_dir(run_cli, tiny_recipe, tmp_path):
+def test_resume_from_explicit_path_outside_output_dir(hooked_train, tiny_recipe, tmp_path):
     recipe = tiny_recipe(checkpointing_steps=2)
     first = tmp_path / "first"
-    train(run_cli, recipe, first, "--max_train_steps", 2, check=True)
+    hooked_train(recipe, first, "--max_train_steps", 2)
     moved = tmp_path / "elsewhere" / "my-checkpoint"
     os.makedirs(moved.parent)
     os.rename(first / "checkpoint-2", moved)
-    result = train(run_cli, recipe, tmp_path / "second", "--max_train_steps", 4, "--resume_from_checkpoint", moved,
-                   check=True)
+    result = hooked_train(recipe, tmp_path / "second", "--max_train_steps", 4, "--resume_from_checkpoint", moved)
     assert f"resumed from {moved} at optimizer step 2" in result.stdout
     assert [h["step"] for h in read_history(tmp_path / "second")] == [3, 4]
 
 
-def test_latest_without_checkpoint_starts_fresh_and_says_so(run_cli, tiny_recipe, tmp_path):
-    result = train(run_cli, tiny_recipe(), tmp_path / "run", "--max_train_steps", 2,
-                   "--resume_from_checkpoint", "latest", check=True)
+def test_latest_without_checkpoint_starts_fresh_and_says_so(hooked_train, tiny_recipe, tmp_path):
+    result = hooked_train(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2,
+                          "--resume_from_checkpoint", "latest")
     assert "no checkpoint in" in result.stdout and "starting a fresh run" in result.stdout
 
 
-def test_kill_while_writing_checkpoint_resumes_from_previous(run_cli, tiny_recipe, tmp_path):
+def test_kill_while_writing_checkpoint_resumes_from_previous(hooked_train, tiny_recipe, tmp_path):
     """SIGKILL the trainer inside the second checkpoint save (after accelerate wrote its files,
     before the completion marker): the tmp folder is ignored and checkpoint-2 is used."""
     out = tmp_path / "run"
     recipe = tiny_recipe(checkpointing_steps=2)
-    killed = train(run_cli, recipe, out, "--max_train_steps", 6, env={"DDPM_TEST_SIGKILL_IN_SAVE": "4"})
+    killed = hooked_train(recipe, out, "--max_train_steps", 6, env={"DDPM_TEST_SIGKILL_IN_SAVE": "4"},
+                          check=False)
     assert killed.returncode == -9
     assert sorted(os.listdir(out)).count("checkpoint-2") == 1 and not (out / "checkpoint-4").exists()
     assert (out / ".checkpoint-4.tmp" / "model.safetensors").exists()  # the half-written one
-    result = train(run_cli, recipe, out, "--max_train_steps", 6, "--resume_from_checkpoint", "latest", check=True)
+    result = hooked_train(recipe, out, "--max_train_steps", 6, "--resume_from_checkpoint", "latest")
     assert "at optimizer step 2" in result.stdout
     assert (out / "checkpoint-4" / "checkpoint_complete.json").exists() and not (out / ".checkpoint-4.tmp").exists()
 
 
-def test_truncated_newest_checkpoint_falls_back_with_warning(run_cli, tiny_recipe, tmp_path):
+def test_truncated_newest_checkpoint_falls_back_with_warning(hooked_train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
     recipe = tiny_recipe(checkpointing_steps=2)
-    train(run_cli, recipe, out, "--max_train_steps", 4, check=True)
+    hooked_train(recipe, out, "--max_train_steps", 4)
     weights = out / "checkpoint-4" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    explicit = train(run_cli, recipe, tmp_path / "other", "--max_train_steps", 6,
-                     "--resume_from_checkpoint", out / "checkpoint-4")
+    explicit = hooked_train(recipe, tmp_path / "other", "--max_train_steps", 6,
+                            "--resume_from_checkpoint", out / "checkpoint-4", check=False)
     assert explicit.returncode == 2 and "cannot be used" in explicit.stderr and "truncated" in explicit.stderr
-    result = train(run_cli, recipe, out, "--max_train_steps", 6, "--resume_from_checkpoint", "latest", check=True)
+    result = hooked_train(recipe, out, "--max_train_steps", 6, "--resume_from_checkpoint", "latest")
     assert "skipping" in result.stderr and "checkpoint-4" in result.stderr and "truncated" in result.stderr
     assert "at optimizer step 2" in result.stdout
     # the resumed run wrote a complete checkpoint-4 of its own in place of the damaged one
     assert checkpointing.verify_checkpoint(str(out / "checkpoint-4")) is None
 
 
-def test_total_limit_keeps_newest(run_cli, tiny_recipe, tmp_path):
+def test_total_limit_keeps_newest(hooked_train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    train(run_cli, tiny_recipe(checkpointing_steps=1, checkpoints_total_limit=2), out, "--max_train_steps", 5,
-          check=True)
+    hooked_train(tiny_recipe(checkpointing_steps=1, checkpoints_total_limit=2), out, "--max_train_steps", 5)
     assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint")) == ["checkpoint-4", "checkpoint-5"]
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
 
 
-def test_state_breaking_change_is_refused_with_the_differences(run_cli, tiny_recipe, tmp_path):
+def test_state_breaking_change_is_refused_with_the_differences(hooked_train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    train(run_cli, tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 2, check=True)
-    result = train(run_cli, tiny_recipe(checkpointing_steps=2, prediction_type="v_prediction", train_batch_size=4),
-                   out, "--max_train_steps", 4, "--resume_from_checkpoint", "latest")
+    hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 2)
+    result = hooked_train(tiny_recipe(checkpointing_steps=2, prediction_type="v_prediction", train_batch_size=4),
+                          out, "--max_train_steps", 4, "--resume_from_checkpoint", "latest", check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "prediction_type: 'epsilon' -> 'v_prediction'" in result.stderr
     assert "train_batch_size: 8 -> 4" in result.stderr
-    bins = train(run_cli, tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 4,
-                 "--resume_from_checkpoint", "latest", "--diagnostics_bins", 5)
+    bins = hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 4,
+                        "--resume_from_checkpoint", "latest", "--diagnostics_bins", 5, check=False)
     assert bins.returncode == 2 and "diagnostics_bins: 10 -> 5" in bins.stderr and "Traceback" not in bins.stderr
-    harmless = train(run_cli, tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 3,
-                     "--resume_from_checkpoint", "latest", "--diagnostics_steps", 3, "--ema_max_decay", 0.5)
+    harmless = hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 3,
+                            "--resume_from_checkpoint", "latest", "--diagnostics_steps", 3, "--ema_max_decay", 0.5,
+                            check=False)
     assert harmless.returncode == 0, harmless.stderr
     assert "run will differ from an uninterrupted one" in harmless.stderr and "ema_max_decay: 0.999 -> 0.5" in harmless.stderr
 
 
-def test_two_ranks_train_checkpoint_resume_and_match_one_rank(run_cli, tiny_recipe, tmp_path):
+def test_two_ranks_train_checkpoint_resume_and_match_one_rank(hooked_train, tiny_recipe, tmp_path):
     """2 gloo ranks x batch 4 == 1 rank x batch 8 (same data, noise, timesteps), resume restores
     every rank's RNG (dropout on), and the ranks' replicas agree."""
     recipe = tiny_recipe(checkpointing_steps=3, train_batch_size=4, model={**_tiny_model(), "dropout": 0.1})
     env = {"ACCELERATE_USE_CPU": "1"}
     straight, resumed, single = tmp_path / "straight", tmp_path / "resumed", tmp_path / "single"
-    result = train(run_cli, recipe, straight, "--max_train_steps", 6, launcher=torchrun(), env=env, check=True)
+    result = hooked_train(recipe, straight, "--max_train_steps", 6, launcher=torchrun(), env=env)
     assert "replicas identical on 2 processes" in result.stdout
-    train(run_cli, recipe, resumed, "--max_train_steps", 6, launcher=torchrun(),
-          env={**env, "DDPM_TEST_STOP_AFTER_STEP": "3"}, check=True)
+    hooked_train(recipe, resumed, "--max_train_steps", 6, launcher=torchrun(),
+                 env={**env, "DDPM_TEST_STOP_AFTER_STEP": "3"})
     assert {f"random_states_{r}.pkl" for r in (0, 1)} <= set(os.listdir(resumed / "checkpoint-3"))
-    train(run_cli, recipe, resumed, "--max_train_steps", 6, "--resume_from_checkpoint", "latest",
-          launcher=torchrun(), env=env, check=True)
+    hooked_train(recipe, resumed, "--max_train_steps", 6, "--resume_from_checkpoint", "latest",
+                 launcher=torchrun(), env=env)
     assert_same_state(straight, resumed, 6)
     # one process with the same global batch of 8, dropout off in both for a like-for-like check
     recipe_nodrop = tiny_recipe(checkpointing_steps=3, train_batch_size=4)
     two = tmp_path / "two"
-    train(run_cli, recipe_nodrop, two, "--max_train_steps", 4, launcher=torchrun(), env=env, check=True)
-    train(run_cli, tiny_recipe(checkpointing_steps=3, train_batch_size=8), single, "--max_train_steps", 4, check=True)
+    hooked_train(recipe_nodrop, two, "--max_train_steps", 4, launcher=torchrun(), env=env)
+    hooked_train(tiny_recipe(checkpointing_steps=3, train_batch_size=8), single, "--max_train_steps", 4)
     w2, w1 = load_unet_weights(two), load_unet_weights(single)
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
     l2, l1 = read_history(two), read_history(single)
@@ -163,11 +158,11 @@ def test_two_ranks_train_checkpoint_resume_and_match_one_rank(run_cli, tiny_reci
     assert [h["lr"] for h in l2] == [h["lr"] for h in l1]  # the schedule counts optimizer steps, not ranks
 
 
-def test_resume_with_other_process_count_is_refused(run_cli, tiny_recipe, tmp_path):
+def test_resume_with_other_process_count_is_refused(hooked_train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
     recipe = tiny_recipe(checkpointing_steps=2, train_batch_size=4)
-    train(run_cli, recipe, out, "--max_train_steps", 2, launcher=torchrun(), env={"ACCELERATE_USE_CPU": "1"}, check=True)
-    result = train(run_cli, recipe, out, "--max_train_steps", 4, "--resume_from_checkpoint", "latest")
+    hooked_train(recipe, out, "--max_train_steps", 2, launcher=torchrun(), env={"ACCELERATE_USE_CPU": "1"})
+    result = hooked_train(recipe, out, "--max_train_steps", 4, "--resume_from_checkpoint", "latest", check=False)
     assert result.returncode == 2 and "num_processes: 2 -> 1" in result.stderr
 
 

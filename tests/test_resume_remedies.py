@@ -8,13 +8,8 @@ import shutil
 import pytest
 import yaml
 
-from conftest import TINY_RECIPE, read_history
-from test_resume_policy import cli as checked_cli, cosine_lr, optimizer_state
-
-
-def cli(args, env_dir, extra_env=None):
-    """The real command line through tests/hooked_train.py; a failing run is returned, not raised."""
-    return checked_cli(args, env_dir, extra_env, check=False)
+from conftest import HOOKED_TRAIN, TINY_RECIPE, read_history, run_training
+from test_resume_policy import cosine_lr, optimizer_state
 
 
 @pytest.fixture(scope="module")
@@ -23,21 +18,22 @@ def stopped(tmp_path_factory):
     work = tmp_path_factory.mktemp("stopped")
     recipe = work / "tiny.yaml"
     recipe.write_text(yaml.safe_dump({**TINY_RECIPE, "checkpointing_steps": 2}))
-    result = cli(["--config", recipe, "--output_dir", work / "run", "--max_train_steps", 8, "--max_grad_norm", 0,
-                  "--max_nonfinite_steps", 3], work, {"DDPM_TEST_NAN_AT_STEPS": ",".join(map(str, range(3, 9)))})
+    result = run_training(work, recipe, work / "run", "--max_train_steps", 8, "--max_grad_norm", 0,
+                          "--max_nonfinite_steps", 3, script=HOOKED_TRAIN,
+                          env={"DDPM_TEST_NAN_AT_STEPS": ",".join(map(str, range(3, 9)))}, check=False)
     assert result.returncode == 3, result.stderr[-3000:]
     return recipe, work / "run", result.stderr
 
 
-def test_nonfinite_stop_message_remedies_apply_on_resume(stopped, tmp_path):
+def test_nonfinite_stop_message_remedies_apply_on_resume(hooked_train, stopped, tmp_path):
     recipe, run, stderr = stopped
     assert ("Lower --learning_rate (now 0.001) or set --max_grad_norm 1.0, then resume with "
             "--resume_from_checkpoint latest") in stderr
     assert "--mixed_precision bf16" not in stderr  # only said to fp16 runs, where it applies
     out = tmp_path / "run"
     shutil.copytree(run, out)
-    result = cli(["--config", recipe, "--output_dir", out, "--max_train_steps", 8, "--max_nonfinite_steps", 3,
-                  "--learning_rate", 5e-4, "--max_grad_norm", 1.0, "--resume_from_checkpoint", "latest"], tmp_path)
+    result = hooked_train(recipe, out, "--max_train_steps", 8, "--max_nonfinite_steps", 3, "--learning_rate", 5e-4,
+                          "--max_grad_norm", 1.0, "--resume_from_checkpoint", "latest", check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "at optimizer step 5" in result.stdout
     assert "resuming with --learning_rate 0.0005 (was 0.001): applied from step 6" in result.stdout
@@ -49,7 +45,7 @@ def test_nonfinite_stop_message_remedies_apply_on_resume(stopped, tmp_path):
     assert optimizer_state(out / "checkpoint-8")["param_groups"][0]["initial_lr"] == 5e-4
 
 
-def test_health_report_stability_recommendation_applies_on_resume(stopped, tmp_path):
+def test_health_report_stability_recommendation_applies_on_resume(hooked_train, stopped, tmp_path):
     """The report says: resume from a checkpoint before the first bad step; lower --learning_rate
     to X; lengthen --lr_warmup_steps to Y; clip with --max_grad_norm Z. Take it literally."""
     recipe, run, _ = stopped
@@ -63,9 +59,8 @@ def test_health_report_stability_recommendation_applies_on_resume(stopped, tmp_p
     out = tmp_path / "run"
     shutil.copytree(run, out)
     before = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if int(p.name.split("-")[1]) < first_bad)
-    result = cli(["--config", recipe, "--output_dir", out, "--max_train_steps", 4,
-                  "--resume_from_checkpoint", out / f"checkpoint-{before}",
-                  *[item for name, value in flags.items() for item in (f"--{name}", value)]], tmp_path)
+    result = hooked_train(recipe, out, "--max_train_steps", 4, "--resume_from_checkpoint", out / f"checkpoint-{before}",
+                          *[item for name, value in flags.items() for item in (f"--{name}", value)], check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"at optimizer step {before}" in result.stdout and "abandoned-" in result.stdout
     history = {h["step"]: h for h in read_history(out)}

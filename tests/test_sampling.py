@@ -1,37 +1,15 @@
 """Tests for diffusion_extras/sampling.py and the `python -m diffusion_extras.sample` command line."""
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+from diffusers import DDPMScheduler
 from PIL import Image
 
-from diffusion_extras import sample as sample_cli
+from conftest import save_tiny_pipeline, tiny_unet
 from diffusion_extras.sampling import SCHEDULERS, generate, image_grid, make_scheduler, save_images
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny_unet(seed: int = 0, channels: int = 3) -> UNet2DModel:
-    torch.manual_seed(seed)
-    return UNet2DModel(sample_size=8, in_channels=channels, out_channels=channels, block_out_channels=(8, 16),
-                       layers_per_block=1, down_block_types=("DownBlock2D", "DownBlock2D"),
-                       up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4)
-
-
-def save_tiny_pipeline(path, channels: int = 3) -> str:
-    pipeline = DDPMPipeline(unet=tiny_unet(channels=channels), scheduler=DDPMScheduler(num_train_timesteps=100))
-    pipeline.save_pretrained(path)
-    # Training leaves these beside the pipeline; loading must ignore them.
-    os.makedirs(os.path.join(path, "checkpoint-10"))
-    os.makedirs(os.path.join(path, "samples"))
-    with open(os.path.join(path, "README.md"), "w") as f:
-        f.write("model card")
-    return str(path)
 
 
 class ScaledIdentityUNet(torch.nn.Module):
@@ -58,7 +36,7 @@ def one_cpu_thread():
 
 @pytest.fixture(scope="module")
 def unet():
-    return tiny_unet()
+    return tiny_unet(channels=3)
 
 
 @pytest.fixture(scope="module")
@@ -131,23 +109,18 @@ def test_save_images_writes_numbered_pngs_and_grid(tmp_path):
         np.testing.assert_array_equal(np.asarray(Image.open(path)), image)
 
 
-def test_cli_bad_input_is_one_line_error_exit_2(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        sample_cli.main([str(tmp_path / "nope"), "--output", str(tmp_path / "out")])
-    assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip()
+def test_cli_bad_input_is_one_line_error_exit_2(run_cli, tmp_path):
+    result = run_cli(["-m", "diffusion_extras.sample", str(tmp_path / "nope"), "--output", str(tmp_path / "out")])
+    assert result.returncode == 2
+    error = result.stderr.strip()
     assert error.startswith("error: ") and "does not exist" in error and "\n" not in error
 
 
-def test_cli_writes_pngs_and_grid(tmp_path):
+def test_cli_writes_pngs_and_grid(run_cli, tmp_path):
     pipeline_dir = save_tiny_pipeline(tmp_path / "run", channels=1)
     output = tmp_path / "samples"
-    command = [sys.executable, "-m", "diffusion_extras.sample", pipeline_dir, "--num_images", "5",
-               "--scheduler", "dpm", "--num_inference_steps", "4", "--batch_size", "2", "--output", str(output),
-               "--device", "cpu"]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=environment)
-    assert result.returncode == 0, result.stderr
+    run_cli(["-m", "diffusion_extras.sample", pipeline_dir, "--num_images", "5", "--scheduler", "dpm",
+             "--num_inference_steps", "4", "--batch_size", "2", "--output", str(output), "--device", "cpu"], check=True)
     assert sorted(os.listdir(output)) == [f"{index:06d}.png" for index in range(5)] + ["grid.png"]
     assert Image.open(output / "000004.png").size == (8, 8)
     assert Image.open(output / "grid.png").size == (2 + 3 * 10, 2 + 2 * 10)

@@ -41,15 +41,16 @@ def test_loop_and_artifacts_do_not_branch_on_the_kind_of_source():
         assert not re.search(r"run\.(stream|images|order)\b|streaming\.", text), name
 
 
-def test_a_third_source_trains_checkpoints_and_resumes(run_cli, tiny_recipe, tmp_path):
+def test_a_third_source_trains_checkpoints_and_resumes(train, tiny_recipe, tmp_path):
     recipe = tiny_recipe(checkpointing_steps=2, eval_steps=4, feature_extractor="tiny", eval_num_samples=4)
-    flags = ["tests/custom_source_train.py", "--config", recipe, "--output_dir", str(tmp_path / "run")]
-    first = run_cli([*map(str, flags), "--max_train_steps", "2"], check=True)
+    script = "tests/custom_source_train.py"
+    first = train(recipe, tmp_path / "run", "--max_train_steps", 2, script=script)
     assert "batches from 0 to 2, served so far 0" in first.stdout
     with open(tmp_path / "run" / "checkpoint-2" / "rank_state_0.json") as fh:
         assert json.load(fh) == {"served": 2}
     with open(tmp_path / "run" / "checkpoint-2" / "train_state.json") as fh:
         assert {"epoch": 0, "batch_in_epoch": 2}.items() <= json.load(fh).items()
-    second = run_cli([*map(str, flags), "--max_train_steps", "4", "--resume_from_checkpoint", "latest"], check=True)
+    second = train(recipe, tmp_path / "run", "--max_train_steps", 4, "--resume_from_checkpoint", "latest",
+                   script=script)
     assert "batches from 2 to 4, served so far 2" in second.stdout  # the restored state reached the source
     assert os.path.isdir(tmp_path / "run" / "checkpoint-4")

@@ -2,18 +2,15 @@
 count it uses for the GPU estimate is the UNet's (counted on the meta device)."""
 import json
 import os
-import subprocess
 import sys
 
 from conftest import ROOT
 
 
-def test_stream_bench_runs_and_writes_json(tmp_path):
+def test_stream_bench_runs_and_writes_json(run_cli, tmp_path):
     out = tmp_path / "stream.json"
-    result = subprocess.run([sys.executable, "bench/stream_bench.py", "--resolutions", "16", "--workers", "0", "1",
-                             "--images", "16", "--batch_size", "4", "--batches", "2", "--json", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    result = run_cli(["bench/stream_bench.py", "--resolutions", "16", "--workers", "0", "1", "--images", "16",
+                      "--batch_size", "4", "--batches", "2", "--json", str(out)])
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["resolution"], r["workers"]) for r in rows] == [(16, 0), (16, 1)]

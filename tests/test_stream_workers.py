@@ -11,7 +11,7 @@ from diffusion_extras import streaming
 from diffusion_extras.config import TrainConfig
 from diffusion_extras.data import DataError
 from test_data_files import write_tar_shards
-from test_resume import assert_same_state, train
+from test_resume import assert_same_state
 
 GREY_STEP = 7  # image i has grey value 7*i: 32 images stay below 256
 
@@ -70,16 +70,16 @@ def test_more_workers_than_shards_still_serve_every_example(tmp_path):
     assert sorted(ids(next(batches)) + ids(next(batches))) == list(range(8))
 
 
-def test_cli_streaming_with_two_workers_resumes_bit_exactly(run_cli, tiny_recipe, tmp_path, shards):
+def test_cli_streaming_with_two_workers_resumes_bit_exactly(hooked_train, tiny_recipe, tmp_path, shards):
     recipe = tiny_recipe(train_batch_size=4, checkpointing_steps=2, max_train_samples=None)
     flags = ["--train_data_files", f"{shards}/train-*.tar", "--streaming", "--shuffle_buffer_size", 0,
              "--dataloader_num_workers", 2, "--max_train_steps", 10]  # 8 batches per epoch: crosses it
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(run_cli, recipe, straight, *flags, check=True)
-    train(run_cli, recipe, resumed, *flags, env={"DDPM_TEST_STOP_AFTER_STEP": "6"}, check=True)
+    hooked_train(recipe, straight, *flags)
+    hooked_train(recipe, resumed, *flags, env={"DDPM_TEST_STOP_AFTER_STEP": "6"})
     with open(os.path.join(resumed, "checkpoint-6", "rank_state_0.json")) as fh:
         assert json.load(fh)["num_workers"] == 2
-    train(run_cli, recipe, resumed, *flags, "--resume_from_checkpoint", "latest", check=True)
+    hooked_train(recipe, resumed, *flags, "--resume_from_checkpoint", "latest")
     assert_same_state(straight, resumed, 10)
 
 

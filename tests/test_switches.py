@@ -3,33 +3,44 @@
 import math
 
 import pytest
+import torch
 
 from conftest import read_history
+from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 
 
-def train(run_cli, recipe, output_dir, *flags, **kwargs):
-    return run_cli(["train_ddpm.py", "--config", recipe, "--output_dir", str(output_dir), *map(str, flags)], **kwargs)
-
-
-def losses(run_cli, recipe, tmp_path, name, *flags):
+def losses(train, recipe, tmp_path, name, *flags):
     out = tmp_path / name
-    train(run_cli, recipe, out, "--max_train_steps", 3, *flags, check=True)
+    train(recipe, out, "--max_train_steps", 3, *flags)
     return [h["loss"] for h in read_history(out)]
 
 
-@pytest.mark.parametrize("flag", ["--gradient_checkpointing", "--channels_last", "--allow_tf32"])
-def test_switch_trains_like_the_default(run_cli, tiny_recipe, tmp_path, flag):
-    """Recomputation, memory layout and TF32 (a no-op on CPU) give the default run's numbers."""
+@pytest.mark.parametrize("flag", ["--gradient_checkpointing", "--channels_last"])
+def test_switch_trains_like_the_default(train, tiny_recipe, tmp_path, flag):
+    """Recomputation and memory layout give the default run's numbers."""
     recipe = tiny_recipe()
-    reference = losses(run_cli, recipe, tmp_path, "default")
-    switched = losses(run_cli, recipe, tmp_path, "switched", flag)
+    reference = losses(train, recipe, tmp_path, "default")
+    switched = losses(train, recipe, tmp_path, "switched", flag)
     assert switched == pytest.approx(reference, rel=1e-5)
 
 
-def test_torch_compile_on_cpu(run_cli, tiny_recipe, tmp_path):
+@pytest.mark.parametrize("flags, expected", [((), False), (("--allow_tf32",), True)])
+def test_allow_tf32_sets_the_tf32_switches_of_matmuls_and_convolutions(tmp_path, fresh_accelerate, flags, expected):
+    """TF32 is a no-op on CPU, so a CPU run's numbers cannot show it: check instead that the flag
+    reaches the two switches torch reads on an Ampere+ GPU, and that without it they are left alone."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        tiny_run(tmp_path, *flags, "--max_train_steps", 1)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (expected, expected)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_torch_compile_on_cpu(train, tiny_recipe, tmp_path):
     recipe = tiny_recipe()
-    reference = losses(run_cli, recipe, tmp_path, "default")
-    compiled = losses(run_cli, recipe, tmp_path, "compiled", "--torch_compile")
+    reference = losses(train, recipe, tmp_path, "default")
+    compiled = losses(train, recipe, tmp_path, "compiled", "--torch_compile")
     # steps 1 and 2 see the same weights (warmup: step 1 has lr 0), so the fused kernels must give
     # the same loss up to float rounding. Later steps may drift by ~1%: Adam divides by sqrt(v),
     # which turns rounding-level differences in near-zero gradients into lr-sized updates.
@@ -41,16 +52,16 @@ def test_torch_compile_on_cpu(run_cli, tiny_recipe, tmp_path):
     assert not [k for k in load_file(out / "unet" / "diffusion_pytorch_model.safetensors") if "_orig_mod" in k]
 
 
-def test_8bit_adam_without_bitsandbytes_is_refused(run_cli, tiny_recipe, tmp_path):
+def test_8bit_adam_without_bitsandbytes_is_refused(train, tiny_recipe, tmp_path):
     try:
         import bitsandbytes  # noqa: F401
         pytest.skip("bitsandbytes is installed here")
     except ImportError:
         pass
-    result = train(run_cli, tiny_recipe(), tmp_path / "run", "--use_8bit_adam")
+    result = train(tiny_recipe(), tmp_path / "run", "--use_8bit_adam", check=False)
     assert result.returncode == 2 and "pip install bitsandbytes" in result.stderr
 
 
-def test_compile_mode_is_validated(run_cli, tiny_recipe, tmp_path):
-    result = train(run_cli, tiny_recipe(), tmp_path / "run", "--torch_compile_mode", "fastest")
+def test_compile_mode_is_validated(train, tiny_recipe, tmp_path):
+    result = train(tiny_recipe(), tmp_path / "run", "--torch_compile_mode", "fastest", check=False)
     assert result.returncode == 2 and "--torch_compile_mode 'fastest' is not one of" in result.stderr

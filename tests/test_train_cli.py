@@ -12,13 +12,9 @@ from PIL import Image
 from conftest import load_unet_weights, read_history
 
 
-def train(run_cli, recipe, output_dir, *flags, **kwargs):
-    return run_cli(["train_ddpm.py", "--config", recipe, "--output_dir", str(output_dir), *map(str, flags)], **kwargs)
-
-
-def test_short_run_saves_loadable_pipeline_samples_and_config(run_cli, tiny_recipe, tmp_path):
+def test_short_run_saves_loadable_pipeline_samples_and_config(train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    result = train(run_cli, tiny_recipe(save_images_steps=3), out, "--max_train_steps", 4, check=True)
+    result = train(tiny_recipe(save_images_steps=3), out, "--max_train_steps", 4)
     assert "done: 4 optimizer steps" in result.stdout
     from diffusers import DDPMPipeline
     pipeline = DDPMPipeline.from_pretrained(str(out))
@@ -49,9 +45,9 @@ def test_short_run_saves_loadable_pipeline_samples_and_config(run_cli, tiny_reci
     assert files == {"config.json", "diffusion_pytorch_model.safetensors"}
 
 
-def test_exported_pipeline_holds_ema_weights_not_training_weights(run_cli, tiny_recipe, tmp_path):
+def test_exported_pipeline_holds_ema_weights_not_training_weights(train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    train(run_cli, tiny_recipe(checkpointing_steps=5, ema_max_decay=0.9), out, "--max_train_steps", 5, check=True)
+    train(tiny_recipe(checkpointing_steps=5, ema_max_decay=0.9), out, "--max_train_steps", 5)
     exported = load_unet_weights(out)
     training = load_file(out / "checkpoint-5" / "model.safetensors")
     ema_state = torch.load(out / "checkpoint-5" / "custom_checkpoint_1.pkl", weights_only=True)
@@ -65,11 +61,11 @@ def test_exported_pipeline_holds_ema_weights_not_training_weights(run_cli, tiny_
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_lr_schedule_per_optimizer_step(run_cli, tiny_recipe, tmp_path, accumulation):
+def test_lr_schedule_per_optimizer_step(train, tiny_recipe, tmp_path, accumulation):
     """Warmup then cosine, counted in optimizer steps whatever the accumulation (diffusers #8384)."""
     out = tmp_path / "run"
-    train(run_cli, tiny_recipe(), out, "--max_train_steps", 10, "--lr_warmup_steps", 4,
-          "--gradient_accumulation_steps", accumulation, "--learning_rate", 1e-3, check=True)
+    train(tiny_recipe(), out, "--max_train_steps", 10, "--lr_warmup_steps", 4,
+          "--gradient_accumulation_steps", accumulation, "--learning_rate", 1e-3)
     lrs = {h["step"]: h["lr"] for h in read_history(out)}
     # the lr a step used: step s runs with the schedule's value after s-1 scheduler steps
     def expected(s):
@@ -81,10 +77,10 @@ def test_lr_schedule_per_optimizer_step(run_cli, tiny_recipe, tmp_path, accumula
         assert lrs[step] == pytest.approx(expected(step), rel=1e-9, abs=1e-15), step
 
 
-def test_same_seed_same_numbers(run_cli, tiny_recipe, tmp_path):
+def test_same_seed_same_numbers(train, tiny_recipe, tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     for out, seed in ((a, 3), (b, 3), (c, 4)):
-        train(run_cli, tiny_recipe(), out, "--max_train_steps", 3, "--seed", seed, check=True)
+        train(tiny_recipe(), out, "--max_train_steps", 3, "--seed", seed)
     losses = [[h["loss"] for h in read_history(o)] for o in (a, b, c)]
     assert losses[0] == losses[1]
     assert losses[0] != losses[2]
@@ -103,10 +99,10 @@ def test_same_seed_same_numbers(run_cli, tiny_recipe, tmp_path):
     (["--dataset_name", "./no/such/folder"], "./no/such/folder: no such folder"),
     (["--resume_from_checkpoint", "/nonexistent/checkpoint-5"], "no such checkpoint folder"),
 ])
-def test_bad_input_is_one_line_error_before_training(run_cli, tiny_recipe, tmp_path, flags, message):
+def test_bad_input_is_one_line_error_before_training(train, tiny_recipe, tmp_path, flags, message):
     if "fp16" in flags and torch.cuda.is_available():
         pytest.skip("a GPU is present: fp16 is valid here")
-    result = train(run_cli, tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, *flags)
+    result = train(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, *flags, check=False)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -114,41 +110,41 @@ def test_bad_input_is_one_line_error_before_training(run_cli, tiny_recipe, tmp_p
     assert not (tmp_path / "run" / "model_index.json").exists()
 
 
-def test_output_dir_that_is_a_file(run_cli, tiny_recipe, tmp_path):
+def test_output_dir_that_is_a_file(train, tiny_recipe, tmp_path):
     target = tmp_path / "taken"
     target.write_text("precious")
-    result = train(run_cli, tiny_recipe(), target, "--max_train_steps", 2)
+    result = train(tiny_recipe(), target, "--max_train_steps", 2, check=False)
     assert result.returncode == 2 and "is a file" in result.stderr and "Traceback" not in result.stderr
     assert target.read_text() == "precious"
 
 
-def test_dataset_without_image_column(run_cli, tiny_recipe, tmp_path):
+def test_dataset_without_image_column(train, tiny_recipe, tmp_path):
     import datasets
     datasets.Dataset.from_dict({"label": [1, 2, 3]}).save_to_disk(str(tmp_path / "labels"))
-    result = train(run_cli, tiny_recipe(), tmp_path / "run", "--dataset_name", tmp_path / "labels")
+    result = train(tiny_recipe(), tmp_path / "run", "--dataset_name", tmp_path / "labels", check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "no image column (columns: label)" in result.stderr and "--image_column" in result.stderr
 
 
-def test_fresh_run_refuses_output_dir_with_checkpoints(run_cli, tiny_recipe, tmp_path):
+def test_fresh_run_refuses_output_dir_with_checkpoints(train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    train(run_cli, tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 2, check=True)
+    train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 2)
     before = (out / "checkpoint-2" / "model.safetensors").read_bytes()
-    result = train(run_cli, tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 4)
+    result = train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 4, check=False)
     assert result.returncode == 2 and "already holds checkpoint-2" in result.stderr
     assert (out / "checkpoint-2" / "model.safetensors").read_bytes() == before
 
 
-def test_bf16_autocast_keeps_noising_and_loss_fp32(run_cli, tiny_recipe, tmp_path):
+def test_bf16_autocast_keeps_noising_and_loss_fp32(train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    train(run_cli, tiny_recipe(), out, "--max_train_steps", 3, "--mixed_precision", "bf16", check=True)
+    train(tiny_recipe(), out, "--max_train_steps", 3, "--mixed_precision", "bf16")
     history = read_history(out)
     assert all(math.isfinite(h["loss"]) for h in history)
     weights = load_unet_weights(out)
     assert all(w.dtype == torch.float32 for w in weights.values())
 
 
-def test_image_folder_with_corrupt_file_trains_and_names_it(run_cli, tiny_recipe, tmp_path):
+def test_image_folder_with_corrupt_file_trains_and_names_it(train, tiny_recipe, tmp_path):
     from PIL import Image
     folder = tmp_path / "images"
     folder.mkdir()
@@ -156,15 +152,14 @@ def test_image_folder_with_corrupt_file_trains_and_names_it(run_cli, tiny_recipe
     for i in range(20):
         Image.fromarray(rng.integers(0, 255, (12, 10, 3), dtype=np.uint8)).save(folder / f"{i:02d}.png")
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
-    result = train(run_cli, tiny_recipe(max_train_samples=None, train_batch_size=4), tmp_path / "run",
-                   "--train_data_dir", folder, "--max_train_steps", 2, "--random_flip", "--no-center_crop",
-                   check=True)
+    result = train(tiny_recipe(max_train_samples=None, train_batch_size=4), tmp_path / "run",
+                   "--train_data_dir", folder, "--max_train_steps", 2, "--random_flip", "--no-center_crop")
     assert "broken.png" in result.stderr and "skipping unreadable image" in result.stderr
 
 
-def test_find_lr_sweeps_and_suggests_without_training_outputs(run_cli, tiny_recipe, tmp_path):
+def test_find_lr_sweeps_and_suggests_without_training_outputs(train, tiny_recipe, tmp_path):
     out = tmp_path / "lr"
-    result = train(run_cli, tiny_recipe(), out, "--find_lr", "--find_lr_steps", 40, check=True)
+    result = train(tiny_recipe(), out, "--find_lr", "--find_lr_steps", 40)
     import json
     sweep = json.loads((out / "lr_finder.json").read_text())
     assert sweep["lr"][0] == pytest.approx(1e-7)

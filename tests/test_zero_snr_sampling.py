@@ -69,6 +69,7 @@ def test_sample_cli_samples_from_the_zero_snr_step(tmp_path, monkeypatch):
         seen.append(first_timestep(scheduler, num_inference_steps))
         return sampling.generate(unet, scheduler, num_images, 1, **kwargs)
     monkeypatch.setattr(sample, "generate", generate)
+    # in process, not through run_cli: the test watches the scheduler handed to generate()
     assert sample.main([str(tmp_path / "pipe"), "--num_images", "1", "--num_inference_steps", "10",
                         "--device", "cpu", "--output", str(tmp_path / "images")]) == 0
     assert seen == [999]
