@@ -104,7 +104,8 @@ def build_run(config: TrainConfig, accelerator, lr_schedule, max_train_steps: in
     plan = make_plan(config, accelerator, training_data.source, model_kwargs, switches, max_train_steps)
     model = build_optimization(config, accelerator, plan, unet, noise_scheduler, lr_schedule)
     extras = build_extras(config, accelerator, model.unet, held_out_images)
-    progress = Progress(step_lr=model.peak_lr, nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device))
+    progress = Progress(step_lr=model.peak_lr,
+                        nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device))
     return Run(config=config, plan=plan, accelerator=accelerator, model=model, data=training_data, extras=extras,
                progress=progress, history=tracking.History(config.output_dir))
 
