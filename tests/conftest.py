@@ -24,14 +24,30 @@ TINY_RECIPE = {
 }
 
 
+def write_tiny_recipe(folder, **overrides) -> str:
+    """TINY_RECIPE with `overrides` as a YAML file in `folder` (named by its content); returns its path."""
+    values = {**TINY_RECIPE, **overrides}
+    path = os.path.join(folder, f"tiny-{abs(hash(json.dumps(values, sort_keys=True)))}.yaml")
+    with open(path, "w") as fh:
+        yaml.safe_dump(values, fh)
+    return path
+
+
 @pytest.fixture
 def tiny_recipe(tmp_path):
-    def write(**overrides):
-        values = {**TINY_RECIPE, **overrides}
-        path = tmp_path / f"tiny-{abs(hash(json.dumps(values, sort_keys=True)))}.yaml"
-        path.write_text(yaml.safe_dump(values))
-        return str(path)
-    return write
+    """tiny_recipe(**overrides): write_tiny_recipe in this test's folder."""
+    return lambda **overrides: write_tiny_recipe(tmp_path, **overrides)
+
+
+def save_random_images(folder, count: int, height: int, width: int, seed: int = 0) -> str:
+    """`count` random RGB PNGs 0.png, 1.png, ... in `folder` (created); returns the folder."""
+    import numpy as np
+    from PIL import Image
+    os.makedirs(folder, exist_ok=True)
+    for index, image in enumerate(np.random.default_rng(seed).integers(0, 256, (count, height, width, 3),
+                                                                        dtype=np.uint8)):
+        Image.fromarray(image).save(os.path.join(folder, f"{index}.png"))
+    return str(folder)
 
 
 def cli_env(tmp_path) -> dict:

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DDPMScheduler
-from PIL import Image
 
-from conftest import save_tiny_pipeline, tiny_unet
+from conftest import save_random_images, save_tiny_pipeline, tiny_unet
 from diffusion_extras.evaluation import (ReferenceStatistics, build_feature_extractor, evaluate_unet,
                                          feature_statistics, frechet_distance, kernel_inception_distance,
                                          reference_statistics)
@@ -151,10 +150,7 @@ def test_evaluate_unet_returns_finite_metrics_and_is_seeded():
 
 def test_cli_writes_metrics_json_and_caches_the_reference(run_cli, tmp_path):
     pipeline_dir = save_tiny_pipeline(tmp_path / "run", channels=3)
-    reference_dir = tmp_path / "reference"
-    reference_dir.mkdir()
-    for index, image in enumerate(np.random.default_rng(8).integers(0, 256, (12, 16, 12, 3), dtype=np.uint8)):
-        Image.fromarray(image).save(reference_dir / f"{index}.png")
+    reference_dir = save_random_images(tmp_path / "reference", 12, 16, 12, seed=8)
     run_cli(["-m", "diffusion_extras.evaluate", pipeline_dir, "--reference", str(reference_dir),
              "--num_samples", "6", "--feature_extractor", "tiny", "--num_inference_steps", "3",
              "--batch_size", "6", "--cache_dir", str(tmp_path / "cache"), "--output", str(tmp_path / "m.json"),

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import read_history, save_tiny_pipeline
+from conftest import read_history, save_random_images, save_tiny_pipeline
 from diffusion_extras import backbones
 from diffusion_extras.evaluation import build_feature_extractor, cmmd, extractors_for, parse_metrics
 
@@ -177,10 +177,7 @@ def test_evaluate_cli_offline_without_inception_weights_names_the_file_url_and_f
 # ----------------------------------------------------------------------------- command lines
 def test_evaluate_cli_computes_every_metric_with_local_backbones(run_cli, tmp_path, tiny_dinov2, tiny_clip):
     pipeline = save_tiny_pipeline(tmp_path / "run", channels=3)
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    for index, image in enumerate(np.random.default_rng(3).integers(0, 256, (10, 8, 8, 3), dtype=np.uint8)):
-        Image.fromarray(image).save(reference / f"{index}.png")
+    reference = save_random_images(tmp_path / "reference", 10, 8, 8, seed=3)
     result = run_cli(["-m", "diffusion_extras.evaluate", pipeline, "--reference", str(reference),
                       "--eval_metrics", "fid,kid,fd_dinov2,cmmd", "--feature_extractor", "tiny",
                       "--dinov2_model", tiny_dinov2, "--clip_model", tiny_clip, "--num_samples", "6",

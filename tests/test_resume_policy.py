@@ -9,7 +9,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from conftest import HOOKED_TRAIN, ROOT, TINY_RECIPE, read_history, run_training
+from conftest import HOOKED_TRAIN, ROOT, read_history, run_training, write_tiny_recipe
 from diffusion_extras import checkpointing
 from diffusion_extras.config import RESUME_POLICIES, TrainConfig, resume_policy
 
@@ -47,9 +47,7 @@ def test_readme_states_the_policy_table_of_the_metadata():
 def base(tmp_path_factory):
     """4 steps at lr 1e-3 (cosine, 2 warmup steps over 4), checkpoints 2 and 4: shared, copied per test."""
     work = tmp_path_factory.mktemp("base")
-    recipe = work / "tiny.yaml"
-    import yaml
-    recipe.write_text(yaml.safe_dump({**TINY_RECIPE, "checkpointing_steps": 2}))
+    recipe = write_tiny_recipe(work, checkpointing_steps=2)
     run_training(work, recipe, work / "run", "--max_train_steps", 4, script=HOOKED_TRAIN)
     return recipe, work / "run"
 

@@ -6,9 +6,8 @@ import re
 import shutil
 
 import pytest
-import yaml
 
-from conftest import HOOKED_TRAIN, TINY_RECIPE, read_history, run_training
+from conftest import HOOKED_TRAIN, read_history, run_training, write_tiny_recipe
 from test_resume_policy import cosine_lr, optimizer_state
 
 
@@ -16,8 +15,7 @@ from test_resume_policy import cosine_lr, optimizer_state
 def stopped(tmp_path_factory):
     """Clipping off, NaN inputs from step 3: stops at step 5 (3 in a row) with checkpoints 2, 4, 5."""
     work = tmp_path_factory.mktemp("stopped")
-    recipe = work / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump({**TINY_RECIPE, "checkpointing_steps": 2}))
+    recipe = write_tiny_recipe(work, checkpointing_steps=2)
     result = run_training(work, recipe, work / "run", "--max_train_steps", 8, "--max_grad_norm", 0,
                           "--max_nonfinite_steps", 3, script=HOOKED_TRAIN,
                           env={"DDPM_TEST_NAN_AT_STEPS": ",".join(map(str, range(3, 9)))}, check=False)
