@@ -138,7 +138,7 @@ class TrainConfig:
     inception_weights: Optional[str] = _f(None, "Local TorchScript Inception file (inception-2015-12-05.pt) for FID/KID; default: downloaded once from its public URL.", resume=APPLY)
     dinov2_model: str = _f("facebook/dinov2-large", "DINOv2 backbone for fd_dinov2: a Hub id or a local save_pretrained folder.", resume=APPLY)
     clip_model: str = _f("openai/clip-vit-large-patch14-336", "CLIP backbone for cmmd: a Hub id or a local save_pretrained folder.", resume=APPLY)
-    validation_split: Optional[float] = _f(None, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss; 0: none. None: 0.1 of the embedded digits, none of your data.", resume=REFUSE)
+    validation_split: Optional[float] = _f(None, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss; 0: none. None: 0.05 of the embedded digits (90 images), none of your data.", resume=REFUSE)
     validation_steps: int = _f(250, "Every N optimizer steps (and at the end): held-out loss per timestep bin with raw and EMA weights, fixed noise and timesteps (held-out images x --diagnostics_bins forwards).", resume=APPLY)
     grad_diagnostics_steps: Optional[int] = _f(None, "Every N optimizer steps: per-timestep-bin gradient norms and shares of the total gradient on a fixed probe batch (--train_batch_size images; 2 x --diagnostics_bins backwards on the main process, off the training gradients). 0: off. None: every --validation_steps on the embedded digits, off on your data.", resume=APPLY)
     posthoc_ema: bool = _f(False, "Keep EDM2 power-function EMA profiles (sigma_rel 0.05, 0.10) and snapshot them for post-hoc EMA.", resume=REFUSE)

@@ -49,11 +49,11 @@ def test_images_seen_counts_processes_and_accumulation():
 
 
 @pytest.mark.parametrize("flags, embedded, expected", [
-    ({}, True, {"validation_split": 0.1, "grad_diagnostics_steps": 250}),
+    ({}, True, {"validation_split": 0.05, "grad_diagnostics_steps": 250}),
     ({}, False, {"validation_split": 0.0, "grad_diagnostics_steps": 0}),
     ({"validation_split": 0.0, "grad_diagnostics_steps": 0}, True, {"validation_split": 0.0, "grad_diagnostics_steps": 0}),
     ({"validation_split": 0.2, "validation_steps": 50}, False, {"validation_split": 0.2, "grad_diagnostics_steps": 0}),
-    ({"validation_steps": 50}, True, {"validation_split": 0.1, "grad_diagnostics_steps": 50}),
+    ({"validation_steps": 50}, True, {"validation_split": 0.05, "grad_diagnostics_steps": 50}),
 ])
 def test_probes_are_on_for_the_embedded_digits_unless_set(flags, embedded, expected):
     assert run_state.extras_switches(TrainConfig(**flags), embedded) == expected
@@ -67,7 +67,7 @@ def test_plan_fields_are_config_fields():
 
 
 def test_the_digits_default_run_writes_the_held_out_and_gradient_plots(train, tmp_path):
-    """No data flag: the held-out loss (a tenth of the digits, never trained on) and the gradient
+    """No data flag: the held-out loss (5 % of the digits, never trained on) and the gradient
     monitor run at --validation_steps; user data (a folder here) gets neither unless asked."""
     out = tmp_path / "digits"
     train(_small_digits_recipe(tmp_path), out, "--max_train_steps", 4, "--validation_steps", 2, "--resolution", 8,
@@ -82,7 +82,7 @@ def test_the_digits_default_run_writes_the_held_out_and_gradient_plots(train, tm
     for plot in ("held_out_loss.png", "grad_per_timestep.png"):
         assert (out / "images" / plot).stat().st_size > 10_000
     saved = yaml.safe_load((out / "training_config.yaml").read_text())
-    assert (saved["validation_split"], saved["grad_diagnostics_steps"]) == (0.1, 2)
+    assert (saved["validation_split"], saved["grad_diagnostics_steps"]) == (0.05, 2)
 
 
 def _small_digits_recipe(tmp_path) -> str:
