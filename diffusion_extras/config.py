@@ -322,6 +322,8 @@ def validate(c: TrainConfig) -> None:
          f"--diagnostics_bins must lie in [1, --ddpm_num_steps] (got {c.diagnostics_bins})")
     need(c.max_nonfinite_steps >= 1, f"--max_nonfinite_steps must be at least 1 (got {c.max_nonfinite_steps})")
     need(c.find_lr_steps >= 10, f"--find_lr_steps must be at least 10 (got {c.find_lr_steps})")
+    need(not (c.find_lr and c.resume_from_checkpoint),
+         "--find_lr sweeps a fresh model and never loads a checkpoint: drop --resume_from_checkpoint")
     need(c.eval_steps is None or c.eval_steps >= 1, f"--eval_steps must be at least 1 (got {c.eval_steps})")
     need(c.eval_num_samples >= 2, f"--eval_num_samples must be at least 2 (got {c.eval_num_samples})")
     from .evaluation import parse_metrics  # the metric names are declared once, beside their extractors

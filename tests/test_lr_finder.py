@@ -45,3 +45,12 @@ def test_nonfinite_loss_stops_and_files_are_written(tmp_path):
     assert len(saved["lr"]) == 11 and saved["smoothed_loss"][-1] is None
     from PIL import Image
     assert Image.open(png_path).size == (700, 450)
+
+
+def test_the_range_test_refuses_a_checkpoint_to_resume():
+    """The range test is its own mode (train_ddpm.setup_lr_range_test): it builds a fresh model and
+    loads no checkpoint, so asking it to resume is an error, not a flag silently ignored."""
+    from diffusion_extras.config import ConfigError, parse_config
+    with pytest.raises(ConfigError, match="--find_lr sweeps a fresh model"):
+        parse_config(["--find_lr", "--resume_from_checkpoint", "latest"])
+    assert parse_config(["--find_lr"]).find_lr
