@@ -60,7 +60,7 @@ def config_summary(args, config, run) -> dict:
             "data": "synthetic random images (parquet)" if config.dataset_name else "embedded digits",
             # what the full step did, read off the run rather than assumed from flags
             "extras": {"ema": run.extras.ema is not None, "snr_gamma": config.snr_gamma,
-                       "diagnostics": getattr(run, "diagnostics", None) is not None,
+                       "diagnostics": run.extras.diagnostics is not None,
                        "max_grad_norm": config.max_grad_norm, "prediction_type": config.prediction_type},
             "steps_per_variant": args.steps, "warmup": args.warmup, "rounds": min(args.rounds, args.steps)}
 

@@ -217,14 +217,7 @@ def measure_data_pipeline(run, seconds: float, synchronize, windows: int = 3) ->
     from diffusion_extras import data
 
     config, device = run.config, run.accelerator.device
-    if hasattr(train_ddpm, "make_batches"):
-        batches = train_ddpm.make_batches(run)
-    else:  # a trainer from before make_batches: the loader as its train() built it inline
-        batches = iter(torch.utils.data.DataLoader(
-            data.MicroBatches(run.images, run.order, run.accelerator.process_index, config.train_batch_size,
-                              config.resolution, config.seed),
-            batch_size=None, sampler=range(0, 10 ** 12), num_workers=config.dataloader_num_workers,
-            pin_memory=device.type == "cuda", generator=torch.Generator()))
+    batches = train_ddpm.make_batches(run)
     flips = (torch.rand(config.train_batch_size, device=device) < 0.5) if config.random_flip else None
     data.to_model_input(next(batches), device, flips)  # worker start-up is not throughput
     rates = []
