@@ -24,14 +24,26 @@ import warnings
 
 import torch
 
-from diffusion_extras import (artifacts, checkpointing, compat, data, diagnostics, losses, lr_finder, models,
-                              optimization, resume_policy, run_state, sources, tracking, validation)
-from diffusion_extras.config import ConfigError, TrainConfig, parse_config, redact_argv, redact_config, save_config
-from diffusion_extras.ema import ExponentialMovingAverage
-from diffusion_extras.optimization import make_optimizer, step_unless_nonfinite
-from diffusion_extras.phema import PowerFunctionEMA
-from diffusion_extras.run_state import Data, Extras, Model, Plan, Progress, Run
-from diffusion_extras.timesteps import make_timestep_sampler
+from diffusion_extras.training import artifacts
+from diffusion_extras.training import checkpointing
+from diffusion_extras.training import compat
+from diffusion_extras.data import images as data
+from diffusion_extras.monitoring import diagnostics
+from diffusion_extras.core import losses
+from diffusion_extras.monitoring import lr_finder
+from diffusion_extras.training import models
+from diffusion_extras.core import optimization
+from diffusion_extras.training import resume_policy
+from diffusion_extras.training import run_state
+from diffusion_extras.data import sources
+from diffusion_extras.training import tracking
+from diffusion_extras.monitoring import held_out as validation
+from diffusion_extras.training.config import ConfigError, TrainConfig, parse_config, redact_argv, redact_config, save_config
+from diffusion_extras.core.ema import ExponentialMovingAverage
+from diffusion_extras.core.optimization import make_optimizer, step_unless_nonfinite
+from diffusion_extras.core.phema import PowerFunctionEMA
+from diffusion_extras.training.run_state import Data, Extras, Model, Plan, Progress, Run
+from diffusion_extras.core.timesteps import make_timestep_sampler
 
 
 # ----------------------------------------------------------------------------- setup
@@ -203,7 +215,7 @@ def make_grad_monitor(config: TrainConfig, plan: Plan, source):
     """The per-timestep gradient monitor on a fixed probe batch of training images, or None."""
     if not plan.grad_diagnostics_steps:
         return None
-    from diffusion_extras.grad_monitor import GradientMonitor
+    from diffusion_extras.monitoring.grad_monitor import GradientMonitor
     return GradientMonitor(source.reference_sample(config.train_batch_size), config.ddpm_num_steps,
                            config.diagnostics_bins, config.seed)
 
@@ -399,7 +411,7 @@ def check_nonfinite(run: Run, values: dict) -> None:
     streak = values.get("max_consecutive_nonfinite", 0)
     if streak >= run.config.max_nonfinite_steps:
         config = run.config
-        # every remedy named here is applied on resume (diffusion_extras.resume_policy; tests/test_resume_remedies.py)
+        # every remedy named here is applied on resume (diffusion_extras.training.resume_policy; tests/test_resume_remedies.py)
         remedies = [f"Lower --learning_rate (now {config.learning_rate:g})"]
         if not config.max_grad_norm:  # a non-finite gradient cannot be clipped; clipping stops the blow-up before it
             remedies.append("set --max_grad_norm 1.0")

@@ -50,7 +50,7 @@ def machine_info(device, load_start) -> dict:
 
 
 def config_summary(args, config, run) -> dict:
-    from diffusion_extras import models
+    from diffusion_extras.training import models
 
     return {"recipe": "tiny" if args.tiny else args.recipe, "mixed_precision": config.mixed_precision,
             "train_batch_size": config.train_batch_size,

@@ -89,7 +89,7 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- setup
 def make_config(args, trainer_flags, workdir):
-    from diffusion_extras.config import ConfigError, parse_config
+    from diffusion_extras.training.config import ConfigError, parse_config
     import yaml
 
     flags = ["--output_dir", os.path.join(workdir, "out"), "--cache_dir", os.path.join(workdir, "cache"),
@@ -126,8 +126,9 @@ def write_synthetic_images(folder: str, count: int, resolution: int, channels: i
 
 def make_run(config):
     import train_ddpm
-    from diffusion_extras import checkpointing, data
-    from diffusion_extras.config import ConfigError
+    from diffusion_extras.training import checkpointing
+    from diffusion_extras.data import images as data
+    from diffusion_extras.training.config import ConfigError
 
     try:
         return train_ddpm.setup(config)
@@ -154,7 +155,7 @@ def full_step(run, batches: int = 4):
 
 def bare_step(run):
     """The minimum a DDPM step must do, on one fixed noisy batch: forward, MSE, backward, AdamW."""
-    from diffusion_extras import data
+    from diffusion_extras.data import images as data
 
     config, device = run.config, run.accelerator.device
     clean = data.to_model_input(next(run.data.source.batches(0, 1)), device)
@@ -214,7 +215,7 @@ def summarize_steps(times: dict, images_per_step: int) -> dict:
 def measure_data_pipeline(run, seconds: float, synchronize, windows: int = 3) -> dict:
     """The DataLoader train() builds, read as fast as it goes, each batch made model input on the device."""
     import train_ddpm
-    from diffusion_extras import data
+    from diffusion_extras.data import images as data
 
     config, device = run.config, run.accelerator.device
     batches = train_ddpm.make_batches(run)

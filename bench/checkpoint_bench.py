@@ -5,7 +5,7 @@
 
 Builds the run exactly as train_ddpm.setup does (model, fused AdamW, LR schedule, EMA,
 diagnostics) on synthetic 32 px images, takes one optimizer step so the Adam moments exist, then
-times diffusion_extras.checkpointing.save_checkpoint (accelerate's save_state + fsync + marker +
+times diffusion_extras.training.checkpointing.save_checkpoint (accelerate's save_state + fsync + marker +
 rename) with and without the marker's per-file checksums, verify_checkpoint (what `latest` runs
 on each candidate) and accelerator.load_state, and lists the checkpoint's files and sizes.
 """
@@ -35,8 +35,9 @@ def main(argv=None) -> None:
     from PIL import Image
 
     import train_ddpm
-    from diffusion_extras import checkpointing, models
-    from diffusion_extras.config import parse_config
+    from diffusion_extras.training import checkpointing
+    from diffusion_extras.training import models
+    from diffusion_extras.training.config import parse_config
 
     work = tempfile.mkdtemp(prefix="ckpt-bench-")
     images = os.path.join(work, "images")

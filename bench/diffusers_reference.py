@@ -167,7 +167,7 @@ def steps_per_second(points: list[tuple[int, float]], warmup: int) -> tuple[floa
 def run_reference(args, config, workdir: str, data_dir: str, our_images_per_s: float) -> dict:
     """Run and time train_unconditional.py with our recipe's settings; a dict with `status`
     "ok", "skipped" (why in `note`) or "failed" (its output's tail in `note`)."""
-    from diffusion_extras import models
+    from diffusion_extras.training import models
 
     if not args.diffusers_script:
         return {"status": "skipped", "note": "no --diffusers_script given (see bench/README.md)"}

@@ -69,8 +69,9 @@ def steps_for_budget(out: str, seconds: float, recipe: str | None, extra: list[s
 
 def real_digits(recipe: str | None, extra: list[str]):
     """(training-split images, their labels, held-out images) exactly as the run split them."""
-    from diffusion_extras import data, validation
-    from diffusion_extras.config import parse_config
+    from diffusion_extras.data import images as data
+    from diffusion_extras.monitoring import held_out as validation
+    from diffusion_extras.training.config import parse_config
 
     config = parse_config([*(["--config", recipe] if recipe else []), *extra,
                            "--validation_split", str(VALIDATION_SPLIT)])
@@ -85,7 +86,7 @@ def real_digits(recipe: str | None, extra: list[str]):
 
 
 def classifier_fid(classifier, images: np.ndarray, reference: np.ndarray) -> float:
-    from diffusion_extras import evaluation
+    from diffusion_extras.evaluation import metrics as evaluation
     logits = [classifier.decision_function(classifier_input(part)) for part in (images, reference)]
     (mu1, sigma1), (mu2, sigma2) = (evaluation.feature_statistics(f) for f in logits)
     return evaluation.frechet_distance(mu1, sigma1, mu2, sigma2)
@@ -95,7 +96,7 @@ def evaluate(run_dir: str, recipe: str | None, extra: list[str], num_samples: in
     from diffusers import DDPMPipeline
     from sklearn.linear_model import LogisticRegression
 
-    from diffusion_extras import sampling
+    from diffusion_extras.evaluation import sampling
     training, labels, held_out = real_digits(recipe, extra)
     classifier = LogisticRegression(max_iter=2000).fit(classifier_input(training), labels)
     pipeline = DDPMPipeline.from_pretrained(run_dir)

@@ -78,7 +78,8 @@ def train_all(jobs: list[tuple[str, list[str]]], parallel: int) -> None:
 def evaluate(out: str, classifier, reference, extractor) -> dict:
     from diffusers import DDPMPipeline
 
-    from diffusion_extras import evaluation, sampling
+    from diffusion_extras.evaluation import metrics as evaluation
+    from diffusion_extras.evaluation import sampling
     pipeline = DDPMPipeline.from_pretrained(out)
     scheduler = sampling.make_scheduler("ddim", pipeline.scheduler.config)
     images = sampling.generate(pipeline.unet, scheduler, 256, 50, seed=1, batch_size=128)
@@ -96,8 +97,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "snr"))
     parser.add_argument("--parallel", type=int, default=2, help="trainings at once (one thread each when > 1)")
     args = parser.parse_args(argv)
-    from diffusion_extras import data, evaluation
-    from diffusion_extras.config import TrainConfig
+    from diffusion_extras.data import images as data
+    from diffusion_extras.evaluation import metrics as evaluation
+    from diffusion_extras.training.config import TrainConfig
 
     classifier = digit_classifier()
     extractor = evaluation.build_feature_extractor("tiny")

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from diffusion_extras import streaming  # noqa: E402
-from diffusion_extras.config import TrainConfig  # noqa: E402
+from diffusion_extras.training.config import TrainConfig  # noqa: E402
 
 H100_BF16_PEAK_TFLOPS = 989.4  # dense, spec sheet (bench/device_figures.PEAK_TFLOPS)
 RECIPES = {64: "configs/ddpm-64.yaml", 256: "configs/ddpm-256.yaml"}

@@ -7,8 +7,10 @@ from diffusers import DDPMPipeline, DDPMScheduler
 from PIL import Image
 
 from conftest import tiny_unet
-from diffusion_extras import artifacts, sampling, tracking
-from diffusion_extras.ema import ExponentialMovingAverage
+from diffusion_extras.training import artifacts
+from diffusion_extras.evaluation import sampling
+from diffusion_extras.training import tracking
+from diffusion_extras.core.ema import ExponentialMovingAverage
 
 
 def tiny_unet_and_ema():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from diffusers import UNet2DModel
 
-from diffusion_extras.cli import load_pipeline, one_line_errors, pipeline_resolution, positive_int, resolve_device
+from diffusion_extras.cli.common import load_pipeline, one_line_errors, pipeline_resolution, positive_int, resolve_device
 from conftest import save_tiny_pipeline
 
 

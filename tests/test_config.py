@@ -5,8 +5,8 @@ import pytest
 import yaml
 
 from conftest import tiny_unet
-from diffusion_extras import models
-from diffusion_extras.config import (ConfigError, TrainConfig, build_parser, from_sources, load_yaml, parse_config,
+from diffusion_extras.training import models
+from diffusion_extras.training.config import (ConfigError, TrainConfig, build_parser, from_sources, load_yaml, parse_config,
                                      save_config)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,7 +67,7 @@ def non_default(field) -> tuple:
 def test_every_flag_maps_to_a_field(monkeypatch):
     """Every TrainConfig field but `model` (YAML only) has a flag of its name, the parser has no
     other flag, and a non-default value given on the command line reaches its field, typed."""
-    from diffusion_extras import config as config_module
+    from diffusion_extras.training import config as config_module
     cli_fields = [f for f in dataclasses.fields(TrainConfig) if f.name != "model"]
     options = {option for action in build_parser()._actions for option in action.option_strings}
     assert {o for o in options if not o.startswith("--no-")} - {"-h", "--help", "--config"} == \
@@ -144,7 +144,7 @@ def test_abbreviated_flags_are_refused():
 
 
 def test_secrets_are_scrubbed_from_argv_by_value():
-    from diffusion_extras.config import redact_argv
+    from diffusion_extras.training.config import redact_argv
     argv = ["train_ddpm.py", "--hub_token", "hf_abc123", "--hub_token=hf_abc123", "--output_dir", "x"]
     redact_argv(argv, ["hf_abc123", None])
     assert argv == ["train_ddpm.py", "--hub_token", "***", "--hub_token=***", "--output_dir", "x"]

@@ -6,8 +6,8 @@ import pytest
 import torch
 from PIL import Image
 
-from diffusion_extras import data
-from diffusion_extras.config import TrainConfig
+from diffusion_extras.data import images as data
+from diffusion_extras.training.config import TrainConfig
 
 
 def config(**kw):

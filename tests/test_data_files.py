@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffusion_extras import data, streaming
-from diffusion_extras.config import TrainConfig
+from diffusion_extras.data import images as data
+from diffusion_extras.data import streaming
+from diffusion_extras.training.config import TrainConfig
 
 
 def write_tar_shards(folder, shards=3, per_shard=4, size=(10, 12), extension="jpg", grey_step=10):
@@ -109,7 +110,7 @@ def test_cli_trains_on_tar_shards_cached_and_streamed(hooked_train, tiny_recipe,
 
 
 def test_one_data_source_at_a_time():
-    from diffusion_extras.config import ConfigError, validate
+    from diffusion_extras.training.config import ConfigError, validate
     with pytest.raises(ConfigError, match="not both --dataset_name and --train_data_files"):
         validate(TrainConfig(dataset_name="x", train_data_files="a.tar"))
     validate(TrainConfig(train_data_files="a.tar", streaming=True, max_train_steps=2))  # a source for streaming

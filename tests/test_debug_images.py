@@ -9,8 +9,9 @@ from diffusers import UNet2DModel
 from PIL import Image
 from safetensors.torch import load_file
 
-from diffusion_extras import cli, sampling
-from diffusion_extras.debug_images import recorded_steps
+from diffusion_extras.cli import common as cli
+from diffusion_extras.evaluation import sampling
+from diffusion_extras.monitoring.debug_images import recorded_steps
 
 STEPS, SAMPLER_STEPS = 3, 10
 

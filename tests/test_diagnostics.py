@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from diffusion_extras.diagnostics import (
+from diffusion_extras.monitoring.diagnostics import (
     TimestepDiagnostics, bayes_optimal_loss, per_dimension_variance, plot_loss_per_timestep,
     timestep_bin_edges,
 )

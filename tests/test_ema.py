@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from diffusion_extras.ema import ExponentialMovingAverage
+from diffusion_extras.core.ema import ExponentialMovingAverage
 
 
 def closed_form_decay(k, inv_gamma, power, max_decay):

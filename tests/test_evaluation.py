@@ -8,10 +8,10 @@ import torch
 from diffusers import DDPMScheduler
 
 from conftest import save_random_images, save_tiny_pipeline, tiny_unet
-from diffusion_extras.evaluation import (ReferenceStatistics, build_feature_extractor, evaluate_unet,
+from diffusion_extras.evaluation.metrics import (ReferenceStatistics, build_feature_extractor, evaluate_unet,
                                          feature_statistics, frechet_distance, kernel_inception_distance,
                                          reference_statistics)
-from diffusion_extras.sampling import make_scheduler
+from diffusion_extras.evaluation.sampling import make_scheduler
 from test_sampling import one_cpu_thread  # noqa: F401 (fixture)
 
 

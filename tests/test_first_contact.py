@@ -49,7 +49,7 @@ def test_accelerate_launch_help_shows_the_training_flags(run_cli, tmp_path):
 
 
 def test_help_is_rendered_from_the_field_metadata():
-    from diffusion_extras import config
+    from diffusion_extras.training import config
     text = _one_spaced(config.build_parser().format_help())
     for f in config.config_fields():
         rendered = _one_spaced(config.help_text(f).replace("%%", "%"))
@@ -91,7 +91,7 @@ def test_unreadable_config_is_reported_even_as_root(tmp_path, monkeypatch):
     """root can read a chmod-0 file, so the permission case is also checked by failing the open."""
     import builtins
 
-    from diffusion_extras import config
+    from diffusion_extras.training import config
     path = tmp_path / "recipe.yaml"
     path.write_text("seed: 1\n")
     real_open = builtins.open
@@ -159,8 +159,8 @@ def test_diffusers_default_unet_at_multiples_of_32_px():
     train_unconditional.py builds (its literal arguments below), and its parameter count."""
     from diffusers import UNet2DModel
 
-    from diffusion_extras import models
-    from diffusion_extras.config import TrainConfig
+    from diffusion_extras.training import models
+    from diffusion_extras.training.config import TrainConfig
     config = TrainConfig(train_data_dir=".", resolution=32)
     model, chosen = models.follow_data(config, 3)
     assert "diffusers train_unconditional.py's default UNet at 32 px" in chosen
@@ -181,7 +181,7 @@ def test_diffusers_default_unet_at_multiples_of_32_px():
 
 
 def test_image_channels_follow_the_pil_mode(tmp_path):
-    from diffusion_extras import data
+    from diffusion_extras.data import images as data
     items = []
     for mode in ("L", "1", "I;16", "LA"):
         path = tmp_path / f"{mode.replace(';', '')}.png"
@@ -218,7 +218,7 @@ OTHER_DIFFUSERS_FLAGS = ("--dataset_config_name=default --cache_dir=cache --eval
 
 
 def test_diffusers_readme_command_lines_parse_with_the_same_meaning(tmp_path):
-    from diffusion_extras.config import parse_config
+    from diffusion_extras.training.config import parse_config
     data = str(tmp_path)
     flowers = parse_config(README_FLOWERS.format(data=data).split())
     assert (flowers.dataset_name, flowers.resolution, flowers.center_crop, flowers.random_flip) == (data, 64, True, True)

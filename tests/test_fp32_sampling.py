@@ -6,7 +6,9 @@ from PIL import Image
 
 import train_ddpm
 from conftest import load_unet_weights
-from diffusion_extras import artifacts, models, sampling
+from diffusion_extras.training import artifacts
+from diffusion_extras.training import models
+from diffusion_extras.evaluation import sampling
 from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 
 

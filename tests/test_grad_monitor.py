@@ -10,10 +10,10 @@ from diffusers import DDPMScheduler
 from safetensors.torch import load_file
 
 from conftest import TINY_RECIPE, load_unet_weights, read_history, tiny_unet
-from diffusion_extras.grad_monitor import GradientMonitor
-from diffusion_extras.losses import NoiseSchedule, min_snr_weight
-from diffusion_extras.report_checks import Run
-from diffusion_extras.report_dynamics import check_gradient_dominance
+from diffusion_extras.monitoring.grad_monitor import GradientMonitor
+from diffusion_extras.core.losses import NoiseSchedule, min_snr_weight
+from diffusion_extras.report.checks import Run
+from diffusion_extras.report.dynamics import check_gradient_dominance
 
 
 def test_bin_gradients_match_plain_backward_and_leave_grad_untouched():
@@ -72,7 +72,7 @@ def probes(shares_per_probe):
 
 
 def test_report_warns_when_one_bin_dominates_the_gradient(tmp_path, capsys):
-    from diffusion_extras.report import main
+    from diffusion_extras.report.health import main
     dominated = [0.7] + [0.3 / 9] * 9
     (tmp_path / "logs").mkdir()
     with open(tmp_path / "logs" / "history.jsonl", "w") as fh:

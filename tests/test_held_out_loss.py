@@ -8,11 +8,12 @@ import torch
 from diffusers import DDPMScheduler, UNet2DModel
 
 from conftest import read_history
-from diffusion_extras import data, validation
-from diffusion_extras.config import parse_config
-from diffusion_extras.losses import NoiseSchedule
-from diffusion_extras.report_dynamics import check_ema_behind_raw, check_held_out_overfitting
-from diffusion_extras.report_checks import Run
+from diffusion_extras.data import images as data
+from diffusion_extras.monitoring import held_out as validation
+from diffusion_extras.training.config import parse_config
+from diffusion_extras.core.losses import NoiseSchedule
+from diffusion_extras.report.dynamics import check_ema_behind_raw, check_held_out_overfitting
+from diffusion_extras.report.checks import Run
 
 
 def test_split_is_seeded_disjoint_and_complete():
@@ -83,7 +84,7 @@ def history(held_out, training, ema=None):
 
 
 def test_overfitting_is_reported_when_held_out_rises_while_training_falls(tmp_path, capsys):
-    from diffusion_extras.report import main
+    from diffusion_extras.report.health import main
     training = list(np.geomspace(1.0, 0.2, 16))
     (tmp_path / "logs").mkdir()
     with open(tmp_path / "logs" / "history.jsonl", "w") as fh:

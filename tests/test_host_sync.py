@@ -22,8 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import ROOT, TINY_RECIPE
 
 import train_ddpm
-from diffusion_extras import artifacts
-from diffusion_extras.config import parse_config
+from diffusion_extras.training import artifacts
+from diffusion_extras.training.config import parse_config
 
 # aten ops that read a device value on the host: scalar reads (.item(), bool(), float(), .tolist()),
 # comparisons answered on the host, and ops whose output shape depends on the data.

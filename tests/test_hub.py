@@ -20,7 +20,7 @@ from huggingface_hub import ModelCard
 from PIL import Image
 from safetensors.numpy import save as safetensors_bytes
 
-from diffusion_extras.hub import default_repo_id, redact_config, write_model_card
+from diffusion_extras.hub.push import default_repo_id, redact_config, write_model_card
 
 try:
     from tests.hub_server import HubServer
@@ -90,7 +90,7 @@ def run_client(hub: HubServer, code: str, tmp_path, **env_extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}  # HF_HUB_OFFLINE too
     env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_PROGRESS_BARS="1",
                HF_HUB_DISABLE_TELEMETRY="1", PYTHONPATH=REPO_ROOT, **env_extra)
-    preamble = f"import json, time\nfrom diffusion_extras.hub import HubPusher, resolve_token\nTOKEN = {TOKEN!r}\n"
+    preamble = f"import json, time\nfrom diffusion_extras.hub.push import HubPusher, resolve_token\nTOKEN = {TOKEN!r}\n"
     result = subprocess.run([sys.executable, "-c", preamble + textwrap.dedent(code)], env=env, cwd=str(tmp_path),
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from diffusers import DDPMScheduler
 
-from diffusion_extras.losses import NoiseSchedule, min_snr_weight, per_sample_loss
+from diffusion_extras.core.losses import NoiseSchedule, min_snr_weight, per_sample_loss
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"beta_schedule": "squaredcos_cap_v2"},

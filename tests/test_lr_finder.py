@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from diffusion_extras import lr_finder
+from diffusion_extras.monitoring import lr_finder
 
 
 def test_sweep_is_exponential_from_start_to_end():
@@ -50,7 +50,7 @@ def test_nonfinite_loss_stops_and_files_are_written(tmp_path):
 def test_the_range_test_refuses_a_checkpoint_to_resume():
     """The range test is its own mode (train_ddpm.setup_lr_range_test): it builds a fresh model and
     loads no checkpoint, so asking it to resume is an error, not a flag silently ignored."""
-    from diffusion_extras.config import ConfigError, parse_config
+    from diffusion_extras.training.config import ConfigError, parse_config
     with pytest.raises(ConfigError, match="--find_lr sweeps a fresh model"):
         parse_config(["--find_lr", "--resume_from_checkpoint", "latest"])
     assert parse_config(["--find_lr"]).find_lr

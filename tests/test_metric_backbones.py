@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 from conftest import read_history, save_random_images, save_tiny_pipeline
-from diffusion_extras import backbones
-from diffusion_extras.evaluation import build_feature_extractor, cmmd, extractors_for, parse_metrics
+from diffusion_extras.evaluation import backbones
+from diffusion_extras.evaluation.metrics import build_feature_extractor, cmmd, extractors_for, parse_metrics
 
 IMAGENET_MEAN, IMAGENET_STD = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
 

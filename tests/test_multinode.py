@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import HOOKED_TRAIN, ROOT, cli_env
-from diffusion_extras import data
+from diffusion_extras.data import images as data
 from test_data_files import write_tar_shards
 
 

@@ -11,10 +11,11 @@ import torch
 
 import diffusion_extras
 from conftest import tiny_unet
-from diffusion_extras import phema, posthoc_ema
-from diffusion_extras.phema import (PowerFunctionEMA, gamma_to_sigma_rel, load_snapshots, reconstruct,
+from diffusion_extras.core import phema
+from diffusion_extras.cli import posthoc_ema
+from diffusion_extras.core.phema import (PowerFunctionEMA, gamma_to_sigma_rel, load_snapshots, reconstruct,
                                     sigma_rel_to_gamma, solve_weights)
-from diffusion_extras.posthoc_ema import main
+from diffusion_extras.cli.posthoc_ema import main
 
 FP16_UNIT_ROUNDOFF = 2.0 ** -11  # fp16 keeps 11 significant bits
 
@@ -239,7 +240,7 @@ def test_module_entry_point_reports_missing_snapshots(run_cli, tmp_path):
 
 
 def test_cli_scores_widths_with_the_real_evaluation_module(tmp_path):
-    pytest.importorskip("diffusion_extras.evaluation")
+    pytest.importorskip("diffusion_extras.evaluation.metrics")
     from PIL import Image
     output = tiny_training_output(tmp_path / "run")
     generator = np.random.default_rng(0)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import HOOKED_TRAIN, ROOT, read_history, run_training, write_tiny_recipe
-from diffusion_extras import checkpointing
-from diffusion_extras.config import RESUME_POLICIES, TrainConfig, resume_policy
+from diffusion_extras.training import checkpointing
+from diffusion_extras.training.config import RESUME_POLICIES, TrainConfig, resume_policy
 
 
 # ----------------------------------------------------------------------------- policy as data
@@ -37,9 +37,9 @@ def test_every_recorded_key_has_a_policy_and_the_check_reads_it():
 
 def test_readme_states_the_policy_table_of_the_metadata():
     """README's resume section lists every field under the policy its metadata declares."""
-    from diffusion_extras.resume_policy import policy_table
+    from diffusion_extras.training.resume_policy import policy_table
     readme = open(os.path.join(ROOT, "README.md")).read()
-    assert policy_table() in readme, "README's policy table is stale: paste diffusion_extras.resume_policy.policy_table()"
+    assert policy_table() in readme, "README's policy table is stale: paste diffusion_extras.training.resume_policy.policy_table()"
 
 
 # ----------------------------------------------------------------------------- real runs

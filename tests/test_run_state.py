@@ -10,8 +10,9 @@ import yaml
 
 import train_ddpm
 from conftest import read_history
-from diffusion_extras import compat, run_state
-from diffusion_extras.config import TrainConfig, parse_config
+from diffusion_extras.training import compat
+from diffusion_extras.training import run_state
+from diffusion_extras.training.config import TrainConfig, parse_config
 from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 
 

@@ -9,7 +9,7 @@ from diffusers import DDPMScheduler
 from PIL import Image
 
 from conftest import save_tiny_pipeline, tiny_unet
-from diffusion_extras.sampling import SCHEDULERS, generate, image_grid, make_scheduler, save_images
+from diffusion_extras.evaluation.sampling import SCHEDULERS, generate, image_grid, make_scheduler, save_images
 
 
 class ScaledIdentityUNet(torch.nn.Module):

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from conftest import ROOT
-from diffusion_extras.config import TrainConfig
-from diffusion_extras.sources import CachedImages
+from diffusion_extras.training.config import TrainConfig
+from diffusion_extras.data.sources import CachedImages
 
 
 class OneProcess:

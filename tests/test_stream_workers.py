@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from diffusion_extras import streaming
-from diffusion_extras.config import TrainConfig
-from diffusion_extras.data import DataError
+from diffusion_extras.data import streaming
+from diffusion_extras.training.config import TrainConfig
+from diffusion_extras.data.images import DataError
 from test_data_files import write_tar_shards
 from test_resume import assert_same_state
 

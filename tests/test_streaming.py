@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from diffusion_extras import streaming
-from diffusion_extras.config import TrainConfig
+from diffusion_extras.data import streaming
+from diffusion_extras.training.config import TrainConfig
 from test_resume import assert_same_state, torchrun
 
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from diffusion_extras.timesteps import LossAwareTimestepSampler
+from diffusion_extras.core.timesteps import LossAwareTimestepSampler
 
 
 def warmed(T=8, loss_of_t=None):
@@ -61,7 +61,7 @@ def test_state_dict_round_trip_samples_identically():
 
 
 def test_both_samplers_share_one_interface():
-    from diffusion_extras.timesteps import UniformTimesteps, make_timestep_sampler
+    from diffusion_extras.core.timesteps import UniformTimesteps, make_timestep_sampler
     uniform = make_timestep_sampler("uniform", 50)
     assert isinstance(uniform, UniformTimesteps) and not uniform.learns_from_losses
     timesteps, weights = uniform.sample(64, torch.Generator().manual_seed(3))

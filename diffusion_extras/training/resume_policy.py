@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from .config import APPLY, FREE, REFUSE, TrainConfig
+from diffusion_extras.training.config import APPLY, FREE, REFUSE, TrainConfig
 
 LR_SCHEDULE_KEYS = ("learning_rate", "scale_lr", "lr_scheduler", "lr_warmup_steps", "max_train_steps", "num_epochs")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .report_checks import Finding, Run
+from diffusion_extras.report.checks import Finding, Run
 
 HELD_OUT_RISE = 1.05       # held-out loss 5 % above its best: the fixed noise and timesteps make
                            # successive values differ only through the weights, so 5 % is no noise

@@ -14,9 +14,9 @@ from dataclasses import asdict
 import numpy as np
 import yaml
 
-from . import report_checks as checks
-from . import report_dynamics
-from .report_checks import SEVERITY_ORDER, Finding, Run, median
+from diffusion_extras.report import checks
+from diffusion_extras.report import dynamics as report_dynamics
+from diffusion_extras.report.checks import SEVERITY_ORDER, Finding, Run, median
 
 __all__ = ["Finding", "analyze", "summarize", "write_report", "main"]
 
@@ -108,7 +108,7 @@ REFERENCE_FILE = "reference_loss_bins.json"  # written by the trainer beside his
 
 
 def load_config(output_dir: str) -> dict:
-    from .config import load_yaml  # ConfigError is a ValueError: the CLI reports it as one line
+    from diffusion_extras.training.config import load_yaml  # ConfigError is a ValueError: the CLI reports it as one line
 
     path = os.path.join(output_dir, "training_config.yaml")
     if not os.path.isfile(path):

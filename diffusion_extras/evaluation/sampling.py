@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from .data import mix_seed
+from diffusion_extras.data.images import mix_seed
 
 SCHEDULERS = ("ddpm", "ddim", "dpm")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

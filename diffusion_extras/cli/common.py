@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .data import preprocess_image
+from diffusion_extras.data.images import preprocess_image
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -178,7 +178,7 @@ def folder_fingerprint(paths: list[str], resolution: int) -> str:
 def load_reference(reference: str, extractor, resolution: int, cache_dir: str | None, batch_size: int):
     """ReferenceStatistics from --reference: a statistics .npz made by the same extractor, or a folder
     of images (preprocessed like training images; its statistics cached in `cache_dir`)."""
-    from .evaluation import ReferenceStatistics, reference_statistics  # scipy: only when a command scores
+    from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics  # scipy: only when a command scores
 
     if os.path.isfile(reference):
         statistics = ReferenceStatistics.load(reference)

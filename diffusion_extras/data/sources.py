@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import data
+from diffusion_extras.data import images as data
 
 
 class CachedImages:
@@ -32,7 +32,7 @@ class CachedImages:
                                              channels, config.cache_dir, accelerator.is_local_main_process)
         self.held_out_images = None  # --validation_split: held out before the order exists, never trained on
         if validation_split:
-            from .validation import split_held_out
+            from diffusion_extras.monitoring.held_out import split_held_out
             self.images, self.held_out_images = split_held_out(self.images, validation_split, config.seed)
         self.order = data.GlobalBatchOrder(len(self.images), config.train_batch_size * accelerator.num_processes,
                                            config.seed)
@@ -74,7 +74,7 @@ def open_training_data(config, accelerator) -> tuple:
     images' modes before any model exists, so that a model can follow the data. The opened
     dataset is handed to build_source (a stream is reopened there, lazily, per rank)."""
     if config.streaming:
-        from .streaming import load_stream
+        from diffusion_extras.data.streaming import load_stream
         shard, column = load_stream(config, accelerator.process_index, accelerator.num_processes)
         return None, data.stored_channels(item[column] for item in shard.take(16)) or 3
     with accelerator.local_main_process_first():  # the node's first rank downloads, the others reuse it
@@ -87,7 +87,7 @@ def build_source(config, accelerator, channels: int, dataset=None, validation_sp
     when open_training_data already opened it) less its held-out fraction (a stream has none:
     config.validate refuses --validation_split with --streaming)."""
     if config.streaming:
-        from .streaming import StreamSource
+        from diffusion_extras.data.streaming import StreamSource
         return StreamSource(config, accelerator, channels)
     return CachedImages(config, accelerator, channels, dataset, validation_split)
 
@@ -97,7 +97,7 @@ def rank_state(checkpoint: str, process_index: int):
     import json
     import os
 
-    from .checkpointing import rank_state_file
+    from diffusion_extras.training.checkpointing import rank_state_file
 
     path = os.path.join(checkpoint, rank_state_file(process_index))
     if not os.path.isfile(path):

@@ -23,7 +23,7 @@ import warnings
 import zlib
 from dataclasses import fields
 
-from .config import APPLY, REFUSE, TrainConfig
+from diffusion_extras.training.config import APPLY, REFUSE, TrainConfig
 
 PREFIX = "checkpoint-"
 MARKER = "checkpoint_complete.json"

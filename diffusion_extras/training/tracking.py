@@ -13,7 +13,7 @@ def tracker_names(logger: str) -> list[str]:
 
 
 def check_tracker_available(logger: str) -> None:
-    from .config import ConfigError
+    from diffusion_extras.training.config import ConfigError
 
     if "wandb" in tracker_names(logger):
         try:
@@ -38,7 +38,7 @@ def _wandb_can_log() -> bool:
 
 def hyperparameters(config: dict) -> dict:
     """Trackers take scalars: lists and dicts become strings; secrets are dropped."""
-    from .config import redact_config
+    from diffusion_extras.training.config import redact_config
 
     flat = {}
     for key, value in redact_config(config).items():
@@ -56,7 +56,7 @@ def log_image(accelerator, name: str, image: np.ndarray, step: int) -> None:
 
 
 class History:
-    """Append-only JSONL of logged values (main process), read by diffusion_extras.report."""
+    """Append-only JSONL of logged values (main process), read by diffusion_extras.report.health."""
 
     def __init__(self, output_dir: str):
         self.path = os.path.join(output_dir, "logs", "history.jsonl")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 
-from .config import ConfigError, TrainConfig
+from diffusion_extras.training.config import ConfigError, TrainConfig
 
 
 def epoch_intervals(config: TrainConfig, steps_per_epoch: int | None) -> tuple[dict, list[str]]:

@@ -1,0 +1,1 @@
+"""The command lines besides training (sample, evaluate, post-hoc EMA) and what they share."""

@@ -1,0 +1,116 @@
+"""Command line: reconstruct post-hoc EMA weights of a training run (`phema.py`), optionally score
+each width with FID/KID, and export the best as a DDPMPipeline.
+
+    python -m diffusion_extras.posthoc_ema OUTPUT_DIR --sigma_rels 0.05,0.1,0.15 --evaluate \\
+        --reference DIR_OR_STATS.npz
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+
+import torch
+
+from diffusion_extras.cli.common import (add_device_argument, check_pipeline_folder, load_pipeline, load_reference,
+                                  one_line_errors, pipeline_resolution, positive_int, resolve_device)
+from diffusion_extras.core.phema import reconstruct, require_snapshots, sigma_rel_to_gamma, solve_weights
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m diffusion_extras.posthoc_ema",
+        description="Reconstruct post-hoc EMA weights of a training run, optionally score each "
+                    "width with FID/KID, and export the best as a DDPMPipeline.")
+    parser.add_argument("output_dir", help="training output dir: a saved DDPMPipeline plus the "
+                                           "snapshots in OUTPUT_DIR/posthoc_ema/")
+    parser.add_argument("--sigma_rels", required=True, help="comma-separated relative EMA "
+                                                            "widths, e.g. 0.05,0.1,0.15")
+    parser.add_argument("--step", type=int, default=None, help="snapshot step (default: last)")
+    parser.add_argument("--evaluate", action="store_true", help="score each width, export best")
+    parser.add_argument("--num_samples", type=positive_int, default=256, help="generated images per width")
+    parser.add_argument("--num_inference_steps", type=positive_int, default=100, help="sampler steps")
+    parser.add_argument("--feature_extractor", choices=("tiny", "inception"), default="inception")
+    parser.add_argument("--inception_weights", default=None, help="local Inception weights file")
+    parser.add_argument("--reference", default=None, help="reference images dir or stats .npz")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed, same for every width")
+    parser.add_argument("--batch_size", type=positive_int, default=64, help="sampling batch size")
+    add_device_argument(parser)
+    parser.add_argument("--export", default=None, help="default: OUTPUT_DIR/posthoc-ema-best")
+    args = parser.parse_args(argv)
+    try:
+        args.sigma_rels = [float(v) for v in args.sigma_rels.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--sigma_rels must be comma-separated numbers, got "
+                         f"{args.sigma_rels!r}") from None
+    for sigma_rel in args.sigma_rels:
+        sigma_rel_to_gamma(sigma_rel)  # range check with a one-line message
+    if not args.evaluate and len(args.sigma_rels) != 1:
+        raise ValueError("without --evaluate pass exactly one --sigma_rels value to export")
+    if args.evaluate and args.reference is None:
+        raise ValueError("--evaluate needs --reference (a directory of images or a stats .npz)")
+    args.export = args.export or os.path.join(args.output_dir, "posthoc-ema-best")
+    return args
+
+
+def _with_parameters(unet, state: dict[str, torch.Tensor]):
+    """A copy of `unet` whose parameters are `state`; buffers and config stay the pipeline's."""
+    unet = copy.deepcopy(unet)
+    parameters = dict(unet.named_parameters())
+    missing, unknown = parameters.keys() - state.keys(), state.keys() - parameters.keys()
+    if missing or unknown:
+        raise ValueError(f"snapshots do not match the saved UNet: {len(missing)} parameters "
+                         f"missing, {len(unknown)} unknown (e.g. {sorted(missing | unknown)[0]})")
+    with torch.no_grad():
+        for name, parameter in parameters.items():
+            parameter.copy_(state[name])
+    return unet
+
+
+def _run(args) -> None:
+    from diffusers import DDPMPipeline
+    check_pipeline_folder(args.output_dir)
+    snapshot_dir = os.path.join(args.output_dir, "posthoc_ema")
+    snapshots = require_snapshots(snapshot_dir)
+    step = max(s.step for s in snapshots) if args.step is None else args.step
+    for sigma_rel in args.sigma_rels:  # reject a bad --step before the slow loads
+        solve_weights([s.step for s in snapshots], [s.gamma for s in snapshots], step, sigma_rel)
+    pipeline = load_pipeline(args.output_dir)
+    if args.evaluate:  # imported lazily: only scoring needs the feature extractors
+        from diffusion_extras.evaluation import metrics as evaluation
+        args.device = resolve_device(args.device)
+        extractor = evaluation.build_feature_extractor(
+            args.feature_extractor, args.inception_weights, args.device)
+        # A folder of images is resized like the training data and its statistics cached.
+        reference = load_reference(args.reference, extractor, pipeline_resolution(pipeline),
+                                   args.output_dir, args.batch_size)
+    results, best, best_unet = [], None, None
+    for sigma_rel in args.sigma_rels:
+        unet = _with_parameters(pipeline.unet, reconstruct(snapshot_dir, sigma_rel, step))
+        row = {"sigma_rel": sigma_rel}
+        if args.evaluate:
+            scores = evaluation.evaluate_unet(
+                unet.to(args.device), pipeline.scheduler, reference, extractor,
+                num_samples=args.num_samples, num_inference_steps=args.num_inference_steps,
+                seed=args.seed, batch_size=args.batch_size, device=args.device)
+            row.update({k: float(v) for k, v in scores.items() if isinstance(v, (int, float))})
+        results.append(row)
+        if best_unet is None or (args.evaluate and row["fid"] < best["fid"]):
+            best, best_unet = row, unet.to("cpu")
+    print(f"{'sigma_rel':>9}  {'fid':>10}  {'kid':>10}")
+    for row in results:
+        fid, kid = (f"{row[k]:10.4f}" if k in row else f"{'-':>10}" for k in ("fid", "kid"))
+        print(f"{row['sigma_rel']:9.4f}  {fid}  {kid}")
+    DDPMPipeline(unet=best_unet, scheduler=pipeline.scheduler).save_pretrained(args.export)
+    summary = {"sigma_rel": best["sigma_rel"], "gamma": sigma_rel_to_gamma(best["sigma_rel"]),
+               "step": step, "chosen_by": "lowest fid" if args.evaluate else "requested",
+               "scores": results}
+    with open(os.path.normpath(args.export) + ".json", "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"exported sigma_rel={best['sigma_rel']} (step {step}) to {args.export}")
+
+
+def main(argv=None) -> None:
+    with one_line_errors():
+        _run(_parse_args(argv))

@@ -1,0 +1,4 @@
+"""python -m diffusion_extras.report RUN_DIR"""
+from diffusion_extras.report.health import main
+
+main()

@@ -1,0 +1,1 @@
+"""The trainer: configuration, setup, the loop, checkpoints and resume, trackers, artifacts."""
