@@ -125,13 +125,13 @@ def write_synthetic_images(folder: str, count: int, resolution: int, channels: i
 
 
 def make_run(config):
-    import train_ddpm
+    from diffusion_extras.training import build
     from diffusion_extras.training import checkpointing
     from diffusion_extras.data import images as data
     from diffusion_extras.training.config import ConfigError
 
     try:
-        return train_ddpm.setup(config)
+        return build.setup(config)
     except (ConfigError, data.DataError, checkpointing.CheckpointError) as error:
         fail(str(error))
 
@@ -142,15 +142,15 @@ def synchronizer(device):
 
 # ----------------------------------------------------------------------------- the two steps
 def full_step(run, batches: int = 4):
-    """train_ddpm.optimizer_step as train() calls it, on micro-batches made by the run's data
+    """step.optimizer_step as train() calls it, on micro-batches made by the run's data
     source beforehand (loading is measured on its own, in measure_data_pipeline)."""
-    import train_ddpm
+    from diffusion_extras.training import step
 
     made = list(itertools.islice(run.data.source.batches(0, batches), batches))
     if run.accelerator.device.type == "cuda":
         made = [batch.pin_memory() for batch in made]  # as the DataLoader's pin_memory=True delivers them
     cycle = itertools.cycle(made)
-    return lambda: train_ddpm.optimizer_step(run, cycle)
+    return lambda: step.optimizer_step(run, cycle)
 
 
 def bare_step(run):
@@ -214,11 +214,11 @@ def summarize_steps(times: dict, images_per_step: int) -> dict:
 # ----------------------------------------------------------------------------- data pipeline
 def measure_data_pipeline(run, seconds: float, synchronize, windows: int = 3) -> dict:
     """The DataLoader train() builds, read as fast as it goes, each batch made model input on the device."""
-    import train_ddpm
+    from diffusion_extras.training import loop
     from diffusion_extras.data import images as data
 
     config, device = run.config, run.accelerator.device
-    batches = train_ddpm.make_batches(run)
+    batches = loop.make_batches(run)
     flips = (torch.rand(config.train_batch_size, device=device) < 0.5) if config.random_flip else None
     data.to_model_input(next(batches), device, flips)  # worker start-up is not throughput
     rates = []

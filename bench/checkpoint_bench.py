@@ -3,7 +3,7 @@
 
     python bench/checkpoint_bench.py [--recipe configs/cifar10-ddpm.yaml] [--repeats 3] [--json out.json]
 
-Builds the run exactly as train_ddpm.setup does (model, fused AdamW, LR schedule, EMA,
+Builds the run exactly as build.setup does (model, fused AdamW, LR schedule, EMA,
 diagnostics) on synthetic 32 px images, takes one optimizer step so the Adam moments exist, then
 times diffusion_extras.training.checkpointing.save_checkpoint (accelerate's save_state + fsync + marker +
 rename) with and without the marker's per-file checksums, verify_checkpoint (what `latest` runs
@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     import numpy as np
     from PIL import Image
 
-    import train_ddpm
+    from diffusion_extras.training import build, loop, step
     from diffusion_extras.training import checkpointing
     from diffusion_extras.training import models
     from diffusion_extras.training.config import parse_config
@@ -48,17 +48,17 @@ def main(argv=None) -> None:
     config = parse_config(["--config", args.recipe, "--dataset_name", "", "--train_data_dir", images,
                            "--output_dir", os.path.join(work, "run"), "--train_batch_size", "2",
                            "--mixed_precision", "no", "--logger", "none", "--dataloader_num_workers", "0"])
-    run = train_ddpm.setup(config)
-    train_ddpm.optimizer_step(run, train_ddpm.make_batches(run))
+    run = build.setup(config)
+    step.optimizer_step(run, loop.make_batches(run))
     saves, plain_saves, verifies, loads, path = [], [], [], [], None
     for repeat in range(args.repeats):
         started = time.perf_counter()
-        checkpointing.save_checkpoint(run.accelerator, config.output_dir, 1000 + repeat, train_ddpm.train_state(run),
+        checkpointing.save_checkpoint(run.accelerator, config.output_dir, 1000 + repeat, loop.train_state(run),
                                       checksums=False)
         plain_saves.append(time.perf_counter() - started)
         started = time.perf_counter()
         path = checkpointing.save_checkpoint(run.accelerator, config.output_dir, run.progress.global_step + repeat,
-                                             train_ddpm.train_state(run))
+                                             loop.train_state(run))
         saves.append(time.perf_counter() - started)
         started = time.perf_counter()
         assert checkpointing.verify_checkpoint(path) is None

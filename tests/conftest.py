@@ -9,7 +9,6 @@ import pytest
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 HOOKED_TRAIN = "tests/hooked_train.py"  # train_ddpm.py with failures injected by DDPM_TEST_* variables
 
 # 8 px grayscale, two levels, ~20k parameters: a CPU step takes milliseconds.
@@ -131,6 +130,17 @@ def read_history(output_dir) -> list:
 def load_unet_weights(folder):
     from safetensors.torch import load_file
     return load_file(os.path.join(folder, "unet", "diffusion_pytorch_model.safetensors"))
+
+
+def load_bench_module(name: str):
+    """bench/<name>.py as a module (bench/ holds scripts, not a package), loaded once."""
+    import importlib.util
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pytest_configure(config):

@@ -1,16 +1,13 @@
-"""train_ddpm.py with a third kind of data source, injected by this test-only wrapper in place of
-sources.build_source: images whose value is the micro-step, a position counted in batches served.
-If the loop, checkpoints, resume and artifacts use only the data-source interface, it trains."""
-import os
+"""The trainer with a third kind of data source, given through the `data_source` extension point
+(diffusion_extras.training.hooks): images whose value is the micro-step, a position counted in
+batches served. If the loop, checkpoints, resume and artifacts use only the data-source
+interface, it trains."""
 import sys
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import train_ddpm  # noqa: E402
-from diffusion_extras import sources  # noqa: E402
+from diffusion_extras.training.main import Hooks, main
 
 
 class CountingSource:
@@ -45,7 +42,5 @@ class CountingSource:
         return np.stack([self._batch(k)[0].numpy() for k in range(min(count, 8))])
 
 
-sources.build_source = CountingSource
-
 if __name__ == "__main__":
-    sys.exit(train_ddpm.main())
+    sys.exit(main(hooks=Hooks(data_source=CountingSource)))

@@ -1,4 +1,5 @@
-"""train_ddpm.py with test-only failure injection, driven by environment variables:
+"""The trainer with test-only failure injection through its extension points
+(diffusion_extras.training.hooks), driven by environment variables:
 
 DDPM_TEST_STOP_AFTER_STEP=N   the process dies (os._exit, no export) right after checkpoint N is saved:
                               a run cut off by pre-emption at a checkpoint boundary.
@@ -9,47 +10,34 @@ import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from diffusion_extras.training.main import Hooks, main
 
-import train_ddpm  # noqa: E402
-from diffusion_extras import checkpointing  # noqa: E402
 
-stop_after = os.environ.get("DDPM_TEST_STOP_AFTER_STEP")
-kill_in_save = os.environ.get("DDPM_TEST_SIGKILL_IN_SAVE")
+def hooks_from_environment(environ) -> Hooks:
+    hooks = Hooks()
+    stop_after = environ.get("DDPM_TEST_STOP_AFTER_STEP")
+    kill_in_save = environ.get("DDPM_TEST_SIGKILL_IN_SAVE")
+    nan_steps = environ.get("DDPM_TEST_NAN_AT_STEPS")
+    if stop_after:
+        def die_after(run, path):
+            if run.progress.global_step == int(stop_after):
+                sys.stdout.flush(), sys.stderr.flush()
+                os._exit(0)
+        hooks.after_checkpoint = die_after
+    if kill_in_save:
+        def kill_before_marker(directory):
+            if os.path.basename(directory) == f".checkpoint-{kill_in_save}.tmp":
+                os.kill(os.getpid(), signal.SIGKILL)
+        hooks.before_checkpoint_marker = kill_before_marker
+    if nan_steps:
+        poisoned = {int(step) for step in nan_steps.split(",")}
 
-if stop_after:
-    original_save = train_ddpm.save_checkpoint
+        def poison(run, clean, micro_step):
+            optimizer_step = micro_step // run.config.gradient_accumulation_steps + 1
+            return clean * float("nan") if optimizer_step in poisoned else clean
+        hooks.model_input = poison
+    return hooks
 
-    def save_then_die(run):
-        original_save(run)
-        if run.progress.global_step == int(stop_after):
-            sys.stdout.flush(), sys.stderr.flush()
-            os._exit(0)
-    train_ddpm.save_checkpoint = save_then_die
-
-if kill_in_save:
-    original_fsync_tree = checkpointing._fsync_tree
-
-    def fsync_then_kill(directory):
-        if os.path.basename(directory) == f".checkpoint-{kill_in_save}.tmp":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return original_fsync_tree(directory)
-    checkpointing._fsync_tree = fsync_then_kill
-
-nan_steps = os.environ.get("DDPM_TEST_NAN_AT_STEPS")
-
-if nan_steps:
-    poisoned = {int(step) for step in nan_steps.split(",")}
-    original_forward_backward, original_input = train_ddpm.forward_backward, train_ddpm.data.to_model_input
-
-    def poisoned_forward_backward(run, batch, micro_step, sync):
-        if micro_step // run.config.gradient_accumulation_steps + 1 in poisoned:
-            train_ddpm.data.to_model_input = lambda *a, **k: original_input(*a, **k) * float("nan")
-        try:
-            return original_forward_backward(run, batch, micro_step, sync)
-        finally:
-            train_ddpm.data.to_model_input = original_input
-    train_ddpm.forward_backward = poisoned_forward_backward
 
 if __name__ == "__main__":
-    sys.exit(train_ddpm.main())
+    sys.exit(main(hooks=hooks_from_environment(os.environ)))

@@ -10,11 +10,9 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+from conftest import load_bench_module, run_command
 
-import diffusers_reference  # noqa: E402
-from conftest import run_command  # noqa: E402
+diffusers_reference = load_bench_module("diffusers_reference")
 
 
 def run_bench(tmp_path, *args):

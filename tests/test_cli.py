@@ -1,4 +1,4 @@
-"""Tests for diffusion_extras/cli.py, the helpers the command lines share; each command line's own
+"""Tests for diffusion_extras/cli/common.py, the helpers the command lines share; each command line's own
 end-to-end tests are in test_sampling.py, test_evaluation.py and test_posthoc_ema.py."""
 import argparse
 import json

@@ -10,7 +10,8 @@ import contextlib
 import pytest
 import torch
 
-import train_ddpm
+from diffusion_extras.data import images
+from diffusion_extras.training import loop, step
 from test_host_sync import ALL_EXTRAS, fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -38,23 +39,23 @@ def test_optimizer_steps_never_sync(tmp_path, fresh_accelerate, precision):
     run = tiny_run(tmp_path, *ALL_EXTRAS, "--mixed_precision", precision, "--max_train_steps", 8)
     assert run.accelerator.device.type == "cuda"
     assert (run.accelerator.scaler is not None) == (precision == "fp16")
-    batches = train_ddpm.make_batches(run)
+    batches = loop.make_batches(run)
     for _ in range(WARMUP_STEPS):
-        train_ddpm.optimizer_step(run, batches)
+        step.optimizer_step(run, batches)
     before = weights(run)
     with no_host_sync():
         for _ in range(4):
-            train_ddpm.optimizer_step(run, batches)
+            step.optimizer_step(run, batches)
     assert not all(torch.equal(a, b) for a, b in zip(before, weights(run)))
     assert all(torch.isfinite(p).all() for p in run.model.unet.parameters())
 
 
 def test_batches_are_pinned_and_copied_without_sync(tmp_path, fresh_accelerate):
     run = tiny_run(tmp_path, "--max_train_steps", 2)
-    batch = next(train_ddpm.make_batches(run))
+    batch = next(loop.make_batches(run))
     assert batch.is_pinned(), "the loader must pin host batches (pin_memory) for non-blocking copies"
     with no_host_sync():
-        clean = train_ddpm.data.to_model_input(batch, run.accelerator.device)
+        clean = images.to_model_input(batch, run.accelerator.device)
     assert clean.is_cuda and clean.dtype == torch.float32
 
 
@@ -62,16 +63,16 @@ def test_fused_adamw_skips_a_nonfinite_step_on_the_device(tmp_path, fresh_accele
     run = tiny_run(tmp_path, *ALL_EXTRAS, "--max_train_steps", 8)
     optimizer = run.model.optimizer.optimizer
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"]
-    batches = train_ddpm.make_batches(run)
+    batches = loop.make_batches(run)
     for _ in range(WARMUP_STEPS):
-        train_ddpm.optimizer_step(run, batches)
-    original_input = train_ddpm.data.to_model_input
-    monkeypatch.setattr(train_ddpm.data, "to_model_input",
+        step.optimizer_step(run, batches)
+    original_input = images.to_model_input
+    monkeypatch.setattr(images, "to_model_input",
                         lambda *args, **kwargs: original_input(*args, **kwargs) * float("nan"))
     before, ema = weights(run), [s.clone() for s in run.extras.ema.shadow_params]
     steps = [optimizer.state[p]["step"].clone() for p in optimizer.param_groups[0]["params"]]
     with no_host_sync():
-        train_ddpm.optimizer_step(run, batches)  # found_inf = 1: skipped inside the fused kernel
+        step.optimizer_step(run, batches)  # found_inf = 1: skipped inside the fused kernel
     assert all(torch.equal(a, b) for a, b in zip(before, weights(run)))
     assert all(torch.equal(a, b) for a, b in zip(ema, run.extras.ema.shadow_params))
     assert all(torch.equal(s, optimizer.state[p]["step"]) for s, p in zip(steps, optimizer.param_groups[0]["params"]))
@@ -82,12 +83,12 @@ def test_channels_last_and_compile(tmp_path, fresh_accelerate):
                    "--max_train_steps", 8)
     conv_weights = [p for p in run.model.unet.parameters() if p.dim() == 4]
     assert conv_weights and all(p.is_contiguous(memory_format=torch.channels_last) for p in conv_weights)
-    batches = train_ddpm.make_batches(run)
+    batches = loop.make_batches(run)
     for _ in range(WARMUP_STEPS):  # compilation happens here
-        train_ddpm.optimizer_step(run, batches)
+        step.optimizer_step(run, batches)
     with no_host_sync():
         for _ in range(2):
-            train_ddpm.optimizer_step(run, batches)
+            step.optimizer_step(run, batches)
     assert all(torch.isfinite(p).all() for p in run.model.unet.parameters())
 
 
@@ -99,12 +100,12 @@ def test_save_and_resume_continue_bit_exactly(tmp_path, fresh_accelerate, monkey
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     flags = ("--use_ema", "--posthoc_ema", "--mixed_precision", precision, "--max_train_steps", 12)
     run = tiny_run(tmp_path, *flags)
-    batches = train_ddpm.make_batches(run)
+    batches = loop.make_batches(run)
     for _ in range(6):
-        train_ddpm.optimizer_step(run, batches)
-    train_ddpm.save_checkpoint(run)
+        step.optimizer_step(run, batches)
+    loop.save_checkpoint(run)
     for _ in range(3):
-        train_ddpm.optimizer_step(run, batches)
+        step.optimizer_step(run, batches)
     expected, expected_ema = weights(run), [s.clone() for s in run.extras.ema.shadow_params]
     expected_scale = run.accelerator.scaler.get_scale() if run.accelerator.scaler is not None else None
 
@@ -112,9 +113,9 @@ def test_save_and_resume_continue_bit_exactly(tmp_path, fresh_accelerate, monkey
     AcceleratorState._reset_state(True), GradientState._reset_state()
     resumed = tiny_run(tmp_path, *flags, "--resume_from_checkpoint", "latest")
     assert resumed.progress.global_step == 6
-    batches = train_ddpm.make_batches(resumed)
+    batches = loop.make_batches(resumed)
     for _ in range(3):
-        train_ddpm.optimizer_step(resumed, batches)
+        step.optimizer_step(resumed, batches)
     assert all(torch.equal(a, b) for a, b in zip(expected, weights(resumed)))
     assert all(torch.equal(a, b) for a, b in zip(expected_ema, resumed.extras.ema.shadow_params))
     if expected_scale is not None:

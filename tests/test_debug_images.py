@@ -1,4 +1,4 @@
-"""Tests for diffusion_extras/debug_images.py through the training command line: raw vs EMA samples
+"""Tests for diffusion_extras/monitoring/debug_images.py through the training command line: raw vs EMA samples
 beside each grid, and the denoising strip, as PNGs and tracker images."""
 import glob
 import os

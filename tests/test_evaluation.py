@@ -1,4 +1,4 @@
-"""Tests for diffusion_extras/evaluation.py and the `python -m diffusion_extras.evaluate` command line."""
+"""Tests for diffusion_extras/evaluation/metrics.py and the `python -m diffusion_extras.evaluate` command line."""
 import json
 import os
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tqdm import tqdm
 
-import train_ddpm
+from diffusion_extras.training import build, loop, step
 from conftest import read_history
 from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 
@@ -20,7 +20,7 @@ GROWTH_INTERVAL = 3      # good steps before the scale doubles
 
 @pytest.fixture
 def fp16_on_cpu(monkeypatch):
-    original = train_ddpm.make_accelerator
+    original = build.make_accelerator
 
     def make_accelerator(config):
         config.mixed_precision = "fp16"  # after validation, which refuses it without CUDA
@@ -28,7 +28,7 @@ def fp16_on_cpu(monkeypatch):
         accelerator.native_amp = True    # accelerate wraps the prepared UNet's forward in fp16 autocast
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
         return accelerator
-    monkeypatch.setattr(train_ddpm, "make_accelerator", make_accelerator)
+    monkeypatch.setattr(build, "make_accelerator", make_accelerator)
 
 
 FLAGS = ("--use_ema", "--posthoc_ema", "--gradient_accumulation_steps", 2, "--max_train_steps", 60,
@@ -53,11 +53,11 @@ def test_overflow_skips_the_step_and_the_scale_halves_then_grows(tmp_path, fresh
     run = tiny_run(tmp_path, *FLAGS)
     scaler = run.accelerator.scaler
     assert run.model.optimizer.scaler is scaler and next(run.model.unet.parameters()).dtype == torch.float32
-    batches = train_ddpm.make_batches(run)
+    batches = loop.make_batches(run)
     skipped = 0
     while True:  # overflowing steps: nothing moves but the clocks, and the scale halves each time
         before, scale = snapshot(run), scaler.get_scale()
-        train_ddpm.optimizer_step(run, batches)
+        step.optimizer_step(run, batches)
         after = snapshot(run)
         if scaler.get_scale() != scale / 2:
             break
@@ -72,32 +72,32 @@ def test_overflow_skips_the_step_and_the_scale_halves_then_grows(tmp_path, fresh
     good_scale = scale
     assert scaler.get_scale() == good_scale
     for good_steps in range(2, GROWTH_INTERVAL + 1):  # doubles after growth_interval good steps in a row
-        train_ddpm.optimizer_step(run, batches)
+        step.optimizer_step(run, batches)
         assert scaler.get_scale() == good_scale * (2 if good_steps == GROWTH_INTERVAL else 1)
-    values = train_ddpm.log_window(run, torch.tensor(0.0), 1, 1.0, tqdm(disable=True))
+    values = loop.log_window(run, torch.tensor(0.0), 1, 1.0, tqdm(disable=True))
     assert values["loss_scale"] == scaler.get_scale()
     assert read_history(run.config.output_dir)[-1]["loss_scale"] == scaler.get_scale()
 
 
 def test_scaler_state_is_checkpointed_and_restored_bit_exactly(tmp_path, fresh_accelerate, fp16_on_cpu):
     run = tiny_run(tmp_path, *FLAGS)
-    batches = train_ddpm.make_batches(run)
+    batches = loop.make_batches(run)
     for _ in range(26):  # past the overflowing start (23 steps here) and a growth
-        train_ddpm.optimizer_step(run, batches)
+        step.optimizer_step(run, batches)
     saved_scaler = run.accelerator.scaler.state_dict()
-    train_ddpm.save_checkpoint(run)
+    loop.save_checkpoint(run)
     assert (tmp_path / "run" / "checkpoint-26" / "scaler.pt").is_file()
     for _ in range(4):
-        train_ddpm.optimizer_step(run, batches)
+        step.optimizer_step(run, batches)
     expected, expected_scaler = snapshot(run), run.accelerator.scaler.state_dict()
 
     from accelerate.state import AcceleratorState, GradientState
     AcceleratorState._reset_state(True), GradientState._reset_state()
     resumed = tiny_run(tmp_path, *FLAGS, "--resume_from_checkpoint", "latest")
     assert resumed.progress.global_step == 26 and resumed.accelerator.scaler.state_dict() == saved_scaler
-    batches = train_ddpm.make_batches(resumed)
+    batches = loop.make_batches(resumed)
     for _ in range(4):
-        train_ddpm.optimizer_step(resumed, batches)
+        step.optimizer_step(resumed, batches)
     got = snapshot(resumed)
     assert resumed.accelerator.scaler.state_dict() == expected_scaler
     assert all(same(expected[k], got[k]) for k in expected), "the resumed fp16 run diverged"
@@ -107,8 +107,8 @@ def test_fp16_steps_with_the_scaler_never_sync(tmp_path, fresh_accelerate, fp16_
     """unscale_, the inf check, the fused AdamW skip and the scale update all stay on the device."""
     from test_host_sync import SyncRecorder
     run = tiny_run(tmp_path, *FLAGS)
-    batches = train_ddpm.make_batches(run)
+    batches = loop.make_batches(run)
     with SyncRecorder() as recorder:
         for _ in range(26):  # overflowing, good and growing steps
-            train_ddpm.optimizer_step(run, batches)
+            step.optimizer_step(run, batches)
     assert recorder.events == []

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-import train_ddpm
+from diffusion_extras.training import loop
 from conftest import load_unet_weights
 from diffusion_extras.training import artifacts
 from diffusion_extras.training import models
@@ -24,7 +24,7 @@ def test_bf16_run_samples_its_grid_in_fp32(tmp_path, fresh_accelerate):
     steps = 4
     run = tiny_run(tmp_path, "--mixed_precision", "bf16", "--use_ema", "--max_train_steps", steps,
                    ddpm_num_inference_steps=10)
-    train_ddpm.train(run)
+    loop.train(run)
     saved = np.asarray(Image.open(tmp_path / "run" / "samples" / f"step_{steps:06d}.png"))
 
     ema_unet = models.build_unet(run.config, run.plan.model)  # the same EMA weights, sampled separately in plain fp32

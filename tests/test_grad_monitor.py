@@ -1,4 +1,4 @@
-"""Tests for diffusion_extras/grad_monitor.py: per-bin gradients on a fixed probe batch, checked
+"""Tests for diffusion_extras/monitoring/grad_monitor.py: per-bin gradients on a fixed probe batch, checked
 against plain backward passes; through the training command line (the training result must not
 change); and the health report's dominance check."""
 import json

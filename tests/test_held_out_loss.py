@@ -1,4 +1,4 @@
-"""Tests for diffusion_extras/validation.py and report_dynamics.py: the held-out per-timestep loss
+"""Tests for diffusion_extras/monitoring/held_out.py and report_dynamics.py: the held-out per-timestep loss
 with raw and EMA weights through the training command line, and its health checks."""
 import json
 

@@ -3,8 +3,8 @@
 On a GPU a host sync (a scalar read, a device-to-host copy, an op whose output shape depends on
 the data) blocks Python until the queued work has run, so the next step cannot be queued ahead.
 CPU training shows no such stall, but the ops that cause it are visible here too: `SyncRecorder`
-records them at the dispatcher while the REAL loop (`train_ddpm.train`, set up by
-`train_ddpm.setup` from a recipe) runs with EMA, min-SNR, loss-aware timesteps, post-hoc EMA,
+records them at the dispatcher while the REAL loop (`loop.train`, set up by
+`build.setup` from a recipe) runs with EMA, min-SNR, loss-aware timesteps, post-hoc EMA,
 diagnostics, the NaN guard and gradient accumulation 2.
 
 What it cannot see on CPU: host-to-device copies and `.to("cpu")` (a no-op here); the GPU test
@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ROOT, TINY_RECIPE
 
-import train_ddpm
-from diffusion_extras.training import artifacts
+from diffusion_extras.data import images
+from diffusion_extras.training import build, loop
 from diffusion_extras.training.config import parse_config
 
 # aten ops that read a device value on the host: scalar reads (.item(), bool(), float(), .tolist()),
@@ -83,7 +83,7 @@ def fresh_accelerate():
 def tiny_run(tmp_path, *flags, **recipe):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({**TINY_RECIPE, **recipe}))
-    return train_ddpm.setup(parse_config(["--config", str(path), "--output_dir", str(tmp_path / "run"),
+    return build.setup(parse_config(["--config", str(path), "--output_dir", str(tmp_path / "run"),
                                           *map(str, flags)]))
 
 
@@ -103,15 +103,15 @@ def record_training(monkeypatch, run) -> SyncRecorder:
     recorder = SyncRecorder()
     for method in ("cpu", "tolist"):  # device-to-host copies on a GPU; on CPU they reach no aten op
         monkeypatch.setattr(torch.Tensor, method, recorded(recorder, method, getattr(torch.Tensor, method)))
-    monkeypatch.setattr(train_ddpm, "optimizer_step", recorder.phase("step", train_ddpm.optimizer_step))
-    monkeypatch.setattr(train_ddpm, "log_window", recorder.phase("log", train_ddpm.log_window))
+    monkeypatch.setattr(loop, "optimizer_step", recorder.phase("step", loop.optimizer_step))
+    monkeypatch.setattr(loop, "log_window", recorder.phase("log", loop.log_window))
     # once, before the first step: the DataLoader draws its base seed from a CPU generator (.item())
-    monkeypatch.setattr(train_ddpm, "make_batches", recorder.phase("start", train_ddpm.make_batches))
+    monkeypatch.setattr(loop, "make_batches", recorder.phase("start", loop.make_batches))
     # grids, export, checkpoints, the report
     for name in ("run_main_process_extras", "save_checkpoint", "verify_replicas", "write_health_report"):
-        monkeypatch.setattr(train_ddpm, name, recorder.phase("extras", getattr(train_ddpm, name)))
+        monkeypatch.setattr(loop, name, recorder.phase("extras", getattr(loop, name)))
     with recorder:
-        train_ddpm.train(run)
+        loop.train(run)
     return recorder
 
 
@@ -139,12 +139,12 @@ def test_steps_between_logging_intervals_never_sync(tmp_path, monkeypatch, fresh
 def test_a_nonfinite_step_adds_no_sync_and_its_warning_names_one(tmp_path, monkeypatch, fresh_accelerate):
     """The NaN guard skips on the device; only the interval's warning reads the offending inputs."""
     run = tiny_run(tmp_path, *ALL_EXTRAS, "--max_train_steps", 4, diagnostics_steps=2)
-    original_input, calls = train_ddpm.data.to_model_input, []
+    original_input, calls = images.to_model_input, []
 
     def poisoned(*args, **kwargs):  # the 4th micro-batch: optimizer step 2 is non-finite
         calls.append(1)
         return original_input(*args, **kwargs) * (float("nan") if len(calls) == 4 else 1.0)
-    monkeypatch.setattr(train_ddpm.data, "to_model_input", poisoned)
+    monkeypatch.setattr(images, "to_model_input", poisoned)
     with pytest.warns(UserWarning, match="1 non-finite step"):
         recorder = record_training(monkeypatch, run)
     assert recorder.in_phase("step") == [] and recorder.in_phase("loop") == []
@@ -170,7 +170,7 @@ def test_an_optimizer_without_found_inf_syncs_once_per_step(tmp_path, monkeypatc
     """bitsandbytes' AdamW8bit (not installed here) knows no `found_inf`: optimizer_step reads the
     finite flag on the host (in step_unless_nonfinite) to skip a non-finite step, the one named sync of that path. torch's
     plain SGD above (sync-free itself, and not an AdamW) stands in for it."""
-    monkeypatch.setattr(train_ddpm, "make_optimizer", lambda config, unet, lr: StandInOptimizer(unet.parameters(), lr))
+    monkeypatch.setattr(build, "make_optimizer", lambda config, unet, lr: StandInOptimizer(unet.parameters(), lr))
     run = tiny_run(tmp_path, *ALL_EXTRAS, "--max_train_steps", 4, diagnostics_steps=2)
     recorder = record_training(monkeypatch, run)
     assert by_function(recorder.in_phase("step")) == collections.Counter(

@@ -1,4 +1,4 @@
-"""Tests for diffusion_extras/hub.py against the loopback Hub in tests/hub_server.py.
+"""Tests for diffusion_extras/hub/push.py against the loopback Hub in tests/hub_server.py.
 
 huggingface_hub reads HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME and HF_HUB_DISABLE_XET once, at import
 (huggingface_hub.constants), so every test that talks to the server runs the client in a fresh
@@ -22,10 +22,7 @@ from safetensors.numpy import save as safetensors_bytes
 
 from diffusion_extras.hub.push import default_repo_id, redact_config, write_model_card
 
-try:
-    from tests.hub_server import HubServer
-except ImportError:  # pytest run without the repo root on sys.path
-    from hub_server import HubServer
+from hub_server import HubServer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "hf_" + secrets.token_hex(17)  # the shape of a real user token, random per run

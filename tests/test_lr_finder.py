@@ -48,7 +48,7 @@ def test_nonfinite_loss_stops_and_files_are_written(tmp_path):
 
 
 def test_the_range_test_refuses_a_checkpoint_to_resume():
-    """The range test is its own mode (train_ddpm.setup_lr_range_test): it builds a fresh model and
+    """The range test is its own mode (lr_range.setup_lr_range_test): it builds a fresh model and
     loads no checkpoint, so asking it to resume is an error, not a flag silently ignored."""
     from diffusion_extras.training.config import ConfigError, parse_config
     with pytest.raises(ConfigError, match="--find_lr sweeps a fresh model"):

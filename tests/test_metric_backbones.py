@@ -1,4 +1,4 @@
-"""Tests for diffusion_extras/backbones.py (DINOv2, CLIP, Inception download) and the metrics built on
+"""Tests for diffusion_extras/evaluation/backbones.py (DINOv2, CLIP, Inception download) and the metrics built on
 them (FD-DINOv2, CMMD), through the evaluate and training command lines. Offline: the backbones are
 tiny random models saved with save_pretrained; the download comes from a loopback server."""
 import hashlib

@@ -1,4 +1,4 @@
-"""Tests for diffusion_extras/phema.py and the `python -m diffusion_extras.posthoc_ema` command line."""
+"""Tests for diffusion_extras/core/phema.py and the `python -m diffusion_extras.posthoc_ema` command line."""
 import io
 import json
 import os

@@ -8,10 +8,7 @@ import yaml
 
 from conftest import read_history
 
-try:
-    from tests.hub_server import HubServer
-except ImportError:
-    from hub_server import HubServer
+from hub_server import HubServer
 
 TOKEN = "hf_" + secrets.token_hex(17)
 

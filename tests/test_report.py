@@ -29,7 +29,7 @@ REFERENCE = _reference()
 
 
 def _ema_decay(step, config=CONFIG):
-    """The project's EMA warm-up (diffusion_extras/ema.py): 0 at the first update."""
+    """The project's EMA warm-up (diffusion_extras/core/ema.py): 0 at the first update."""
     k = max(0, step - 1)
     return min(1 - (1 + k / config["ema_inv_gamma"]) ** -config["ema_power"], config["ema_max_decay"])
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-import train_ddpm
+from diffusion_extras.training import loop
 from conftest import read_history
 from diffusion_extras.training import compat
 from diffusion_extras.training import run_state
@@ -24,7 +24,7 @@ def test_setup_leaves_the_config_as_given_and_the_saved_config_records_the_plan(
     assert given.max_train_steps is None and given.save_images_steps == 1000
     # 64 images, batch 8, accumulation 2: 4 optimizer steps per epoch
     assert (run.plan.max_train_steps, run.plan.save_images_steps) == (8, 4)
-    train_ddpm.train(run)
+    loop.train(run)
     assert run.config == given, "the run changed its config"
     saved = yaml.safe_load((tmp_path / "run" / "training_config.yaml").read_text())
     assert (saved["max_train_steps"], saved["save_images_steps"], saved["num_epochs"]) == (8, 4, 2)

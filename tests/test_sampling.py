@@ -1,4 +1,4 @@
-"""Tests for diffusion_extras/sampling.py and the `python -m diffusion_extras.sample` command line."""
+"""Tests for diffusion_extras/evaluation/sampling.py and the `python -m diffusion_extras.sample` command line."""
 import os
 from types import SimpleNamespace
 

@@ -1,10 +1,8 @@
 """bench/stream_bench.py runs end to end on tiny settings and writes its JSON; the recipe FLOP
 count it uses for the GPU estimate is the UNet's (counted on the meta device)."""
 import json
-import os
-import sys
 
-from conftest import ROOT
+from conftest import load_bench_module
 
 
 def test_stream_bench_runs_and_writes_json(run_cli, tmp_path):
@@ -18,7 +16,6 @@ def test_stream_bench_runs_and_writes_json(run_cli, tmp_path):
 
 
 def test_recipe_flops_grow_with_resolution():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import stream_bench
+    stream_bench = load_bench_module("stream_bench")
     assert stream_bench.recipe_gflop_per_image("configs/ddpm-256.yaml") > 4 * stream_bench.recipe_gflop_per_image(
         "configs/ddpm-64.yaml") > 0

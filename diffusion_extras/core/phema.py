@@ -5,7 +5,7 @@ During training, `PowerFunctionEMA` tracks a few power-function EMA profiles and
 fp16 snapshots; afterwards `reconstruct` forms the EMA of any other relative width `sigma_rel` at a
 snapshot step as a least-squares combination of the snapshots, so the EMA length is chosen by
 evaluation instead of guessed before training. The command line that does this for a training
-output directory, scoring each width and exporting the best, lives in `diffusion_extras/posthoc_ema.py`.
+output directory, scoring each width and exporting the best, lives in `diffusion_extras/cli/posthoc_ema.py`.
 """
 from __future__ import annotations
 

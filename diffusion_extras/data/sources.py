@@ -91,16 +91,3 @@ def build_source(config, accelerator, channels: int, dataset=None, validation_sp
         return StreamSource(config, accelerator, channels)
     return CachedImages(config, accelerator, channels, dataset, validation_split)
 
-
-def rank_state(checkpoint: str, process_index: int):
-    """This rank's saved source state in a checkpoint folder, or None when none was saved."""
-    import json
-    import os
-
-    from diffusion_extras.training.checkpointing import rank_state_file
-
-    path = os.path.join(checkpoint, rank_state_file(process_index))
-    if not os.path.isfile(path):
-        return None
-    with open(path) as fh:
-        return json.load(fh)

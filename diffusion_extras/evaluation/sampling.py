@@ -3,8 +3,8 @@
 Reproducibility contract of `generate`: image i of a call with `seed` is drawn from its own CPU
 generator seeded from (seed, i), so its noise (initial and per-step) does not depend on the batch
 size, the device or the other images, and the global torch RNG is never touched (the training
-loop's exact resume relies on that). The command line lives in `diffusion_extras/sample.py`, and
-loading a saved pipeline in `diffusion_extras/cli.py`.
+loop's exact resume relies on that). The command line lives in `diffusion_extras/cli/sample.py`, and
+loading a saved pipeline in `diffusion_extras/cli/common.py`.
 """
 from __future__ import annotations
 

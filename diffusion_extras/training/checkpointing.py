@@ -164,11 +164,22 @@ def rank_state_file(process_index: int) -> str:
     return f"rank_state_{process_index}.json"
 
 
+def read_rank_state(checkpoint: str, process_index: int):
+    """This rank's saved data-source state in a checkpoint folder, or None when none was saved."""
+    path = os.path.join(checkpoint, rank_state_file(process_index))
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
 def save_checkpoint(accelerator, output_dir: str, step: int, train_state: dict,
-                    total_limit: int | None = None, rank_state: dict | None = None, checksums: bool = True) -> str:
+                    total_limit: int | None = None, rank_state: dict | None = None, checksums: bool = True,
+                    before_marker=None) -> str:
     """Save on every rank (accelerate requires it: each rank writes its RNG state, and DeepSpeed or
     FSDP shard weights), then complete and publish the folder on the main process. `rank_state`
-    (e.g. a stream position) differs per rank, so each rank writes its own file."""
+    (e.g. a stream position) differs per rank, so each rank writes its own file. `before_marker(tmp)`
+    runs on the main process when every file is written and none is marked complete yet."""
     final = os.path.join(output_dir, f"{PREFIX}{step}")
     tmp = os.path.join(output_dir, f".{PREFIX}{step}.tmp")
     if accelerator.is_main_process:
@@ -182,6 +193,8 @@ def save_checkpoint(accelerator, output_dir: str, step: int, train_state: dict,
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _write_json(os.path.join(tmp, TRAIN_STATE), train_state)
+        if before_marker is not None:
+            before_marker(tmp)
         _write_json(os.path.join(tmp, MARKER), completion_marker(tmp, step, checksums))
         if os.path.exists(final):  # same step saved before (e.g. an explicit re-save): replace it last
             shutil.rmtree(final)

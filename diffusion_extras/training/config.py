@@ -155,7 +155,7 @@ class TrainConfig:
     hub_token: Optional[str] = _f(None, "Hub token (default: the logged-in one). Never written anywhere.", resume=FREE)
     hub_private_repo: bool = _f(False, "Create the Hub repo private.", resume=FREE)
 
-    # --- diffusers train_unconditional.py compatibility (diffusion_extras/compat.py) ------------
+    # --- diffusers train_unconditional.py compatibility (diffusion_extras/training/compat.py) ------------
     save_images_epochs: Optional[int] = _f(None, "diffusers' flag: a sample grid every N epochs; sets --save_images_steps to N x the optimizer steps per epoch (stated in the log).", resume=APPLY)
     save_model_epochs: Optional[int] = _f(None, "diffusers' flag: export the pipeline every N epochs; sets --save_model_steps to N x the optimizer steps per epoch (stated in the log).", resume=APPLY)
     overwrite_output_dir: bool = _f(False, "Start afresh in an --output_dir that holds an earlier run: the earlier run is renamed to <output_dir>.previous-<time> first (nothing is deleted).", resume=FREE)

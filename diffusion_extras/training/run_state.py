@@ -1,4 +1,4 @@
-"""The state of a training run, typed and grouped by what it is for. train_ddpm.setup builds it,
+"""The state of a training run, typed and grouped by what it is for. training.build.setup builds it,
 the loop advances `progress`, and nothing else is carried between the parts: every field a
 function of the trainer may read is declared here, with its unit.
 
@@ -109,3 +109,4 @@ class Run:
     history: Any           # tracking.History: logs/history.jsonl
     hub_pusher: Any = None  # hub.HubPusher on the main process with --push_to_hub
     secrets: tuple = ()    # values never to be written (the Hub token)
+    hooks: Any = None      # hooks.Hooks: the extension points (the data source, fault injection)

@@ -1,0 +1,220 @@
+"""Setup: everything that can fail on bad input, done before the first step. `setup(config)`
+returns the typed Run (run_state.py); each builder returns what it makes."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from diffusion_extras.core import losses, optimization
+from diffusion_extras.core.ema import ExponentialMovingAverage
+from diffusion_extras.core.optimization import make_optimizer
+from diffusion_extras.core.phema import PowerFunctionEMA
+from diffusion_extras.core.timesteps import make_timestep_sampler
+from diffusion_extras.data import images as data
+from diffusion_extras.data import sources
+from diffusion_extras.monitoring import diagnostics
+from diffusion_extras.monitoring import held_out as validation
+from diffusion_extras.monitoring.grad_monitor import GradientMonitor
+from diffusion_extras.training import artifacts, checkpointing, compat, models, run_state, tracking
+from diffusion_extras.training.config import ConfigError, TrainConfig
+from diffusion_extras.training.hooks import Hooks
+from diffusion_extras.training.periodic import write_reference_bins
+from diffusion_extras.training.resume import resume
+from diffusion_extras.training.run_state import Data, Extras, Model, Plan, Progress, Run
+
+
+def make_accelerator(config: TrainConfig):
+    from datetime import timedelta
+
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+
+    tracking.check_tracker_available(config.logger)
+    # Accumulation is done here, not by accelerate (its counter is tied to a prepared loader):
+    # the accelerator sees one micro-batch per backward and we skip DDP syncs with no_sync().
+    # Grids, FID and Hub pushes run on the main process while the others wait at their next
+    # collective: allow them two hours instead of the default 10-30 minutes.
+    return Accelerator(
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=2))],
+        mixed_precision=config.mixed_precision,
+        log_with=tracking.tracker_names(config.logger) or None,
+        project_config=ProjectConfiguration(project_dir=config.output_dir,
+                                            logging_dir=os.path.join(config.output_dir, config.logging_dir)))
+
+
+def start(config: TrainConfig):
+    """The accelerator and the run's seed, after the checks that need no data; announces the
+    diffusers flags taken as they are. Shared by training and the LR range test."""
+    from accelerate.utils import set_seed
+
+    accelerator = make_accelerator(config)
+    refuse_sharded_training(accelerator)
+    set_seed(config.seed)  # the init; per-step randomness has its own generators
+    if config.overwrite_output_dir:  # before anything is written there; the other ranks wait for the rename
+        moved = compat.move_aside_earlier_run(config.output_dir) if accelerator.is_main_process else None
+        accelerator.wait_for_everyone()
+        if moved:
+            accelerator.print(f"--overwrite_output_dir: the earlier run in {config.output_dir} is now {moved}")
+    for line in compat.notes(config):
+        accelerator.print(line)
+    return accelerator
+
+
+def setup(config: TrainConfig, hooks: Hooks | None = None) -> Run:
+    """Everything that can fail on bad input, done before the first step."""
+    accelerator = start(config)
+    checkpoints = checkpointing.list_checkpoints(config.output_dir)
+    if checkpoints and config.resume_from_checkpoint is None:
+        raise ConfigError(f"--output_dir {config.output_dir} already holds {os.path.basename(checkpoints[-1])}: "
+                          "pass --resume_from_checkpoint latest to continue it, or choose a new --output_dir")
+    run = build_run(config, accelerator, optimization.training_lr_schedule, hooks=hooks)
+    if config.resume_from_checkpoint:  # refuse an incompatible resume before any remote side effect
+        resume(run)
+    run.hub_pusher, run.secrets = artifacts.connect_hub(config, accelerator.is_main_process)
+    start_trackers(run)
+    if accelerator.is_main_process:
+        run.extras.evaluation = artifacts.prepare_evaluation(config, run.data.source, accelerator.device)
+        run.extras.grad_monitor = make_grad_monitor(config, run.plan, run.data.source)
+        write_reference_bins(run)  # on-demand reports of a running or killed run use it
+    return run
+
+
+def build_run(config: TrainConfig, accelerator, lr_schedule, max_train_steps: int | None = None,
+              hooks: Hooks | None = None) -> Run:
+    """Data, model, optimizer and extras. `lr_schedule(config, optimizer, steps)` makes the LR
+    schedule; `max_train_steps` replaces the run length (the LR range test's sweep); `hooks`: the
+    extension points (hooks.py), defaults when None."""
+    hooks = hooks or Hooks()
+    noise_scheduler = models.build_noise_scheduler(config)
+    switches = run_state.extras_switches(config, data.uses_embedded_digits(config))
+    # the data is opened before the model: with no model chosen, the model follows the images
+    dataset, data_channels = sources.open_training_data(config, accelerator)
+    model_kwargs, unet = build_model(config, accelerator, data_channels)
+    training_data, held_out_images = build_data(config, accelerator, unet.config.in_channels, dataset,
+                                                switches["validation_split"], hooks.data_source)
+    plan = make_plan(config, accelerator, training_data.source, model_kwargs, switches, max_train_steps)
+    model = build_optimization(config, accelerator, plan, unet, noise_scheduler, lr_schedule)
+    extras = build_extras(config, accelerator, model.unet, held_out_images)
+    progress = Progress(step_lr=model.peak_lr,
+                        nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device))
+    return Run(config=config, plan=plan, accelerator=accelerator, model=model, data=training_data, extras=extras,
+               progress=progress, history=tracking.History(config.output_dir), hooks=hooks)
+
+
+def refuse_sharded_training(accelerator) -> None:
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        raise ConfigError(
+            f"{accelerator.distributed_type.value} is not supported: the EMA, exact resume and the replica check "
+            "assume full model replicas. A UNet2DModel fits on one GPU: use DDP (`accelerate launch --multi_gpu`), "
+            "with --gradient_checkpointing and --mixed_precision bf16 to save memory")
+
+
+def build_model(config: TrainConfig, accelerator, data_channels: int) -> tuple[dict, torch.nn.Module]:
+    """(UNet kwargs, the UNet): the recipe's, or one that follows the images; announced in one
+    line with its size."""
+    model_kwargs, chosen = models.follow_data(config, data_channels)
+    unet = models.build_unet(config, model_kwargs)
+    for line in models.describe(unet, chosen, data_channels):
+        accelerator.print(line)
+    return model_kwargs, unet
+
+
+def build_data(config: TrainConfig, accelerator, channels: int, dataset, validation_split: float,
+               data_source=sources.build_source) -> tuple:
+    """(the training data, the held-out images or None): the data source (decode-once cache or
+    this rank's shard of a stream) and sigma_data."""
+    source = data_source(config, accelerator, channels, dataset, validation_split)
+    sample = torch.from_numpy(source.reference_sample(2048))
+    # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
+    sigma_data = diagnostics.per_dimension_variance(data.to_model_input(sample, "cpu")) ** 0.5
+    training_data = Data(source=source, sigma_data=sigma_data,
+                         global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
+                         gradient_accumulation_steps=config.gradient_accumulation_steps)
+    return training_data, source.held_out_images
+
+
+def make_plan(config: TrainConfig, accelerator, source, model_kwargs: dict, switches: dict,
+              max_train_steps: int | None) -> Plan:
+    """The real run length and step intervals, for this data (epochs become steps)."""
+    # streams have no epoch length: validate() made them give --max_train_steps
+    steps_per_epoch = (None if source.batches_per_epoch is None
+                       else max(1, source.batches_per_epoch // config.gradient_accumulation_steps))
+    intervals, lines = compat.epoch_intervals(config, steps_per_epoch)  # a stream refuses epoch intervals
+    for line in lines:
+        accelerator.print(line)
+    return Plan(max_train_steps=max_train_steps or config.max_train_steps or config.num_epochs * steps_per_epoch,
+                model=model_kwargs, **intervals, **switches)
+
+
+def build_optimization(config: TrainConfig, accelerator, plan: Plan, unet, noise_scheduler, lr_schedule) -> Model:
+    """UNet switches, AdamW, the LR schedule, accelerate's prepare."""
+    if config.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    if config.allow_tf32:  # Ampere+ only; ignored on CPU
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if config.channels_last:
+        unet = unet.to(memory_format=torch.channels_last)
+    peak_lr = optimization.peak_learning_rate(config, accelerator.num_processes)
+    optimizer = make_optimizer(config, unet, peak_lr)
+    lr_scheduler = lr_schedule(config, optimizer, plan.max_train_steps)  # stepped by the loop, not by accelerate
+    unet, optimizer = accelerator.prepare(unet, optimizer)
+    if config.torch_compile:  # in place: state-dict keys (and so checkpoints) stay those of the plain UNet
+        accelerator.unwrap_model(unet).compile(mode=None if config.torch_compile_mode == "default"
+                                               else config.torch_compile_mode)
+    accelerator.register_for_checkpointing(lr_scheduler)
+    return Model(unet=unet, optimizer=optimizer, lr_scheduler=lr_scheduler, noise_scheduler=noise_scheduler,
+                 schedule=losses.NoiseSchedule.from_scheduler(noise_scheduler, accelerator.device), peak_lr=peak_lr,
+                 state_config=state_config(plan.resolved_config(config), unet, accelerator))
+
+
+def build_extras(config: TrainConfig, accelerator, unet, held_out_images) -> Extras:
+    """Diagnostics, the timestep sampler, EMA, post-hoc EMA, the held-out loss: each with state
+    is checkpointed with the run."""
+    parameters = list(unet.parameters())
+    extras = Extras(
+        diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device),
+        timestep_sampler=make_timestep_sampler(config.timestep_sampling, config.ddpm_num_steps, accelerator.device))
+    if config.use_ema:
+        extras.ema = ExponentialMovingAverage(parameters, config.ema_max_decay, config.ema_inv_gamma, config.ema_power)
+    if config.posthoc_ema:
+        extras.posthoc_ema = PowerFunctionEMA(parameters)
+    for state in (extras.ema, extras.diagnostics, extras.posthoc_ema):  # the order of the checkpoint's files
+        if state is not None:
+            accelerator.register_for_checkpointing(state)
+    if extras.timestep_sampler.learns_from_losses:
+        accelerator.register_for_checkpointing(extras.timestep_sampler)
+    if held_out_images is not None:  # never trained on: split off before the batch order exists
+        extras.held_out = validation.HeldOutLoss(held_out_images, config.resolution, config.ddpm_num_steps,
+                                                 config.diagnostics_bins, config.seed, config.train_batch_size)
+    return extras
+
+
+def make_grad_monitor(config: TrainConfig, plan: Plan, source):
+    """The per-timestep gradient monitor on a fixed probe batch of training images, or None."""
+    if not plan.grad_diagnostics_steps:
+        return None
+    return GradientMonitor(source.reference_sample(config.train_batch_size), config.ddpm_num_steps,
+                           config.diagnostics_bins, config.seed)
+
+
+def start_trackers(run: Run) -> None:
+    config = run.config
+    logging_dir = os.path.join(config.output_dir, config.logging_dir)
+    try:
+        os.makedirs(logging_dir, exist_ok=True)
+        run.accelerator.init_trackers("train_ddpm", config=tracking.hyperparameters(run.plan.resolved_config(config)),
+                                      init_kwargs={"wandb": {"dir": logging_dir}})
+    except Exception as error:  # a tracker that cannot start is a setup problem, not a crash mid-run
+        raise ConfigError(f"--logger {config.logger}: the tracker failed to start: {type(error).__name__}: {error}") from None
+
+
+def state_config(resolved_config: dict, unet, accelerator) -> dict:
+    """What a checkpoint records of the config (checked on resume). The UNet config drops
+    diffusers' private keys (`_use_default_values` varies in order between runs)."""
+    unet_values = {k: v for k, v in dict(accelerator.unwrap_model(unet).config).items() if not k.startswith("_")}
+    values = tracking.hyperparameters({k: v for k, v in resolved_config.items() if k != "model"})
+    return values | {"unet": json.loads(json.dumps(unet_values)), "num_processes": accelerator.num_processes}

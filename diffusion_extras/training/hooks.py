@@ -1,0 +1,36 @@
+"""The trainer's extension points: what a caller may replace without touching the trainer.
+
+    from diffusion_extras.training.main import Hooks, main
+    main(["--config", "recipe.yaml"], Hooks(data_source=MySource))
+
+Each field's default is what `train_ddpm.py` does. Tests use them to inject a third kind of data
+source (tests/custom_source_train.py) and faults (tests/hooked_train.py: a process that dies
+after checkpoint N, a SIGKILL inside the atomic save, NaN inputs at chosen steps).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from diffusion_extras.data import sources
+
+if TYPE_CHECKING:
+    from diffusion_extras.training.run_state import Run
+
+
+@dataclass
+class Hooks:
+    # (config, accelerator, channels, dataset, validation_split) -> an object with the data-source
+    # interface of data/sources.py (batches, position, state_dict, load_state_dict, reference_sample,
+    # held_out_images, batches_per_epoch, description)
+    data_source: Callable = sources.build_source
+    # (run, checkpoint path): on every rank, after a checkpoint is complete (marker written)
+    after_checkpoint: Optional[Callable[["Run", str], None]] = None
+    # (temporary checkpoint folder): inside the atomic save, after every file is written and
+    # synced, before the completion marker: the moment a kill leaves a torn checkpoint
+    before_checkpoint_marker: Optional[Callable[[str], None]] = None
+    # (run, clean model input in [-1, 1], micro-step) -> the model input: after decoding and
+    # flips, before noising
+    model_input: Optional[Callable[["Run", torch.Tensor, int], torch.Tensor]] = None

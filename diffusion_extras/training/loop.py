@@ -1,0 +1,152 @@
+"""The training loop: optimizer steps, logging windows, checkpoints, the periodic extras, and the
+end of a run. Progress is counted in optimizer steps."""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import torch
+
+from diffusion_extras.training import checkpointing
+from diffusion_extras.training.config import save_config
+from diffusion_extras.training.periodic import run_main_process_extras, write_health_report
+from diffusion_extras.training.run_state import Run
+from diffusion_extras.training.step import optimizer_step
+
+
+def train_state(run: Run) -> dict:
+    step = run.progress.global_step
+    micro_step = step * run.config.gradient_accumulation_steps
+    return {"global_step": step, "micro_step": micro_step, **run.data.source.position(micro_step),
+            "images_seen": run.data.images_seen(step), "seed": run.config.seed,
+            "config": run.model.state_config}
+
+
+def save_checkpoint(run: Run) -> None:
+    # the source's per-rank position (a stream's) goes in rank_state_<i>.json
+    hooks = run.hooks
+    path = checkpointing.save_checkpoint(run.accelerator, run.config.output_dir, run.progress.global_step,
+                                         train_state(run), run.config.checkpoints_total_limit,
+                                         rank_state=run.data.source.state_dict(),
+                                         before_marker=hooks.before_checkpoint_marker if hooks else None)
+    run.accelerator.print(f"saved {path}")
+    if hooks is not None and hooks.after_checkpoint is not None:
+        hooks.after_checkpoint(run, path)
+
+
+def log_window(run: Run, loss_sum: torch.Tensor, steps: int, seconds: float, progress_bar) -> dict:
+    """Average over the window and over processes. The loss reduce and the diagnostics gather are
+    the host syncs of a logging interval (two small collectives); the steps between have none
+    (tests/test_host_sync.py). A window with a skipped step adds one: the warning's input statistics."""
+    accelerator, extras, step = run.accelerator, run.extras, run.progress.global_step
+    loss = accelerator.reduce(loss_sum / max(steps, 1), reduction="mean").item()
+    values = {"loss": loss, "lr": run.progress.step_lr,
+              "images_per_second": run.data.images_seen(steps) / max(seconds, 1e-9)}
+    values.update(extras.diagnostics.reduce_and_reset(accelerator))
+    if extras.ema is not None:
+        values["ema_decay"] = extras.ema.decay(extras.ema.optimization_step)
+    accelerator.log(values, step=step)
+    if accelerator.is_main_process:
+        run.history.append({"step": step, **values})
+        progress_bar.set_postfix(loss=f"{loss:.4f}", lr=f"{values['lr']:.2e}",
+                                 img_s=f"{values['images_per_second']:.0f}")
+    if values["nonfinite_steps"] > 0:
+        bins = sorted(k.split("/")[1] for k in values if k.startswith("nonfinite_bin/"))
+        inputs = ", ".join(f"{name} {value:.3g}" for name, value in
+                           zip(("mean", "std", "min", "max"), run.progress.nonfinite_inputs.tolist()))
+        warnings.warn(f"{values['nonfinite_steps']:.0f} non-finite step(s) skipped up to step {step} "
+                      f"(weights and EMA untouched); timestep bins with non-finite losses: {bins or 'none'}; "
+                      f"inputs of the last one: {inputs}")
+    return values
+
+
+class NonFiniteStop(RuntimeError):
+    """Too many consecutive non-finite steps: the run stops with its last good weights saved."""
+
+
+def check_nonfinite(run: Run, values: dict) -> None:
+    streak = values.get("max_consecutive_nonfinite", 0)
+    if streak >= run.config.max_nonfinite_steps:
+        config = run.config
+        # every remedy named here is applied on resume (diffusion_extras.training.resume_policy; tests/test_resume_remedies.py)
+        remedies = [f"Lower --learning_rate (now {config.learning_rate:g})"]
+        if not config.max_grad_norm:  # a non-finite gradient cannot be clipped; clipping stops the blow-up before it
+            remedies.append("set --max_grad_norm 1.0")
+        if config.mixed_precision == "fp16":
+            remedies.append("use --mixed_precision bf16 instead of fp16")
+        remedy = remedies[0] if len(remedies) == 1 else f"{', '.join(remedies[:-1])} or {remedies[-1]}"
+        raise NonFiniteStop(
+            f"{streak:.0f} consecutive non-finite steps by step {run.progress.global_step} (--max_nonfinite_steps "
+            f"{config.max_nonfinite_steps}). Skipped steps never touch the weights, so the saved checkpoint "
+            f"holds the last good ones. {remedy}, then resume with --resume_from_checkpoint latest.")
+
+
+def make_batches(run: Run):
+    """This rank's micro-batches from the run's position on, prefetched by the data source."""
+    accumulation = run.config.gradient_accumulation_steps
+    return run.data.source.batches(run.progress.global_step * accumulation, run.plan.max_train_steps * accumulation)
+
+
+def train(run: Run) -> None:
+    from tqdm.auto import tqdm
+
+    config, accelerator, plan = run.config, run.accelerator, run.plan
+    if accelerator.is_main_process:
+        os.makedirs(config.output_dir, exist_ok=True)
+        save_config(plan.resolved_config(config), os.path.join(config.output_dir, "training_config.yaml"),
+                    secrets=[config.hub_token])
+    batches = make_batches(run)
+    progress_bar = tqdm(total=plan.max_train_steps, initial=run.progress.global_step,
+                        disable=not accelerator.is_local_main_process, desc="optimizer steps")
+    loss_sum, window_steps, window_start = torch.zeros((), device=accelerator.device), 0, time.perf_counter()
+    while run.progress.global_step < plan.max_train_steps:
+        loss_sum += optimizer_step(run, batches)
+        window_steps += 1
+        progress_bar.update(1)
+        step = run.progress.global_step
+        last = step == plan.max_train_steps
+        checkpoint_now = step % config.checkpointing_steps == 0
+        # a checkpoint closes the logging window: other ranks' partial windows are not saved
+        if step % config.diagnostics_steps == 0 or last or checkpoint_now:
+            values = log_window(run, loss_sum, window_steps, time.perf_counter() - window_start, progress_bar)
+            loss_sum.zero_()
+            window_steps, window_start = 0, time.perf_counter()
+            try:
+                check_nonfinite(run, values)
+            except NonFiniteStop:
+                save_checkpoint(run)
+                if accelerator.is_main_process:
+                    write_health_report(run)
+                raise
+        if checkpoint_now:
+            save_checkpoint(run)
+        if accelerator.is_main_process:  # the other ranks go on and meet it at the next collective
+            if last:
+                progress_bar.close()  # the bar ends at the last step; the end-of-run work announces itself
+            run_main_process_extras(run, step, last)
+    progress_bar.close()
+    verify_replicas(run)
+    if accelerator.is_main_process:
+        start_time = time.perf_counter()
+        path = write_health_report(run)
+        accelerator.print(f"health report: {path} (written in {time.perf_counter() - start_time:.1f} s)")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    accelerator.print(f"done: {run.progress.global_step} optimizer steps; pipeline in {config.output_dir}")
+
+
+def verify_replicas(run: Run) -> None:
+    """Every rank must end with the same weights (DDP all-reduces gradients; EMA is updated from
+    identical weights on each rank, so it is identical too). One gather at the end proves it."""
+    accelerator = run.accelerator
+    if accelerator.num_processes == 1:
+        return
+    params = list(accelerator.unwrap_model(run.model.unet).parameters())
+    shadow = run.extras.ema.shadow_params if run.extras.ema is not None else []
+    fingerprint = torch.stack([torch.stack([p.detach().double().sum(), (p.detach().double() ** 2).sum()])
+                               for p in params + shadow]).flatten()
+    gathered = accelerator.gather(fingerprint[None]).cpu()
+    if not torch.equal(gathered.min(0).values, gathered.max(0).values):
+        raise RuntimeError("model or EMA weights differ between processes: the replicas diverged")
+    accelerator.print(f"replicas identical on {accelerator.num_processes} processes (weights and EMA)")

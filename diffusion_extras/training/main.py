@@ -1,0 +1,41 @@
+"""The trainer's entry: parse the config, set up, train; exit codes a job script can test.
+
+    0  done (or the LR range test written)
+    2  bad input: a one-line error before training (config, data, checkpoint)
+    3  stopped: too many consecutive non-finite steps, with the last good weights saved
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+from diffusion_extras.data.images import DataError
+from diffusion_extras.training.checkpointing import CheckpointError
+from diffusion_extras.training.config import ConfigError, parse_config, redact_argv
+from diffusion_extras.training.hooks import Hooks
+from diffusion_extras.training.loop import NonFiniteStop, train
+from diffusion_extras.training.lr_range import find_lr, setup_lr_range_test
+from diffusion_extras.training.build import setup
+
+__all__ = ["Hooks", "main"]
+
+
+def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
+    """Train as `train_ddpm.py argv...` would; `hooks` replaces the extension points (hooks.py)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = parse_config(argv)
+        redact_argv(sys.argv, [config.hub_token])  # trackers (wandb) record the command line
+        if config.find_lr:
+            find_lr(setup_lr_range_test(config, hooks))
+            return 0
+        run = setup(config, hooks)
+    except (ConfigError, DataError, CheckpointError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        train(run)
+    except NonFiniteStop as error:
+        print(f"error: stopped: {error}", file=sys.stderr)
+        return 3
+    return 0
