@@ -157,3 +157,58 @@ def test_saved_config_never_holds_tokens(tmp_path):
     text = (tmp_path / "c.yaml").read_text()
     assert "hf_secret_value" not in text and "hub_token" not in text
     assert yaml.safe_load(text)["learning_rate"] == config.learning_rate
+
+
+# ------------------------------------------------------------------ flag groups
+def group_index(name: str) -> int:
+    from diffusion_extras.training.config import GROUPS
+    return GROUPS.index({f.name: f for f in dataclasses.fields(TrainConfig)}[name].metadata["group"])
+
+
+def test_every_field_has_a_group_and_fields_are_declared_group_by_group():
+    from diffusion_extras.training.config import GROUPS, GROUP_DESCRIPTIONS
+    assert tuple(GROUP_DESCRIPTIONS) == GROUPS and all(GROUP_DESCRIPTIONS.values())
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    assert all(f.metadata.get("group") in GROUPS for f in dataclasses.fields(TrainConfig))
+    indices = [group_index(name) for name in names]
+    assert indices == sorted(indices), "TrainConfig's fields must be declared in GROUPS order"
+    assert set(indices) == set(range(len(GROUPS))), "a declared group has no field"
+
+
+def test_help_shows_each_flag_under_its_group_in_group_order():
+    import re
+    from diffusion_extras.training.config import GROUPS, config_fields
+    text = build_parser().format_help()
+    headings = [text.index(f"\n{group}:\n") for group in GROUPS]  # argparse: "title:" on its own line
+    assert headings == sorted(headings), "the groups appear in GROUPS order"
+    bounds = dict(zip(GROUPS, zip(headings, headings[1:] + [len(text)])))
+    for f in config_fields():
+        flag = re.search(rf"^  --{f.name}\b", text, re.MULTILINE)
+        assert flag, f.name
+        start, end = bounds[f.metadata["group"]]
+        assert start < flag.start() < end, f"--{f.name} is not under {f.metadata['group']}"
+
+
+def test_saved_config_lists_settings_in_group_order(tmp_path):
+    """training_config.yaml (from the resolved config the run saves) follows the --help order."""
+    from diffusion_extras.training.run_state import Plan
+    plan = Plan(max_train_steps=5, save_images_steps=5, save_model_steps=5, model={}, validation_split=0.0,
+                grad_diagnostics_steps=0)
+    for config in (TrainConfig(), plan.resolved_config(TrainConfig())):
+        save_config(config, str(tmp_path / "c.yaml"))
+        keys = list(yaml.safe_load((tmp_path / "c.yaml").read_text()))  # safe_load keeps the file's order
+        assert keys == [f.name for f in dataclasses.fields(TrainConfig) if f.name != "hub_token"]
+        assert [group_index(k) for k in keys] == sorted(group_index(k) for k in keys)
+
+
+def test_readme_lists_the_flag_groups_as_help_does():
+    """README's Flags section: one bullet per group, in GROUPS order, naming only that group's flags."""
+    import re
+    from diffusion_extras.training.config import GROUPS
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = readme[readme.index("## Flags"):readme.index("## Checkpoints and resume")]
+    bullets = re.findall(r"^- \*\*(.+?)\*\*:(.*?)(?=^- |\Z)", section, re.MULTILINE | re.DOTALL)
+    assert [title for title, _ in bullets] == list(GROUPS)
+    for title, body in bullets:
+        for name in re.findall(r"--(?:no-)?(\w+)", body):
+            assert GROUPS[group_index(name)] == title, f"README lists --{name} under {title}"

@@ -36,6 +36,24 @@ APPLY = "apply"    # the new value takes effect from the resumed step, and the r
 FREE = "free"      # no effect on what is trained (paths, workers, credentials)
 RESUME_POLICIES = (REFUSE, APPLY, FREE)
 
+# Every field belongs to one group: --help shows one section per group and TrainConfig declares
+# its fields (hence training_config.yaml lists them) in this order. One line each for --help.
+GROUP_DESCRIPTIONS = {
+    "data": "Where the images come from and how each one is prepared.",
+    "model": "The UNet2DModel's architecture: a config file here, or a recipe's `model:` mapping.",
+    "objective": "What is trained: noise schedule, prediction type, loss, min-SNR weighting, timestep sampling.",
+    "optimization": "Batch, length, optimizer and learning-rate schedule, counted in optimizer steps; the seed.",
+    "EMA": "The exponential moving average of the weights that samples and exports use, and post-hoc EMA.",
+    "diagnostics": "What the run measures about its own training: per-timestep loss, held-out loss, gradients, non-finite steps, LR range test.",
+    "evaluation": "Sample grids and sample-quality metrics (FID, KID, FD-DINOv2, CMMD).",
+    "checkpoints": "The output folder, pipeline exports, resumable checkpoints and resuming.",
+    "Hub": "Uploading the pipeline to the Hugging Face Hub.",
+    "logging": "The experiment tracker and how often scalars are logged.",
+    "performance": "Speed and memory: precision, TF32, compilation, memory layout, activation checkpointing, 8-bit Adam, loader workers.",
+    "diffusers compatibility": "diffusers' train_unconditional.py flags, accepted so its commands run here unchanged.",
+}
+GROUPS = tuple(GROUP_DESCRIPTIONS)
+
 # The digits recipe's UNet: 16 px grayscale, 16 -> 8 -> 4, attention at 4 px, 1.1M params.
 # One residual block per level: 1.44x the throughput of two, and at 1200 steps (~10 CPU-minutes
 # on 2 cores) the samples are recognisable digits (docs/BENCHMARKS.md shows them).
@@ -48,12 +66,15 @@ DIGITS_UNET = dict(
 )
 
 
-def _f(default, help_text, *, resume: str, choices: tuple = None, cli: bool = True):
+def _f(default, help_text, *, resume: str, group: str, choices: tuple = None, cli: bool = True):
     """A field declared with everything said about it: default, help (with its unit), allowed
-    values, and its resume policy. --help, validation and the resume check all read these."""
+    values, its resume policy and its --help group. --help, validation and the resume check all
+    read these."""
     if resume not in RESUME_POLICIES:
         raise ValueError(f"resume policy {resume!r} is not one of {RESUME_POLICIES}")
-    metadata = {"help": help_text, "resume": resume, "choices": choices, "cli": cli}
+    if group not in GROUPS:
+        raise ValueError(f"group {group!r} is not one of {GROUPS}")
+    metadata = {"help": help_text, "resume": resume, "group": group, "choices": choices, "cli": cli}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda d=default: _copy(d), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -65,103 +86,103 @@ def _copy(value):
 
 @dataclass
 class TrainConfig:
-    # --- data -------------------------------------------------------------------------------
-    dataset_name: Optional[str] = _f(None, "Hub dataset id, or a local save_to_disk / load_dataset folder. None (and no --train_data_dir): the embedded scikit-learn digits.", resume=APPLY)
-    dataset_config_name: Optional[str] = _f(None, "Dataset configuration name (load_dataset's `name`).", resume=APPLY)
-    train_data_dir: Optional[str] = _f(None, "A folder of images, loaded with datasets' `imagefolder`.", resume=APPLY)
-    train_data_files: Optional[str] = _f(None, "Data files to train on: whitespace-separated globs or brace lists of webdataset .tar shards or .parquet files (e.g. 'shards/train-{000..127}.tar'), read with datasets' webdataset / parquet builders, cached or --streaming.", resume=APPLY)
-    image_column: Optional[str] = _f(None, "Column holding the images; found from the features when not given.", resume=APPLY)
-    cache_dir: Optional[str] = _f(None, "Where datasets and the decoded-image cache are stored (default: datasets' cache).", resume=FREE)
-    max_train_samples: Optional[int] = _f(None, "Keep only this many training images (for debugging or quick runs).", resume=APPLY)
-    resolution: int = _f(16, "Training image size in pixels (square).", resume=REFUSE)
-    center_crop: bool = _f(True, "Center-crop to the square resolution; --no-center_crop crops at a random place.", resume=APPLY)
-    random_flip: bool = _f(False, "Flip images horizontally at random (off for digits: flipped digits are not digits).", resume=APPLY)
-    streaming: bool = _f(False, "Stream the dataset (load_dataset(streaming=True)) instead of downloading and caching it; needs --max_train_steps.", resume=REFUSE)
-    shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY)
-    dataloader_num_workers: int = _f(0, "Loader worker processes. With --streaming they decode the stream in parallel (a 256 px JPEG costs a few ms of a core; see docs/BENCHMARKS.md) and a resume needs the same value; cached images are decoded once, so 0-2 suffice.", resume=FREE)
-    # --- output and logging ---------------------------------------------------------------
-    output_dir: str = _f("ddpm-digits", "Where the pipeline, samples, logs and checkpoints are written.", resume=FREE)
-    logging_dir: str = _f("logs", "Tracker logs, relative to output_dir.", resume=FREE)
-    logger: str = _f("tensorboard", "Experiment tracker.", choices=LOGGERS, resume=FREE)
-    diagnostics_steps: int = _f(25, "Log loss, lr and diagnostics every N optimizer steps (also the progress-bar refresh).", resume=APPLY)
-    save_images_steps: int = _f(500, "Save a sample grid (EMA weights, DDIM) every N optimizer steps and at the end.", resume=APPLY)
-    save_model_steps: int = _f(1000, "Export the DDPMPipeline to output_dir every N optimizer steps and at the end.", resume=APPLY)
-    checkpointing_steps: int = _f(500, "Save a resumable checkpoint every N optimizer steps.", resume=APPLY)
-    checkpoints_total_limit: Optional[int] = _f(None, "Keep only the newest K checkpoints.", resume=APPLY)
-    resume_from_checkpoint: Optional[str] = _f(None, "'latest' or a checkpoint folder (anywhere) to resume from.", resume=FREE)
-    # --- optimisation (counted in optimizer steps) -----------------------------------------
-    train_batch_size: int = _f(64, "Images per process per micro-batch.", resume=REFUSE)
-    eval_batch_size: int = _f(64, "Images in each sample grid.", resume=APPLY)
-    num_epochs: int = _f(100, "Epochs to train when --max_train_steps is not given.", resume=APPLY)
-    max_train_steps: Optional[int] = _f(1200, "Optimizer steps to train; wins over --num_epochs when both are given, and giving only --num_epochs trains that many epochs.", resume=APPLY)
-    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.", resume=REFUSE)
-    learning_rate: float = _f(2e-3, "Peak learning rate (after warmup).", resume=APPLY)
-    scale_lr: bool = _f(False, "Multiply the learning rate by batch size x accumulation x processes.", resume=APPLY)
-    lr_scheduler: str = _f("cosine", "Learning-rate schedule after warmup.", choices=LR_SCHEDULERS, resume=APPLY)
-    lr_warmup_steps: int = _f(100, "Linear warmup length in optimizer steps.", resume=APPLY)
-    adam_beta1: float = _f(0.9, "AdamW beta1.", resume=APPLY)
-    adam_beta2: float = _f(0.999, "AdamW beta2.", resume=APPLY)
-    adam_weight_decay: float = _f(0.0, "AdamW decoupled weight decay.", resume=APPLY)
-    adam_epsilon: float = _f(1e-8, "AdamW epsilon.", resume=APPLY)
-    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 disables clipping).", resume=APPLY)
-    mixed_precision: str = _f("no", "Autocast precision of the UNet (fp16 needs a GPU). Noising, targets and loss stay fp32.", choices=MIXED_PRECISION, resume=APPLY)
-    seed: int = _f(0, "Seed of everything: init, data order, noise, timesteps, flips.", resume=APPLY)
-    # --- EMA -----------------------------------------------------------------------------
-    use_ema: bool = _f(True, "Keep an EMA of the weights; samples and the exported pipeline use it.", resume=REFUSE)
-    ema_max_decay: float = _f(0.999, "EMA decay cap.", resume=APPLY)
-    ema_inv_gamma: float = _f(1.0, "EMA warmup: decay = 1 - (1 + step/inv_gamma)^-power.", resume=APPLY)
-    ema_power: float = _f(0.75, "EMA warmup power (3/4 suits short runs, 2/3 long ones).", resume=APPLY)
-    # --- model and noise schedule ----------------------------------------------------------
-    model_config_name_or_path: Optional[str] = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE)
-    model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape).", resume=REFUSE, cli=False)
-    prediction_type: str = _f("epsilon", "What the UNet predicts: the noise, v (Salimans & Ho 2022) or the clean image.", choices=PREDICTION_TYPES, resume=REFUSE)
-    ddpm_num_steps: int = _f(1000, "Diffusion timesteps T.", resume=REFUSE)
-    ddpm_beta_schedule: str = _f("linear", "Noise schedule of the betas.", choices=BETA_SCHEDULES, resume=REFUSE)
-    ddpm_num_inference_steps: int = _f(50, "DDIM steps for sample grids.", resume=APPLY)
-    rescale_betas_zero_snr: bool = _f(False, "Rescale betas to zero terminal SNR (Lin et al. 2024); pair with v_prediction.", resume=REFUSE)
-    # --- loss -----------------------------------------------------------------------------
-    snr_gamma: Optional[float] = _f(5.0, "Min-SNR-gamma loss weighting (Hang et al. 2023); 0 turns it off. 5 beat no weighting on digits for every prediction type (docs/EXPERIMENTS.md).", resume=APPLY)
-    loss_type: str = _f("l2", "Loss: l2, or huber (pseudo-Huber with --huber_c).", choices=LOSS_TYPES, resume=APPLY)
-    huber_c: float = _f(0.1, "Pseudo-Huber transition scale.", resume=APPLY)
-    timestep_sampling: str = _f("uniform", "How timesteps are drawn: uniform, or loss_aware (importance sampling by the per-timestep loss second moment, reweighted to stay unbiased).", choices=TIMESTEP_SAMPLING, resume=REFUSE)
-    # --- diagnostics -------------------------------------------------------------------------
-    diagnostics_bins: int = _f(10, "Timestep bins for the per-timestep loss statistics and plot.", resume=REFUSE)
-    max_nonfinite_steps: int = _f(20, "Stop (saving the last good weights) after this many consecutive non-finite steps.", resume=APPLY)
-    find_lr: bool = _f(False, "Run an LR range test instead of training: exponential sweep 1e-7 -> 1e-2, plot and suggested lr.", resume=FREE)
-    find_lr_steps: int = _f(100, "Optimizer steps of the LR range test.", resume=FREE)
-
-    # --- evaluation, post-hoc EMA, Hub ---------------------------------------------------------
-    eval_steps: Optional[int] = _f(None, "Every N optimizer steps (and at the end): FID/KID of EMA samples against the training data. None: off.", resume=APPLY)
-    eval_num_samples: int = _f(1000, "Samples per evaluation (and reference images, at most the dataset size).", resume=APPLY)
-    eval_metrics: str = _f("fid,kid", "Comma list of metrics at --eval_steps: fid, kid (in --feature_extractor features), fd_dinov2 (Frechet distance in DINOv2 features, --dinov2_model), cmmd (CLIP MMD, --clip_model). README: which to use and how many samples each needs.", resume=APPLY)
-    feature_extractor: str = _f("inception", "Features for FID/KID: inception (the StyleGAN/EDM TorchScript detector; downloaded into the HF cache when no --inception_weights), or tiny (random features for smoke tests; not comparable with published FIDs).", choices=FEATURE_EXTRACTORS, resume=APPLY)
-    inception_weights: Optional[str] = _f(None, "Local TorchScript Inception file (inception-2015-12-05.pt) for FID/KID; default: downloaded once from its public URL.", resume=APPLY)
-    dinov2_model: str = _f("facebook/dinov2-large", "DINOv2 backbone for fd_dinov2: a Hub id or a local save_pretrained folder.", resume=APPLY)
-    clip_model: str = _f("openai/clip-vit-large-patch14-336", "CLIP backbone for cmmd: a Hub id or a local save_pretrained folder.", resume=APPLY)
-    validation_split: Optional[float] = _f(None, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss; 0: none. None: 0.05 of the embedded digits (90 images), none of your data.", resume=REFUSE)
-    validation_steps: int = _f(250, "Every N optimizer steps (and at the end): held-out loss per timestep bin with raw and EMA weights, fixed noise and timesteps (held-out images x --diagnostics_bins forwards).", resume=APPLY)
-    grad_diagnostics_steps: Optional[int] = _f(None, "Every N optimizer steps: per-timestep-bin gradient norms and shares of the total gradient on a fixed probe batch (--train_batch_size images; 2 x --diagnostics_bins backwards on the main process, off the training gradients). 0: off. None: every --validation_steps on the embedded digits, off on your data.", resume=APPLY)
-    posthoc_ema: bool = _f(False, "Keep EDM2 power-function EMA profiles (sigma_rel 0.05, 0.10) and snapshot them for post-hoc EMA.", resume=REFUSE)
-    posthoc_ema_snapshot_steps: int = _f(500, "Post-hoc EMA snapshot interval (optimizer steps), fp16, into output_dir/posthoc_ema/.", resume=APPLY)
-    # --- memory and speed ---------------------------------------------------------------------
-    gradient_checkpointing: bool = _f(False, "Recompute UNet activations in backward: ~30-40% less activation memory for ~20-30% more compute.", resume=FREE)
-    allow_tf32: bool = _f(False, "TF32 matmuls/convolutions on Ampere+ GPUs (faster fp32; ~1e-3 relative precision). No effect on CPU.", resume=APPLY)
-    channels_last: bool = _f(False, "NHWC memory layout for the UNet and its inputs (faster convolutions with tensor cores).", resume=APPLY)
-    torch_compile: bool = _f(False, "torch.compile the UNet (first steps pay compilation; then faster steps).", resume=APPLY)
-    torch_compile_mode: str = _f("default", "torch.compile mode.", choices=TORCH_COMPILE_MODES, resume=APPLY)
-    use_8bit_adam: bool = _f(False, "bitsandbytes' 8-bit AdamW (less optimizer memory; needs `pip install bitsandbytes` and a GPU).", resume=REFUSE)
-    push_to_hub: bool = _f(False, "Upload the pipeline and model card to the Hub at --save_model_steps and at the end.", resume=APPLY)
-    hub_model_id: Optional[str] = _f(None, "Hub repo id (default: the output dir's name).", resume=APPLY)
-    hub_token: Optional[str] = _f(None, "Hub token (default: the logged-in one). Never written anywhere.", resume=FREE)
-    hub_private_repo: bool = _f(False, "Create the Hub repo private.", resume=FREE)
-
-    # --- diffusers train_unconditional.py compatibility (diffusion_extras/training/compat.py) ------------
-    save_images_epochs: Optional[int] = _f(None, "diffusers' flag: a sample grid every N epochs; sets --save_images_steps to N x the optimizer steps per epoch (stated in the log).", resume=APPLY)
-    save_model_epochs: Optional[int] = _f(None, "diffusers' flag: export the pipeline every N epochs; sets --save_model_steps to N x the optimizer steps per epoch (stated in the log).", resume=APPLY)
-    overwrite_output_dir: bool = _f(False, "Start afresh in an --output_dir that holds an earlier run: the earlier run is renamed to <output_dir>.previous-<time> first (nothing is deleted).", resume=FREE)
-    enable_xformers_memory_efficient_attention: bool = _f(False, "diffusers' flag, accepted: attention already uses PyTorch's scaled_dot_product_attention (diffusers' default, memory-efficient kernels included); xformers is not needed.", resume=FREE)
-    local_rank: int = _f(-1, "diffusers' flag, accepted and unused as there: accelerate launch sets each process's rank.", resume=FREE)
-    preserve_input_precision: bool = _f(False, "diffusers' flag (keep 16-bit images' precision): not supported, images are cached as 8-bit.", resume=FREE)
+    # --- data -------------------------------------------------------------------------
+    dataset_name: Optional[str] = _f(None, "Hub dataset id, or a local save_to_disk / load_dataset folder. None (and no --train_data_dir): the embedded scikit-learn digits.", resume=APPLY, group="data")
+    dataset_config_name: Optional[str] = _f(None, "Dataset configuration name (load_dataset's `name`).", resume=APPLY, group="data")
+    train_data_dir: Optional[str] = _f(None, "A folder of images, loaded with datasets' `imagefolder`.", resume=APPLY, group="data")
+    train_data_files: Optional[str] = _f(None, "Data files to train on: whitespace-separated globs or brace lists of webdataset .tar shards or .parquet files (e.g. 'shards/train-{000..127}.tar'), read with datasets' webdataset / parquet builders, cached or --streaming.", resume=APPLY, group="data")
+    image_column: Optional[str] = _f(None, "Column holding the images; found from the features when not given.", resume=APPLY, group="data")
+    cache_dir: Optional[str] = _f(None, "Where datasets and the decoded-image cache are stored (default: datasets' cache).", resume=FREE, group="data")
+    max_train_samples: Optional[int] = _f(None, "Keep only this many training images (for debugging or quick runs).", resume=APPLY, group="data")
+    resolution: int = _f(16, "Training image size in pixels (square).", resume=REFUSE, group="data")
+    center_crop: bool = _f(True, "Center-crop to the square resolution; --no-center_crop crops at a random place.", resume=APPLY, group="data")
+    random_flip: bool = _f(False, "Flip images horizontally at random (off for digits: flipped digits are not digits).", resume=APPLY, group="data")
+    streaming: bool = _f(False, "Stream the dataset (load_dataset(streaming=True)) instead of downloading and caching it; needs --max_train_steps.", resume=REFUSE, group="data")
+    shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY, group="data")
+    # --- model ------------------------------------------------------------------------
+    model_config_name_or_path: Optional[str] = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE, group="model")
+    model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape).", resume=REFUSE, cli=False, group="model")
+    # --- objective --------------------------------------------------------------------
+    prediction_type: str = _f("epsilon", "What the UNet predicts: the noise, v (Salimans & Ho 2022) or the clean image.", choices=PREDICTION_TYPES, resume=REFUSE, group="objective")
+    ddpm_num_steps: int = _f(1000, "Diffusion timesteps T.", resume=REFUSE, group="objective")
+    ddpm_beta_schedule: str = _f("linear", "Noise schedule of the betas.", choices=BETA_SCHEDULES, resume=REFUSE, group="objective")
+    rescale_betas_zero_snr: bool = _f(False, "Rescale betas to zero terminal SNR (Lin et al. 2024); pair with v_prediction.", resume=REFUSE, group="objective")
+    snr_gamma: Optional[float] = _f(5.0, "Min-SNR-gamma loss weighting (Hang et al. 2023); 0 turns it off. 5 beat no weighting on digits for every prediction type (docs/EXPERIMENTS.md).", resume=APPLY, group="objective")
+    loss_type: str = _f("l2", "Loss: l2, or huber (pseudo-Huber with --huber_c).", choices=LOSS_TYPES, resume=APPLY, group="objective")
+    huber_c: float = _f(0.1, "Pseudo-Huber transition scale.", resume=APPLY, group="objective")
+    timestep_sampling: str = _f("uniform", "How timesteps are drawn: uniform, or loss_aware (importance sampling by the per-timestep loss second moment, reweighted to stay unbiased).", choices=TIMESTEP_SAMPLING, resume=REFUSE, group="objective")
+    # --- optimization -----------------------------------------------------------------
+    train_batch_size: int = _f(64, "Images per process per micro-batch.", resume=REFUSE, group="optimization")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.", resume=REFUSE, group="optimization")
+    max_train_steps: Optional[int] = _f(1200, "Optimizer steps to train; wins over --num_epochs when both are given, and giving only --num_epochs trains that many epochs.", resume=APPLY, group="optimization")
+    learning_rate: float = _f(2e-3, "Peak learning rate (after warmup).", resume=APPLY, group="optimization")
+    scale_lr: bool = _f(False, "Multiply the learning rate by batch size x accumulation x processes.", resume=APPLY, group="optimization")
+    lr_scheduler: str = _f("cosine", "Learning-rate schedule after warmup.", choices=LR_SCHEDULERS, resume=APPLY, group="optimization")
+    lr_warmup_steps: int = _f(100, "Linear warmup length in optimizer steps.", resume=APPLY, group="optimization")
+    adam_beta1: float = _f(0.9, "AdamW beta1.", resume=APPLY, group="optimization")
+    adam_beta2: float = _f(0.999, "AdamW beta2.", resume=APPLY, group="optimization")
+    adam_weight_decay: float = _f(0.0, "AdamW decoupled weight decay.", resume=APPLY, group="optimization")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.", resume=APPLY, group="optimization")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 disables clipping).", resume=APPLY, group="optimization")
+    seed: int = _f(0, "Seed of everything: init, data order, noise, timesteps, flips.", resume=APPLY, group="optimization")
+    # --- EMA --------------------------------------------------------------------------
+    use_ema: bool = _f(True, "Keep an EMA of the weights; samples and the exported pipeline use it.", resume=REFUSE, group="EMA")
+    ema_max_decay: float = _f(0.999, "EMA decay cap.", resume=APPLY, group="EMA")
+    ema_inv_gamma: float = _f(1.0, "EMA warmup: decay = 1 - (1 + step/inv_gamma)^-power.", resume=APPLY, group="EMA")
+    ema_power: float = _f(0.75, "EMA warmup power (3/4 suits short runs, 2/3 long ones).", resume=APPLY, group="EMA")
+    posthoc_ema: bool = _f(False, "Keep EDM2 power-function EMA profiles (sigma_rel 0.05, 0.10) and snapshot them for post-hoc EMA.", resume=REFUSE, group="EMA")
+    posthoc_ema_snapshot_steps: int = _f(500, "Post-hoc EMA snapshot interval (optimizer steps), fp16, into output_dir/posthoc_ema/.", resume=APPLY, group="EMA")
+    # --- diagnostics ------------------------------------------------------------------
+    diagnostics_bins: int = _f(10, "Timestep bins for the per-timestep loss statistics and plot.", resume=REFUSE, group="diagnostics")
+    validation_split: Optional[float] = _f(None, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss; 0: none. None: 0.05 of the embedded digits (90 images), none of your data.", resume=REFUSE, group="diagnostics")
+    validation_steps: int = _f(250, "Every N optimizer steps (and at the end): held-out loss per timestep bin with raw and EMA weights, fixed noise and timesteps (held-out images x --diagnostics_bins forwards).", resume=APPLY, group="diagnostics")
+    grad_diagnostics_steps: Optional[int] = _f(None, "Every N optimizer steps: per-timestep-bin gradient norms and shares of the total gradient on a fixed probe batch (--train_batch_size images; 2 x --diagnostics_bins backwards on the main process, off the training gradients). 0: off. None: every --validation_steps on the embedded digits, off on your data.", resume=APPLY, group="diagnostics")
+    max_nonfinite_steps: int = _f(20, "Stop (saving the last good weights) after this many consecutive non-finite steps.", resume=APPLY, group="diagnostics")
+    find_lr: bool = _f(False, "Run an LR range test instead of training: exponential sweep 1e-7 -> 1e-2, plot and suggested lr.", resume=FREE, group="diagnostics")
+    find_lr_steps: int = _f(100, "Optimizer steps of the LR range test.", resume=FREE, group="diagnostics")
+    # --- evaluation -------------------------------------------------------------------
+    save_images_steps: int = _f(500, "Save a sample grid (EMA weights, DDIM) every N optimizer steps and at the end.", resume=APPLY, group="evaluation")
+    eval_batch_size: int = _f(64, "Images in each sample grid.", resume=APPLY, group="evaluation")
+    ddpm_num_inference_steps: int = _f(50, "DDIM steps for sample grids.", resume=APPLY, group="evaluation")
+    eval_steps: Optional[int] = _f(None, "Every N optimizer steps (and at the end): FID/KID of EMA samples against the training data. None: off.", resume=APPLY, group="evaluation")
+    eval_num_samples: int = _f(1000, "Samples per evaluation (and reference images, at most the dataset size).", resume=APPLY, group="evaluation")
+    eval_metrics: str = _f("fid,kid", "Comma list of metrics at --eval_steps: fid, kid (in --feature_extractor features), fd_dinov2 (Frechet distance in DINOv2 features, --dinov2_model), cmmd (CLIP MMD, --clip_model). README: which to use and how many samples each needs.", resume=APPLY, group="evaluation")
+    feature_extractor: str = _f("inception", "Features for FID/KID: inception (the StyleGAN/EDM TorchScript detector; downloaded into the HF cache when no --inception_weights), or tiny (random features for smoke tests; not comparable with published FIDs).", choices=FEATURE_EXTRACTORS, resume=APPLY, group="evaluation")
+    inception_weights: Optional[str] = _f(None, "Local TorchScript Inception file (inception-2015-12-05.pt) for FID/KID; default: downloaded once from its public URL.", resume=APPLY, group="evaluation")
+    dinov2_model: str = _f("facebook/dinov2-large", "DINOv2 backbone for fd_dinov2: a Hub id or a local save_pretrained folder.", resume=APPLY, group="evaluation")
+    clip_model: str = _f("openai/clip-vit-large-patch14-336", "CLIP backbone for cmmd: a Hub id or a local save_pretrained folder.", resume=APPLY, group="evaluation")
+    # --- checkpoints ------------------------------------------------------------------
+    output_dir: str = _f("ddpm-digits", "Where the pipeline, samples, logs and checkpoints are written.", resume=FREE, group="checkpoints")
+    save_model_steps: int = _f(1000, "Export the DDPMPipeline to output_dir every N optimizer steps and at the end.", resume=APPLY, group="checkpoints")
+    checkpointing_steps: int = _f(500, "Save a resumable checkpoint every N optimizer steps.", resume=APPLY, group="checkpoints")
+    checkpoints_total_limit: Optional[int] = _f(None, "Keep only the newest K checkpoints.", resume=APPLY, group="checkpoints")
+    resume_from_checkpoint: Optional[str] = _f(None, "'latest' or a checkpoint folder (anywhere) to resume from.", resume=FREE, group="checkpoints")
+    # --- Hub --------------------------------------------------------------------------
+    push_to_hub: bool = _f(False, "Upload the pipeline and model card to the Hub at --save_model_steps and at the end.", resume=APPLY, group="Hub")
+    hub_model_id: Optional[str] = _f(None, "Hub repo id (default: the output dir's name).", resume=APPLY, group="Hub")
+    hub_token: Optional[str] = _f(None, "Hub token (default: the logged-in one). Never written anywhere.", resume=FREE, group="Hub")
+    hub_private_repo: bool = _f(False, "Create the Hub repo private.", resume=FREE, group="Hub")
+    # --- logging ----------------------------------------------------------------------
+    logger: str = _f("tensorboard", "Experiment tracker.", choices=LOGGERS, resume=FREE, group="logging")
+    logging_dir: str = _f("logs", "Tracker logs, relative to output_dir.", resume=FREE, group="logging")
+    diagnostics_steps: int = _f(25, "Log loss, lr and diagnostics every N optimizer steps (also the progress-bar refresh).", resume=APPLY, group="logging")
+    # --- performance ------------------------------------------------------------------
+    mixed_precision: str = _f("no", "Autocast precision of the UNet (fp16 needs a GPU). Noising, targets and loss stay fp32.", choices=MIXED_PRECISION, resume=APPLY, group="performance")
+    allow_tf32: bool = _f(False, "TF32 matmuls/convolutions on Ampere+ GPUs (faster fp32; ~1e-3 relative precision). No effect on CPU.", resume=APPLY, group="performance")
+    channels_last: bool = _f(False, "NHWC memory layout for the UNet and its inputs (faster convolutions with tensor cores).", resume=APPLY, group="performance")
+    torch_compile: bool = _f(False, "torch.compile the UNet (first steps pay compilation; then faster steps).", resume=APPLY, group="performance")
+    torch_compile_mode: str = _f("default", "torch.compile mode.", choices=TORCH_COMPILE_MODES, resume=APPLY, group="performance")
+    gradient_checkpointing: bool = _f(False, "Recompute UNet activations in backward: ~30-40% less activation memory for ~20-30% more compute.", resume=FREE, group="performance")
+    use_8bit_adam: bool = _f(False, "bitsandbytes' 8-bit AdamW (less optimizer memory; needs `pip install bitsandbytes` and a GPU).", resume=REFUSE, group="performance")
+    dataloader_num_workers: int = _f(0, "Loader worker processes. With --streaming they decode the stream in parallel (a 256 px JPEG costs a few ms of a core; see docs/BENCHMARKS.md) and a resume needs the same value; cached images are decoded once, so 0-2 suffice.", resume=FREE, group="performance")
+    # --- diffusers compatibility ------------------------------------------------------
+    num_epochs: int = _f(100, "Epochs to train when --max_train_steps is not given.", resume=APPLY, group="diffusers compatibility")
+    save_images_epochs: Optional[int] = _f(None, "diffusers' flag: a sample grid every N epochs; sets --save_images_steps to N x the optimizer steps per epoch (stated in the log).", resume=APPLY, group="diffusers compatibility")
+    save_model_epochs: Optional[int] = _f(None, "diffusers' flag: export the pipeline every N epochs; sets --save_model_steps to N x the optimizer steps per epoch (stated in the log).", resume=APPLY, group="diffusers compatibility")
+    overwrite_output_dir: bool = _f(False, "Start afresh in an --output_dir that holds an earlier run: the earlier run is renamed to <output_dir>.previous-<time> first (nothing is deleted).", resume=FREE, group="diffusers compatibility")
+    enable_xformers_memory_efficient_attention: bool = _f(False, "diffusers' flag, accepted: attention already uses PyTorch's scaled_dot_product_attention (diffusers' default, memory-efficient kernels included); xformers is not needed.", resume=FREE, group="diffusers compatibility")
+    local_rank: int = _f(-1, "diffusers' flag, accepted and unused as there: accelerate launch sets each process's rank.", resume=FREE, group="diffusers compatibility")
+    preserve_input_precision: bool = _f(False, "diffusers' flag (keep 16-bit images' precision): not supported, images are cached as 8-bit.", resume=FREE, group="diffusers compatibility")
 
     # ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -205,18 +226,20 @@ class _UnbrokenNames(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every TrainConfig field becomes a flag; defaults are None so we know which flags were given."""
+    """Every TrainConfig field becomes a flag, shown under its group; defaults are None so we know
+    which flags were given."""
     parser = _OneLineErrors(
         description="Train a DDPM (diffusers UNet2DModel + DDPMScheduler) with Accelerate.",
         argument_default=None, allow_abbrev=False,  # no --hub_tok=...: every flag is spelled out
         formatter_class=_UnbrokenNames)
     parser.add_argument("--config", help="YAML recipe (see configs/); flags given here override it.")
+    sections = {name: parser.add_argument_group(name, description) for name, description in GROUP_DESCRIPTIONS.items()}
     for f in config_fields():
-        kind = f.type.replace("Optional[", "").rstrip("]")
+        section, kind = sections[f.metadata["group"]], f.type.replace("Optional[", "").rstrip("]")
         if kind == "bool":
-            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text(f))
+            section.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text(f))
         else:
-            parser.add_argument(f"--{f.name}", type={"int": int, "float": float}.get(kind, str), help=help_text(f))
+            section.add_argument(f"--{f.name}", type={"int": int, "float": float}.get(kind, str), help=help_text(f))
     return parser
 
 
