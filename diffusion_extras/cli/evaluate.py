@@ -10,10 +10,23 @@ import argparse
 import json
 import os
 
+from diffusion_extras.cli.common import (
+    add_device_argument,
+    load_pipeline,
+    load_reference,
+    one_line_errors,
+    pipeline_parser,
+    pipeline_resolution,
+    positive_int,
+    resolve_device,
+)
 from diffusion_extras.evaluation.backbones import CLIP_DEFAULT, DINOV2_DEFAULT
-from diffusion_extras.cli.common import (add_device_argument, load_pipeline, load_reference, one_line_errors,
-                                  pipeline_parser, pipeline_resolution, positive_int, resolve_device)
-from diffusion_extras.evaluation.metrics import build_feature_extractor, evaluate_unet_metrics, extractors_for, parse_metrics
+from diffusion_extras.evaluation.metrics import (
+    build_feature_extractor,
+    evaluate_unet_metrics,
+    extractors_for,
+    parse_metrics,
+)
 from diffusion_extras.evaluation.sampling import SCHEDULERS, make_scheduler
 
 

@@ -13,9 +13,22 @@ import os
 
 import torch
 
-from diffusion_extras.cli.common import (add_device_argument, check_pipeline_folder, load_pipeline, load_reference,
-                                  one_line_errors, pipeline_resolution, positive_int, resolve_device)
-from diffusion_extras.core.phema import reconstruct, require_snapshots, sigma_rel_to_gamma, solve_weights
+from diffusion_extras.cli.common import (
+    add_device_argument,
+    check_pipeline_folder,
+    load_pipeline,
+    load_reference,
+    one_line_errors,
+    pipeline_resolution,
+    positive_int,
+    resolve_device,
+)
+from diffusion_extras.core.phema import (
+    reconstruct,
+    require_snapshots,
+    sigma_rel_to_gamma,
+    solve_weights,
+)
 
 
 def _parse_args(argv):

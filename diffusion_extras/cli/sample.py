@@ -6,9 +6,21 @@ from __future__ import annotations
 
 import argparse
 
-from diffusion_extras.cli.common import (add_device_argument, load_pipeline, one_line_errors, pipeline_parser, positive_int,
-                                  resolve_device)
-from diffusion_extras.evaluation.sampling import DTYPES, SCHEDULERS, generate, make_scheduler, save_images
+from diffusion_extras.cli.common import (
+    add_device_argument,
+    load_pipeline,
+    one_line_errors,
+    pipeline_parser,
+    positive_int,
+    resolve_device,
+)
+from diffusion_extras.evaluation.sampling import (
+    DTYPES,
+    SCHEDULERS,
+    generate,
+    make_scheduler,
+    save_images,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

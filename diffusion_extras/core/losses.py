@@ -11,6 +11,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from diffusers import DDPMScheduler
+
+
+def ddpm_scheduler(num_train_timesteps: int = 1000, beta_schedule: str = "linear", prediction_type: str = "epsilon",
+                   rescale_betas_zero_snr: bool = False) -> DDPMScheduler:
+    """The run's DDPMScheduler: its betas define the noise schedule, and it is exported with the pipeline."""
+    # Zero terminal SNR needs sampling to start at t = T-1 (Lin et al. 2024, Sec. 3.3): "trailing"
+    # spacing does, diffusers' default "leading" starts below it. Set here, the exported scheduler
+    # config carries it, so DDPMPipeline.from_pretrained samples from the zero-SNR step too.
+    spacing = "trailing" if rescale_betas_zero_snr else "leading"
+    return DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
+                         prediction_type=prediction_type, timestep_spacing=spacing,
+                         rescale_betas_zero_snr=rescale_betas_zero_snr)
 
 
 class NoiseSchedule:

@@ -2,37 +2,36 @@
 gradient skips without a host sync."""
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
+from diffusers.optimization import get_scheduler
 
 
-def make_optimizer(config, unet, learning_rate: float):
-    """AdamW with the config's betas, weight decay and epsilon (bitsandbytes' 8-bit AdamW with
-    --use_8bit_adam)."""
-    kwargs = dict(lr=learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                  weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
-    if config.use_8bit_adam:
-        import bitsandbytes
-        return bitsandbytes.optim.AdamW8bit(unet.parameters(), **kwargs)
+def make_optimizer(parameters: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                   weight_decay: float = 0.0, eps: float = 1e-8, eight_bit: bool = False) -> torch.optim.Optimizer:
+    """AdamW; bitsandbytes' 8-bit AdamW with `eight_bit` (--use_8bit_adam)."""
+    kwargs = dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps)
+    if eight_bit:
+        import bitsandbytes  # optional: only with --use_8bit_adam
+        return bitsandbytes.optim.AdamW8bit(parameters, **kwargs)
     # fused: one kernel for all parameters, and it honours `found_inf`, which skips a
     # non-finite step on the device without a host sync.
-    return torch.optim.AdamW(unet.parameters(), fused=True, **kwargs)
+    return torch.optim.AdamW(parameters, fused=True, **kwargs)
 
 
-def peak_learning_rate(config, num_processes: int) -> float:
-    """--learning_rate, times the images per optimizer step with --scale_lr."""
-    if not config.scale_lr:
-        return config.learning_rate
-    return config.learning_rate * config.train_batch_size * config.gradient_accumulation_steps * num_processes
+def peak_learning_rate(learning_rate: float, scale_lr: bool, images_per_step: int) -> float:
+    """The learning rate after warmup: `learning_rate`, times the images one optimizer step
+    consumes (batch x accumulation x processes) with `scale_lr`."""
+    return learning_rate * images_per_step if scale_lr else learning_rate
 
 
-def training_lr_schedule(config, optimizer, max_train_steps: int):
-    """Warmup then --lr_scheduler over the run, counted in optimizer steps. Not passed to
-    accelerate's prepare(): it would step it once per process (diffusers issue #8384). The loop
-    steps it once per optimizer step, so warmup and decay mean the same for any P and accumulation."""
-    from diffusers.optimization import get_scheduler
-
-    return get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=config.lr_warmup_steps,
-                         num_training_steps=max_train_steps)
+def training_lr_schedule(optimizer: torch.optim.Optimizer, name: str, warmup_steps: int, total_steps: int):
+    """Warmup then the `name` schedule (diffusers' get_scheduler) over the run, counted in
+    optimizer steps. Not passed to accelerate's prepare(): it would step it once per process
+    (diffusers issue #8384). The loop steps it once per optimizer step, so warmup and decay mean
+    the same for any number of processes and accumulation."""
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps)
 
 
 def step_unless_nonfinite(optimizer, scaler, finite: torch.Tensor) -> None:

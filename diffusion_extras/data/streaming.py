@@ -18,7 +18,13 @@ import warnings
 import numpy as np
 import torch
 
-from diffusion_extras.data.images import DataError, decode_image, find_image_column, open_dataset, random_crop
+from diffusion_extras.data.images import (
+    DataError,
+    decode_image,
+    find_image_column,
+    open_dataset,
+    random_crop,
+)
 
 
 def load_stream(config, rank: int, world_size: int):

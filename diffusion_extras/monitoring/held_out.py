@@ -8,13 +8,21 @@ caught up with the weights it averages (the exported pipeline uses the EMA).
 """
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
 from diffusion_extras.core import losses
-from diffusion_extras.data.images import DataError, mix_seed, random_crop, to_model_input
-from diffusion_extras.monitoring.diagnostics import loss_bin_key, save_figure, timestep_bin_edges
+from diffusion_extras.data.images import (
+    DataError,
+    mix_seed,
+    random_crop,
+    to_model_input,
+)
+from diffusion_extras.monitoring.diagnostics import (
+    loss_bin_key,
+    save_figure,
+    timestep_bin_edges,
+)
 
 VALIDATION_STREAM = 0x48E1D0  # seed stream of the split, the held-out timesteps and noise
 

@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from diffusion_extras.core import losses
+from diffusion_extras.core.losses import min_snr_weight
+from diffusion_extras.monitoring.diagnostics import (
+    TimestepDiagnostics,
+    loss_bin_key,
+    timestep_bin_edges,
+)
+
 # --- thresholds (history records are logging windows; "last half" = the later half of them).
 # Changes between medians must also exceed 4 standard errors of the window noise (Run.significant).
 MIN_RECORDS = 8                  # fewer logged windows cannot show a trend
@@ -231,20 +239,15 @@ def _recent_bins(run: Run) -> dict[int, float]:
 
 def _run_alphas_cumprod(config: dict, num_train_timesteps: int):
     """The run's own noise schedule, rebuilt from its saved config."""
-    from types import SimpleNamespace
-
-    from diffusion_extras.training.models import build_noise_scheduler
-
-    settings = {"ddpm_beta_schedule": "linear", "prediction_type": "epsilon", "rescale_betas_zero_snr": False,
-                **config, "ddpm_num_steps": num_train_timesteps}
-    return build_noise_scheduler(SimpleNamespace(**settings)).alphas_cumprod
+    return losses.ddpm_scheduler(num_train_timesteps, config.get("ddpm_beta_schedule", "linear"),
+                                 config.get("prediction_type", "epsilon"),
+                                 config.get("rescale_betas_zero_snr", False)).alphas_cumprod
 
 
 def _reference_from_config(config: dict, num_bins: int, num_train_timesteps: int):
     """Bayes-optimal bin means when the config records sigma_data (the data's standard deviation)."""
     if config.get("sigma_data") is None:
         return None
-    from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 
     return TimestepDiagnostics(num_train_timesteps, num_bins).bayes_optimal_bins(
         _run_alphas_cumprod(config, num_train_timesteps), float(config["sigma_data"]),
@@ -253,8 +256,6 @@ def _reference_from_config(config: dict, num_bins: int, num_train_timesteps: int
 
 def _objective_weights(config: dict, num_bins: int, num_train_timesteps: int) -> np.ndarray:
     """Mean loss weight of each bin in the run's objective (min-SNR when on, else 1), uniform t."""
-    from diffusion_extras.monitoring.diagnostics import timestep_bin_edges
-    from diffusion_extras.core.losses import min_snr_weight
 
     if not config.get("snr_gamma"):
         return np.ones(num_bins)
@@ -273,7 +274,6 @@ def _material(run: Run, bins: dict[int, float], reference: dict[str, float], num
     measures that floor. What training can act on is the bin's excess in the weighted loss it
     minimises; below IMBALANCE_MIN_SHARE of that loss it is noise to the optimizer, and costs the
     sampler next to nothing (an eps error moves a DDPM step by beta_t * error, ~2 % of it)."""
-    from diffusion_extras.monitoring.diagnostics import loss_bin_key
     weights = _objective_weights(run.config, num_bins, timesteps)
     objective = sum(weights[i] * loss for i, loss in bins.items())
     shares = {i: weights[i] * (bins[i] - reference[loss_bin_key(i, num_bins)]) / max(objective, 1e-30)
@@ -283,7 +283,6 @@ def _material(run: Run, bins: dict[int, float], reference: dict[str, float], num
 
 
 def _floor_finding(bins, ratios, shares, num_bins, timesteps) -> list[Finding]:
-    from diffusion_extras.monitoring.diagnostics import loss_bin_key, timestep_bin_edges
 
     edges = timestep_bin_edges(timesteps, num_bins)
     ranges = [f"{edges[i]}-{edges[i + 1] - 1}" for i in shares]
@@ -298,7 +297,6 @@ def _floor_finding(bins, ratios, shares, num_bins, timesteps) -> list[Finding]:
 
 
 def check_timestep_balance(run: Run, reference: dict[str, float] | None) -> list[Finding]:
-    from diffusion_extras.monitoring.diagnostics import loss_bin_key, timestep_bin_edges
 
     bins = _recent_bins(run)
     if not bins:

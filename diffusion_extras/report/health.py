@@ -108,7 +108,9 @@ REFERENCE_FILE = "reference_loss_bins.json"  # written by the trainer beside his
 
 
 def load_config(output_dir: str) -> dict:
-    from diffusion_extras.training.config import load_yaml  # ConfigError is a ValueError: the CLI reports it as one line
+    from diffusion_extras.training.config import (
+        load_yaml,  # ConfigError is a ValueError: the CLI reports it as one line
+    )
 
     path = os.path.join(output_dir, "training_config.yaml")
     if not os.path.isfile(path):

@@ -20,13 +20,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.evaluation import metrics as evaluation
-from diffusion_extras.hub import push as hub
-from diffusion_extras.training import models
-from diffusion_extras.report import health as report
 from diffusion_extras.evaluation import sampling
-from diffusion_extras.training import tracking
+from diffusion_extras.hub import push as hub
+from diffusion_extras.monitoring import diagnostics
+from diffusion_extras.report import health as report
+from diffusion_extras.training import models, tracking
 from diffusion_extras.training.config import ConfigError
 
 CARD_GRID = "images/samples.png"

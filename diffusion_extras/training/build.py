@@ -17,7 +17,14 @@ from diffusion_extras.data import sources
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
-from diffusion_extras.training import artifacts, checkpointing, compat, models, run_state, tracking
+from diffusion_extras.training import (
+    artifacts,
+    checkpointing,
+    compat,
+    models,
+    run_state,
+    tracking,
+)
 from diffusion_extras.training.config import ConfigError, TrainConfig
 from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.periodic import write_reference_bins
@@ -69,7 +76,7 @@ def setup(config: TrainConfig, hooks: Hooks | None = None) -> Run:
     if checkpoints and config.resume_from_checkpoint is None:
         raise ConfigError(f"--output_dir {config.output_dir} already holds {os.path.basename(checkpoints[-1])}: "
                           "pass --resume_from_checkpoint latest to continue it, or choose a new --output_dir")
-    run = build_run(config, accelerator, optimization.training_lr_schedule, hooks=hooks)
+    run = build_run(config, accelerator, hooks=hooks)
     if config.resume_from_checkpoint:  # refuse an incompatible resume before any remote side effect
         resume(run)
     run.hub_pusher, run.secrets = artifacts.connect_hub(config, accelerator.is_main_process)
@@ -81,9 +88,9 @@ def setup(config: TrainConfig, hooks: Hooks | None = None) -> Run:
     return run
 
 
-def build_run(config: TrainConfig, accelerator, lr_schedule, max_train_steps: int | None = None,
+def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_steps: int | None = None,
               hooks: Hooks | None = None) -> Run:
-    """Data, model, optimizer and extras. `lr_schedule(config, optimizer, steps)` makes the LR
+    """Data, model, optimizer and extras. `lr_schedule(optimizer, steps)` makes the LR
     schedule; `max_train_steps` replaces the run length (the LR range test's sweep); `hooks`: the
     extension points (hooks.py), defaults when None."""
     hooks = hooks or Hooks()
@@ -158,9 +165,15 @@ def build_optimization(config: TrainConfig, accelerator, plan: Plan, unet, noise
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if config.channels_last:
         unet = unet.to(memory_format=torch.channels_last)
-    peak_lr = optimization.peak_learning_rate(config, accelerator.num_processes)
-    optimizer = make_optimizer(config, unet, peak_lr)
-    lr_scheduler = lr_schedule(config, optimizer, plan.max_train_steps)  # stepped by the loop, not by accelerate
+    images_per_step = config.train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
+    peak_lr = optimization.peak_learning_rate(config.learning_rate, config.scale_lr, images_per_step)
+    optimizer = make_optimizer(unet.parameters(), peak_lr, (config.adam_beta1, config.adam_beta2),
+                               config.adam_weight_decay, config.adam_epsilon, eight_bit=config.use_8bit_adam)
+    if lr_schedule is None:  # the training schedule
+        lr_scheduler = optimization.training_lr_schedule(optimizer, config.lr_scheduler, config.lr_warmup_steps,
+                                                         plan.max_train_steps)
+    else:  # stepped by the loop, not by accelerate
+        lr_scheduler = lr_schedule(optimizer, plan.max_train_steps)
     unet, optimizer = accelerator.prepare(unet, optimizer)
     if config.torch_compile:  # in place: state-dict keys (and so checkpoints) stay those of the plain UNet
         accelerator.unwrap_model(unet).compile(mode=None if config.torch_compile_mode == "default"

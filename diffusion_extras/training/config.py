@@ -349,7 +349,9 @@ def validate(c: TrainConfig) -> None:
          "--find_lr sweeps a fresh model and never loads a checkpoint: drop --resume_from_checkpoint")
     need(c.eval_steps is None or c.eval_steps >= 1, f"--eval_steps must be at least 1 (got {c.eval_steps})")
     need(c.eval_num_samples >= 2, f"--eval_num_samples must be at least 2 (got {c.eval_num_samples})")
-    from diffusion_extras.evaluation.metrics import parse_metrics  # the metric names are declared once, beside their extractors
+    from diffusion_extras.evaluation.metrics import (
+        parse_metrics,  # the metric names are declared once, beside their extractors
+    )
     try:
         parse_metrics(c.eval_metrics)
     except ValueError as error:

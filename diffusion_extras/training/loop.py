@@ -10,7 +10,10 @@ import torch
 
 from diffusion_extras.training import checkpointing
 from diffusion_extras.training.config import save_config
-from diffusion_extras.training.periodic import run_main_process_extras, write_health_report
+from diffusion_extras.training.periodic import (
+    run_main_process_extras,
+    write_health_report,
+)
 from diffusion_extras.training.run_state import Run
 from diffusion_extras.training.step import optimizer_step
 

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from diffusion_extras.monitoring import lr_finder
+from diffusion_extras.training.build import build_run, start, start_trackers
 from diffusion_extras.training.config import TrainConfig
 from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.loop import make_batches
 from diffusion_extras.training.run_state import Run
-from diffusion_extras.training.build import build_run, start, start_trackers
 from diffusion_extras.training.step import optimizer_step
 
 

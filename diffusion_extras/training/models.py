@@ -4,7 +4,13 @@ from __future__ import annotations
 import json
 import os
 
-from diffusion_extras.training.config import DIGITS_UNET, ConfigError, TrainConfig, validate_model_shape
+from diffusion_extras.core import losses
+from diffusion_extras.training.config import (
+    DIGITS_UNET,
+    ConfigError,
+    TrainConfig,
+    validate_model_shape,
+)
 
 # diffusers' examples/unconditional_image_generation/train_unconditional.py builds this UNet when no
 # --model_config_name_or_path is given (~114M parameters; diffusers' other UNet2DModel defaults):
@@ -86,15 +92,8 @@ def build_unet(config: TrainConfig, model: dict | None = None):
 
 
 def build_noise_scheduler(config: TrainConfig):
-    from diffusers import DDPMScheduler
-
-    # Zero terminal SNR needs sampling to start at t = T-1 (Lin et al. 2024, Sec. 3.3): "trailing"
-    # spacing does, diffusers' default "leading" starts below it. Set here, the exported scheduler
-    # config carries it, so DDPMPipeline.from_pretrained samples from the zero-SNR step too.
-    spacing = "trailing" if config.rescale_betas_zero_snr else "leading"
-    return DDPMScheduler(num_train_timesteps=config.ddpm_num_steps, beta_schedule=config.ddpm_beta_schedule,
-                         prediction_type=config.prediction_type, timestep_spacing=spacing,
-                         rescale_betas_zero_snr=config.rescale_betas_zero_snr)
+    return losses.ddpm_scheduler(config.ddpm_num_steps, config.ddpm_beta_schedule, config.prediction_type,
+                                 config.rescale_betas_zero_snr)
 
 
 def count_parameters(model) -> int:
