@@ -12,7 +12,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train_ddpm  # noqa: E402
-from diffusion_extras import checkpointing  # noqa: E402
+from diffusion_extras.training import checkpointing  # noqa: E402
 
 stop_after = os.environ.get("DDPM_TEST_STOP_AFTER_STEP")
 kill_in_save = os.environ.get("DDPM_TEST_SIGKILL_IN_SAVE")
