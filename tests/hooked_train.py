@@ -4,6 +4,8 @@ DDPM_TEST_STOP_AFTER_STEP=N   the process dies (os._exit, no export) right after
                               a run cut off by pre-emption at a checkpoint boundary.
 DDPM_TEST_SIGKILL_IN_SAVE=N   SIGKILL while checkpoint N is being completed (files written, no marker yet).
 DDPM_TEST_NAN_AT_STEPS=a,b    the model inputs of those optimizer steps (1-based) are NaN.
+DDPM_TEST_SLOW_SET_EPOCH=S    datasets' set_epoch waits S seconds between its read and its write of the
+                              shared epoch (conftest.slow_set_epoch): DataLoader workers race on it.
 """
 import os
 import signal
@@ -50,6 +52,13 @@ if nan_steps:
         finally:
             train_ddpm.data.to_model_input = original_input
     train_ddpm.forward_backward = poisoned_forward_backward
+
+slow_set_epoch = os.environ.get("DDPM_TEST_SLOW_SET_EPOCH")
+
+if slow_set_epoch:
+    import datasets
+    from conftest import slow_set_epoch as make_slow_set_epoch
+    datasets.IterableDataset.set_epoch = make_slow_set_epoch(float(slow_set_epoch))
 
 if __name__ == "__main__":
     sys.exit(train_ddpm.main())
