@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -97,6 +98,18 @@ def train(tmp_path):
 def hooked_train(train):
     """train() through tests/hooked_train.py, which injects the failures its DDPM_TEST_* variables name."""
     return functools.partial(train, script=HOOKED_TRAIN)
+
+
+def slow_set_epoch(seconds: float):
+    """A stand-in for datasets' IterableDataset.set_epoch, which does `self._epoch += epoch - self._epoch`
+    on a tensor in shared memory that all DataLoader workers of a process share: a read-modify-write.
+    This one reads, waits `seconds`, then writes, so workers that set the epoch together race every
+    time (issue 21). Patched in before the workers fork, it holds in them."""
+    def set_epoch_slowly(self, epoch):
+        delta = epoch - self._epoch
+        time.sleep(seconds)
+        self._epoch += delta
+    return set_epoch_slowly
 
 
 def tiny_unet(channels: int = 1, sample_size: int = TINY_RECIPE["resolution"], seed: int = 0, **overrides):

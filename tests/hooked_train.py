@@ -5,6 +5,9 @@ DDPM_TEST_STOP_AFTER_STEP=N   the process dies (os._exit, no export) right after
                               a run cut off by pre-emption at a checkpoint boundary.
 DDPM_TEST_SIGKILL_IN_SAVE=N   SIGKILL while checkpoint N is being completed (files written, no marker yet).
 DDPM_TEST_NAN_AT_STEPS=a,b    the model inputs of those optimizer steps (1-based) are NaN.
+DDPM_TEST_SLOW_SET_EPOCH=S    datasets' set_epoch waits S seconds between its read and its write of the
+                              shared epoch (conftest.slow_set_epoch): DataLoader workers race on it.
+                              (A patch of the datasets library in this test process, not of the trainer.)
 """
 import os
 import signal
@@ -39,5 +42,15 @@ def hooks_from_environment(environ) -> Hooks:
     return hooks
 
 
+def slow_down_set_epoch(environ) -> None:
+    seconds = environ.get("DDPM_TEST_SLOW_SET_EPOCH")
+    if seconds:
+        import datasets
+
+        from conftest import slow_set_epoch
+        datasets.IterableDataset.set_epoch = slow_set_epoch(float(seconds))
+
+
 if __name__ == "__main__":
+    slow_down_set_epoch(os.environ)
     sys.exit(main(hooks=hooks_from_environment(os.environ)))

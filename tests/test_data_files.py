@@ -14,15 +14,17 @@ from diffusion_extras.data import streaming
 from diffusion_extras.training.config import TrainConfig
 
 
-def write_tar_shards(folder, shards=3, per_shard=4, size=(10, 12), extension="jpg", grey_step=10):
-    """Image i (grey value grey_step*i) in shard i // per_shard as JPEG (or PNG), with a .cls label beside
-    it, webdataset style (one key, several extensions; every key has the same ones)."""
+def write_tar_shards(folder, shards=3, per_shard=4, size=(10, 12), extension="jpg", grey_step=10, pixels=None):
+    """Image i (grey value grey_step*i, or pixels[i]: uint8 HxW or HxWx3) in shard i // per_shard as JPEG
+    (or PNG), with a .cls label beside it, webdataset style (one key, several extensions; every key has
+    the same ones)."""
     os.makedirs(folder, exist_ok=True)
     for shard in range(shards):
         with tarfile.open(os.path.join(folder, f"train-{shard:03d}.tar"), "w") as tar:
             for i in range(shard * per_shard, (shard + 1) * per_shard):
                 encoded = io.BytesIO()
-                image = Image.fromarray(np.full((*size, 3), grey_step * i % 256, np.uint8))
+                image = Image.fromarray(np.full((*size, 3), grey_step * i % 256, np.uint8) if pixels is None
+                                        else pixels[i])
                 image.save(encoded, format={"jpg": "JPEG", "png": "PNG"}[extension])
                 for name, payload in ((f"{i:05d}.{extension}", encoded.getvalue()),
                                       (f"{i:05d}.cls", str(i).encode())):

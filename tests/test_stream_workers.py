@@ -2,8 +2,10 @@
 IterableDataset): rank x worker shards cover every example once per epoch, and a saved position
 resumes at the exact example, with 0 or 2 workers."""
 import json
+import math
 import os
 
+import datasets
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from diffusion_extras.data import streaming
 from diffusion_extras.training.config import TrainConfig
 from diffusion_extras.data.images import DataError
 from test_data_files import write_tar_shards
+from conftest import load_unet_weights, read_history, slow_set_epoch
 from test_resume import assert_same_state
 
 GREY_STEP = 7  # image i has grey value 7*i: 32 images stay below 256
@@ -57,6 +60,23 @@ def test_saved_position_resumes_at_the_exact_example(shards, workers):
     assert all(torch.equal(a, b) for a, b in zip(expected, (next(resumed) for _ in range(8))))
 
 
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("stop", [7, 8, 9])  # 2 workers: 4 batches a worker-epoch, both at its end after 8
+def test_resume_around_an_epoch_boundary_is_exact_while_workers_race_on_set_epoch(shards, monkeypatch, workers,
+                                                                                  stop):
+    """Issue 21: the workers share datasets' epoch tensor; restored together, they both add their
+    epoch to it (1 + 1 = 2) and read an epoch whose shard order and saved position are not theirs."""
+    original = batches_for(shards, workers=workers)
+    for _ in range(stop):
+        next(original)
+    state = json.loads(json.dumps(original.state_dict()))
+    expected = [ids(next(original)) for _ in range(10)]  # into the next worker-epoch of every worker
+    monkeypatch.setattr(datasets.IterableDataset, "set_epoch", slow_set_epoch(0.2))
+    resumed = batches_for(shards, workers=workers)
+    resumed.load_state_dict(state)
+    assert [ids(next(resumed)) for _ in range(10)] == expected
+
+
 def test_resume_with_another_worker_count_is_refused_naming_the_flag(shards):
     original = batches_for(shards, workers=2)
     next(original)
@@ -86,3 +106,34 @@ def test_cli_streaming_with_two_workers_resumes_bit_exactly(hooked_train, tiny_r
 def test_stream_position_without_loader_state_is_refused(shards):
     with pytest.raises(DataError, match="new --output_dir"):
         batches_for(shards).load_state_dict({"epoch": 0, "examples_seen": 4, "stream": {}})
+
+
+# id: (workers, shards, images per shard, --shuffle_buffer_size, steps after which the run is killed)
+CLI_RESUMES = {  # 4 images a batch; the race needs two workers restored into the same epoch > 0
+    "2-workers-just-after-an-epoch-boundary": (2, 8, 4, 0, (10,)),  # both 4 images into their epoch 1
+    "1-worker-at-an-epoch-boundary": (1, 8, 4, 0, (8,)),
+    "3-workers-uneven-shares": (3, 8, 4, 0, (12,)),  # 12, 12 and 8 images a worker-epoch
+    "more-workers-than-shards": (3, 2, 8, 0, (6,)),  # the third worker has no shard
+    "shuffle-buffer-fixed-seed": (2, 8, 4, 8, (10,)),
+    "2-workers-killed-twice": (2, 8, 4, 0, (5, 10)),
+}
+
+
+@pytest.mark.parametrize("case", CLI_RESUMES.values(), ids=CLI_RESUMES.keys())
+def test_cli_streamed_resume_is_bit_exact_across_epoch_boundaries(hooked_train, tiny_recipe, tmp_path, case):
+    """Killed after each checkpoint in `stops` (os._exit) and resumed while the workers race on
+    datasets' shared epoch (DDPM_TEST_SLOW_SET_EPOCH): the same final weights as a straight run."""
+    workers, shard_count, per_shard, buffer, stops = case
+    folder = write_tar_shards(tmp_path / "shards", shards=shard_count, per_shard=per_shard, grey_step=GREY_STEP)
+    recipe = tiny_recipe(train_batch_size=4, checkpointing_steps=math.gcd(*stops), max_train_samples=None)
+    flags = ["--train_data_files", f"{folder}/train-*.tar", "--streaming", "--shuffle_buffer_size", buffer,
+             "--dataloader_num_workers", workers, "--max_train_steps", 16, "--seed", 3]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    hooked_train(recipe, straight, *flags)
+    hooked_train(recipe, resumed, *flags, env={"DDPM_TEST_STOP_AFTER_STEP": str(stops[0])})
+    for stop in stops[1:] + (None,):
+        hooked_train(recipe, resumed, *flags, "--resume_from_checkpoint", "latest",
+                     env={"DDPM_TEST_STOP_AFTER_STEP": stop and str(stop), "DDPM_TEST_SLOW_SET_EPOCH": "0.3"})
+    a, b = load_unet_weights(straight), load_unet_weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a), "final UNet weights differ"
+    assert [h["loss"] for h in read_history(straight)] == [h["loss"] for h in read_history(resumed)]

@@ -7,12 +7,15 @@ JPEG costs milliseconds of a core: one thread cannot feed a GPU), prefetched and
 are split twice: between ranks (`split_dataset_by_node`) and, inside each rank, between its
 workers (datasets does this in each worker), so every example is read once per epoch. Progress
 is counted in steps, not epochs: each worker restarts its share (with `set_epoch`, so the
-shuffle changes) when it runs out. The position is torchdata's `StatefulDataLoader` state: every
-worker's datasets `state_dict()` plus which worker yields next, saved per rank in the checkpoint
-(accelerate only saves the main process's custom objects, and positions differ per rank).
+shard order and the shuffle change) when it runs out. The position is torchdata's
+`StatefulDataLoader` state: every worker's (epoch, examples consumed in it) plus which worker
+yields next, saved per rank in the checkpoint (accelerate only saves the main process's custom
+objects, and positions differ per rank). A resume re-reads the worker's epoch up to that count.
 """
 from __future__ import annotations
 
+import itertools
+import pickle
 import warnings
 
 import numpy as np
@@ -48,30 +51,45 @@ def load_stream(config, rank: int, world_size: int):
 
 class DecodedStream(torch.utils.data.IterableDataset):
     """This rank's shard of the stream as decoded uint8 [C, H, W] images, endlessly, epoch after
-    epoch; in a DataLoader worker, over the worker's share of the shards. Its state (epoch, count,
-    datasets' own position) is what StatefulDataLoader saves for each worker."""
+    epoch; in a DataLoader worker, over the worker's share of the shards. Its state (epoch, examples
+    consumed in it, examples seen in all) is what StatefulDataLoader saves for each worker.
+
+    Why not datasets' own state_dict (issue 21): datasets keeps the epoch as ONE tensor in shared
+    memory for all the workers of a process, and set_epoch is a read-modify-write on it
+    (`_epoch += epoch - _epoch`). Two workers that set it together (both restored at once, or both
+    at an epoch boundary) add their epochs up: 1 + 1 = 2. A worker then reads another epoch's shard
+    order, and its saved {"epoch", position} names an epoch it is not in, so a restore lands at the
+    start of the wrong epoch. So each worker iterates a private copy of the stream (its own epoch
+    tensor), and the position is a pure function of what was consumed: our own (epoch, consumed)
+    counters, restored by re-reading the epoch from its start and dropping `consumed` examples
+    (read, not decoded), which also replays the shuffle buffer exactly."""
 
     def __init__(self, stream, column: str, resolution: int, center_crop: bool, channels: int, seed: int):
         self.stream, self.column = stream, column
         self.resolution, self.center_crop, self.channels, self.seed = resolution, center_crop, channels, seed
-        self.epoch, self.examples_seen, self._restored = 0, 0, False
+        self.epoch, self.consumed, self.examples_seen = 0, 0, 0  # consumed: examples read in this epoch
 
     def __iter__(self):
         worker = torch.utils.data.get_worker_info()
         worker_id = worker.id if worker is not None else 0
+        # a pickled copy gets a fresh epoch tensor: no other worker writes to it
+        stream = pickle.loads(pickle.dumps(self.stream))
         while True:
-            self.stream.set_epoch(self.epoch)
-            found = False
-            for example in self.stream:  # in a worker, datasets reads only that worker's shards
-                found = True
-                self.examples_seen += 1
+            stream.set_epoch(self.epoch)
+            examples = iter(stream)  # in a worker, datasets reads only that worker's shards
+            skipped = sum(1 for _ in itertools.islice(examples, self.consumed))  # a restored position
+            if skipped < self.consumed:
+                raise DataError(f"the stream's epoch {self.epoch} has {skipped} examples for this worker, the "
+                                f"checkpoint says {self.consumed} were read: has the data changed?")
+            for example in examples:
+                self.consumed, self.examples_seen = self.consumed + 1, self.examples_seen + 1
                 array = self._decode(example[self.column])
                 if array is not None:
                     crop = random_crop(array, self.resolution, self.seed, worker_id, self.examples_seen)
                     yield torch.from_numpy(np.array(crop)).permute(2, 0, 1)  # a writable copy
-            if not found and not self._restored:
+            if self.consumed == 0:
                 return  # no shard for this worker (more workers than shards): the others go on
-            self.epoch, self._restored = self.epoch + 1, False  # a restored epoch may be at its end
+            self.epoch, self.consumed = self.epoch + 1, 0
 
     def _decode(self, image: dict):
         try:
@@ -82,11 +100,10 @@ class DecodedStream(torch.utils.data.IterableDataset):
             return None
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "examples_seen": self.examples_seen, "stream": self.stream.state_dict()}
+        return {"epoch": self.epoch, "consumed": self.consumed, "examples_seen": self.examples_seen}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.examples_seen, self._restored = state["epoch"], state["examples_seen"], True
-        self.stream.load_state_dict(state["stream"])
+        self.epoch, self.consumed, self.examples_seen = state["epoch"], state["consumed"], state["examples_seen"]
 
 
 class StreamingBatches:
@@ -118,11 +135,7 @@ class StreamingBatches:
             raise DataError("this rank's shard of the stream is empty; use fewer processes or more data") from None
 
     def _worker_states(self) -> list[dict]:
-        state = self.loader.state_dict()
-        if "dataset_state" in state:  # no workers
-            return [state["dataset_state"]] if state["dataset_state"] else []
-        workers = state.get("_snapshot", {}).get("_worker_snapshots", {})
-        return [w["dataset_state"] for w in workers.values() if w.get("dataset_state")]
+        return worker_states(self.loader.state_dict())
 
     @property
     def epoch(self) -> int:
@@ -142,8 +155,19 @@ class StreamingBatches:
         if state["num_workers"] != self.num_workers:
             raise DataError(f"the checkpoint's stream position was saved with --dataloader_num_workers "
                             f"{state.get('num_workers')} (each worker reads its own shards); resume with that value")
+        if any("consumed" not in worker for worker in worker_states(state["loader"])):
+            raise DataError("the checkpoint's stream position was saved from datasets' shared epoch, which DataLoader "
+                            "workers race on (issue 21), and may be wrong; start a new --output_dir")
         self.loader.load_state_dict(state["loader"])
         self._iterator = None
+
+
+def worker_states(loader_state: dict) -> list[dict]:
+    """Each worker's DecodedStream state in a StatefulDataLoader state (one with no workers: its own)."""
+    if "dataset_state" in loader_state:  # no workers
+        return [loader_state["dataset_state"]] if loader_state["dataset_state"] else []
+    workers = loader_state.get("_snapshot", {}).get("_worker_snapshots", {})
+    return [w["dataset_state"] for w in workers.values() if w.get("dataset_state")]
 
 
 def stream_reference_images(config, count: int, channels: int) -> np.ndarray:

@@ -12,6 +12,7 @@ import math
 import os
 
 import numpy as np
+import torch
 
 START_LR, END_LR = 1e-7, 1e-2
 SMOOTHING = 0.9          # EMA of the loss over steps (bias-corrected)
