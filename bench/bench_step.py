@@ -89,8 +89,9 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- setup
 def make_config(args, trainer_flags, workdir):
-    from diffusion_extras.training.config import ConfigError, parse_config
     import yaml
+
+    from diffusion_extras.training.config import ConfigError, parse_config
 
     flags = ["--output_dir", os.path.join(workdir, "out"), "--cache_dir", os.path.join(workdir, "cache"),
              "--max_train_steps", str(10 ** 6), "--logger", "none", "--snr_gamma", str(args.snr_gamma)]
@@ -125,9 +126,8 @@ def write_synthetic_images(folder: str, count: int, resolution: int, channels: i
 
 
 def make_run(config):
-    from diffusion_extras.training import build
-    from diffusion_extras.training import checkpointing
     from diffusion_extras.data import images as data
+    from diffusion_extras.training import build, checkpointing
     from diffusion_extras.training.config import ConfigError
 
     try:
@@ -214,8 +214,8 @@ def summarize_steps(times: dict, images_per_step: int) -> dict:
 # ----------------------------------------------------------------------------- data pipeline
 def measure_data_pipeline(run, seconds: float, synchronize, windows: int = 3) -> dict:
     """The DataLoader train() builds, read as fast as it goes, each batch made model input on the device."""
-    from diffusion_extras.training import loop
     from diffusion_extras.data import images as data
+    from diffusion_extras.training import loop
 
     config, device = run.config, run.accelerator.device
     batches = loop.make_batches(run)

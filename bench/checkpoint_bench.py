@@ -34,9 +34,7 @@ def main(argv=None) -> None:
     import numpy as np
     from PIL import Image
 
-    from diffusion_extras.training import build, loop, step
-    from diffusion_extras.training import checkpointing
-    from diffusion_extras.training import models
+    from diffusion_extras.training import build, checkpointing, loop, models, step
     from diffusion_extras.training.config import parse_config
 
     work = tempfile.mkdtemp(prefix="ckpt-bench-")

@@ -4,9 +4,8 @@ from __future__ import annotations
 import os
 import time
 
-import torch
-
 import diffusers_reference
+import torch
 
 
 def timed(fn, steps: int, synchronize) -> float:

@@ -28,7 +28,7 @@ from PIL import Image
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from diffusion_extras import streaming  # noqa: E402
+from diffusion_extras.data import streaming  # noqa: E402
 from diffusion_extras.training.config import TrainConfig  # noqa: E402
 
 H100_BF16_PEAK_TFLOPS = 989.4  # dense, spec sheet (bench/device_figures.PEAK_TFLOPS)

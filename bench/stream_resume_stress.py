@@ -13,9 +13,9 @@ it and compares the final UNet weights with the straight run's. Prints one row p
 from __future__ import annotations
 
 import argparse
-import pathlib
 import datetime
 import os
+import pathlib
 import shutil
 import sys
 import tempfile

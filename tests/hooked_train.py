@@ -46,7 +46,6 @@ def slow_down_set_epoch(environ) -> None:
     seconds = environ.get("DDPM_TEST_SLOW_SET_EPOCH")
     if seconds:
         import datasets
-
         from conftest import slow_set_epoch
         datasets.IterableDataset.set_epoch = slow_set_epoch(float(seconds))
 

@@ -3,14 +3,13 @@ import json
 
 import numpy as np
 import torch
+from conftest import tiny_unet
 from diffusers import DDPMPipeline, DDPMScheduler
 from PIL import Image
 
-from conftest import tiny_unet
-from diffusion_extras.training import artifacts
-from diffusion_extras.evaluation import sampling
-from diffusion_extras.training import tracking
 from diffusion_extras.core.ema import ExponentialMovingAverage
+from diffusion_extras.evaluation import sampling
+from diffusion_extras.training import artifacts, tracking
 
 
 def tiny_unet_and_ema():

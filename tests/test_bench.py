@@ -9,7 +9,6 @@ import textwrap
 import time
 
 import pytest
-
 from conftest import load_bench_module, run_command
 
 diffusers_reference = load_bench_module("diffusers_reference")

@@ -6,7 +6,6 @@ import math
 import os
 
 import numpy as np
-
 from conftest import run_command
 
 

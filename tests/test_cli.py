@@ -5,10 +5,16 @@ import json
 
 import pytest
 import torch
+from conftest import save_tiny_pipeline
 from diffusers import UNet2DModel
 
-from diffusion_extras.cli.common import load_pipeline, one_line_errors, pipeline_resolution, positive_int, resolve_device
-from conftest import save_tiny_pipeline
+from diffusion_extras.cli.common import (
+    load_pipeline,
+    one_line_errors,
+    pipeline_resolution,
+    positive_int,
+    resolve_device,
+)
 
 
 def test_positive_int_refuses_zero_and_negatives():

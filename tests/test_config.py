@@ -3,11 +3,18 @@ import os
 
 import pytest
 import yaml
-
 from conftest import tiny_unet
+
 from diffusion_extras.training import models
-from diffusion_extras.training.config import (ConfigError, TrainConfig, build_parser, from_sources, load_yaml, parse_config,
-                                     save_config)
+from diffusion_extras.training.config import (
+    ConfigError,
+    TrainConfig,
+    build_parser,
+    from_sources,
+    load_yaml,
+    parse_config,
+    save_config,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,7 +173,7 @@ def group_index(name: str) -> int:
 
 
 def test_every_field_has_a_group_and_fields_are_declared_group_by_group():
-    from diffusion_extras.training.config import GROUPS, GROUP_DESCRIPTIONS
+    from diffusion_extras.training.config import GROUP_DESCRIPTIONS, GROUPS
     assert tuple(GROUP_DESCRIPTIONS) == GROUPS and all(GROUP_DESCRIPTIONS.values())
     names = [f.name for f in dataclasses.fields(TrainConfig)]
     assert all(f.metadata.get("group") in GROUPS for f in dataclasses.fields(TrainConfig))
@@ -177,6 +184,7 @@ def test_every_field_has_a_group_and_fields_are_declared_group_by_group():
 
 def test_help_shows_each_flag_under_its_group_in_group_order():
     import re
+
     from diffusion_extras.training.config import GROUPS, config_fields
     text = build_parser().format_help()
     headings = [text.index(f"\n{group}:\n") for group in GROUPS]  # argparse: "title:" on its own line
@@ -204,6 +212,7 @@ def test_saved_config_lists_settings_in_group_order(tmp_path):
 def test_readme_lists_the_flag_groups_as_help_does():
     """README's Flags section: one bullet per group, in GROUPS order, naming only that group's flags."""
     import re
+
     from diffusion_extras.training.config import GROUPS
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     section = readme[readme.index("## Flags"):readme.index("## Checkpoints and resume")]

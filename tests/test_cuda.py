@@ -9,10 +9,10 @@ import contextlib
 
 import pytest
 import torch
+from test_host_sync import ALL_EXTRAS, fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 
 from diffusion_extras.data import images
 from diffusion_extras.training import loop, step
-from test_host_sync import ALL_EXTRAS, fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -7,7 +7,10 @@ import torch
 from PIL import Image
 
 from diffusion_extras.monitoring.diagnostics import (
-    TimestepDiagnostics, bayes_optimal_loss, per_dimension_variance, plot_loss_per_timestep,
+    TimestepDiagnostics,
+    bayes_optimal_loss,
+    per_dimension_variance,
+    plot_loss_per_timestep,
     timestep_bin_edges,
 )
 

@@ -5,14 +5,20 @@ import os
 import numpy as np
 import pytest
 import torch
-from diffusers import DDPMScheduler
-
 from conftest import save_random_images, save_tiny_pipeline, tiny_unet
-from diffusion_extras.evaluation.metrics import (ReferenceStatistics, build_feature_extractor, evaluate_unet,
-                                         feature_statistics, frechet_distance, kernel_inception_distance,
-                                         reference_statistics)
-from diffusion_extras.evaluation.sampling import make_scheduler
+from diffusers import DDPMScheduler
 from test_sampling import one_cpu_thread  # noqa: F401 (fixture)
+
+from diffusion_extras.evaluation.metrics import (
+    ReferenceStatistics,
+    build_feature_extractor,
+    evaluate_unet,
+    feature_statistics,
+    frechet_distance,
+    kernel_inception_distance,
+    reference_statistics,
+)
+from diffusion_extras.evaluation.sampling import make_scheduler
 
 
 def test_frechet_distance_matches_closed_form_for_diagonal_gaussians():

@@ -11,7 +11,6 @@ import pytest
 import yaml
 from PIL import Image
 
-
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 
 # (command, a flag the help must list, words of that flag's help line)

@@ -8,11 +8,11 @@ code is unchanged and keeps refusing fp16 on CPU.
 """
 import pytest
 import torch
+from conftest import read_history
+from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 from tqdm import tqdm
 
 from diffusion_extras.training import build, loop, step
-from conftest import read_history
-from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 
 INIT_SCALE = 2.0 ** 40   # overflows fp16 gradients at once: the first steps are skipped
 GROWTH_INTERVAL = 3      # good steps before the scale doubles

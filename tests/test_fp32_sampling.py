@@ -2,14 +2,12 @@
 says, while training keeps its autocast (bf16 on CPU here)."""
 import numpy as np
 import torch
-from PIL import Image
-
-from diffusion_extras.training import loop
 from conftest import load_unet_weights
-from diffusion_extras.training import artifacts
-from diffusion_extras.training import models
-from diffusion_extras.evaluation import sampling
+from PIL import Image
 from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
+
+from diffusion_extras.evaluation import sampling
+from diffusion_extras.training import artifacts, loop, models
 
 
 def fp32_grid(run, unet, dtype=torch.float32) -> np.ndarray:

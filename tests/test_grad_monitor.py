@@ -6,12 +6,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_RECIPE, load_unet_weights, read_history, tiny_unet
 from diffusers import DDPMScheduler
 from safetensors.torch import load_file
 
-from conftest import TINY_RECIPE, load_unet_weights, read_history, tiny_unet
-from diffusion_extras.monitoring.grad_monitor import GradientMonitor
 from diffusion_extras.core.losses import NoiseSchedule, min_snr_weight
+from diffusion_extras.monitoring.grad_monitor import GradientMonitor
 from diffusion_extras.report.checks import Run
 from diffusion_extras.report.dynamics import check_gradient_dominance
 

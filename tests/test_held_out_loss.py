@@ -5,15 +5,15 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import read_history
 from diffusers import DDPMScheduler, UNet2DModel
 
-from conftest import read_history
+from diffusion_extras.core.losses import NoiseSchedule
 from diffusion_extras.data import images as data
 from diffusion_extras.monitoring import held_out as validation
-from diffusion_extras.training.config import parse_config
-from diffusion_extras.core.losses import NoiseSchedule
-from diffusion_extras.report.dynamics import check_ema_behind_raw, check_held_out_overfitting
 from diffusion_extras.report.checks import Run
+from diffusion_extras.report.dynamics import check_ema_behind_raw, check_held_out_overfitting
+from diffusion_extras.training.config import parse_config
 
 
 def test_split_is_seeded_disjoint_and_complete():

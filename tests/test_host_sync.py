@@ -17,9 +17,8 @@ import traceback
 import pytest
 import torch
 import yaml
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from conftest import ROOT, TINY_RECIPE
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffusion_extras.data import images
 from diffusion_extras.training import build, loop

@@ -16,13 +16,12 @@ import textwrap
 import numpy as np
 import pytest
 import yaml
+from hub_server import HubServer
 from huggingface_hub import ModelCard
 from PIL import Image
 from safetensors.numpy import save as safetensors_bytes
 
 from diffusion_extras.hub.push import default_repo_id, redact_config, write_model_card
-
-from hub_server import HubServer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "hf_" + secrets.token_hex(17)  # the shape of a real user token, random per run

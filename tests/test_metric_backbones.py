@@ -10,9 +10,9 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import read_history, save_random_images, save_tiny_pipeline
 from PIL import Image
 
-from conftest import read_history, save_random_images, save_tiny_pipeline
 from diffusion_extras.evaluation import backbones
 from diffusion_extras.evaluation.metrics import build_feature_extractor, cmmd, extractors_for, parse_metrics
 

@@ -7,10 +7,10 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import HOOKED_TRAIN, ROOT, cli_env
-from diffusion_extras.data import images as data
 from test_data_files import write_tar_shards
+
+from diffusion_extras.data import images as data
 
 
 def test_cache_race_loser_uses_the_winners_cache(tmp_path):

@@ -3,9 +3,8 @@ import json
 import os
 
 import torch
-from safetensors.torch import load_file
-
 from conftest import read_history
+from safetensors.torch import load_file
 
 
 def checkpoint_state(folder):

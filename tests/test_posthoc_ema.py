@@ -8,14 +8,20 @@ import types
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_unet
 
 import diffusion_extras
-from conftest import tiny_unet
-from diffusion_extras.core import phema
 from diffusion_extras.cli import posthoc_ema
-from diffusion_extras.core.phema import (PowerFunctionEMA, gamma_to_sigma_rel, load_snapshots, reconstruct,
-                                    sigma_rel_to_gamma, solve_weights)
 from diffusion_extras.cli.posthoc_ema import main
+from diffusion_extras.core import phema
+from diffusion_extras.core.phema import (
+    PowerFunctionEMA,
+    gamma_to_sigma_rel,
+    load_snapshots,
+    reconstruct,
+    sigma_rel_to_gamma,
+    solve_weights,
+)
 
 FP16_UNIT_ROUNDOFF = 2.0 ** -11  # fp16 keeps 11 significant bits
 

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import yaml
 
-from diffusion_extras.report import health as report
-from diffusion_extras.report import checks as report_checks
 from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics, loss_bin_key
+from diffusion_extras.report import checks as report_checks
+from diffusion_extras.report import health as report
 
 SIGMA_DATA = 0.5
 NUM_BINS = 10

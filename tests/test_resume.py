@@ -4,10 +4,11 @@ import sys
 
 import pytest
 import torch
+from conftest import load_unet_weights, read_history
 from safetensors.torch import load_file
 
-from conftest import load_unet_weights, read_history
 from diffusion_extras.training import checkpointing
+
 
 # 64 images, 8 per micro-batch: 8 micro-batches an epoch, so step 5 (accumulation 1) and step 3
 # (accumulation 2: micro-step 6) stop mid-epoch, and the run to 2N crosses an epoch boundary.

@@ -8,8 +8,8 @@ from dataclasses import fields
 
 import pytest
 import torch
-
 from conftest import HOOKED_TRAIN, ROOT, read_history, run_training, write_tiny_recipe
+
 from diffusion_extras.training import checkpointing
 from diffusion_extras.training.config import RESUME_POLICIES, TrainConfig, resume_policy
 

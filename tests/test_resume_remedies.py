@@ -6,7 +6,6 @@ import re
 import shutil
 
 import pytest
-
 from conftest import HOOKED_TRAIN, read_history, run_training, write_tiny_recipe
 from test_resume_policy import cosine_lr, optimizer_state
 

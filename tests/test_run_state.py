@@ -7,13 +7,11 @@ import dataclasses
 import pytest
 import torch
 import yaml
-
-from diffusion_extras.training import loop
 from conftest import read_history
-from diffusion_extras.training import compat
-from diffusion_extras.training import run_state
-from diffusion_extras.training.config import TrainConfig, parse_config
 from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
+
+from diffusion_extras.training import compat, loop, run_state
+from diffusion_extras.training.config import TrainConfig, parse_config
 
 
 def test_setup_leaves_the_config_as_given_and_the_saved_config_records_the_plan(tmp_path, fresh_accelerate):

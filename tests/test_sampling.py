@@ -5,10 +5,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import save_tiny_pipeline, tiny_unet
 from diffusers import DDPMScheduler
 from PIL import Image
 
-from conftest import save_tiny_pipeline, tiny_unet
 from diffusion_extras.evaluation.sampling import SCHEDULERS, generate, image_grid, make_scheduler, save_images
 
 

@@ -7,10 +7,10 @@ import re
 
 import numpy as np
 import torch
-
 from conftest import ROOT
-from diffusion_extras.training.config import TrainConfig
+
 from diffusion_extras.data.sources import CachedImages
+from diffusion_extras.training.config import TrainConfig
 
 
 class OneProcess:

@@ -8,13 +8,13 @@ import os
 import datasets
 import pytest
 import torch
+from conftest import load_unet_weights, read_history, slow_set_epoch
+from test_data_files import write_tar_shards
+from test_resume import assert_same_state
 
 from diffusion_extras.data import streaming
-from diffusion_extras.training.config import TrainConfig
 from diffusion_extras.data.images import DataError
-from test_data_files import write_tar_shards
-from conftest import load_unet_weights, read_history, slow_set_epoch
-from test_resume import assert_same_state
+from diffusion_extras.training.config import TrainConfig
 
 GREY_STEP = 7  # image i has grey value 7*i: 32 images stay below 256
 

@@ -5,10 +5,10 @@ import datasets
 import numpy as np
 import pytest
 from PIL import Image
+from test_resume import assert_same_state, torchrun
 
 from diffusion_extras.data import streaming
 from diffusion_extras.training.config import TrainConfig
-from test_resume import assert_same_state, torchrun
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import read_history
 from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 

@@ -5,11 +5,9 @@ import os
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from PIL import Image
-
 from conftest import load_unet_weights, read_history
+from PIL import Image
+from safetensors.torch import load_file
 
 
 def test_short_run_saves_loadable_pipeline_samples_and_config(train, tiny_recipe, tmp_path):

@@ -3,14 +3,13 @@ in-training grids and FID, the sample CLI, and DDPMPipeline.from_pretrained of t
 import pytest
 import torch
 from diffusers import DDPMPipeline, DDPMScheduler
-
-from diffusion_extras.training import artifacts
-from diffusion_extras.evaluation import metrics as evaluation
-from diffusion_extras.training import models
-from diffusion_extras.cli import sample
-from diffusion_extras.evaluation import sampling
-from diffusion_extras.training.config import parse_config
 from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
+
+from diffusion_extras.cli import sample
+from diffusion_extras.evaluation import metrics as evaluation
+from diffusion_extras.evaluation import sampling
+from diffusion_extras.training import artifacts, models
+from diffusion_extras.training.config import parse_config
 
 ZERO_SNR = ("--rescale_betas_zero_snr", "--prediction_type", "v_prediction")
 
