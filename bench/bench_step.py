@@ -161,12 +161,12 @@ def bare_step(run):
     clean = data.to_model_input(next(run.data.source.batches(0, 1)), device)
     generator = torch.Generator(device).manual_seed(config.seed)
     noise = torch.randn(clean.shape, generator=generator, device=device)
-    timesteps = torch.randint(0, run.model.schedule.num_train_timesteps, (clean.shape[0],), generator=generator,
+    timesteps = torch.randint(0, run.objective.schedule.num_train_timesteps, (clean.shape[0],), generator=generator,
                               device=device)
-    noisy = run.model.schedule.add_noise(clean, noise, timesteps)
-    # run.model.unet carries accelerate's autocast under mixed precision; the optimizer is the same fused
+    noisy = run.objective.schedule.add_noise(clean, noise, timesteps)
+    # run.learner.unet carries accelerate's autocast under mixed precision; the optimizer is the same fused
     # AdamW without accelerate's wrapper (so no GradScaler: fp16 gradients may underflow, not overflow).
-    unet, optimizer = run.model.unet, run.model.optimizer.optimizer
+    unet, optimizer = run.learner.unet, run.learner.optimizer.optimizer
 
     def step():
         for _ in range(config.gradient_accumulation_steps):  # same images per step as the full one
@@ -290,7 +290,7 @@ def measure(args, config, run, workdir) -> dict:
     if args.profile:
         results["profile"] = device_figures.profile_extras(full, bare, max(2, min(args.steps, 5)), device,
                                                            synchronize)
-    finite = all(bool(torch.isfinite(p).all()) for p in run.model.unet.parameters())
+    finite = all(bool(torch.isfinite(p).all()) for p in run.learner.unet.parameters())
     results["sanity"] = {"weights_finite_after": finite}
     results["diffusers"] = diffusers_reference.run_reference(args, config, workdir, os.path.join(workdir, "images"),
                                                              steps["full"]["images_per_s"])

@@ -66,7 +66,7 @@ def main(argv=None) -> None:
         loads.append(time.perf_counter() - started)
     files = {name: os.path.getsize(os.path.join(path, name)) for name in sorted(os.listdir(path))}
     result = {"recipe": os.path.relpath(args.recipe, ROOT),
-              "unet_parameters": models.count_parameters(run.accelerator.unwrap_model(run.model.unet)),
+              "unet_parameters": models.count_parameters(run.accelerator.unwrap_model(run.learner.unet)),
               "checkpoint_bytes": sum(files.values()), "files": files,
               "save_seconds_median": statistics.median(saves), "load_seconds_median": statistics.median(loads),
               "save_without_checksums_seconds_median": statistics.median(plain_saves),

@@ -25,10 +25,10 @@ def count_flops(run) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    config, device, unet = run.config, run.accelerator.device, run.model.unet
+    config, device, unet = run.config, run.accelerator.device, run.learner.unet
     channels = run.accelerator.unwrap_model(unet).config.in_channels
     sample = torch.randn(2, channels, config.resolution, config.resolution, device=device)
-    timesteps = torch.randint(0, run.model.schedule.num_train_timesteps, (2,), device=device)
+    timesteps = torch.randint(0, run.objective.schedule.num_train_timesteps, (2,), device=device)
     counter = FlopCounterMode(display=False)
     with counter, sdpa_kernel([SDPBackend.MATH]):
         unet(sample, timesteps).sample.float().square().mean().backward()

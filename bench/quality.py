@@ -70,7 +70,6 @@ def steps_for_budget(out: str, seconds: float, recipe: str | None, extra: list[s
 def real_digits(recipe: str | None, extra: list[str]):
     """(training-split images, their labels, held-out images) exactly as the run split them."""
     from diffusion_extras.data import images as data
-    from diffusion_extras.monitoring import held_out as validation
     from diffusion_extras.training.config import parse_config
 
     config = parse_config([*(["--config", recipe] if recipe else []), *extra,
@@ -79,7 +78,7 @@ def real_digits(recipe: str | None, extra: list[str]):
         raise SystemExit("bench/quality.py scores digits: leave out --dataset_name / --train_data_dir")
     dataset = data.load_image_dataset(config)
     images = data.decode_dataset(dataset, "image", config.resolution, True, 1)
-    training, held_out = validation.split_held_out(images, config.validation_split, config.seed)
+    training, held_out = data.split_held_out(images, config.validation_split, config.seed)
     as_array = lambda part: np.stack([part.image(i) for i in range(len(part))])  # noqa: E731
     labels = np.asarray(dataset["label"])[training.rows]
     return as_array(training), labels, as_array(held_out)

@@ -15,12 +15,12 @@ class CountingSource:
     description = "counting"
     held_out_images = None
 
-    def __init__(self, config, accelerator, channels, dataset=None, validation_split=0.0):
-        self.config, self.channels, self.served = config, channels, 0
+    def __init__(self, spec, processes, channels, dataset=None, validation_split=0.0):
+        self.spec, self.channels, self.served = spec, channels, 0
 
     def _batch(self, micro_step):
         value = micro_step % 255
-        shape = (self.config.train_batch_size, self.channels, self.config.resolution, self.config.resolution)
+        shape = (self.spec.train_batch_size, self.channels, self.spec.resolution, self.spec.resolution)
         return torch.full(shape, value, dtype=torch.uint8)
 
     def batches(self, first, last):

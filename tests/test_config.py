@@ -151,7 +151,7 @@ def test_abbreviated_flags_are_refused():
 
 
 def test_secrets_are_scrubbed_from_argv_by_value():
-    from diffusion_extras.training.config import redact_argv
+    from diffusion_extras.hub.secrets import redact_argv
     argv = ["train_ddpm.py", "--hub_token", "hf_abc123", "--hub_token=hf_abc123", "--output_dir", "x"]
     redact_argv(argv, ["hf_abc123", None])
     assert argv == ["train_ddpm.py", "--hub_token", "***", "--hub_token=***", "--output_dir", "x"]

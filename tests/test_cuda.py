@@ -31,7 +31,7 @@ def no_host_sync():
 
 
 def weights(run) -> list:
-    return [p.detach().clone() for p in run.model.unet.parameters()]
+    return [p.detach().clone() for p in run.learner.unet.parameters()]
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16", "fp16"])
@@ -47,7 +47,7 @@ def test_optimizer_steps_never_sync(tmp_path, fresh_accelerate, precision):
         for _ in range(4):
             step.optimizer_step(run, batches)
     assert not all(torch.equal(a, b) for a, b in zip(before, weights(run)))
-    assert all(torch.isfinite(p).all() for p in run.model.unet.parameters())
+    assert all(torch.isfinite(p).all() for p in run.learner.unet.parameters())
 
 
 def test_batches_are_pinned_and_copied_without_sync(tmp_path, fresh_accelerate):
@@ -61,7 +61,7 @@ def test_batches_are_pinned_and_copied_without_sync(tmp_path, fresh_accelerate):
 
 def test_fused_adamw_skips_a_nonfinite_step_on_the_device(tmp_path, fresh_accelerate, monkeypatch):
     run = tiny_run(tmp_path, *ALL_EXTRAS, "--max_train_steps", 8)
-    optimizer = run.model.optimizer.optimizer
+    optimizer = run.learner.optimizer.optimizer
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"]
     batches = loop.make_batches(run)
     for _ in range(WARMUP_STEPS):
@@ -81,7 +81,7 @@ def test_fused_adamw_skips_a_nonfinite_step_on_the_device(tmp_path, fresh_accele
 def test_channels_last_and_compile(tmp_path, fresh_accelerate):
     run = tiny_run(tmp_path, "--channels_last", "--torch_compile", "--mixed_precision", "bf16",
                    "--max_train_steps", 8)
-    conv_weights = [p for p in run.model.unet.parameters() if p.dim() == 4]
+    conv_weights = [p for p in run.learner.unet.parameters() if p.dim() == 4]
     assert conv_weights and all(p.is_contiguous(memory_format=torch.channels_last) for p in conv_weights)
     batches = loop.make_batches(run)
     for _ in range(WARMUP_STEPS):  # compilation happens here
@@ -89,7 +89,7 @@ def test_channels_last_and_compile(tmp_path, fresh_accelerate):
     with no_host_sync():
         for _ in range(2):
             step.optimizer_step(run, batches)
-    assert all(torch.isfinite(p).all() for p in run.model.unet.parameters())
+    assert all(torch.isfinite(p).all() for p in run.learner.unet.parameters())
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

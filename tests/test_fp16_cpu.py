@@ -36,11 +36,11 @@ FLAGS = ("--use_ema", "--posthoc_ema", "--gradient_accumulation_steps", 2, "--ma
 
 
 def snapshot(run) -> dict:
-    optimizer = run.model.optimizer.optimizer
+    optimizer = run.learner.optimizer.optimizer
     # Adam creates its moments (zeros) at its first step, skipped or not: absent reads as zeros
     moments = [optimizer.state[p].get(k, torch.zeros_like(p)) for p in optimizer.param_groups[0]["params"]
                for k in ("exp_avg", "exp_avg_sq")]
-    return {"weights": [p.detach().clone() for p in run.model.unet.parameters()],
+    return {"weights": [p.detach().clone() for p in run.learner.unet.parameters()],
             "moments": [m.clone() for m in moments], "ema": [s.clone() for s in run.extras.ema.shadow_params],
             "posthoc": [a.clone() for profile in run.extras.posthoc_ema.averages for a in profile]}
 
@@ -52,7 +52,7 @@ def same(a: list, b: list) -> bool:
 def test_overflow_skips_the_step_and_the_scale_halves_then_grows(tmp_path, fresh_accelerate, fp16_on_cpu):
     run = tiny_run(tmp_path, *FLAGS)
     scaler = run.accelerator.scaler
-    assert run.model.optimizer.scaler is scaler and next(run.model.unet.parameters()).dtype == torch.float32
+    assert run.learner.optimizer.scaler is scaler and next(run.learner.unet.parameters()).dtype == torch.float32
     batches = loop.make_batches(run)
     skipped = 0
     while True:  # overflowing steps: nothing moves but the clocks, and the scale halves each time
@@ -65,7 +65,7 @@ def test_overflow_skips_the_step_and_the_scale_halves_then_grows(tmp_path, fresh
         changed = [k for k in before if not same(before[k], after[k])]
         assert not changed, f"an overflowing step (scale {scale:g}) changed {changed}"
         # the LR-schedule rule: a skipped step still advances global_step and the schedule
-        assert run.model.lr_scheduler.last_epoch == run.progress.global_step == skipped
+        assert run.learner.lr_scheduler.last_epoch == run.progress.global_step == skipped
         assert run.extras.posthoc_ema.step == run.extras.ema.optimization_step == run.progress.global_step
     assert skipped >= 5, f"init scale {INIT_SCALE:g} should overflow several steps, got {skipped}"
     assert not any(same(before[k], after[k]) for k in before), "the first good step must update everything"

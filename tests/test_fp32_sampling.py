@@ -12,7 +12,7 @@ from diffusion_extras.training import artifacts, loop, models
 
 def fp32_grid(run, unet, dtype=torch.float32) -> np.ndarray:
     config = run.config
-    scheduler = sampling.make_scheduler("ddim", run.model.noise_scheduler.config)
+    scheduler = sampling.make_scheduler("ddim", run.objective.noise_scheduler.config)
     images = sampling.generate(unet, scheduler, config.eval_batch_size, config.ddpm_num_inference_steps,
                                seed=config.seed, device="cpu", dtype=dtype)
     return np.asarray(sampling.image_grid(images))
@@ -39,12 +39,12 @@ def test_bf16_run_samples_its_grid_in_fp32(tmp_path, fresh_accelerate):
 
 def test_training_forward_keeps_its_autocast_after_sampling(tmp_path, fresh_accelerate):
     run = tiny_run(tmp_path, "--mixed_precision", "bf16", "--max_train_steps", 1)
-    inner = run.accelerator.unwrap_model(run.model.unet)
+    inner = run.accelerator.unwrap_model(run.learner.unet)
     seen = []
     inner.conv_in.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
     noisy, timesteps = torch.randn(2, 1, 8, 8), torch.tensor([10, 500])
     with artifacts.sampling_unet(inner) as unet:
         unet(noisy, timesteps)  # a copy: the hook on the training UNet does not fire
     assert seen == []
-    run.model.unet(noisy, timesteps)
+    run.learner.unet(noisy, timesteps)
     assert seen == [torch.bfloat16], "the training forward lost accelerate's bf16 autocast"

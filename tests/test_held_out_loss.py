@@ -11,19 +11,19 @@ from diffusers import DDPMScheduler, UNet2DModel
 from diffusion_extras.core.losses import NoiseSchedule
 from diffusion_extras.data import images as data
 from diffusion_extras.monitoring import held_out as validation
-from diffusion_extras.report.checks import Run
+from diffusion_extras.report.checks import RunLog
 from diffusion_extras.report.dynamics import check_ema_behind_raw, check_held_out_overfitting
 from diffusion_extras.training.config import parse_config
 
 
 def test_split_is_seeded_disjoint_and_complete():
     images = data.DecodedImages(np.arange(20 * 4, dtype=np.uint8), np.full((20, 2), 2), np.arange(20) * 4, 1)
-    train_part, held = validation.split_held_out(images, 0.25, seed=3)
+    train_part, held = data.split_held_out(images, 0.25, seed=3)
     assert (len(train_part), len(held)) == (15, 5)
     assert sorted(np.concatenate([train_part.rows, held.rows]).tolist()) == list(range(20))
     np.testing.assert_array_equal(held.image(0), images.image(int(held.rows[0])))
-    assert validation.split_held_out(images, 0.25, seed=3)[1].rows.tolist() == held.rows.tolist()
-    assert validation.split_held_out(images, 0.25, seed=4)[1].rows.tolist() != held.rows.tolist()
+    assert data.split_held_out(images, 0.25, seed=3)[1].rows.tolist() == held.rows.tolist()
+    assert data.split_held_out(images, 0.25, seed=4)[1].rows.tolist() != held.rows.tolist()
 
 
 def test_training_logs_raw_and_ema_held_out_loss_per_bin_with_fixed_noise(train, tiny_recipe, tmp_path):
@@ -42,7 +42,7 @@ def test_training_logs_raw_and_ema_held_out_loss_per_bin_with_fixed_noise(train,
     config = parse_config(["--config", recipe, "--output_dir", str(out), "--validation_split", "0.25"])
     dataset = data.load_image_dataset(config)
     images = data.cached_decode(dataset, data.find_image_column(dataset), 8, True, 1, str(tmp_path / "cache"))
-    _, held = validation.split_held_out(images, 0.25, config.seed)
+    _, held = data.split_held_out(images, 0.25, config.seed)
     held_out = validation.HeldOutLoss(held, 8, 1000, 10, config.seed, config.train_batch_size)
     unet = UNet2DModel.from_pretrained(out / "unet")
     schedule = NoiseSchedule.from_scheduler(DDPMScheduler.from_pretrained(out / "scheduler"))
@@ -93,16 +93,16 @@ def test_overfitting_is_reported_when_held_out_rises_while_training_falls(tmp_pa
     printed = capsys.readouterr().out
     assert "overfitting" in printed and "step 80" in printed and "--max_train_steps 80" in printed
     config = {"max_train_steps": 160}
-    assert not check_held_out_overfitting(Run(history([0.5, 0.4, 0.35, 0.3], training), config))  # generalising
+    assert not check_held_out_overfitting(RunLog(history([0.5, 0.4, 0.35, 0.3], training), config))  # generalising
     flat = [0.3] * 16
-    assert not check_held_out_overfitting(Run(history([0.5, 0.4, 0.45, 0.5], flat), config))  # training not falling
+    assert not check_held_out_overfitting(RunLog(history([0.5, 0.4, 0.45, 0.5], flat), config))  # training not falling
 
 
 def test_ema_behind_raw_is_a_warning_only_at_the_end_of_the_run():
     training, config = list(np.geomspace(1.0, 0.2, 16)), {"max_train_steps": 160, "ema_max_decay": 0.999}
     behind = history([0.5, 0.4, 0.3, 0.3], training, ema=[0.6, 0.5, 0.4, 0.35])
-    (finding,) = check_ema_behind_raw(Run(behind, config))
+    (finding,) = check_ema_behind_raw(RunLog(behind, config))
     assert finding.severity == "warning" and "--ema_max_decay 0.9375" in finding.recommendation
-    assert check_ema_behind_raw(Run(behind, {**config, "max_train_steps": 1000}))[0].severity == "info"
+    assert check_ema_behind_raw(RunLog(behind, {**config, "max_train_steps": 1000}))[0].severity == "info"
     ahead = history([0.5, 0.4, 0.3, 0.3], training, ema=[0.6, 0.5, 0.3, 0.29])
-    assert not check_ema_behind_raw(Run(ahead, config))
+    assert not check_ema_behind_raw(RunLog(ahead, config))

@@ -28,7 +28,7 @@ def test_setup_leaves_the_config_as_given_and_the_saved_config_records_the_plan(
     assert (saved["max_train_steps"], saved["save_images_steps"], saved["num_epochs"]) == (8, 4, 2)
     assert saved["model"] == run.plan.model and saved["validation_split"] == 0.0
     # the checkpoint's record of the config (the resume check) holds the real length too
-    assert run.model.state_config["max_train_steps"] == 8
+    assert run.learner.state_config["max_train_steps"] == 8
     # and the saved config reproduces the run's plan
     again = parse_config(["--config", str(tmp_path / "run" / "training_config.yaml")])
     assert again.max_train_steps == 8 and again.save_images_steps == 4

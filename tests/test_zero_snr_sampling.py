@@ -53,11 +53,11 @@ def test_in_training_grid_and_fid_sample_from_the_zero_snr_step(tmp_path, monkey
         return wrapped
     monkeypatch.setattr(sampling, "generate", record(sampling.generate))
     monkeypatch.setattr(evaluation, "evaluate_unet_metrics", record(evaluation.evaluate_unet_metrics))
-    unet, config = run.accelerator.unwrap_model(run.model.unet), run.config
+    unet, config = run.accelerator.unwrap_model(run.learner.unet), run.config
     target = artifacts.Target(config.output_dir, 1, run.accelerator, run.history)
-    artifacts.save_sample_grid(unet, run.extras.ema, run.model.noise_scheduler, target, config.eval_batch_size,
+    artifacts.save_sample_grid(unet, run.extras.ema, run.objective.noise_scheduler, target, config.eval_batch_size,
                                config.ddpm_num_inference_steps, config.seed)
-    artifacts.evaluate(unet, run.extras.ema, run.model.noise_scheduler, run.extras.evaluation, target,
+    artifacts.evaluate(unet, run.extras.ema, run.objective.noise_scheduler, run.extras.evaluation, target,
                        config.eval_num_samples, config.ddpm_num_inference_steps, config.seed, config.eval_batch_size)
     assert seen[:1] == [999] and seen[-1] == 999 and len(seen) >= 2
 

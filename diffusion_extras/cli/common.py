@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from diffusion_extras.data.images import preprocess_image
+from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -178,11 +179,6 @@ def folder_fingerprint(paths: list[str], resolution: int) -> str:
 def load_reference(reference: str, extractor, resolution: int, cache_dir: str | None, batch_size: int):
     """ReferenceStatistics from --reference: a statistics .npz made by the same extractor, or a folder
     of images (preprocessed like training images; its statistics cached in `cache_dir`)."""
-    from diffusion_extras.evaluation.metrics import (  # scipy: only when a command scores
-        ReferenceStatistics,
-        reference_statistics,
-    )
-
     if os.path.isfile(reference):
         statistics = ReferenceStatistics.load(reference)
         if statistics.extractor_name != extractor.name:

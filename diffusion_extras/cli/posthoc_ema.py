@@ -23,12 +23,8 @@ from diffusion_extras.cli.common import (
     positive_int,
     resolve_device,
 )
-from diffusion_extras.core.phema import (
-    reconstruct,
-    require_snapshots,
-    sigma_rel_to_gamma,
-    solve_weights,
-)
+from diffusion_extras.core.phema import reconstruct, require_snapshots, sigma_rel_to_gamma, solve_weights
+from diffusion_extras.evaluation import metrics as evaluation
 
 
 def _parse_args(argv):
@@ -90,8 +86,7 @@ def _run(args) -> None:
     for sigma_rel in args.sigma_rels:  # reject a bad --step before the slow loads
         solve_weights([s.step for s in snapshots], [s.gamma for s in snapshots], step, sigma_rel)
     pipeline = load_pipeline(args.output_dir)
-    if args.evaluate:  # imported lazily: only scoring needs the feature extractors
-        from diffusion_extras.evaluation import metrics as evaluation
+    if args.evaluate:  # only scoring loads the feature extractors
         args.device = resolve_device(args.device)
         extractor = evaluation.build_feature_extractor(
             args.feature_extractor, args.inception_weights, args.device)

@@ -14,13 +14,7 @@ from diffusion_extras.cli.common import (
     positive_int,
     resolve_device,
 )
-from diffusion_extras.evaluation.sampling import (
-    DTYPES,
-    SCHEDULERS,
-    generate,
-    make_scheduler,
-    save_images,
-)
+from diffusion_extras.evaluation.sampling import DTYPES, SCHEDULERS, generate, make_scheduler, save_images
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -15,7 +15,16 @@ rank holds the same distribution without any host sync, and it goes into the che
 """
 from __future__ import annotations
 
+from typing import Optional, Protocol
+
 import torch
+
+
+class TimestepSampler(Protocol):
+    """The interface both samplers have (the loss-aware one adds update, state_dict, load_state_dict)."""
+    learns_from_losses: bool
+
+    def sample(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
 
 
 class UniformTimesteps:
@@ -85,6 +94,7 @@ class LossAwareTimestepSampler:
 
 
 SAMPLERS = {"uniform": UniformTimesteps, "loss_aware": LossAwareTimestepSampler}
+TIMESTEP_SAMPLING = tuple(SAMPLERS)  # --timestep_sampling's choices
 
 
 def make_timestep_sampler(kind: str, num_train_timesteps: int, device=None):

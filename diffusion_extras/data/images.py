@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from diffusion_extras.data.spec import DataSpec
+
 logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 2  # bump when the cached layout or preprocessing changes
@@ -44,26 +46,21 @@ def digits_dataset():
         features=features)
 
 
-def uses_embedded_digits(config) -> bool:
-    """No data flag given: the run trains on the embedded digits."""
-    return not (config.train_data_files or config.train_data_dir or config.dataset_name)
-
-
 def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
 
 
-def load_image_dataset(config):
+def load_image_dataset(spec: DataSpec):
     """The training split as a datasets.Dataset (open_dataset), cut to --max_train_samples."""
-    dataset = open_dataset(config)
-    if config.max_train_samples is not None and config.max_train_samples < len(dataset):
-        dataset = dataset.shuffle(seed=config.seed).select(range(config.max_train_samples))
+    dataset = open_dataset(spec)
+    if spec.max_train_samples is not None and spec.max_train_samples < len(dataset):
+        dataset = dataset.shuffle(seed=spec.seed).select(range(spec.max_train_samples))
     if len(dataset) == 0:
         raise DataError("the training dataset is empty")
     return dataset
 
 
-def open_dataset(config, streaming: bool = False):
+def open_dataset(spec: DataSpec, streaming: bool = False):
     """The one dispatch from the data flags to the training split, a datasets.Dataset (or an
     IterableDataset when streaming), for both the cached and the streamed source: --train_data_files
     (.tar shards or parquet, through datasets' `webdataset` / `parquet` builders), --train_data_dir
@@ -71,25 +68,25 @@ def open_dataset(config, streaming: bool = False):
     Hub id; --dataset_config_name picks its configuration), else the embedded digits."""
     import datasets
 
-    cache_dir = config.cache_dir
-    if config.train_data_files:
-        files, builder = resolve_data_files(config.train_data_files)
+    cache_dir = spec.cache_dir
+    if spec.train_data_files:
+        files, builder = resolve_data_files(spec.train_data_files)
         return _train_split(_call_loader(lambda: datasets.load_dataset(
             builder, data_files={"train": files}, cache_dir=cache_dir, streaming=streaming),
-            f"--train_data_files {config.train_data_files}"), config.train_data_files)
-    if config.train_data_dir:
+            f"--train_data_files {spec.train_data_files}"), spec.train_data_files)
+    if spec.train_data_dir:
         return _train_split(_call_loader(lambda: datasets.load_dataset(
-            "imagefolder", data_dir=config.train_data_dir, cache_dir=cache_dir, streaming=streaming),
-            f"--train_data_dir {config.train_data_dir}"), config.train_data_dir)
-    if config.dataset_name:
-        name = os.path.expanduser(config.dataset_name)
+            "imagefolder", data_dir=spec.train_data_dir, cache_dir=cache_dir, streaming=streaming),
+            f"--train_data_dir {spec.train_data_dir}"), spec.train_data_dir)
+    if spec.dataset_name:
+        name = os.path.expanduser(spec.dataset_name)
         if os.path.isdir(name) and _is_saved_to_disk(name):
             saved = _train_split(_call_loader(lambda: datasets.load_from_disk(name), f"--dataset_name {name}"), name)
             # a saved dataset streams from its own arrow files, in shards that ranks and workers split
             return saved.to_iterable_dataset(num_shards=min(len(saved), 64) or 1) if streaming else saved
         if os.path.isdir(name) or not _looks_like_path(name):
             return _train_split(_call_loader(lambda: datasets.load_dataset(
-                name, config.dataset_config_name, cache_dir=cache_dir, streaming=streaming),
+                name, spec.dataset_config_name, cache_dir=cache_dir, streaming=streaming),
                 f"--dataset_name {name}"), name)
         raise DataError(f"--dataset_name {name}: no such folder (give an existing path or a Hub dataset id)")
     if streaming:
@@ -456,3 +453,29 @@ def to_model_input(batch: torch.Tensor, device, flip: torch.Tensor | None = None
     if flip is not None:
         images = torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
     return images
+
+
+VALIDATION_STREAM = 0x48E1D0  # seed stream of the held-out split (and of the held-out timesteps and noise)
+
+
+class ImageSubset:
+    """Rows of DecodedImages, seen through the same small interface (len, image, channels)."""
+
+    def __init__(self, images, rows: np.ndarray):
+        self.images, self.rows, self.channels = images, np.asarray(rows, dtype=np.int64), images.channels
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def image(self, index: int) -> np.ndarray:
+        return self.images.image(int(self.rows[index]))
+
+
+def split_held_out(images, fraction: float, seed: int) -> tuple[ImageSubset, ImageSubset]:
+    """(training, held-out) rows, a seeded random split; the held-out part never enters training."""
+    count = int(round(fraction * len(images)))
+    if not 1 <= count < len(images):
+        raise DataError(f"--validation_split {fraction} of {len(images)} images leaves {count} held out; "
+                         "choose a fraction that keeps at least one image on each side")
+    order = np.random.default_rng(mix_seed(seed, VALIDATION_STREAM)).permutation(len(images))
+    return ImageSubset(images, np.sort(order[count:])), ImageSubset(images, np.sort(order[:count]))

@@ -1,7 +1,7 @@
 """Where training images come from, behind one interface: the loop, resume, checkpoints and the
 artifacts (sigma_data, FID references) see a data source and never ask which kind it is.
 
-    source = build_source(config, accelerator, channels, dataset, validation_split)
+    source = build_source(spec, processes, channels, dataset, validation_split)
     batches = source.batches(first, last)   # this rank's uint8 [B, C, H, W] micro-batches, first..last-1
     source.position(micro_step)             # {"epoch", "batch_in_epoch"} for the train state
     source.state_dict() / load_state_dict() # this rank's position, when the micro-step alone cannot say it
@@ -14,40 +14,56 @@ stream's own state, saved per rank).
 """
 from __future__ import annotations
 
+from typing import Iterator, Optional, Protocol
+
 import numpy as np
 import torch
 
 from diffusion_extras.data import images as data
+from diffusion_extras.data.spec import DataSpec, Processes
+from diffusion_extras.data.streaming import StreamSource, load_stream
+
+
+class DataSource(Protocol):
+    """The interface above, as a type."""
+    batches_per_epoch: Optional[int]  # None for a stream (no epoch length)
+    description: str                  # names the data in the FID reference fingerprint
+    held_out_images: object           # data.ImageSubset, or None
+
+    def batches(self, first: int, last: int) -> Iterator[torch.Tensor]: ...
+    def position(self, micro_step: int) -> dict: ...
+    def state_dict(self) -> Optional[dict]: ...
+    def load_state_dict(self, state: Optional[dict]) -> None: ...
+    def reference_sample(self, count: int) -> np.ndarray: ...
 
 
 class CachedImages:
     """Every image decoded once (data.cached_decode) and drawn in a (seed, micro-step) order."""
 
-    def __init__(self, config, accelerator, channels: int, dataset=None, validation_split: float = 0.0):
+    def __init__(self, spec: DataSpec, processes: Processes, channels: int, dataset=None,
+                 validation_split: float = 0.0):
         # once per node: the node's first rank loads and decodes, the others then read its cache
-        with accelerator.local_main_process_first():
-            dataset = dataset if dataset is not None else data.load_image_dataset(config)
-            image_column = data.find_image_column(dataset, config.image_column)
-            self.images = data.cached_decode(dataset, image_column, config.resolution, config.center_crop,
-                                             channels, config.cache_dir, accelerator.is_local_main_process)
+        with processes.local_main_process_first():
+            dataset = dataset if dataset is not None else data.load_image_dataset(spec)
+            image_column = data.find_image_column(dataset, spec.image_column)
+            self.images = data.cached_decode(dataset, image_column, spec.resolution, spec.center_crop,
+                                             channels, spec.cache_dir, processes.is_local_main_process)
         self.held_out_images = None  # --validation_split: held out before the order exists, never trained on
         if validation_split:
-            from diffusion_extras.monitoring.held_out import split_held_out
-            self.images, self.held_out_images = split_held_out(self.images, validation_split, config.seed)
-        self.order = data.GlobalBatchOrder(len(self.images), config.train_batch_size * accelerator.num_processes,
-                                           config.seed)
-        self.config, self.rank = config, accelerator.process_index
-        self.pin_memory = accelerator.device.type == "cuda"
+            self.images, self.held_out_images = data.split_held_out(self.images, validation_split, spec.seed)
+        self.order = data.GlobalBatchOrder(len(self.images), spec.train_batch_size * processes.num_processes,
+                                           spec.seed)
+        self.spec, self.rank = spec, processes.process_index
+        self.pin_memory = processes.device.type == "cuda"
         self.batches_per_epoch = self.order.batches_per_epoch
         self.description = str(len(self.images))  # names the data in the FID reference fingerprint
 
     def batches(self, first: int, last: int):
         """Micro-batches first..last-1, prefetched in order by the DataLoader workers."""
-        config = self.config
+        spec = self.spec
         loader = torch.utils.data.DataLoader(
-            data.MicroBatches(self.images, self.order, self.rank, config.train_batch_size, config.resolution,
-                              config.seed),
-            batch_size=None, sampler=range(first, last), num_workers=config.dataloader_num_workers,
+            data.MicroBatches(self.images, self.order, self.rank, spec.train_batch_size, spec.resolution, spec.seed),
+            batch_size=None, sampler=range(first, last), num_workers=spec.dataloader_num_workers,
             pin_memory=self.pin_memory,
             generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
         return iter(loader)
@@ -65,29 +81,27 @@ class CachedImages:
     def reference_sample(self, count: int) -> np.ndarray:
         """Up to `count` training images as uint8 NCHW, a seeded random subset with the run's crops."""
         count = min(len(self.images), count)
-        order = data.GlobalBatchOrder(len(self.images), count, self.config.seed)
-        return data.MicroBatches(self.images, order, 0, count, self.config.resolution, self.config.seed)[0].numpy()
+        order = data.GlobalBatchOrder(len(self.images), count, self.spec.seed)
+        return data.MicroBatches(self.images, order, 0, count, self.spec.resolution, self.spec.seed)[0].numpy()
 
 
-def open_training_data(config, accelerator) -> tuple:
+def open_training_data(spec: DataSpec, processes: Processes) -> tuple:
     """(the opened dataset or None, the images' colour channels: 1 or 3), judged from the first
     images' modes before any model exists, so that a model can follow the data. The opened
     dataset is handed to build_source (a stream is reopened there, lazily, per rank)."""
-    if config.streaming:
-        from diffusion_extras.data.streaming import load_stream
-        shard, column = load_stream(config, accelerator.process_index, accelerator.num_processes)
+    if spec.streaming:
+        shard, column = load_stream(spec, processes.process_index, processes.num_processes)
         return None, data.stored_channels(item[column] for item in shard.take(16)) or 3
-    with accelerator.local_main_process_first():  # the node's first rank downloads, the others reuse it
-        dataset = data.load_image_dataset(config)
-    return dataset, data.dataset_channels(dataset, data.find_image_column(dataset, config.image_column))
+    with processes.local_main_process_first():  # the node's first rank downloads, the others reuse it
+        dataset = data.load_image_dataset(spec)
+    return dataset, data.dataset_channels(dataset, data.find_image_column(dataset, spec.image_column))
 
 
-def build_source(config, accelerator, channels: int, dataset=None, validation_split: float = 0.0):
+def build_source(spec: DataSpec, processes: Processes, channels: int, dataset=None, validation_split: float = 0.0):
     """The run's data source: a stream with --streaming, else the decode-once cache (of `dataset`,
     when open_training_data already opened it) less its held-out fraction (a stream has none:
     config.validate refuses --validation_split with --streaming)."""
-    if config.streaming:
-        from diffusion_extras.data.streaming import StreamSource
-        return StreamSource(config, accelerator, channels)
-    return CachedImages(config, accelerator, channels, dataset, validation_split)
+    if spec.streaming:
+        return StreamSource(spec, processes, channels)
+    return CachedImages(spec, processes, channels, dataset, validation_split)
 

@@ -21,31 +21,26 @@ import warnings
 import numpy as np
 import torch
 
-from diffusion_extras.data.images import (
-    DataError,
-    decode_image,
-    find_image_column,
-    open_dataset,
-    random_crop,
-)
+from diffusion_extras.data.images import DataError, decode_image, find_image_column, open_dataset, random_crop
+from diffusion_extras.data.spec import DataSpec, Processes
 
 
-def load_stream(config, rank: int, world_size: int):
+def load_stream(spec: DataSpec, rank: int, world_size: int):
     """This rank's shard of the shuffled stream, and its image column."""
     import datasets
     from datasets.distributed import split_dataset_by_node
 
-    stream = open_dataset(config, streaming=True)
+    stream = open_dataset(spec, streaming=True)
     if stream.features is None:
         raise DataError("the streamed dataset does not declare its features; pass --image_column and a dataset "
                         "whose features are known (parquet, imagefolder or a Hub dataset with metadata)")
-    column = find_image_column(stream, config.image_column)
+    column = find_image_column(stream, spec.image_column)
     # decoded by us, so a corrupt file is skipped and named instead of raising inside the iterator
     stream = stream.select_columns([column]).cast_column(column, datasets.Image(decode=False))
-    if config.max_train_samples is not None:
-        stream = stream.take(config.max_train_samples)
-    if config.shuffle_buffer_size > 0:
-        stream = stream.shuffle(seed=config.seed, buffer_size=config.shuffle_buffer_size)
+    if spec.max_train_samples is not None:
+        stream = stream.take(spec.max_train_samples)
+    if spec.shuffle_buffer_size > 0:
+        stream = stream.shuffle(seed=spec.seed, buffer_size=spec.shuffle_buffer_size)
     return split_dataset_by_node(stream, rank=rank, world_size=world_size), column
 
 
@@ -170,14 +165,14 @@ def worker_states(loader_state: dict) -> list[dict]:
     return [w["dataset_state"] for w in workers.values() if w.get("dataset_state")]
 
 
-def stream_reference_images(config, count: int, channels: int) -> np.ndarray:
+def stream_reference_images(spec: DataSpec, count: int, channels: int) -> np.ndarray:
     """Up to `count` centre-cropped images [N, C, H, W] from the start of an independent copy of the
     stream, for sigma_data and FID references; the training position is not touched."""
-    stream, column = load_stream(config, 0, 1)
+    stream, column = load_stream(spec, 0, 1)
     images = []
     for item in stream.take(count):
         try:
-            images.append(decode_image(item[column], config.resolution, True, channels))
+            images.append(decode_image(item[column], spec.resolution, True, channels))
         except Exception:  # unreadable: the training stream warns about it; references just skip it
             continue
     if not images:
@@ -192,13 +187,13 @@ class StreamSource:
     batches_per_epoch = None  # unknown for a stream: runs are counted in steps (--max_train_steps)
     held_out_images = None  # --validation_split needs a fixed set: cached data only (validate refuses it)
 
-    def __init__(self, config, accelerator, channels: int):
-        shard, column = load_stream(config, accelerator.process_index, accelerator.num_processes)
-        self.stream = StreamingBatches(shard, column, config.train_batch_size, config.resolution, config.center_crop,
-                                       channels, config.seed + accelerator.process_index,
-                                       config.dataloader_num_workers, accelerator.device.type == "cuda")
-        self.config, self.channels, self.rank = config, channels, accelerator.process_index
-        self.description = f"stream:{config.dataset_name or config.train_data_dir or config.train_data_files}"
+    def __init__(self, spec: DataSpec, processes: Processes, channels: int):
+        shard, column = load_stream(spec, processes.process_index, processes.num_processes)
+        self.stream = StreamingBatches(shard, column, spec.train_batch_size, spec.resolution, spec.center_crop,
+                                       channels, spec.seed + processes.process_index,
+                                       spec.dataloader_num_workers, processes.device.type == "cuda")
+        self.spec, self.channels, self.rank = spec, channels, processes.process_index
+        self.description = f"stream:{spec.dataset_name or spec.train_data_dir or spec.train_data_files}"
 
     def batches(self, first: int, last: int):
         return self.stream  # already at `first`: the restored state, not the micro-step, holds the position
@@ -216,4 +211,4 @@ class StreamSource:
         self.stream.load_state_dict(state)
 
     def reference_sample(self, count: int) -> np.ndarray:
-        return stream_reference_images(self.config, count, self.channels)
+        return stream_reference_images(self.spec, count, self.channels)

@@ -52,11 +52,7 @@ class Dinov2Features:
 
     def __init__(self, model: str = DINOV2_DEFAULT, device=None):
         from transformers import AutoModel, BitImageProcessor
-        from transformers.image_utils import (
-            IMAGENET_DEFAULT_MEAN,
-            IMAGENET_DEFAULT_STD,
-            PILImageResampling,
-        )
+        from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, PILImageResampling
         self.device = torch.device(device or "cpu")
         self.model = _from_pretrained(AutoModel, model, "--dinov2_model").to(self.device).eval()
         size = {"height": DINOV2_RESOLUTION, "width": DINOV2_RESOLUTION}

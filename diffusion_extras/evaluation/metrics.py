@@ -20,6 +20,7 @@ import scipy.linalg
 import torch
 import torch.nn.functional as F
 
+from diffusion_extras.evaluation import backbones
 from diffusion_extras.evaluation.sampling import generate
 
 
@@ -119,7 +120,6 @@ def extractors_for(metrics: list[str], feature_extractor: str) -> dict[str, list
 def build_feature_extractor(name: str = "inception", weights: str | None = None, device=None,
                             model: str | None = None) -> FeatureExtractor:
     """`model`: a Hub id or local folder for dinov2 / clip (default: the paper's backbone)."""
-    from diffusion_extras.evaluation import backbones
     if name == "tiny":
         return TinyRandomConvFeatures(device)
     if name == "dinov2":

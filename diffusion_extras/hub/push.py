@@ -12,15 +12,9 @@ import tempfile
 from concurrent.futures import Future
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData, constants, get_token
-from huggingface_hub.utils import (
-    HFValidationError,
-    filter_repo_objects,
-    validate_repo_id,
-)
+from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
 
-from diffusion_extras.training.config import (
-    redact_config,  # the project's one secret-dropping rule
-)
+from diffusion_extras.hub.secrets import redact_config  # the project's one secret-dropping rule
 
 # What a DDPMPipeline needs, plus its card; everything else in the output dir stays local.
 PIPELINE_PATTERNS = ["model_index.json", "unet/*", "scheduler/*", "README.md", "images/*", "training_config.yaml"]

@@ -11,12 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from diffusion_extras.evaluation.sampling import (
-    _image_shape,
-    _to_uint8,
-    image_grid,
-    image_seed,
-)
+from diffusion_extras.evaluation.sampling import _image_shape, _to_uint8, image_grid, image_seed
 
 
 def side_by_side(left: np.ndarray, right: np.ndarray, gap: int = 4) -> Image.Image:

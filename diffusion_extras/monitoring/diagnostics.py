@@ -18,7 +18,8 @@ import os
 import numpy as np
 import torch
 
-PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+from diffusion_extras.core.losses import PREDICTION_TYPES
+
 # Per logging window: the plotted curve follows about the last two windows, i.e. the current model.
 # (0.9 kept the first windows' high losses visible through the whole of a 20-window run.)
 RUNNING_DECAY = 0.5

@@ -17,11 +17,7 @@ import torch
 
 from diffusion_extras.core import losses
 from diffusion_extras.data.images import mix_seed, to_model_input
-from diffusion_extras.monitoring.diagnostics import (
-    loss_bin_key,
-    save_figure,
-    timestep_bin_edges,
-)
+from diffusion_extras.monitoring.diagnostics import loss_bin_key, save_figure, timestep_bin_edges
 
 PROBE_STREAM = 0x67AD  # seed stream of the probe batch's timesteps and noise
 

@@ -12,42 +12,8 @@ import numpy as np
 import torch
 
 from diffusion_extras.core import losses
-from diffusion_extras.data.images import (
-    DataError,
-    mix_seed,
-    random_crop,
-    to_model_input,
-)
-from diffusion_extras.monitoring.diagnostics import (
-    loss_bin_key,
-    save_figure,
-    timestep_bin_edges,
-)
-
-VALIDATION_STREAM = 0x48E1D0  # seed stream of the split, the held-out timesteps and noise
-
-
-class ImageSubset:
-    """Rows of DecodedImages, seen through the same small interface (len, image, channels)."""
-
-    def __init__(self, images, rows: np.ndarray):
-        self.images, self.rows, self.channels = images, np.asarray(rows, dtype=np.int64), images.channels
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def image(self, index: int) -> np.ndarray:
-        return self.images.image(int(self.rows[index]))
-
-
-def split_held_out(images, fraction: float, seed: int) -> tuple[ImageSubset, ImageSubset]:
-    """(training, held-out) rows, a seeded random split; the held-out part never enters training."""
-    count = int(round(fraction * len(images)))
-    if not 1 <= count < len(images):
-        raise DataError(f"--validation_split {fraction} of {len(images)} images leaves {count} held out; "
-                         "choose a fraction that keeps at least one image on each side")
-    order = np.random.default_rng(mix_seed(seed, VALIDATION_STREAM)).permutation(len(images))
-    return ImageSubset(images, np.sort(order[count:])), ImageSubset(images, np.sort(order[:count]))
+from diffusion_extras.data.images import VALIDATION_STREAM, ImageSubset, mix_seed, random_crop, to_model_input
+from diffusion_extras.monitoring.diagnostics import loss_bin_key, save_figure, timestep_bin_edges
 
 
 class HeldOutLoss:

@@ -1,5 +1,5 @@
 """The checks behind the training health report (diffusion_extras.report.health), one function per
-finding, each fed the logged history as arrays (`Run`). Thresholds are the constants below."""
+finding, each fed the logged history as arrays (`RunLog`). Thresholds are the constants below."""
 from __future__ import annotations
 
 import math
@@ -9,14 +9,10 @@ import numpy as np
 
 from diffusion_extras.core import losses
 from diffusion_extras.core.losses import min_snr_weight
-from diffusion_extras.monitoring.diagnostics import (
-    TimestepDiagnostics,
-    loss_bin_key,
-    timestep_bin_edges,
-)
+from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics, loss_bin_key, timestep_bin_edges
 
 # --- thresholds (history records are logging windows; "last half" = the later half of them).
-# Changes between medians must also exceed 4 standard errors of the window noise (Run.significant).
+# Changes between medians must also exceed 4 standard errors of the window noise (RunLog.significant).
 MIN_RECORDS = 8                  # fewer logged windows cannot show a trend
 SMOOTHING_FRACTION = 0.05        # rolling median over 5 % of the records (at least 3)
 MIN_OPTIMIZER_STEPS = 1_000      # below this even the 16 px digits recipe gives no usable samples
@@ -52,7 +48,7 @@ class Finding:
     evidence: dict = field(default_factory=dict)
 
 
-class Run:
+class RunLog:
     """The history as arrays: one entry per logged window, sorted by optimizer step."""
 
     def __init__(self, history: list[dict], config: dict):
@@ -113,7 +109,7 @@ def _stability_fix(config: dict, lead: str) -> str:
     return "; ".join(parts) + "."
 
 
-def check_loss_trend(run: Run) -> list[Finding]:
+def check_loss_trend(run: RunLog) -> list[Finding]:
     """loss_diverging (critical) or loss_stuck (warning)."""
     last = run.records[-1].get("loss")
     if isinstance(last, float) and not math.isfinite(last):
@@ -156,7 +152,7 @@ def check_loss_trend(run: Run) -> list[Finding]:
     return []
 
 
-def check_loss_noise(run: Run) -> list[Finding]:
+def check_loss_noise(run: RunLog) -> list[Finding]:
     count = len(run.loss)
     if count < MIN_RECORDS:
         return []
@@ -180,7 +176,7 @@ def check_loss_noise(run: Run) -> list[Finding]:
          "samples_per_window_per_process": samples})]
 
 
-def check_clipping(run: Run) -> list[Finding]:
+def check_clipping(run: RunLog) -> list[Finding]:
     max_grad_norm = run.config.get("max_grad_norm")
     _, clip_rate = run.series("clip_rate", last_fraction=0.5)
     if not max_grad_norm or len(clip_rate) == 0 or clip_rate.mean() <= HIGH_CLIP_RATE:
@@ -199,7 +195,7 @@ def check_clipping(run: Run) -> list[Finding]:
          "max_grad_norm": max_grad_norm})]
 
 
-def check_nonfinite(run: Run) -> list[Finding]:
+def check_nonfinite(run: RunLog) -> list[Finding]:
     total = int(run.series("nonfinite_steps")[1].sum())
     samples = int(run.series("nonfinite_samples")[1].sum())
     if total == 0 and samples == 0:
@@ -227,7 +223,7 @@ def check_nonfinite(run: Run) -> list[Finding]:
               "nonfinite_samples": samples, "mixed_precision": run.config.get("mixed_precision")})]
 
 
-def _recent_bins(run: Run) -> dict[int, float]:
+def _recent_bins(run: RunLog) -> dict[int, float]:
     """Mean of each loss bin over the last quarter of the windows that logged it."""
     values: dict[int, list[float]] = {}
     for record in run.records[-max(1, len(run.records) // 4):]:
@@ -266,7 +262,7 @@ def _objective_weights(config: dict, num_bins: int, num_train_timesteps: int) ->
     return np.array([weights[lo:hi].mean() for lo, hi in zip(edges[:-1], edges[1:])])
 
 
-def _material(run: Run, bins: dict[int, float], reference: dict[str, float], num_bins: int, timesteps: int,
+def _material(run: RunLog, bins: dict[int, float], reference: dict[str, float], num_bins: int, timesteps: int,
               flagged: dict[int, float]) -> tuple[dict[int, float], dict[int, float]]:
     """Split the bins above the reference by their share of the objective. The ratio alone is not
     enough: with the linear schedule the noisiest bins' optimum falls to ~1e-5 (eps MSE) while a
@@ -296,7 +292,7 @@ def _floor_finding(bins, ratios, shares, num_bins, timesteps) -> list[Finding]:
                                "objective_shares": {loss_bin_key(i, num_bins): float(s) for i, s in shares.items()}})]
 
 
-def check_timestep_balance(run: Run, reference: dict[str, float] | None) -> list[Finding]:
+def check_timestep_balance(run: RunLog, reference: dict[str, float] | None) -> list[Finding]:
 
     bins = _recent_bins(run)
     if not bins:
@@ -360,7 +356,7 @@ def ema_early_mass(steps: np.ndarray, decays: np.ndarray, early_end: int, last: 
     return float(np.exp(np.log1p(-np.exp(log_gap)).sum()))
 
 
-def check_ema_warmup(run: Run) -> list[Finding]:
+def check_ema_warmup(run: RunLog) -> list[Finding]:
     steps, decays = run.series("ema_decay")
     if len(decays) == 0:
         return []
@@ -394,7 +390,7 @@ def check_ema_warmup(run: Run) -> list[Finding]:
     return []
 
 
-def check_training_length(run: Run) -> list[Finding]:
+def check_training_length(run: RunLog) -> list[Finding]:
     last, planned = run.steps_run, run.planned
     finished = last >= planned
     reasons, severity = [], "info"

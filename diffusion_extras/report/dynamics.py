@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from diffusion_extras.report.checks import Finding, Run
+from diffusion_extras.report.checks import Finding, RunLog
 
 HELD_OUT_RISE = 1.05       # held-out loss 5 % above its best: the fixed noise and timesteps make
                            # successive values differ only through the weights, so 5 % is no noise
@@ -14,7 +14,7 @@ GRAD_DOMINANT_SHARE = 0.5  # one timestep bin carrying over half the total gradi
                            # later half of the probes), whatever the number of bins
 
 
-def check_held_out_overfitting(run: Run) -> list[Finding]:
+def check_held_out_overfitting(run: RunLog) -> list[Finding]:
     steps, held_out = run.series("validation/raw_loss")
     if len(held_out) < 3 or len(run.loss) < 2:
         return []
@@ -36,7 +36,7 @@ def check_held_out_overfitting(run: Run) -> list[Finding]:
          "training_loss_now": train_now})]
 
 
-def check_ema_behind_raw(run: Run) -> list[Finding]:
+def check_ema_behind_raw(run: RunLog) -> list[Finding]:
     rows = [r for r in run.records if isinstance(r.get("validation/ema_loss"), (int, float))
             and isinstance(r.get("validation/raw_loss"), (int, float))]
     if not rows:
@@ -58,7 +58,7 @@ def check_ema_behind_raw(run: Run) -> list[Finding]:
         {"step": last["step"], "held_out_loss_ema": ema, "held_out_loss_raw": raw})]
 
 
-def check_gradient_dominance(run: Run) -> list[Finding]:
+def check_gradient_dominance(run: RunLog) -> list[Finding]:
     rows = [r for r in run.records if "grad_probe/total_norm" in r]
     if not rows:
         return []

@@ -16,7 +16,7 @@ import yaml
 
 from diffusion_extras.report import checks
 from diffusion_extras.report import dynamics as report_dynamics
-from diffusion_extras.report.checks import SEVERITY_ORDER, Finding, Run, median
+from diffusion_extras.report.checks import SEVERITY_ORDER, Finding, RunLog, median
 
 __all__ = ["Finding", "analyze", "summarize", "write_report", "main"]
 
@@ -24,14 +24,14 @@ __all__ = ["Finding", "analyze", "summarize", "write_report", "main"]
 def analyze(history: list[dict], config: dict,
             bayes_optimal_bins: dict[str, float] | None = None) -> list[Finding]:
     """All findings for a run, most severe first; ValueError when nothing was logged yet."""
-    run = Run(history, config or {})
+    run = RunLog(history, config or {})
     findings = [finding for check in checks.RUN_CHECKS + report_dynamics.CHECKS for finding in check(run)]
     findings += checks.check_timestep_balance(run, bayes_optimal_bins)
     return sorted(findings, key=lambda finding: SEVERITY_ORDER[finding.severity])
 
 
 def summarize(history: list[dict], config: dict) -> dict:
-    run = Run(history, config or {})
+    run = RunLog(history, config or {})
     last_value = lambda key: (run.series(key)[1][-1:].tolist() or [None])[0]  # noqa: E731
     _, norms = run.series("grad_norm", last_fraction=0.5)
     _, clip_rate = run.series("clip_rate", last_fraction=0.5)
@@ -108,14 +108,21 @@ REFERENCE_FILE = "reference_loss_bins.json"  # written by the trainer beside his
 
 
 def load_config(output_dir: str) -> dict:
-    from diffusion_extras.training.config import (
-        load_yaml,  # ConfigError is a ValueError: the CLI reports it as one line
-    )
-
+    """The run's training_config.yaml as a mapping ({} without one: the checks that need a
+    setting are skipped). An unreadable file is a ValueError the CLI prints as one line."""
     path = os.path.join(output_dir, "training_config.yaml")
     if not os.path.isfile(path):
-        return {}  # the checks that need a setting are skipped without it
-    return load_yaml(path)
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            values = yaml.safe_load(fh)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"{path}: cannot read the run's config ({first_line}); "
+                         "restore it from the run or delete it to report without it") from None
+    if values is not None and not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of setting: value, got a {type(values).__name__}")
+    return values or {}
 
 
 def _write_atomically(path: str, text: str) -> None:

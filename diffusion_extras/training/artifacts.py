@@ -23,7 +23,9 @@ from PIL import Image
 from diffusion_extras.evaluation import metrics as evaluation
 from diffusion_extras.evaluation import sampling
 from diffusion_extras.hub import push as hub
-from diffusion_extras.monitoring import diagnostics
+from diffusion_extras.monitoring import debug_images, diagnostics
+from diffusion_extras.monitoring import grad_monitor as monitor
+from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.report import health as report
 from diffusion_extras.training import models, tracking
 from diffusion_extras.training.config import ConfigError
@@ -108,7 +110,6 @@ def save_debug_images(unet, ema, noise_scheduler, target: Target, num_images: in
     """Beside each sample grid: the first seeds from the raw weights | the EMA weights (with EMA on),
     and the denoising strip of the EMA weights, as samples/step_XXXXXX_{raw_vs_ema,denoising}.png
     and to the trackers. Costs about (2 x 16 + 4) images of sampling."""
-    from diffusion_extras.monitoring import debug_images
     scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
     count = min(num_images, 16)
 
@@ -144,7 +145,6 @@ def held_out_loss(unet, ema, held_out, timestep_diagnostics, schedule, sigma_dat
     """Held-out loss per timestep bin with the raw and the EMA weights (validation.py): logged to
     the trackers and history, plotted against the training curve and the Bayes-optimal reference.
     A sync and (held-out images x bins) forwards."""
-    from diffusion_extras.monitoring import held_out as validation
 
     def score(weights_ema):  # both in fp32 (sampling_unet), so raw and EMA compare like for like
         with sampling_unet(unet, weights_ema) as copy:
@@ -164,7 +164,6 @@ def held_out_loss(unet, ema, held_out, timestep_diagnostics, schedule, sigma_dat
 def gradient_diagnostics(grad_monitor, unet, schedule, config, bin_centers: np.ndarray, target: Target) -> dict:
     """Per-bin gradient norms and shares of the raw weights on the probe batch: logged, plotted.
     `config`: the loss settings (prediction_type, loss_type, huber_c, snr_gamma)."""
-    from diffusion_extras.monitoring import grad_monitor as monitor
     measured = grad_monitor.measure(unet, schedule, config.prediction_type, config.loss_type, config.huber_c,
                                     config.snr_gamma, target.device)
     values = monitor.log_values(measured)

@@ -17,19 +17,12 @@ from diffusion_extras.data import sources
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
-from diffusion_extras.training import (
-    artifacts,
-    checkpointing,
-    compat,
-    models,
-    run_state,
-    tracking,
-)
+from diffusion_extras.training import artifacts, checkpointing, compat, models, run_state, tracking
 from diffusion_extras.training.config import ConfigError, TrainConfig
 from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.periodic import write_reference_bins
 from diffusion_extras.training.resume import resume
-from diffusion_extras.training.run_state import Data, Extras, Model, Plan, Progress, Run
+from diffusion_extras.training.run_state import Data, Extras, Learner, Objective, Plan, Progress, Run
 
 
 def make_accelerator(config: TrainConfig):
@@ -95,19 +88,22 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     extension points (hooks.py), defaults when None."""
     hooks = hooks or Hooks()
     noise_scheduler = models.build_noise_scheduler(config)
-    switches = run_state.extras_switches(config, data.uses_embedded_digits(config))
+    switches = run_state.extras_switches(config, config.data_spec().uses_embedded_digits)
     # the data is opened before the model: with no model chosen, the model follows the images
-    dataset, data_channels = sources.open_training_data(config, accelerator)
+    dataset, data_channels = sources.open_training_data(config.data_spec(), accelerator)
     model_kwargs, unet = build_model(config, accelerator, data_channels)
     training_data, held_out_images = build_data(config, accelerator, unet.config.in_channels, dataset,
                                                 switches["validation_split"], hooks.data_source)
     plan = make_plan(config, accelerator, training_data.source, model_kwargs, switches, max_train_steps)
-    model = build_optimization(config, accelerator, plan, unet, noise_scheduler, lr_schedule)
-    extras = build_extras(config, accelerator, model.unet, held_out_images)
-    progress = Progress(step_lr=model.peak_lr,
+    learner = build_learner(config, accelerator, plan, unet, lr_schedule)
+    objective = build_objective(config, accelerator, noise_scheduler)
+    extras = build_extras(config, accelerator, learner.unet, held_out_images)
+    register_checkpointed_state(accelerator, learner, objective, extras)
+    progress = Progress(step_lr=learner.peak_lr,
                         nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device))
-    return Run(config=config, plan=plan, accelerator=accelerator, model=model, data=training_data, extras=extras,
-               progress=progress, history=tracking.History(config.output_dir), hooks=hooks)
+    return Run(config=config, plan=plan, accelerator=accelerator, learner=learner, objective=objective,
+               data=training_data, extras=extras, progress=progress, history=tracking.History(config.output_dir),
+               hooks=hooks)
 
 
 def refuse_sharded_training(accelerator) -> None:
@@ -134,7 +130,7 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
                data_source=sources.build_source) -> tuple:
     """(the training data, the held-out images or None): the data source (decode-once cache or
     this rank's shard of a stream) and sigma_data."""
-    source = data_source(config, accelerator, channels, dataset, validation_split)
+    source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split)
     sample = torch.from_numpy(source.reference_sample(2048))
     # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
     sigma_data = diagnostics.per_dimension_variance(data.to_model_input(sample, "cpu")) ** 0.5
@@ -157,7 +153,7 @@ def make_plan(config: TrainConfig, accelerator, source, model_kwargs: dict, swit
                 model=model_kwargs, **intervals, **switches)
 
 
-def build_optimization(config: TrainConfig, accelerator, plan: Plan, unet, noise_scheduler, lr_schedule) -> Model:
+def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedule) -> Learner:
     """UNet switches, AdamW, the LR schedule, accelerate's prepare."""
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
@@ -178,28 +174,38 @@ def build_optimization(config: TrainConfig, accelerator, plan: Plan, unet, noise
     if config.torch_compile:  # in place: state-dict keys (and so checkpoints) stay those of the plain UNet
         accelerator.unwrap_model(unet).compile(mode=None if config.torch_compile_mode == "default"
                                                else config.torch_compile_mode)
-    accelerator.register_for_checkpointing(lr_scheduler)
-    return Model(unet=unet, optimizer=optimizer, lr_scheduler=lr_scheduler, noise_scheduler=noise_scheduler,
-                 schedule=losses.NoiseSchedule.from_scheduler(noise_scheduler, accelerator.device), peak_lr=peak_lr,
-                 state_config=state_config(plan.resolved_config(config), unet, accelerator))
+    return Learner(unet=unet, optimizer=optimizer, lr_scheduler=lr_scheduler, peak_lr=peak_lr,
+                   state_config=state_config(plan.resolved_config(config), unet, accelerator))
+
+
+def build_objective(config: TrainConfig, accelerator, noise_scheduler) -> Objective:
+    """The noise schedule (fp32 copies on the device) and the timestep sampler."""
+    return Objective(noise_scheduler=noise_scheduler,
+                     schedule=losses.NoiseSchedule.from_scheduler(noise_scheduler, accelerator.device),
+                     timestep_sampler=make_timestep_sampler(config.timestep_sampling, config.ddpm_num_steps,
+                                                            accelerator.device))
+
+
+def register_checkpointed_state(accelerator, learner: Learner, objective: Objective, extras: Extras) -> None:
+    """Everything with state beyond the model and optimizer, in the order of the checkpoint's
+    custom_checkpoint_<i> files (accelerate numbers them by registration: keep the order)."""
+    stateful = [learner.lr_scheduler, extras.ema, extras.diagnostics, extras.posthoc_ema]
+    if objective.timestep_sampler.learns_from_losses:
+        stateful.append(objective.timestep_sampler)
+    for state in stateful:
+        if state is not None:
+            accelerator.register_for_checkpointing(state)
 
 
 def build_extras(config: TrainConfig, accelerator, unet, held_out_images) -> Extras:
-    """Diagnostics, the timestep sampler, EMA, post-hoc EMA, the held-out loss: each with state
-    is checkpointed with the run."""
+    """Diagnostics, EMA, post-hoc EMA, the held-out loss."""
     parameters = list(unet.parameters())
     extras = Extras(
-        diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device),
-        timestep_sampler=make_timestep_sampler(config.timestep_sampling, config.ddpm_num_steps, accelerator.device))
+        diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device))
     if config.use_ema:
         extras.ema = ExponentialMovingAverage(parameters, config.ema_max_decay, config.ema_inv_gamma, config.ema_power)
     if config.posthoc_ema:
         extras.posthoc_ema = PowerFunctionEMA(parameters)
-    for state in (extras.ema, extras.diagnostics, extras.posthoc_ema):  # the order of the checkpoint's files
-        if state is not None:
-            accelerator.register_for_checkpointing(state)
-    if extras.timestep_sampler.learns_from_losses:
-        accelerator.register_for_checkpointing(extras.timestep_sampler)
     if held_out_images is not None:  # never trained on: split off before the batch order exists
         extras.held_out = validation.HeldOutLoss(held_out_images, config.resolution, config.ddpm_num_steps,
                                                  config.diagnostics_bins, config.seed, config.train_batch_size)

@@ -9,24 +9,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field, fields
 from typing import Iterable, Optional
 
 import yaml
+
+from diffusion_extras.core.losses import BETA_SCHEDULES, LOSS_TYPES, PREDICTION_TYPES
+from diffusion_extras.core.optimization import LR_SCHEDULERS
+from diffusion_extras.core.timesteps import TIMESTEP_SAMPLING
+from diffusion_extras.data.spec import DataSpec
+from diffusion_extras.evaluation.metrics import parse_metrics  # metric names are declared once, with their extractors
+from diffusion_extras.hub.secrets import redact_config
 
 
 class ConfigError(ValueError):
     """A bad setting: the message names the problem and the fix (printed as one line)."""
 
 
-PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
-BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid")  # DDPMScheduler's
-LR_SCHEDULERS = ("cosine", "constant_with_warmup", "linear", "constant", "cosine_with_restarts", "polynomial")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 LOGGERS = ("tensorboard", "wandb", "all", "none")
-LOSS_TYPES = ("l2", "huber")
-TIMESTEP_SAMPLING = ("uniform", "loss_aware")
 FEATURE_EXTRACTORS = ("inception", "tiny")
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
@@ -187,6 +188,10 @@ class TrainConfig:
     # ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def data_spec(self) -> DataSpec:
+        """What the data parts are given (data/spec.py): the data fields, by the same names."""
+        return DataSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DataSpec)})
 
 
 def config_fields():
@@ -349,9 +354,6 @@ def validate(c: TrainConfig) -> None:
          "--find_lr sweeps a fresh model and never loads a checkpoint: drop --resume_from_checkpoint")
     need(c.eval_steps is None or c.eval_steps >= 1, f"--eval_steps must be at least 1 (got {c.eval_steps})")
     need(c.eval_num_samples >= 2, f"--eval_num_samples must be at least 2 (got {c.eval_num_samples})")
-    from diffusion_extras.evaluation.metrics import (
-        parse_metrics,  # the metric names are declared once, beside their extractors
-    )
     try:
         parse_metrics(c.eval_metrics)
     except ValueError as error:
@@ -411,37 +413,6 @@ def validate_model_shape(model: dict, resolution: int) -> None:
         raise ConfigError(
             f"--resolution {resolution} cannot be halved {halvings} times by the UNet's "
             f"{len(blocks)} blocks; use a multiple of {2 ** halvings} (e.g. {resolution - resolution % 2 ** halvings or 2 ** halvings})")
-
-
-_HF_TOKEN_RE = re.compile(r"hf_[A-Za-z0-9]{30,}")  # shape of Hub user access tokens
-
-
-def redact_config(config: dict, secrets: Iterable = ()) -> dict:
-    """Copy of `config` without secrets: keys containing "token", values holding a known secret
-    or shaped like a Hub token. Nested dicts and lists are cleaned the same way."""
-    secrets = [s for s in secrets if s]
-
-    def is_secret(value) -> bool:
-        return isinstance(value, str) and (any(s in value for s in secrets) or bool(_HF_TOKEN_RE.search(value)))
-
-    def clean(value):
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items() if "token" not in str(k).lower() and not is_secret(v)}
-        if isinstance(value, (list, tuple)):
-            return [clean(v) for v in value if not is_secret(v)]
-        return value
-
-    return clean(config)
-
-
-
-def redact_argv(argv: list, secrets: Iterable) -> None:
-    """Trackers (wandb) record the command line: once parsed, every secret value is replaced in
-    place, whatever flag spelling carried it."""
-    for index, arg in enumerate(argv):
-        for secret in secrets:
-            if secret and secret in arg:
-                argv[index] = arg = arg.replace(secret, "***")
 
 
 def save_config(config: TrainConfig | dict, path: str, secrets: Iterable = ()) -> None:

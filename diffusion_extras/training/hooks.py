@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Hooks:
-    # (config, accelerator, channels, dataset, validation_split) -> an object with the data-source
+    # (DataSpec, Processes (the accelerator), channels, dataset, validation_split) -> an object with the data-source
     # interface of data/sources.py (batches, position, state_dict, load_state_dict, reference_sample,
     # held_out_images, batches_per_epoch, description)
     data_source: Callable = sources.build_source

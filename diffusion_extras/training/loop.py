@@ -10,10 +10,7 @@ import torch
 
 from diffusion_extras.training import checkpointing
 from diffusion_extras.training.config import save_config
-from diffusion_extras.training.periodic import (
-    run_main_process_extras,
-    write_health_report,
-)
+from diffusion_extras.training.periodic import run_main_process_extras, write_health_report
 from diffusion_extras.training.run_state import Run
 from diffusion_extras.training.step import optimizer_step
 
@@ -23,7 +20,7 @@ def train_state(run: Run) -> dict:
     micro_step = step * run.config.gradient_accumulation_steps
     return {"global_step": step, "micro_step": micro_step, **run.data.source.position(micro_step),
             "images_seen": run.data.images_seen(step), "seed": run.config.seed,
-            "config": run.model.state_config}
+            "config": run.learner.state_config}
 
 
 def save_checkpoint(run: Run) -> None:
@@ -145,7 +142,7 @@ def verify_replicas(run: Run) -> None:
     accelerator = run.accelerator
     if accelerator.num_processes == 1:
         return
-    params = list(accelerator.unwrap_model(run.model.unet).parameters())
+    params = list(accelerator.unwrap_model(run.learner.unet).parameters())
     shadow = run.extras.ema.shadow_params if run.extras.ema is not None else []
     fingerprint = torch.stack([torch.stack([p.detach().double().sum(), (p.detach().double() ** 2).sum()])
                                for p in params + shadow]).flatten()

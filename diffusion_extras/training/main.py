@@ -10,9 +10,10 @@ import logging
 import sys
 
 from diffusion_extras.data.images import DataError
+from diffusion_extras.hub.secrets import redact_argv
 from diffusion_extras.training.build import setup
 from diffusion_extras.training.checkpointing import CheckpointError
-from diffusion_extras.training.config import ConfigError, parse_config, redact_argv
+from diffusion_extras.training.config import ConfigError, parse_config
 from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.loop import NonFiniteStop, train
 from diffusion_extras.training.lr_range import find_lr, setup_lr_range_test

@@ -5,12 +5,7 @@ import json
 import os
 
 from diffusion_extras.core import losses
-from diffusion_extras.training.config import (
-    DIGITS_UNET,
-    ConfigError,
-    TrainConfig,
-    validate_model_shape,
-)
+from diffusion_extras.training.config import DIGITS_UNET, ConfigError, TrainConfig, validate_model_shape
 
 # diffusers' examples/unconditional_image_generation/train_unconditional.py builds this UNet when no
 # --model_config_name_or_path is given (~114M parameters; diffusers' other UNet2DModel defaults):
@@ -57,8 +52,7 @@ def follow_data(config: TrainConfig, data_channels: int) -> tuple[dict, str]:
     digits keep the digits recipe."""
     if config.model_config_name_or_path:
         return config.model, f"UNet from {config.model_config_name_or_path}"
-    from diffusion_extras.data.images import uses_embedded_digits
-    if config.model != DIGITS_UNET or uses_embedded_digits(config):
+    if config.model != DIGITS_UNET or config.data_spec().uses_embedded_digits:
         return config.model, "the recipe's UNet" if config.model != DIGITS_UNET else "the digits recipe's UNet"
     channels = {"in_channels": data_channels, "out_channels": data_channels}
     if config.resolution % 32 == 0:

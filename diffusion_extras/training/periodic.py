@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 import time
 
-from diffusion_extras.data import images as data
+from diffusion_extras.hub.secrets import redact_config
 from diffusion_extras.training import artifacts
-from diffusion_extras.training.config import redact_config
 from diffusion_extras.training.run_state import Run
 
 
@@ -26,8 +25,8 @@ def end_of_run_work(run: Run, what: str, show: bool = True):
 
 def run_main_process_extras(run: Run, step: int, last: bool) -> None:
     """Grids, plots, probes, evaluation, snapshots and export at their intervals (main process)."""
-    config, plan, model, extras = run.config, run.plan, run.model, run.extras
-    unet = run.accelerator.unwrap_model(model.unet)
+    config, plan, learner, objective, extras = run.config, run.plan, run.learner, run.objective, run.extras
+    unet = run.accelerator.unwrap_model(learner.unet)
     target = artifacts.Target(config.output_dir, step, run.accelerator, run.history)
     sampling_settings = dict(num_images=config.eval_batch_size, num_inference_steps=config.ddpm_num_inference_steps,
                              seed=config.seed)
@@ -37,25 +36,25 @@ def run_main_process_extras(run: Run, step: int, last: bool) -> None:
     if step % plan.save_images_steps == 0 or last:
         with end_of_run_work(run, f"final sample grid ({config.eval_batch_size} images, "
                                   f"{config.ddpm_num_inference_steps} DDIM steps)", last):
-            artifacts.save_sample_grid(unet, extras.ema, model.noise_scheduler, target, **sampling_settings)
-            artifacts.save_debug_images(unet, extras.ema, model.noise_scheduler, target, **sampling_settings)
-            artifacts.save_loss_plot(extras.diagnostics, model.schedule.alphas_cumprod.cpu(), run.data.sigma_data,
+            artifacts.save_sample_grid(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings)
+            artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings)
+            artifacts.save_loss_plot(extras.diagnostics, objective.schedule.alphas_cumprod.cpu(), run.data.sigma_data,
                                      config.prediction_type, target)
     if extras.grad_monitor is not None and step % plan.grad_diagnostics_steps == 0:
-        artifacts.gradient_diagnostics(extras.grad_monitor, unet, model.schedule, config,
+        artifacts.gradient_diagnostics(extras.grad_monitor, unet, objective.schedule, config,
                                        extras.diagnostics.bin_centers(), target)
     if extras.held_out is not None and (step % config.validation_steps == 0 or last):
-        artifacts.held_out_loss(unet, extras.ema, extras.held_out, extras.diagnostics, model.schedule,
+        artifacts.held_out_loss(unet, extras.ema, extras.held_out, extras.diagnostics, objective.schedule,
                                 run.data.sigma_data, config.prediction_type, target)
     if extras.evaluation is not None and (step % config.eval_steps == 0 or last):
         with end_of_run_work(run, f"final FID/KID ({config.eval_num_samples} samples)", last):
             metrics, run.progress.last_metrics = artifacts.evaluate(
-                unet, extras.ema, model.noise_scheduler, extras.evaluation, target, config.eval_num_samples,
+                unet, extras.ema, objective.noise_scheduler, extras.evaluation, target, config.eval_num_samples,
                 config.ddpm_num_inference_steps, config.seed, config.eval_batch_size)
         run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     if step % plan.save_model_steps == 0 or last:
         with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last):
-            artifacts.export(unet, extras.ema, model.noise_scheduler, target, run.hub_pusher, model_card(run), last)
+            artifacts.export(unet, extras.ema, objective.noise_scheduler, target, run.hub_pusher, model_card(run), last)
 
 
 def model_card(run: Run) -> dict:
@@ -63,12 +62,12 @@ def model_card(run: Run) -> dict:
     config = run.config
     return {"config": redact_config(run.plan.resolved_config(config), run.secrets),
             "images_seen": run.data.images_seen(run.progress.global_step), "metrics": run.progress.last_metrics,
-            "dataset_name": config.dataset_name or ("sklearn digits" if data.uses_embedded_digits(config) else None),
+            "dataset_name": config.dataset_name or ("sklearn digits" if config.data_spec().uses_embedded_digits else None),
             "_redact": list(run.secrets)}
 
 
 def write_reference_bins(run: Run) -> dict:
-    return artifacts.write_reference_bins(run.extras.diagnostics, run.model.schedule.alphas_cumprod.cpu(),
+    return artifacts.write_reference_bins(run.extras.diagnostics, run.objective.schedule.alphas_cumprod.cpu(),
                                           run.data.sigma_data, run.config.prediction_type, run.config.output_dir)
 
 

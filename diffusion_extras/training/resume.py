@@ -11,13 +11,13 @@ from diffusion_extras.training.run_state import Run
 def resume(run: Run) -> None:
     """Load the newest usable checkpoint, apply the changed settings whose policy is apply (each
     named in one line), and set aside the checkpoints of an abandoned future (a rollback)."""
-    config, accelerator, model, progress = run.config, run.accelerator, run.model, run.progress
+    config, accelerator, learner, progress = run.config, run.accelerator, run.learner, run.progress
     candidates = checkpointing.resume_candidates(config.output_dir, config.resume_from_checkpoint)
     if not candidates:
         accelerator.print(f"no checkpoint in {config.output_dir}: starting a fresh run")
         return
     for path in candidates:
-        state, applied = checkpointing.check_resumable(path, model.state_config)
+        state, applied = checkpointing.check_resumable(path, learner.state_config)
         try:
             checkpointing.load_state(accelerator, path)
         except Exception as error:  # unreadable despite a complete marker: fall back, as with truncation
@@ -27,7 +27,7 @@ def resume(run: Run) -> None:
             continue
         progress.global_step = state["global_step"]
         progress.step_lr = resume_policy.apply_optimizer_settings(
-            model.optimizer, model.lr_scheduler, model.peak_lr, (config.adam_beta1, config.adam_beta2),
+            learner.optimizer, learner.lr_scheduler, learner.peak_lr, (config.adam_beta1, config.adam_beta2),
             config.adam_weight_decay, config.adam_epsilon)
         run.data.source.load_state_dict(checkpointing.read_rank_state(path, accelerator.process_index))
         accelerator.wait_for_everyone()  # every rank has read its checkpoint before any folder moves

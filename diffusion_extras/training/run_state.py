@@ -4,19 +4,37 @@ function of the trainer may read is declared here, with its unit.
 
     Run.config     the TrainConfig as the user gave it (never changed at run time)
     Run.plan       what the run derived from it: real length, intervals, the UNet, the extras' switches
-    Run.model      model and optimisation: prepared UNet, optimizer, LR schedule, noise schedule
+    Run.learner    what learns: the prepared UNet, its optimizer and LR schedule
+    Run.objective  what it learns: the noise schedule and the timestep sampler
     Run.data       the data source, its scale and the images one optimizer step consumes
-    Run.extras     EMA, post-hoc EMA, diagnostics, timestep sampler, held-out loss, gradient monitor,
-                   evaluation suites: each None when switched off
+    Run.extras     EMA, post-hoc EMA, diagnostics, held-out loss, gradient monitor, evaluation
+                   suites: each None when switched off
     Run.progress   the optimizer-step counter and what the last steps left for logging
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+from accelerate import Accelerator
+from diffusers import DDPMScheduler
+
+from diffusion_extras.core.ema import ExponentialMovingAverage
+from diffusion_extras.core.losses import NoiseSchedule
+from diffusion_extras.core.phema import PowerFunctionEMA
+from diffusion_extras.core.timesteps import TimestepSampler
+from diffusion_extras.data.sources import DataSource
+from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
+from diffusion_extras.monitoring.grad_monitor import GradientMonitor
+from diffusion_extras.monitoring.held_out import HeldOutLoss
+from diffusion_extras.training.config import TrainConfig
+from diffusion_extras.training.tracking import History
+
+if TYPE_CHECKING:  # only for annotations: these import the Hub client and the trainer's hooks
+    from diffusion_extras.hub.push import HubPusher
+    from diffusion_extras.training.hooks import Hooks
 
 HELD_OUT_FRACTION_DIGITS = 0.05  # --validation_split on the embedded digits when left unset: 90 images
 
@@ -51,21 +69,27 @@ def extras_switches(config, embedded_digits: bool) -> dict:
 
 
 @dataclass
-class Model:
-    """Model and optimisation."""
-    unet: torch.nn.Module  # prepared by accelerate (DDP-wrapped with several processes)
-    optimizer: Any         # accelerate's AcceleratedOptimizer around AdamW (or 8-bit AdamW)
-    lr_scheduler: Any      # stepped once per optimizer step, whatever the processes and accumulation
-    noise_scheduler: Any   # diffusers DDPMScheduler: exported with the pipeline, configures samplers
-    schedule: Any          # losses.NoiseSchedule: its alphas_cumprod on the device, for fp32 noising
-    peak_lr: float         # after --scale_lr; a resume rewrites the schedule to it
-    state_config: dict     # what checkpoints record of the config (checked on resume)
+class Learner:
+    """What learns: the network, its optimizer and LR schedule."""
+    unet: torch.nn.Module                                # prepared by accelerate (DDP-wrapped with several processes)
+    optimizer: torch.optim.Optimizer                     # accelerate's AcceleratedOptimizer around AdamW (or 8-bit)
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler   # stepped once per optimizer step, for any P and accumulation
+    peak_lr: float                                       # after --scale_lr; a resume rewrites the schedule to it
+    state_config: dict                                   # what checkpoints record of the config (checked on resume)
+
+
+@dataclass
+class Objective:
+    """What the network learns: which noise levels, how often."""
+    noise_scheduler: DDPMScheduler     # exported with the pipeline, configures the samplers
+    schedule: NoiseSchedule            # alphas_cumprod and SNR on the device, for fp32 noising and weights
+    timestep_sampler: TimestepSampler  # uniform, or loss-aware (importance-sampled)
 
 
 @dataclass
 class Data:
     """The training images."""
-    source: Any                    # sources.CachedImages or streaming.StreamSource
+    source: DataSource             # sources.CachedImages or streaming.StreamSource
     sigma_data: float              # std of the model input in [-1, 1]: the Bayes-optimal reference scale
     global_micro_batch_size: int   # images in one micro-step over all processes (without accumulation)
     gradient_accumulation_steps: int
@@ -78,12 +102,11 @@ class Data:
 @dataclass
 class Extras:
     """What the run keeps beside the weights; each registered for checkpointing where it has state."""
-    diagnostics: Any                # diagnostics.TimestepDiagnostics
-    timestep_sampler: Any           # timesteps.UniformTimesteps or LossAwareTimestepSampler
-    ema: Any = None                 # ema.ExponentialMovingAverage, with --use_ema
-    posthoc_ema: Any = None         # phema.PowerFunctionEMA, with --posthoc_ema
-    held_out: Any = None            # validation.HeldOutLoss, with a held-out split (main process)
-    grad_monitor: Any = None        # grad_monitor.GradientMonitor, with --grad_diagnostics_steps (main process)
+    diagnostics: TimestepDiagnostics
+    ema: Optional[ExponentialMovingAverage] = None   # with --use_ema
+    posthoc_ema: Optional[PowerFunctionEMA] = None   # with --posthoc_ema
+    held_out: Optional[HeldOutLoss] = None           # with a held-out split (main process)
+    grad_monitor: Optional[GradientMonitor] = None   # with --grad_diagnostics_steps (main process)
     evaluation: Optional[list] = None  # (extractor, reference statistics, metrics) per extractor (main process)
 
 
@@ -99,14 +122,15 @@ class Progress:
 
 @dataclass
 class Run:
-    config: Any            # TrainConfig, as given
+    config: TrainConfig    # as given
     plan: Plan
-    accelerator: Any
-    model: Model
+    accelerator: Accelerator
+    learner: Learner
+    objective: Objective
     data: Data
     extras: Extras
     progress: Progress
-    history: Any           # tracking.History: logs/history.jsonl
-    hub_pusher: Any = None  # hub.HubPusher on the main process with --push_to_hub
+    history: History       # logs/history.jsonl
+    hub_pusher: Optional[HubPusher] = None  # on the main process with --push_to_hub
     secrets: tuple = ()    # values never to be written (the Hub token)
-    hooks: Any = None      # hooks.Hooks: the extension points (the data source, fault injection)
+    hooks: Optional[Hooks] = None  # the extension points (the data source, fault injection)

@@ -19,7 +19,7 @@ def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
     device, global_batch = run.accelerator.device, run.data.global_micro_batch_size
     generator = torch.Generator(device).manual_seed(data.mix_seed(run.config.seed, micro_step, 1))
     noise = torch.randn((global_batch, *shape), generator=generator, device=device)
-    timesteps, importance = run.extras.timestep_sampler.sample(global_batch, generator)
+    timesteps, importance = run.objective.timestep_sampler.sample(global_batch, generator)
     flips = torch.rand(global_batch, generator=generator, device=device) < 0.5
     rank, batch = run.accelerator.process_index, run.config.train_batch_size
     part = slice(rank * batch, (rank + 1) * batch)
@@ -29,7 +29,7 @@ def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
 
 def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool) -> torch.Tensor:
     """sample t, noise, predict, loss, backward. Returns the (weighted) loss, detached, on device."""
-    config, accelerator, schedule, unet = run.config, run.accelerator, run.model.schedule, run.model.unet
+    config, accelerator, schedule, unet = run.config, run.accelerator, run.objective.schedule, run.learner.unet
     noise, timesteps, importance, flips, global_timesteps = micro_step_randomness(run, micro_step, batch.shape[1:])
     clean = data.to_model_input(batch, accelerator.device, flips)
     if run.hooks is not None and run.hooks.model_input is not None:
@@ -52,7 +52,7 @@ def loss_weights(run: Run, timesteps, importance):
     """min-SNR weights (Hang et al. 2023) times loss-aware importance weights, 1 when neither is on."""
     weights = torch.ones(timesteps.shape, device=timesteps.device)
     if run.config.snr_gamma:
-        weights = weights * losses.min_snr_weight(run.model.schedule.snr[timesteps], run.config.snr_gamma,
+        weights = weights * losses.min_snr_weight(run.objective.schedule.snr[timesteps], run.config.snr_gamma,
                                                   run.config.prediction_type)
     return weights * importance if importance is not None else weights
 
@@ -61,36 +61,36 @@ def record_micro_batch(run: Run, timesteps, global_timesteps, mse, clean) -> Non
     """Diagnostics see the unweighted MSE; a loss-aware sampler learns from the whole global batch
     (one small gather) so every rank keeps the same distribution."""
     run.extras.diagnostics.update_loss(timesteps, mse)
-    if run.extras.timestep_sampler.learns_from_losses:
-        run.extras.timestep_sampler.update(global_timesteps, run.accelerator.gather(mse))
+    if run.objective.timestep_sampler.learns_from_losses:
+        run.objective.timestep_sampler.update(global_timesteps, run.accelerator.gather(mse))
     run.progress.input_statistics = torch.stack([clean.mean(), clean.std(), clean.amin(), clean.amax()])
 
 
 def optimizer_step(run: Run, batches) -> torch.Tensor:
     """One optimizer step over `gradient_accumulation_steps` micro-batches; no host sync.
     A non-finite loss or gradient skips the update on the device (weights, moments, EMA untouched)."""
-    config, accelerator, model, extras, progress = run.config, run.accelerator, run.model, run.extras, run.progress
+    config, accelerator, learner, extras, progress = run.config, run.accelerator, run.learner, run.extras, run.progress
     accumulation = config.gradient_accumulation_steps
     loss = torch.zeros((), device=accelerator.device)
     for micro in range(accumulation):
         micro_step = progress.global_step * accumulation + micro
         loss += forward_backward(run, next(batches), micro_step, sync=micro == accumulation - 1) / accumulation
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-    grad_norm = accelerator.clip_grad_norm_(model.unet.parameters(), max_norm)  # unscales fp16 grads first
+    grad_norm = accelerator.clip_grad_norm_(learner.unet.parameters(), max_norm)  # unscales fp16 grads first
     finite = torch.isfinite(grad_norm) & torch.isfinite(loss)
-    step_unless_nonfinite(model.optimizer, accelerator.scaler, finite)
-    model.optimizer.zero_grad(set_to_none=True)
-    progress.step_lr = model.lr_scheduler.get_last_lr()[0]  # the lr this step used (a float: no sync)
+    step_unless_nonfinite(learner.optimizer, accelerator.scaler, finite)
+    learner.optimizer.zero_grad(set_to_none=True)
+    progress.step_lr = learner.lr_scheduler.get_last_lr()[0]  # the lr this step used (a float: no sync)
     # A skipped step (non-finite, or an fp16 overflow) still counts: global_step, the LR schedule
     # and the EMA decay clocks advance, since knowing it was skipped would need a host read. With
     # fp16 the GradScaler skips a few early steps while it finds its scale, so the warmup holds
     # that many fewer updates: the price of a sync-free step (tests/test_fp16_cpu.py).
-    model.lr_scheduler.step()
+    learner.lr_scheduler.step()
     progress.global_step += 1
     if extras.ema is not None:
-        extras.ema.step(model.unet.parameters(), finite=finite)
+        extras.ema.step(learner.unet.parameters(), finite=finite)
     if extras.posthoc_ema is not None:
-        extras.posthoc_ema.update(model.unet.parameters(), progress.global_step, finite=finite)
+        extras.posthoc_ema.update(learner.unet.parameters(), progress.global_step, finite=finite)
     scale = getattr(accelerator.scaler, "_scale", None)  # device tensor: reading it would sync
     extras.diagnostics.update_step(grad_norm, config.max_grad_norm or None, finite, scale)
     progress.nonfinite_inputs = torch.where(finite, progress.nonfinite_inputs, progress.input_statistics)

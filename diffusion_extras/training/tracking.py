@@ -7,14 +7,15 @@ import os
 
 import numpy as np
 
+from diffusion_extras.hub.secrets import redact_config
+from diffusion_extras.training.config import ConfigError
+
 
 def tracker_names(logger: str) -> list[str]:
     return {"none": [], "all": ["tensorboard", "wandb"]}.get(logger, [logger])
 
 
 def check_tracker_available(logger: str) -> None:
-    from diffusion_extras.training.config import ConfigError
-
     if "wandb" in tracker_names(logger):
         try:
             import wandb  # noqa: F401
@@ -38,8 +39,6 @@ def _wandb_can_log() -> bool:
 
 def hyperparameters(config: dict) -> dict:
     """Trackers take scalars: lists and dicts become strings; secrets are dropped."""
-    from diffusion_extras.training.config import redact_config
-
     flat = {}
     for key, value in redact_config(config).items():
         flat[key] = value if isinstance(value, (int, float, str, bool)) else json.dumps(value)

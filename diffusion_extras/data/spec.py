@@ -1,0 +1,48 @@
+"""What the data layer is given: which images and how a run reads them (`DataSpec`), and which
+process is reading (`Processes`). Nothing else of a training config reaches the data parts.
+
+    spec = DataSpec(train_data_dir="my_images", resolution=32, train_batch_size=16)
+    source = build_source(spec, accelerate.PartialState(), channels=3)
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """The settings the data parts use, named as the training flags that set them."""
+    dataset_name: str | None = None          # Hub id or a local dataset folder; none of the three: the digits
+    dataset_config_name: str | None = None   # load_dataset's `name`
+    train_data_dir: str | None = None        # a folder of images (datasets' imagefolder)
+    train_data_files: str | None = None      # globs / brace lists of .tar or .parquet shards
+    image_column: str | None = None          # found from the features when None
+    cache_dir: str | None = None             # datasets' cache and the decoded-image cache
+    max_train_samples: int | None = None     # keep this many images (a seeded subset)
+    resolution: int = 16                     # pixels, square
+    center_crop: bool = True                 # else a (seed, image) random crop
+    streaming: bool = False                  # decode on the fly instead of once
+    shuffle_buffer_size: int = 1000          # examples; streaming only, 0: no shuffle
+    dataloader_num_workers: int = 0          # loader worker processes (a stream's decoders)
+    train_batch_size: int = 64               # images per process per micro-batch
+    seed: int = 0                            # data order, crops, stream shuffle
+
+    @property
+    def uses_embedded_digits(self) -> bool:
+        """No data named: scikit-learn's digits, the embedded default."""
+        return not (self.train_data_files or self.train_data_dir or self.dataset_name)
+
+
+class Processes(Protocol):
+    """Which process of how many is reading, on which device. accelerate's PartialState and
+    Accelerator both are one."""
+    process_index: int
+    num_processes: int
+    is_local_main_process: bool
+    device: torch.device
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager: ...
