@@ -234,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every TrainConfig field becomes a flag, shown under its group; defaults are None so we know
     which flags were given."""
     parser = _OneLineErrors(
+        usage="%(prog)s [--config RECIPE.yaml] [--FLAG VALUE ...]   (the flags, by group, below)",
         description="Train a DDPM (diffusers UNet2DModel + DDPMScheduler) with Accelerate.",
         argument_default=None, allow_abbrev=False,  # no --hub_tok=...: every flag is spelled out
         formatter_class=_UnbrokenNames)
