@@ -112,6 +112,26 @@ def slow_set_epoch(seconds: float):
     return set_epoch_slowly
 
 
+@pytest.fixture
+def fresh_accelerate():
+    """Each in-process run gets its own accelerate state (it is a process-wide singleton)."""
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True), GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True), GradientState._reset_state()
+
+
+def tiny_run(tmp_path, *flags, **recipe):
+    """An in-process run set up (training.build.setup) from TINY_RECIPE with `recipe` overrides and
+    `flags`, in tmp_path/run; use with the fresh_accelerate fixture."""
+    from diffusion_extras.training import build
+    from diffusion_extras.training.config import parse_config
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**TINY_RECIPE, **recipe}))
+    return build.setup(parse_config(["--config", str(path), "--output_dir", str(tmp_path / "run"),
+                                     *map(str, flags)]))
+
+
 def tiny_unet(channels: int = 1, sample_size: int = TINY_RECIPE["resolution"], seed: int = 0, **overrides):
     """The TINY_RECIPE UNet as a diffusers model (initialised from torch.manual_seed(seed)), for
     tests that need one without a training run; keyword arguments override its architecture."""

@@ -9,7 +9,8 @@ import contextlib
 
 import pytest
 import torch
-from test_host_sync import ALL_EXTRAS, fresh_accelerate, tiny_run  # noqa: F401  (fixture)
+from conftest import tiny_run
+from test_host_sync import ALL_EXTRAS
 
 from diffusion_extras.data import images
 from diffusion_extras.training import loop, step

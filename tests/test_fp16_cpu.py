@@ -8,8 +8,7 @@ code is unchanged and keeps refusing fp16 on CPU.
 """
 import pytest
 import torch
-from conftest import read_history
-from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
+from conftest import read_history, tiny_run
 from tqdm import tqdm
 
 from diffusion_extras.training import build, loop, step

@@ -2,9 +2,8 @@
 says, while training keeps its autocast (bf16 on CPU here)."""
 import numpy as np
 import torch
-from conftest import load_unet_weights
+from conftest import load_unet_weights, tiny_run
 from PIL import Image
-from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 
 from diffusion_extras.evaluation import sampling
 from diffusion_extras.training import artifacts, loop, models

@@ -16,13 +16,11 @@ import traceback
 
 import pytest
 import torch
-import yaml
-from conftest import ROOT, TINY_RECIPE
+from conftest import ROOT, tiny_run
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffusion_extras.data import images
 from diffusion_extras.training import build, loop
-from diffusion_extras.training.config import parse_config
 
 # aten ops that read a device value on the host: scalar reads (.item(), bool(), float(), .tolist()),
 # comparisons answered on the host, and ops whose output shape depends on the data.
@@ -68,22 +66,6 @@ class SyncRecorder(TorchDispatchMode):
 
     def in_phase(self, name) -> list:
         return [(op, at) for phase, op, at in self.events if phase == name]
-
-
-@pytest.fixture
-def fresh_accelerate():
-    """Each in-process run gets its own accelerate state (it is a process-wide singleton)."""
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True), GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True), GradientState._reset_state()
-
-
-def tiny_run(tmp_path, *flags, **recipe):
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump({**TINY_RECIPE, **recipe}))
-    return build.setup(parse_config(["--config", str(path), "--output_dir", str(tmp_path / "run"),
-                                          *map(str, flags)]))
 
 
 ALL_EXTRAS = ("--use_ema", "--snr_gamma", 5, "--timestep_sampling", "loss_aware", "--posthoc_ema",

@@ -7,8 +7,7 @@ import dataclasses
 import pytest
 import torch
 import yaml
-from conftest import read_history
-from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
+from conftest import read_history, tiny_run
 
 from diffusion_extras.training import compat, loop, run_state
 from diffusion_extras.training.config import TrainConfig, parse_config

@@ -4,8 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import read_history
-from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
+from conftest import read_history, tiny_run
 
 
 def losses(train, recipe, tmp_path, name, *flags):
