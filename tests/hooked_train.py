@@ -64,7 +64,8 @@ def in_save(step):
 def add_preemption_faults(hooks: Hooks, environ) -> None:
     at_step, in_save_step = environ.get("DDPM_TEST_SIGNAL_AT_STEP"), environ.get("DDPM_TEST_SIGNAL_IN_SAVE")
     if at_step:
-        step, name, ranks = (at_step.split(":") + ["SIGTERM", ""])[:3]
+        parts = at_step.split(":")
+        step, name, ranks = parts[0], (parts[1:2] or ["SIGTERM"])[0], (parts[2:3] or [""])[0]
 
         def signal_self(run):
             rank = run.accelerator.process_index
