@@ -105,7 +105,7 @@ def test_real_full_disk_mid_save_then_free_and_resume(straight, hooked_train, sm
     out, filler = small_disk / "run", small_disk / "filler"
     result = hooked_train(recipe, out, env={"DDPM_TEST_FILL_DISK_IN_SAVE": f"4:{filler}"}, check=False)
     line = the_error_line(result)
-    assert line.startswith(f"error: no space left on the device while writing the checkpoint-4 in {out} (0.0 MB free")
+    assert line.startswith(f"error: no space left on the device while writing the checkpoint-4 in {out} (")
     assert f"removed the partial {out / '.checkpoint-4.tmp'}" in line
     assert f"newest complete checkpoint: {out / 'checkpoint-2'}" in line
     assert leftovers(out) == [] and os.path.isdir(out / "checkpoint-2") and not os.path.exists(out / "checkpoint-4")
