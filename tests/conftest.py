@@ -113,6 +113,22 @@ def slow_set_epoch(seconds: float):
 
 
 @pytest.fixture
+def parquet_images(tmp_path):
+    """40 grey images of 10x12 whose pixel value is their row index, in 4 parquet shards."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    images = [Image.fromarray(np.full((10, 12), i * 5, np.uint8)) for i in range(40)]
+    dataset = datasets.Dataset.from_dict({"img": images, "n": list(range(40))},
+                                         features=datasets.Features({"img": datasets.Image(), "n": datasets.Value("int64")}))
+    for k in range(4):
+        dataset.shard(4, k).to_parquet(str(folder / f"part-{k}.parquet"))
+    return str(folder)
+
+
+@pytest.fixture
 def fresh_accelerate():
     """Each in-process run gets its own accelerate state (it is a process-wide singleton)."""
     from accelerate.state import AcceleratorState, GradientState

@@ -8,7 +8,16 @@ DDPM_TEST_NAN_AT_STEPS=a,b    the model inputs of those optimizer steps (1-based
 DDPM_TEST_SLOW_SET_EPOCH=S    datasets' set_epoch waits S seconds between its read and its write of the
                               shared epoch (conftest.slow_set_epoch): DataLoader workers race on it.
                               (A patch of the datasets library in this test process, not of the trainer.)
+DDPM_TEST_SIGNAL_AT_STEP=N[:SIG[:RANKS]]  after optimizer step N the process sends itself SIG (default
+                              SIGTERM), on the ranks listed (comma-separated; default all): a preemption.
+DDPM_TEST_SIGNAL_IN_SAVE=N    a SIGTERM while checkpoint N is being completed (a second signal during the save).
+DDPM_TEST_ENOSPC_AT=WHAT:N    OSError(ENOSPC) at the first guarded write WHAT ("checkpoint", "pipeline export",
+                              "sample grid", "log history") at or after step N; "checkpoint" fails
+                              mid-save (files written, no marker yet).
+DDPM_TEST_FILL_DISK_IN_SAVE=N:PATH  while checkpoint N is being completed, PATH grows until the disk is
+                              full: the marker then meets a real ENOSPC (tests on a small tmpfs).
 """
+import errno
 import os
 import signal
 import sys
@@ -32,6 +41,8 @@ def hooks_from_environment(environ) -> Hooks:
             if os.path.basename(directory) == f".checkpoint-{kill_in_save}.tmp":
                 os.kill(os.getpid(), signal.SIGKILL)
         hooks.before_checkpoint_marker = kill_before_marker
+    add_preemption_faults(hooks, environ)
+    add_disk_faults(hooks, environ)
     if nan_steps:
         poisoned = {int(step) for step in nan_steps.split(",")}
 
@@ -40,6 +51,65 @@ def hooks_from_environment(environ) -> Hooks:
             return clean * float("nan") if optimizer_step in poisoned else clean
         hooks.model_input = poison
     return hooks
+
+
+def chain(first, second):
+    """Both hooks, in order (either may be None)."""
+    if first is None or second is None:
+        return first or second
+    return lambda *args: (first(*args), second(*args))
+
+
+def in_save(step):
+    return lambda directory: os.path.basename(directory) == f".checkpoint-{step}.tmp"
+
+
+def add_preemption_faults(hooks: Hooks, environ) -> None:
+    at_step, in_save_step = environ.get("DDPM_TEST_SIGNAL_AT_STEP"), environ.get("DDPM_TEST_SIGNAL_IN_SAVE")
+    if at_step:
+        parts = at_step.split(":")
+        step, name, ranks = parts[0], (parts[1:2] or ["SIGTERM"])[0], (parts[2:3] or [""])[0]
+
+        def signal_self(run):
+            rank = run.accelerator.process_index
+            if run.progress.global_step == int(step) and (not ranks or str(rank) in ranks.split(",")):
+                os.kill(os.getpid(), getattr(signal, name))
+        hooks.after_step = signal_self
+    if in_save_step:
+        saving = in_save(in_save_step)
+        hooks.before_checkpoint_marker = chain(hooks.before_checkpoint_marker, lambda directory: saving(directory)
+                                               and os.kill(os.getpid(), signal.SIGTERM))
+
+
+def add_disk_faults(hooks: Hooks, environ) -> None:
+    enospc_at, fill_in_save = environ.get("DDPM_TEST_ENOSPC_AT"), environ.get("DDPM_TEST_FILL_DISK_IN_SAVE")
+    if enospc_at:
+        what, step = enospc_at.split(":")
+        if what == "checkpoint":
+            saving = in_save(step)
+
+            def fail_in_save(directory):
+                if saving(directory):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), directory)
+            hooks.before_checkpoint_marker = chain(hooks.before_checkpoint_marker, fail_in_save)
+        else:
+            def fail_write(run, name):
+                if name == what and run.progress.global_step >= int(step):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            hooks.before_write = fail_write
+    if fill_in_save:
+        step, path = fill_in_save.split(":", 1)
+        saving = in_save(step)
+
+        def fill_disk(directory):
+            if saving(directory):
+                with open(path, "wb", buffering=0) as fh:
+                    try:
+                        while True:
+                            fh.write(b"\0" * 65536)
+                    except OSError as error:
+                        assert error.errno == errno.ENOSPC
+        hooks.before_checkpoint_marker = chain(hooks.before_checkpoint_marker, fill_disk)
 
 
 def slow_down_set_epoch(environ) -> None:

@@ -1,7 +1,6 @@
 """Streaming data (local parquet in streaming mode), 1 and 2 ranks, with exact resume."""
 import os
 
-import datasets
 import numpy as np
 import pytest
 from PIL import Image
@@ -9,19 +8,6 @@ from test_resume import assert_same_state, torchrun
 
 from diffusion_extras.data import streaming
 from diffusion_extras.training.config import TrainConfig
-
-
-@pytest.fixture
-def parquet_images(tmp_path):
-    """40 grey images of 10x12 whose pixel value is their row index, in 4 parquet shards."""
-    folder = tmp_path / "pq"
-    folder.mkdir()
-    images = [Image.fromarray(np.full((10, 12), i * 5, np.uint8)) for i in range(40)]
-    dataset = datasets.Dataset.from_dict({"img": images, "n": list(range(40))},
-                                         features=datasets.Features({"img": datasets.Image(), "n": datasets.Value("int64")}))
-    for k in range(4):
-        dataset.shard(4, k).to_parquet(str(folder / f"part-{k}.parquet"))
-    return str(folder)
 
 
 def batches_for(folder, rank=0, world=1, buffer=0, batch=4):

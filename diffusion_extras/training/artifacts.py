@@ -90,6 +90,12 @@ def sampling_unet(unet, ema=None):
 
 
 # ----------------------------------------------------------------------------- images and plots
+def sample_grid_paths(output_dir: str, step: int) -> list[str]:
+    """The files one sample grid writes under samples/ (the grid and its debug images)."""
+    return [os.path.join(output_dir, "samples", f"step_{step:06d}{suffix}.png")
+            for suffix in ("", "_raw_vs_ema", "_denoising")]
+
+
 def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int, num_inference_steps: int,
                      seed: int) -> str:
     """EMA samples (fp32, DDIM, fixed seed) as samples/step_XXXXXX.png, images/samples.png (for the

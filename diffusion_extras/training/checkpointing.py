@@ -173,6 +173,11 @@ def read_rank_state(checkpoint: str, process_index: int):
         return json.load(fh)
 
 
+def temporary_folder(output_dir: str, step: int) -> str:
+    """Where checkpoint-<step> is written until it is complete."""
+    return os.path.join(output_dir, f".{PREFIX}{step}.tmp")
+
+
 def save_checkpoint(accelerator, output_dir: str, step: int, train_state: dict,
                     total_limit: int | None = None, rank_state: dict | None = None, checksums: bool = True,
                     before_marker=None) -> str:
@@ -180,8 +185,7 @@ def save_checkpoint(accelerator, output_dir: str, step: int, train_state: dict,
     FSDP shard weights), then complete and publish the folder on the main process. `rank_state`
     (e.g. a stream position) differs per rank, so each rank writes its own file. `before_marker(tmp)`
     runs on the main process when every file is written and none is marked complete yet."""
-    final = os.path.join(output_dir, f"{PREFIX}{step}")
-    tmp = os.path.join(output_dir, f".{PREFIX}{step}.tmp")
+    final, tmp = os.path.join(output_dir, f"{PREFIX}{step}"), temporary_folder(output_dir, step)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving this very step
         os.makedirs(tmp)

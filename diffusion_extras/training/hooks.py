@@ -5,7 +5,8 @@
 
 Each field's default is what `train_ddpm.py` does. Tests use them to inject a third kind of data
 source (tests/custom_source_train.py) and faults (tests/hooked_train.py: a process that dies
-after checkpoint N, a SIGKILL inside the atomic save, NaN inputs at chosen steps).
+after checkpoint N, a SIGKILL inside the atomic save, NaN inputs at chosen steps, a SIGTERM after
+step N, a full disk at a chosen write).
 """
 from __future__ import annotations
 
@@ -34,3 +35,14 @@ class Hooks:
     # (run, clean model input in [-1, 1], micro-step) -> the model input: after decoding and
     # flips, before noising
     model_input: Optional[Callable[["Run", torch.Tensor, int], torch.Tensor]] = None
+    # (run): on every rank after each optimizer step, before the loop asks whether a stop signal
+    # came (tests send SIGTERM to themselves here: a preemption at a chosen step)
+    after_step: Optional[Callable[["Run"], None]] = None
+    # (run, what: "checkpoint-N", "pipeline export", "sample grid", "log history"): at the start of
+    # each guarded write of the output folder (training.disk_space); tests raise OSError(ENOSPC) here
+    before_write: Optional[Callable[["Run", str], None]] = None
+
+
+def hook(run: "Run", name: str) -> Optional[Callable]:
+    """The extension point `name` of run.hooks, or None when the run has no hooks or leaves it unset."""
+    return getattr(run.hooks, name) if run.hooks is not None else None

@@ -8,9 +8,10 @@ import warnings
 
 import torch
 
-from diffusion_extras.training import checkpointing
+from diffusion_extras.training import checkpointing, disk_space, preemption
 from diffusion_extras.training.config import save_config
-from diffusion_extras.training.periodic import run_main_process_extras, write_health_report
+from diffusion_extras.training.hooks import hook
+from diffusion_extras.training.periodic import guarded_write, run_main_process_extras, write_health_report
 from diffusion_extras.training.run_state import Run
 from diffusion_extras.training.step import optimizer_step
 
@@ -23,16 +24,22 @@ def train_state(run: Run) -> dict:
             "config": run.learner.state_config}
 
 
-def save_checkpoint(run: Run) -> None:
-    # the source's per-rank position (a stream's) goes in rank_state_<i>.json
-    hooks = run.hooks
-    path = checkpointing.save_checkpoint(run.accelerator, run.config.output_dir, run.progress.global_step,
-                                         train_state(run), run.config.checkpoints_total_limit,
-                                         rank_state=run.data.source.state_dict(),
-                                         before_marker=hooks.before_checkpoint_marker if hooks else None)
+def save_checkpoint(run: Run) -> str:
+    """The atomic save at the current step, after a free-space check; a full disk stops the run
+    (disk_space.DiskFull) with the partial folder removed and every older checkpoint kept."""
+    config, step = run.config, run.progress.global_step
+    ema_copies = (run.extras.ema is not None) + (len(run.extras.posthoc_ema.gammas) if run.extras.posthoc_ema else 0)
+    disk_space.check_checkpoint_space(run.accelerator, config.output_dir, step, run.learner.unet.parameters(),
+                                      ema_copies)
+    with guarded_write(run, f"checkpoint-{step}", [checkpointing.temporary_folder(config.output_dir, step)]):
+        # the source's per-rank position (a stream's) goes in rank_state_<i>.json
+        path = checkpointing.save_checkpoint(run.accelerator, config.output_dir, step, train_state(run),
+                                             config.checkpoints_total_limit, rank_state=run.data.source.state_dict(),
+                                             before_marker=hook(run, "before_checkpoint_marker"))
     run.accelerator.print(f"saved {path}")
-    if hooks is not None and hooks.after_checkpoint is not None:
-        hooks.after_checkpoint(run, path)
+    if hook(run, "after_checkpoint") is not None:
+        run.hooks.after_checkpoint(run, path)
+    return path
 
 
 def log_window(run: Run, loss_sum: torch.Tensor, steps: int, seconds: float, progress_bar) -> dict:
@@ -48,7 +55,8 @@ def log_window(run: Run, loss_sum: torch.Tensor, steps: int, seconds: float, pro
         values["ema_decay"] = extras.ema.decay(extras.ema.optimization_step)
     accelerator.log(values, step=step)
     if accelerator.is_main_process:
-        run.history.append({"step": step, **values})
+        with guarded_write(run, "log history", []):
+            run.history.append({"step": step, **values})
         progress_bar.set_postfix(loss=f"{loss:.4f}", lr=f"{values['lr']:.2e}",
                                  img_s=f"{values['images_per_second']:.0f}")
     if values["nonfinite_steps"] > 0:
@@ -82,6 +90,16 @@ def check_nonfinite(run: Run, values: dict) -> None:
             f"holds the last good ones. {remedy}, then resume with --resume_from_checkpoint latest.")
 
 
+def check_nonfinite_or_save(run: Run, values: dict) -> None:
+    try:
+        check_nonfinite(run, values)
+    except NonFiniteStop:
+        save_checkpoint(run)
+        if run.accelerator.is_main_process:
+            write_health_report(run)
+        raise
+
+
 def make_batches(run: Run):
     """This rank's micro-batches from the run's position on, prefetched by the data source."""
     accumulation = run.config.gradient_accumulation_steps
@@ -100,32 +118,35 @@ def train(run: Run) -> None:
     progress_bar = tqdm(total=plan.max_train_steps, initial=run.progress.global_step,
                         disable=not accelerator.is_local_main_process, desc="optimizer steps")
     loss_sum, window_steps, window_start = torch.zeros((), device=accelerator.device), 0, time.perf_counter()
-    while run.progress.global_step < plan.max_train_steps:
-        loss_sum += optimizer_step(run, batches)
-        window_steps += 1
-        progress_bar.update(1)
-        step = run.progress.global_step
-        last = step == plan.max_train_steps
-        checkpoint_now = step % config.checkpointing_steps == 0
-        # a checkpoint closes the logging window: other ranks' partial windows are not saved
-        if step % config.diagnostics_steps == 0 or last or checkpoint_now:
-            values = log_window(run, loss_sum, window_steps, time.perf_counter() - window_start, progress_bar)
-            loss_sum.zero_()
-            window_steps, window_start = 0, time.perf_counter()
-            try:
-                check_nonfinite(run, values)
-            except NonFiniteStop:
-                save_checkpoint(run)
-                if accelerator.is_main_process:
-                    write_health_report(run)
-                raise
-        if checkpoint_now:
-            save_checkpoint(run)
-        if accelerator.is_main_process:  # the other ranks go on and meet it at the next collective
-            if last:
-                progress_bar.close()  # the bar ends at the last step; the end-of-run work announces itself
-            run_main_process_extras(run, step, last)
-    progress_bar.close()
+    preemption_watch = preemption.PreemptionWatch(accelerator)  # SIGTERM/SIGUSR1: save and stop (exit 4)
+    try:
+        while run.progress.global_step < plan.max_train_steps:
+            loss_sum += optimizer_step(run, batches)
+            window_steps += 1
+            progress_bar.update(1)
+            step = run.progress.global_step
+            last = step == plan.max_train_steps
+            if hook(run, "after_step") is not None:
+                run.hooks.after_step(run)
+            stop = preemption_watch.requested()  # several ranks: one tiny CPU collective (preemption.py)
+            checkpoint_now = step % config.checkpointing_steps == 0 or stop  # never twice at one step
+            # a checkpoint closes the logging window: other ranks' partial windows are not saved
+            if step % config.diagnostics_steps == 0 or last or checkpoint_now:
+                values = log_window(run, loss_sum, window_steps, time.perf_counter() - window_start, progress_bar)
+                loss_sum.zero_()
+                window_steps, window_start = 0, time.perf_counter()
+                check_nonfinite_or_save(run, values)
+            if checkpoint_now:
+                path = save_checkpoint(run)
+            if stop:  # the grids, evaluation and export of this step would not fit in a grace period
+                raise preemption_watch.stopped(step, path)
+            if accelerator.is_main_process:  # the other ranks go on and meet it at the next collective
+                if last:
+                    progress_bar.close()  # the bar ends at the last step; the end-of-run work announces itself
+                run_main_process_extras(run, step, last)
+    finally:
+        preemption_watch.close()  # the end-of-run work runs with the usual handlers
+        progress_bar.close()  # before any stop line
     verify_replicas(run)
     if accelerator.is_main_process:
         start_time = time.perf_counter()

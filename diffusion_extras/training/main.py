@@ -3,6 +3,11 @@
     0  done (or the LR range test written)
     2  bad input: a one-line error before training (config, data, checkpoint)
     3  stopped: too many consecutive non-finite steps, with the last good weights saved
+    4  preempted: SIGTERM or SIGUSR1 (Slurm's --signal) stopped the run after the current step,
+       with a checkpoint there: requeue and resume with --resume_from_checkpoint latest (preemption.py)
+    5  disk full: a checkpoint would not fit, or a write met ENOSPC; its partial files removed,
+       everything older kept: free space and resume (disk_space.py)
+Under torch.distributed.run the launcher exits 1 when a rank fails and names each rank's code.
 """
 from __future__ import annotations
 
@@ -11,12 +16,15 @@ import sys
 
 from diffusion_extras.data.images import DataError
 from diffusion_extras.hub.secrets import redact_argv
+from diffusion_extras.training import disk_space
 from diffusion_extras.training.build import setup
 from diffusion_extras.training.checkpointing import CheckpointError
 from diffusion_extras.training.config import ConfigError, parse_config
+from diffusion_extras.training.disk_space import DiskFull
 from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.loop import NonFiniteStop, train
 from diffusion_extras.training.lr_range import find_lr, setup_lr_range_test
+from diffusion_extras.training.preemption import Preempted
 
 __all__ = ["Hooks", "main"]
 
@@ -39,4 +47,14 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
     except NonFiniteStop as error:
         print(f"error: stopped: {error}", file=sys.stderr)
         return 3
+    except (Preempted, DiskFull) as stop:
+        if stop.announce:
+            print(f"{'error: ' if isinstance(stop, DiskFull) else ''}{stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
+    except OSError as error:  # a full disk met by a write no guard covers (the health report, a tracker)
+        if not disk_space.is_disk_full(error):
+            raise
+        print(f"error: {disk_space.full_disk_message(str(error.filename or 'output'), config.output_dir, [])}",
+              file=sys.stderr, flush=True)
+        return disk_space.EXIT_CODE
     return 0

@@ -94,6 +94,9 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+EXPORT_STAGING = ".pipeline.tmp"  # where export_pipeline writes before swapping the parts in
+
+
 def export_pipeline(unet, noise_scheduler, output_dir: str) -> None:
     """Save a DDPMPipeline (weights only, no optimizer state) into output_dir, swapping each part in
     by rename so a kill mid-save leaves the previous export loadable."""
@@ -101,7 +104,7 @@ def export_pipeline(unet, noise_scheduler, output_dir: str) -> None:
 
     from diffusers import DDPMPipeline
 
-    staging = os.path.join(output_dir, ".pipeline.tmp")
+    staging = os.path.join(output_dir, EXPORT_STAGING)
     shutil.rmtree(staging, ignore_errors=True)
     DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(staging)
     for name in ("unet", "scheduler", "model_index.json"):  # model_index.json last: it marks a pipeline

@@ -3,10 +3,13 @@ and debug images, plots, probes, evaluation, export; each piece of end-of-run wo
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
+from diffusion_extras.data import images as data
 from diffusion_extras.hub.secrets import redact_config
-from diffusion_extras.training import artifacts
+from diffusion_extras.training import artifacts, disk_space, models
+from diffusion_extras.training.hooks import hook
 from diffusion_extras.training.run_state import Run
 
 
@@ -35,7 +38,8 @@ def run_main_process_extras(run: Run, step: int, last: bool) -> None:
             artifacts.posthoc_snapshot(unet, extras.posthoc_ema, target)
     if step % plan.save_images_steps == 0 or last:
         with end_of_run_work(run, f"final sample grid ({config.eval_batch_size} images, "
-                                  f"{config.ddpm_num_inference_steps} DDIM steps)", last):
+                                  f"{config.ddpm_num_inference_steps} DDIM steps)", last), \
+                guarded_write(run, "sample grid", artifacts.sample_grid_paths(config.output_dir, step)):
             artifacts.save_sample_grid(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings)
             artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings)
             artifacts.save_loss_plot(extras.diagnostics, objective.schedule.alphas_cumprod.cpu(), run.data.sigma_data,
@@ -53,8 +57,16 @@ def run_main_process_extras(run: Run, step: int, last: bool) -> None:
                 config.ddpm_num_inference_steps, config.seed, config.eval_batch_size)
         run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     if step % plan.save_model_steps == 0 or last:
-        with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last):
+        with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last), \
+                guarded_write(run, "pipeline export", [os.path.join(config.output_dir, models.EXPORT_STAGING)]):
             artifacts.export(unet, extras.ema, objective.noise_scheduler, target, run.hub_pusher, model_card(run), last)
+
+
+def guarded_write(run: Run, what: str, partial):
+    """disk_space.guarded_write in the output folder, with the run's test hook (hooks.before_write)."""
+    before_write = hook(run, "before_write")
+    return disk_space.guarded_write(what, run.config.output_dir, partial,
+                                    (lambda name: before_write(run, name)) if before_write else None)
 
 
 def model_card(run: Run) -> dict:
@@ -62,7 +74,7 @@ def model_card(run: Run) -> dict:
     config = run.config
     return {"config": redact_config(run.plan.resolved_config(config), run.secrets),
             "images_seen": run.data.images_seen(run.progress.global_step), "metrics": run.progress.last_metrics,
-            "dataset_name": config.dataset_name or ("sklearn digits" if config.data_spec().uses_embedded_digits else None),
+            "dataset_name": config.dataset_name or ("sklearn digits" if data.uses_embedded_digits(config) else None),
             "_redact": list(run.secrets)}
 
 

@@ -62,8 +62,15 @@ class History:
 
     def append(self, values: dict) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(values, sort_keys=True) + "\n")
+        line = (json.dumps(values, sort_keys=True) + "\n").encode()
+        with open(self.path, "ab", buffering=0) as fh:  # unbuffered: a failed write fails here
+            size = fh.tell()
+            try:
+                while line:
+                    line = line[fh.write(line):]
+            except OSError:  # e.g. a full disk: leave no torn last line for a resume to choke on
+                fh.truncate(size)
+                raise
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop entries logged after the checkpoint so the history has no duplicates."""

@@ -1,0 +1,113 @@
+"""A full disk (training/disk_space.py): the pre-check refuses a checkpoint that cannot fit, and an
+ENOSPC that still happens (checkpoint, export, grid, history) removes the partial files; both
+print one line naming the folder, the free and needed space and the newest checkpoint, and exit 5.
+Freeing space and resuming as the line says gives the uninterrupted run's weights, bit for bit."""
+import os
+import subprocess
+
+import pytest
+import torch
+from conftest import HOOKED_TRAIN, load_unet_weights, run_training, write_tiny_recipe
+from test_resume import assert_same_state
+
+STEPS = 6
+RECIPE = dict(max_train_steps=STEPS, checkpointing_steps=2, save_images_steps=4, save_model_steps=4)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("straight")
+    recipe = write_tiny_recipe(folder, **RECIPE)
+    run_training(folder, recipe, folder / "run", script=HOOKED_TRAIN)
+    return recipe, folder / "run"
+
+
+def the_error_line(result) -> str:
+    assert result.returncode == 5, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def leftovers(output_dir) -> list:
+    return [name for name in os.listdir(output_dir) if name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("what, newest", [("checkpoint", 2), ("pipeline export", 4), ("sample grid", 4),
+                                          ("log history", 2)])
+def test_enospc_at_each_write_is_one_line_cleanup_and_resume(straight, hooked_train, tmp_path, what, newest):
+    recipe, reference = straight
+    out = tmp_path / "run"
+    result = hooked_train(recipe, out, env={"DDPM_TEST_ENOSPC_AT": f"{what}:4"}, check=False)
+    line = the_error_line(result)
+    name = "checkpoint-4" if what == "checkpoint" else what
+    assert line.startswith(f"error: no space left on the device while writing the {name} in {out} (")
+    assert f"newest complete checkpoint: {out / f'checkpoint-{newest}'}" in line
+    assert line.endswith("then resume with --resume_from_checkpoint latest")
+    assert leftovers(out) == []  # no .checkpoint-4.tmp, no .pipeline.tmp
+    if what == "sample grid":
+        assert not os.path.exists(out / "samples" / "step_000004.png")
+    if what == "checkpoint":
+        assert "removed the partial " + str(out / ".checkpoint-4.tmp") in line
+    assert os.path.isdir(out / "checkpoint-2")  # nothing written before is lost
+    hooked_train(recipe, out, "--resume_from_checkpoint", "latest")
+    assert_same_state(reference, out, STEPS)
+
+
+def test_precheck_refuses_with_the_numbers_then_resume_after_freeing(straight, hooked_train, train, tmp_path):
+    recipe, reference = straight
+    out = tmp_path / "run"
+    hooked_train(recipe, out, env={"DDPM_TEST_STOP_AFTER_STEP": "2"})
+    result = train(recipe, out, "--resume_from_checkpoint", "latest", script="tests/low_disk_train.py",
+                   env={"DDPM_TEST_FREE_BYTES": "1000"}, check=False)
+    line = the_error_line(result)
+    size = sum(os.path.getsize(out / "checkpoint-2" / f) for f in os.listdir(out / "checkpoint-2")
+               if f != "checkpoint_complete.json")
+    assert line == (f"error: not enough disk space for checkpoint-4 in {out}: 0.0 MB free, {size / 1e6:.1f} MB "
+                    f"needed (the size of checkpoint-2); nothing was written. Newest complete checkpoint: "
+                    f"{out / 'checkpoint-2'}. Free space in {out} (or move older checkpoints elsewhere), then "
+                    "resume with --resume_from_checkpoint latest")
+    assert leftovers(out) == [] and not os.path.exists(out / "checkpoint-4")
+    hooked_train(recipe, out, "--resume_from_checkpoint", "latest")
+    assert_same_state(reference, out, STEPS)
+
+
+def test_precheck_before_the_first_checkpoint_estimates_and_says_run_again(straight, hooked_train, train, tmp_path):
+    recipe, reference = straight
+    out = tmp_path / "run"
+    result = train(recipe, out, script="tests/low_disk_train.py", env={"DDPM_TEST_FREE_BYTES": "1000"}, check=False)
+    line = the_error_line(result)
+    assert "(estimated from the parameters)" in line and "Newest complete checkpoint: none yet" in line
+    assert line.endswith("then run the same command again (no checkpoint to resume from yet)")
+    hooked_train(recipe, out)  # (logs/history.jsonl keeps the refused run's lines 1-2 before the new ones)
+    wa, wb = load_unet_weights(reference), load_unet_weights(out)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 8 MB tmpfs (needs root: skipped otherwise)."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_real_full_disk_mid_save_then_free_and_resume(straight, hooked_train, small_disk):
+    """The disk fills while checkpoint-4 is completed (another writer takes the space): the marker
+    meets a real ENOSPC. Deleting that writer's file and resuming finishes the run exactly."""
+    recipe, reference = straight
+    out, filler = small_disk / "run", small_disk / "filler"
+    result = hooked_train(recipe, out, env={"DDPM_TEST_FILL_DISK_IN_SAVE": f"4:{filler}"}, check=False)
+    line = the_error_line(result)
+    assert line.startswith(f"error: no space left on the device while writing the checkpoint-4 in {out} (")
+    assert f"removed the partial {out / '.checkpoint-4.tmp'}" in line
+    assert f"newest complete checkpoint: {out / 'checkpoint-2'}" in line
+    assert leftovers(out) == [] and os.path.isdir(out / "checkpoint-2") and not os.path.exists(out / "checkpoint-4")
+    os.remove(filler)
+    hooked_train(recipe, out, "--resume_from_checkpoint", "latest")
+    assert_same_state(reference, out, STEPS)
