@@ -15,17 +15,7 @@ import os
 import shutil
 
 from diffusion_extras.training import checkpointing
-
-EXIT_CODE = 5
-
-
-class DiskFull(RuntimeError):
-    """A write of the output folder did not (or would not) fit; the message says what to free."""
-    exit_code = EXIT_CODE
-
-    def __init__(self, message: str, announce: bool = True):
-        super().__init__(message)
-        self.announce = announce  # one line from the main process, not one per rank
+from diffusion_extras.training.stops import DiskFull
 
 
 def megabytes(size: int) -> str:

@@ -14,6 +14,7 @@ from diffusion_extras.training.hooks import hook
 from diffusion_extras.training.periodic import guarded_write, run_main_process_extras, write_health_report
 from diffusion_extras.training.run_state import Run
 from diffusion_extras.training.step import optimizer_step
+from diffusion_extras.training.stops import NonFiniteStop
 
 
 def train_state(run: Run) -> dict:
@@ -67,10 +68,6 @@ def log_window(run: Run, loss_sum: torch.Tensor, steps: int, seconds: float, pro
                       f"(weights and EMA untouched); timestep bins with non-finite losses: {bins or 'none'}; "
                       f"inputs of the last one: {inputs}")
     return values
-
-
-class NonFiniteStop(RuntimeError):
-    """Too many consecutive non-finite steps: the run stops with its last good weights saved."""
 
 
 def check_nonfinite(run: Run, values: dict) -> None:

@@ -20,11 +20,10 @@ from diffusion_extras.training import disk_space
 from diffusion_extras.training.build import setup
 from diffusion_extras.training.checkpointing import CheckpointError
 from diffusion_extras.training.config import ConfigError, parse_config
-from diffusion_extras.training.disk_space import DiskFull
 from diffusion_extras.training.hooks import Hooks
-from diffusion_extras.training.loop import NonFiniteStop, train
+from diffusion_extras.training.loop import train
 from diffusion_extras.training.lr_range import find_lr, setup_lr_range_test
-from diffusion_extras.training.preemption import Preempted
+from diffusion_extras.training.stops import DiskFull, RunStopped
 
 __all__ = ["Hooks", "main"]
 
@@ -44,17 +43,14 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         return 2
     try:
         train(run)
-    except NonFiniteStop as error:
-        print(f"error: stopped: {error}", file=sys.stderr)
-        return 3
-    except (Preempted, DiskFull) as stop:
+    except RunStopped as stop:  # non-finite steps, preemption, a full disk: the state is saved
         if stop.announce:
-            print(f"{'error: ' if isinstance(stop, DiskFull) else ''}{stop}", file=sys.stderr, flush=True)
+            print(f"{stop.prefix}{stop}", file=sys.stderr, flush=True)
         return stop.exit_code
     except OSError as error:  # a full disk met by a write no guard covers (the health report, a tracker)
         if not disk_space.is_disk_full(error):
             raise
         print(f"error: {disk_space.full_disk_message(str(error.filename or 'output'), config.output_dir, [])}",
               file=sys.stderr, flush=True)
-        return disk_space.EXIT_CODE
+        return DiskFull.exit_code
     return 0

@@ -21,17 +21,9 @@ import time
 
 import torch
 
+from diffusion_extras.training.stops import Preempted
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-EXIT_CODE = 4  # not 143 (128 + SIGTERM): that also reads "killed by SIGTERM, nothing saved"
-
-
-class Preempted(RuntimeError):
-    """Stopped on a signal with a checkpoint at the stop step; the message says how to go on."""
-    exit_code = EXIT_CODE
-
-    def __init__(self, message: str, announce: bool = True):
-        super().__init__(message)
-        self.announce = announce  # one line from the main process, not one per rank
 
 
 class PreemptionWatch:
