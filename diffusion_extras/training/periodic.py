@@ -6,7 +6,6 @@ import contextlib
 import os
 import time
 
-from diffusion_extras.data import images as data
 from diffusion_extras.hub.secrets import redact_config
 from diffusion_extras.training import artifacts, disk_space, models
 from diffusion_extras.training.hooks import hook
@@ -74,7 +73,7 @@ def model_card(run: Run) -> dict:
     config = run.config
     return {"config": redact_config(run.plan.resolved_config(config), run.secrets),
             "images_seen": run.data.images_seen(run.progress.global_step), "metrics": run.progress.last_metrics,
-            "dataset_name": config.dataset_name or ("sklearn digits" if data.uses_embedded_digits(config) else None),
+            "dataset_name": config.dataset_name or ("sklearn digits" if config.data_spec().uses_embedded_digits else None),
             "_redact": list(run.secrets)}
 
 
