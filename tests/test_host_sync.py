@@ -170,7 +170,7 @@ def test_an_optimizer_without_found_inf_syncs_once_per_step(tmp_path, monkeypatc
     """bitsandbytes' AdamW8bit (not installed here) knows no `found_inf`: optimizer_step reads the
     finite flag on the host (in step_unless_nonfinite) to skip a non-finite step, the one named sync of that path. torch's
     plain SGD above (sync-free itself, and not an AdamW) stands in for it."""
-    monkeypatch.setattr(build, "make_optimizer", lambda config, unet, lr: StandInOptimizer(unet.parameters(), lr))
+    monkeypatch.setattr(build, "make_optimizer", lambda settings, unet, lr, use_8bit_adam: StandInOptimizer(unet.parameters(), lr))
     run = tiny_run(tmp_path, *ALL_EXTRAS, "--max_train_steps", 4, diagnostics_steps=2)
     recorder = record_training(monkeypatch, run)
     assert by_function(recorder.in_phase("step")) == collections.Counter(

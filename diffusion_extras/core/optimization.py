@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 
-def make_optimizer(config, unet, learning_rate: float):
-    """AdamW with the config's betas, weight decay and epsilon (bitsandbytes' 8-bit AdamW with
-    --use_8bit_adam)."""
-    kwargs = dict(lr=learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                  weight_decay=config.adam_weight_decay, eps=config.adam_epsilon)
-    if config.use_8bit_adam:
+def make_optimizer(settings, unet, learning_rate: float, use_8bit_adam: bool = False):
+    """AdamW with the settings' adam_beta1/2, adam_weight_decay and adam_epsilon (the run's plan:
+    the config's or a recipe's); bitsandbytes' 8-bit AdamW with --use_8bit_adam."""
+    kwargs = dict(lr=learning_rate, betas=(settings.adam_beta1, settings.adam_beta2),
+                  weight_decay=settings.adam_weight_decay, eps=settings.adam_epsilon)
+    if use_8bit_adam:
         import bitsandbytes
         return bitsandbytes.optim.AdamW8bit(unet.parameters(), **kwargs)
     # fused: one kernel for all parameters, and it honours `found_inf`, which skips a
@@ -18,20 +18,21 @@ def make_optimizer(config, unet, learning_rate: float):
     return torch.optim.AdamW(unet.parameters(), fused=True, **kwargs)
 
 
-def peak_learning_rate(config, num_processes: int) -> float:
-    """--learning_rate, times the images per optimizer step with --scale_lr."""
+def peak_learning_rate(learning_rate: float, config, num_processes: int) -> float:
+    """learning_rate (the run's: --learning_rate or a recipe's), times the images per optimizer
+    step with --scale_lr."""
     if not config.scale_lr:
-        return config.learning_rate
-    return config.learning_rate * config.train_batch_size * config.gradient_accumulation_steps * num_processes
+        return learning_rate
+    return learning_rate * config.train_batch_size * config.gradient_accumulation_steps * num_processes
 
 
-def training_lr_schedule(config, optimizer, max_train_steps: int):
-    """Warmup then --lr_scheduler over the run, counted in optimizer steps. Not passed to
+def training_lr_schedule(settings, optimizer, max_train_steps: int):
+    """Warmup then the settings' lr_scheduler (the run's plan: the config's or a recipe's) over the run, counted in optimizer steps. Not passed to
     accelerate's prepare(): it would step it once per process (diffusers issue #8384). The loop
     steps it once per optimizer step, so warmup and decay mean the same for any P and accumulation."""
     from diffusers.optimization import get_scheduler
 
-    return get_scheduler(config.lr_scheduler, optimizer, num_warmup_steps=config.lr_warmup_steps,
+    return get_scheduler(settings.lr_scheduler, optimizer, num_warmup_steps=settings.lr_warmup_steps,
                          num_training_steps=max_train_steps)
 
 

@@ -28,7 +28,7 @@ def lr_lambda(base_lr: float, num_steps: int, start: float = START_LR, end: floa
     return lambda step: lr_at(min(step, num_steps - 1), num_steps, start, end) / base_lr
 
 
-def sweep_schedule(config, optimizer, num_steps: int):
+def sweep_schedule(settings, optimizer, num_steps: int):
     """The LR schedule of the range test (train_ddpm's --find_lr mode), in place of the training
     schedule: the optimizer's lr follows the sweep over num_steps steps."""
     import torch

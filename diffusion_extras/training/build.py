@@ -91,12 +91,12 @@ def build_run(config: TrainConfig, accelerator, lr_schedule, max_train_steps: in
     switches = run_state.extras_switches(config, data.uses_embedded_digits(config))
     # the data is opened before the model: with no model chosen, the model follows the images
     dataset, data_channels = sources.open_training_data(config, accelerator)
-    model_kwargs, unet = build_model(config, accelerator, data_channels)
+    choice, unet = build_model(config, accelerator, data_channels)
     training_data, held_out_images = build_data(config, accelerator, unet.config.in_channels, dataset,
                                                 switches["validation_split"], hooks.data_source)
-    plan = make_plan(config, accelerator, training_data.source, model_kwargs, switches, max_train_steps)
+    plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
     model = build_optimization(config, accelerator, plan, unet, noise_scheduler, lr_schedule)
-    extras = build_extras(config, accelerator, model.unet, held_out_images)
+    extras = build_extras(config, accelerator, plan, model.unet, held_out_images)
     progress = Progress(step_lr=model.peak_lr,
                         nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device))
     return Run(config=config, plan=plan, accelerator=accelerator, model=model, data=training_data, extras=extras,
@@ -113,14 +113,14 @@ def refuse_sharded_training(accelerator) -> None:
             "with --gradient_checkpointing and --mixed_precision bf16 to save memory")
 
 
-def build_model(config: TrainConfig, accelerator, data_channels: int) -> tuple[dict, torch.nn.Module]:
-    """(UNet kwargs, the UNet): the recipe's, or one that follows the images; announced in one
-    line with its size."""
-    model_kwargs, chosen = models.follow_data(config, data_channels)
-    unet = models.build_unet(config, model_kwargs)
-    for line in models.describe(unet, chosen, data_channels):
+def build_model(config: TrainConfig, accelerator, data_channels: int) -> tuple[models.Choice, torch.nn.Module]:
+    """(the choice, the UNet): the recipe's UNet, or one that follows the images with its
+    optimization; announced in one line with its size."""
+    choice = models.follow_data(config, data_channels)
+    unet = models.build_unet(config, choice.model)
+    for line in models.describe(unet, choice.description, data_channels, choice.optimization):
         accelerator.print(line)
-    return model_kwargs, unet
+    return choice, unet
 
 
 def build_data(config: TrainConfig, accelerator, channels: int, dataset, validation_split: float,
@@ -137,17 +137,19 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
     return training_data, source.held_out_images
 
 
-def make_plan(config: TrainConfig, accelerator, source, model_kwargs: dict, switches: dict,
+def make_plan(config: TrainConfig, accelerator, source, choice: models.Choice, switches: dict,
               max_train_steps: int | None) -> Plan:
-    """The real run length and step intervals, for this data (epochs become steps)."""
+    """The real run length, step intervals and optimization, for this data (epochs become steps)."""
     # streams have no epoch length: validate() made them give --max_train_steps
     steps_per_epoch = (None if source.batches_per_epoch is None
                        else max(1, source.batches_per_epoch // config.gradient_accumulation_steps))
     intervals, lines = compat.epoch_intervals(config, steps_per_epoch)  # a stream refuses epoch intervals
     for line in lines:
         accelerator.print(line)
-    return Plan(max_train_steps=max_train_steps or config.max_train_steps or config.num_epochs * steps_per_epoch,
-                model=model_kwargs, **intervals, **switches)
+    optimization = run_state.optimization_values(config, choice.settings)
+    max_train_steps = (max_train_steps or choice.settings.get("max_train_steps", config.max_train_steps)
+                       or optimization["num_epochs"] * steps_per_epoch)
+    return Plan(max_train_steps=max_train_steps, model=choice.model, **optimization, **intervals, **switches)
 
 
 def build_optimization(config: TrainConfig, accelerator, plan: Plan, unet, noise_scheduler, lr_schedule) -> Model:
@@ -158,9 +160,9 @@ def build_optimization(config: TrainConfig, accelerator, plan: Plan, unet, noise
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if config.channels_last:
         unet = unet.to(memory_format=torch.channels_last)
-    peak_lr = optimization.peak_learning_rate(config, accelerator.num_processes)
-    optimizer = make_optimizer(config, unet, peak_lr)
-    lr_scheduler = lr_schedule(config, optimizer, plan.max_train_steps)  # stepped by the loop, not by accelerate
+    peak_lr = optimization.peak_learning_rate(plan.learning_rate, config, accelerator.num_processes)
+    optimizer = make_optimizer(plan, unet, peak_lr, config.use_8bit_adam)
+    lr_scheduler = lr_schedule(plan, optimizer, plan.max_train_steps)  # stepped by the loop, not by accelerate
     unet, optimizer = accelerator.prepare(unet, optimizer)
     if config.torch_compile:  # in place: state-dict keys (and so checkpoints) stay those of the plain UNet
         accelerator.unwrap_model(unet).compile(mode=None if config.torch_compile_mode == "default"
@@ -171,7 +173,7 @@ def build_optimization(config: TrainConfig, accelerator, plan: Plan, unet, noise
                  state_config=state_config(plan.resolved_config(config), unet, accelerator))
 
 
-def build_extras(config: TrainConfig, accelerator, unet, held_out_images) -> Extras:
+def build_extras(config: TrainConfig, accelerator, plan: Plan, unet, held_out_images) -> Extras:
     """Diagnostics, the timestep sampler, EMA, post-hoc EMA, the held-out loss: each with state
     is checkpointed with the run."""
     parameters = list(unet.parameters())
@@ -179,7 +181,7 @@ def build_extras(config: TrainConfig, accelerator, unet, held_out_images) -> Ext
         diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device),
         timestep_sampler=make_timestep_sampler(config.timestep_sampling, config.ddpm_num_steps, accelerator.device))
     if config.use_ema:
-        extras.ema = ExponentialMovingAverage(parameters, config.ema_max_decay, config.ema_inv_gamma, config.ema_power)
+        extras.ema = ExponentialMovingAverage(parameters, plan.ema_max_decay, plan.ema_inv_gamma, plan.ema_power)
     if config.posthoc_ema:
         extras.posthoc_ema = PowerFunctionEMA(parameters)
     for state in (extras.ema, extras.diagnostics, extras.posthoc_ema):  # the order of the checkpoint's files
