@@ -1,11 +1,12 @@
 """Memory and speed switches on CPU: each must train and change nothing it should not."""
 
+import functools
 import math
 
 import pytest
 import torch
 
-from conftest import read_history
+from conftest import read_history, run_training, write_tiny_recipe
 from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 
 
@@ -15,12 +16,19 @@ def losses(train, recipe, tmp_path, name, *flags):
     return [h["loss"] for h in read_history(out)]
 
 
+@pytest.fixture(scope="module")
+def default_losses(tmp_path_factory):
+    """The losses of the tiny recipe's run without a switch: every switch's reference, trained
+    once per module (per xdist worker) instead of once per test."""
+    folder = tmp_path_factory.mktemp("default_run")
+    return losses(functools.partial(run_training, folder), write_tiny_recipe(folder), folder, "default")
+
+
 @pytest.mark.parametrize("flag", ["--gradient_checkpointing", "--channels_last"])
-def test_switch_trains_like_the_default(train, tiny_recipe, tmp_path, flag):
+def test_switch_trains_like_the_default(train, tiny_recipe, tmp_path, default_losses, flag):
     """Recomputation and memory layout give the default run's numbers."""
-    recipe = tiny_recipe()
-    reference = losses(train, recipe, tmp_path, "default")
-    switched = losses(train, recipe, tmp_path, "switched", flag)
+    reference = default_losses
+    switched = losses(train, tiny_recipe(), tmp_path, "switched", flag)
     assert switched == pytest.approx(reference, rel=1e-5)
 
 
@@ -37,10 +45,9 @@ def test_allow_tf32_sets_the_tf32_switches_of_matmuls_and_convolutions(tmp_path,
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def test_torch_compile_on_cpu(train, tiny_recipe, tmp_path):
-    recipe = tiny_recipe()
-    reference = losses(train, recipe, tmp_path, "default")
-    compiled = losses(train, recipe, tmp_path, "compiled", "--torch_compile")
+def test_torch_compile_on_cpu(train, tiny_recipe, tmp_path, default_losses):
+    reference = default_losses
+    compiled = losses(train, tiny_recipe(), tmp_path, "compiled", "--torch_compile")
     # steps 1 and 2 see the same weights (warmup: step 1 has lr 0), so the fused kernels must give
     # the same loss up to float rounding. Later steps may drift by ~1%: Adam divides by sqrt(v),
     # which turns rounding-level differences in near-zero gradients into lr-sized updates.
