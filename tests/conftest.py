@@ -139,6 +139,15 @@ def train(tmp_path):
     return functools.partial(run_training, tmp_path)
 
 
+@pytest.fixture(scope="session")
+def tiny_reference_run(tmp_path_factory):
+    """The output folder of the tiny recipe trained 3 steps (seed 0, no other flag), trained once per
+    session (per xdist worker) for the tests that compare a run with it. Read it, never write it."""
+    folder = tmp_path_factory.mktemp("tiny_reference_run")
+    run_training(folder, write_tiny_recipe(folder), folder / "run", "--max_train_steps", 3)
+    return folder / "run"
+
+
 @pytest.fixture
 def hooked_train(train):
     """train() through tests/hooked_train.py, which injects the failures its DDPM_TEST_* variables name."""

@@ -1,12 +1,11 @@
 """Memory and speed switches on CPU: each must train and change nothing it should not."""
 
-import functools
 import math
 
 import pytest
 import torch
 
-from conftest import read_history, run_training, write_tiny_recipe
+from conftest import read_history
 from test_host_sync import fresh_accelerate, tiny_run  # noqa: F401  (fixture)
 
 
@@ -16,12 +15,11 @@ def losses(train, recipe, tmp_path, name, *flags):
     return [h["loss"] for h in read_history(out)]
 
 
-@pytest.fixture(scope="module")
-def default_losses(tmp_path_factory):
-    """The losses of the tiny recipe's run without a switch: every switch's reference, trained
-    once per module (per xdist worker) instead of once per test."""
-    folder = tmp_path_factory.mktemp("default_run")
-    return losses(functools.partial(run_training, folder), write_tiny_recipe(folder), folder, "default")
+@pytest.fixture
+def default_losses(tiny_reference_run):
+    """The losses of the tiny recipe's 3-step run without a switch (conftest.tiny_reference_run:
+    trained once per session, not once per test): every switch's reference."""
+    return [h["loss"] for h in read_history(tiny_reference_run)]
 
 
 @pytest.mark.parametrize("flag", ["--gradient_checkpointing", "--channels_last"])
