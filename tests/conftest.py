@@ -50,6 +50,52 @@ def save_random_images(folder, count: int, height: int, width: int, seed: int = 
     return str(folder)
 
 
+# Variables of the caller's shell that change what the libraries do (offline mode, endpoint, cache
+# folders, the tracker's mode): no test may depend on them, so each test starts without them.
+CALLER_VARIABLES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_OFFLINE", "WANDB_")
+# Modules that read those variables once, at import, into module constants.
+ENVIRONMENT_CONSTANTS = ("huggingface_hub.constants", "datasets.config")
+
+
+@functools.lru_cache(maxsize=None)
+def _fresh_constants(module_name: str, hf_home: str) -> dict:
+    """The UPPER_CASE values `module_name` would hold if imported now, in a clean environment (no
+    CALLER_VARIABLES, HF_HOME=hf_home): its source run again in a scratch module."""
+    import importlib.util
+    from unittest import mock
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(CALLER_VARIABLES)} | {"HF_HOME": hf_home}
+    spec = importlib.util.find_spec(module_name)
+    scratch = importlib.util.module_from_spec(spec)
+    with mock.patch.dict(os.environ, clean, clear=True):
+        spec.loader.exec_module(scratch)
+    return {name: value for name, value in vars(scratch).items() if name.isupper()}
+
+
+@pytest.fixture(scope="session")
+def session_hf_home(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("hf_home"))
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch, session_hf_home):
+    """Every test runs as in a clean shell, whatever the caller exported (HF_HUB_OFFLINE=1, a custom
+    HF_HOME or HF_ENDPOINT, WANDB_MODE, ...): those variables are removed, HF_HOME is a folder of
+    this session, and the constants huggingface_hub and datasets read at import are reset to what a
+    clean import gives. A test that needs offline mode or an endpoint sets it itself; subprocesses
+    get cli_env."""
+    for name in list(os.environ):
+        if name.startswith(CALLER_VARIABLES):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HF_HOME", session_hf_home)
+    for module_name in ENVIRONMENT_CONSTANTS:
+        module = sys.modules.get(module_name)  # one not imported yet reads the clean environment itself
+        if module is None:
+            continue
+        for name, value in _fresh_constants(module_name, session_hf_home).items():
+            if getattr(module, name, None) != value:
+                monkeypatch.setattr(module, name, value)
+
+
 def cli_env(tmp_path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "WANDB_", "ACCELERATE_"))}
     env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", HF_HOME=str(tmp_path / "hf_home"),
@@ -92,6 +138,15 @@ def run_training(env_dir, recipe, output_dir, *flags, script="train_ddpm.py", la
 def train(tmp_path):
     """train(recipe, output_dir, *flags, ...): run_training in this test's environment."""
     return functools.partial(run_training, tmp_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference_run(tmp_path_factory):
+    """The output folder of the tiny recipe trained 3 steps (seed 0, no other flag), trained once per
+    session (per xdist worker) for the tests that compare a run with it. Read it, never write it."""
+    folder = tmp_path_factory.mktemp("tiny_reference_run")
+    run_training(folder, write_tiny_recipe(folder), folder / "run", "--max_train_steps", 3)
+    return folder / "run"
 
 
 @pytest.fixture

@@ -199,9 +199,9 @@ def test_help_shows_each_flag_under_its_group_in_group_order():
 
 def test_saved_config_lists_settings_in_group_order(tmp_path):
     """training_config.yaml (from the resolved config the run saves) follows the --help order."""
-    from diffusion_extras.training.run_state import Plan
+    from diffusion_extras.training.run_state import Plan, optimization_values
     plan = Plan(max_train_steps=5, save_images_steps=5, save_model_steps=5, model={}, validation_split=0.0,
-                grad_diagnostics_steps=0)
+                grad_diagnostics_steps=0, **optimization_values(TrainConfig(), {}))
     for config in (TrainConfig(), plan.resolved_config(TrainConfig())):
         save_config(config, str(tmp_path / "c.yaml"))
         keys = list(yaml.safe_load((tmp_path / "c.yaml").read_text()))  # safe_load keeps the file's order

@@ -161,7 +161,7 @@ def test_diffusers_default_unet_at_multiples_of_32_px():
     from diffusion_extras.training import models
     from diffusion_extras.training.config import TrainConfig
     config = TrainConfig(train_data_dir=".", resolution=32)
-    model, chosen = models.follow_data(config, 3)
+    model, _, chosen, _ = models.follow_data(config, 3)
     assert "diffusers train_unconditional.py's default UNet at 32 px" in chosen
     ours = models.build_unet(config, model)
     theirs = UNet2DModel(
@@ -176,7 +176,7 @@ def test_diffusers_default_unet_at_multiples_of_32_px():
     assert "113.7M parameters" in models.describe(ours, chosen, 3)[0]
     # the embedded digits keep the digits recipe, whatever the resolution
     digits = TrainConfig(resolution=32)
-    assert models.follow_data(digits, 1)[0] == digits.model
+    assert models.follow_data(digits, 1).model == digits.model
 
 
 def test_image_channels_follow_the_pil_mode(tmp_path):

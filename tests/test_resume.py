@@ -1,10 +1,11 @@
 """Checkpoints and exact resume, through the real command line (1 and 2 processes)."""
 import os
+import shutil
 import sys
 
 import pytest
 import torch
-from conftest import load_unet_weights, read_history
+from conftest import HOOKED_TRAIN, load_unet_weights, read_history, run_training, write_tiny_recipe
 from safetensors.torch import load_file
 
 from diffusion_extras.training import checkpointing
@@ -59,10 +60,25 @@ def test_resume_is_bitwise_identical_to_straight_run(hooked_train, tiny_recipe, 
     assert_same_state(straight, resumed, full)
 
 
-def test_resume_from_explicit_path_outside_output_dir(hooked_train, tiny_recipe, tmp_path):
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+    """The tiny recipe trained 2 steps with checkpoint-2, once per module (per xdist worker):
+    tests that resume from it work on a copy (two_step_copy)."""
+    folder = tmp_path_factory.mktemp("two_step_run")
+    run_training(folder, write_tiny_recipe(folder, checkpointing_steps=2), folder / "run", "--max_train_steps", 2,
+                 script=HOOKED_TRAIN)
+    return folder / "run"
+
+
+@pytest.fixture
+def two_step_copy(two_step_run, tmp_path):
+    """A copy of two_step_run in this test's folder, free to change."""
+    return shutil.copytree(two_step_run, tmp_path / "first")
+
+
+def test_resume_from_explicit_path_outside_output_dir(hooked_train, tiny_recipe, tmp_path, two_step_copy):
     recipe = tiny_recipe(checkpointing_steps=2)
-    first = tmp_path / "first"
-    hooked_train(recipe, first, "--max_train_steps", 2)
+    first = two_step_copy
     moved = tmp_path / "elsewhere" / "my-checkpoint"
     os.makedirs(moved.parent)
     os.rename(first / "checkpoint-2", moved)
@@ -115,9 +131,8 @@ def test_total_limit_keeps_newest(hooked_train, tiny_recipe, tmp_path):
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
 
 
-def test_state_breaking_change_is_refused_with_the_differences(hooked_train, tiny_recipe, tmp_path):
-    out = tmp_path / "run"
-    hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 2)
+def test_state_breaking_change_is_refused_with_the_differences(hooked_train, tiny_recipe, two_step_copy):
+    out = two_step_copy
     result = hooked_train(tiny_recipe(checkpointing_steps=2, prediction_type="v_prediction", train_batch_size=4),
                           out, "--max_train_steps", 4, "--resume_from_checkpoint", "latest", check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -13,12 +13,18 @@ def losses(train, recipe, tmp_path, name, *flags):
     return [h["loss"] for h in read_history(out)]
 
 
+@pytest.fixture
+def default_losses(tiny_reference_run):
+    """The losses of the tiny recipe's 3-step run without a switch (conftest.tiny_reference_run:
+    trained once per session, not once per test): every switch's reference."""
+    return [h["loss"] for h in read_history(tiny_reference_run)]
+
+
 @pytest.mark.parametrize("flag", ["--gradient_checkpointing", "--channels_last"])
-def test_switch_trains_like_the_default(train, tiny_recipe, tmp_path, flag):
+def test_switch_trains_like_the_default(train, tiny_recipe, tmp_path, default_losses, flag):
     """Recomputation and memory layout give the default run's numbers."""
-    recipe = tiny_recipe()
-    reference = losses(train, recipe, tmp_path, "default")
-    switched = losses(train, recipe, tmp_path, "switched", flag)
+    reference = default_losses
+    switched = losses(train, tiny_recipe(), tmp_path, "switched", flag)
     assert switched == pytest.approx(reference, rel=1e-5)
 
 
@@ -35,10 +41,9 @@ def test_allow_tf32_sets_the_tf32_switches_of_matmuls_and_convolutions(tmp_path,
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def test_torch_compile_on_cpu(train, tiny_recipe, tmp_path):
-    recipe = tiny_recipe()
-    reference = losses(train, recipe, tmp_path, "default")
-    compiled = losses(train, recipe, tmp_path, "compiled", "--torch_compile")
+def test_torch_compile_on_cpu(train, tiny_recipe, tmp_path, default_losses):
+    reference = default_losses
+    compiled = losses(train, tiny_recipe(), tmp_path, "compiled", "--torch_compile")
     # steps 1 and 2 see the same weights (warmup: step 1 has lr 0), so the fused kernels must give
     # the same loss up to float rounding. Later steps may drift by ~1%: Adam divides by sqrt(v),
     # which turns rounding-level differences in near-zero gradients into lr-sized updates.

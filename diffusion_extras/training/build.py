@@ -91,13 +91,13 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     switches = run_state.extras_switches(config, config.data_spec().uses_embedded_digits)
     # the data is opened before the model: with no model chosen, the model follows the images
     dataset, data_channels = sources.open_training_data(config.data_spec(), accelerator)
-    model_kwargs, unet = build_model(config, accelerator, data_channels)
+    choice, unet = build_model(config, accelerator, data_channels)
     training_data, held_out_images = build_data(config, accelerator, unet.config.in_channels, dataset,
                                                 switches["validation_split"], hooks.data_source)
-    plan = make_plan(config, accelerator, training_data.source, model_kwargs, switches, max_train_steps)
+    plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
     learner = build_learner(config, accelerator, plan, unet, lr_schedule)
     objective = build_objective(config, accelerator, noise_scheduler)
-    extras = build_extras(config, accelerator, learner.unet, held_out_images)
+    extras = build_extras(config, accelerator, plan, learner.unet, held_out_images)
     register_checkpointed_state(accelerator, learner, objective, extras)
     progress = Progress(step_lr=learner.peak_lr,
                         nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device))
@@ -116,14 +116,14 @@ def refuse_sharded_training(accelerator) -> None:
             "with --gradient_checkpointing and --mixed_precision bf16 to save memory")
 
 
-def build_model(config: TrainConfig, accelerator, data_channels: int) -> tuple[dict, torch.nn.Module]:
-    """(UNet kwargs, the UNet): the recipe's, or one that follows the images; announced in one
-    line with its size."""
-    model_kwargs, chosen = models.follow_data(config, data_channels)
-    unet = models.build_unet(config, model_kwargs)
-    for line in models.describe(unet, chosen, data_channels):
+def build_model(config: TrainConfig, accelerator, data_channels: int) -> tuple[models.Choice, torch.nn.Module]:
+    """(the choice, the UNet): the recipe's UNet, or one that follows the images with its
+    optimization; announced in one line with its size."""
+    choice = models.follow_data(config, data_channels)
+    unet = models.build_unet(config, choice.model)
+    for line in models.describe(unet, choice.description, data_channels, choice.optimization):
         accelerator.print(line)
-    return model_kwargs, unet
+    return choice, unet
 
 
 def build_data(config: TrainConfig, accelerator, channels: int, dataset, validation_split: float,
@@ -140,17 +140,19 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
     return training_data, source.held_out_images
 
 
-def make_plan(config: TrainConfig, accelerator, source, model_kwargs: dict, switches: dict,
+def make_plan(config: TrainConfig, accelerator, source, choice: models.Choice, switches: dict,
               max_train_steps: int | None) -> Plan:
-    """The real run length and step intervals, for this data (epochs become steps)."""
+    """The real run length, step intervals and optimization, for this data (epochs become steps)."""
     # streams have no epoch length: validate() made them give --max_train_steps
     steps_per_epoch = (None if source.batches_per_epoch is None
                        else max(1, source.batches_per_epoch // config.gradient_accumulation_steps))
     intervals, lines = compat.epoch_intervals(config, steps_per_epoch)  # a stream refuses epoch intervals
     for line in lines:
         accelerator.print(line)
-    return Plan(max_train_steps=max_train_steps or config.max_train_steps or config.num_epochs * steps_per_epoch,
-                model=model_kwargs, **intervals, **switches)
+    optimization = run_state.optimization_values(config, choice.settings)
+    max_train_steps = (max_train_steps or choice.settings.get("max_train_steps", config.max_train_steps)
+                       or optimization["num_epochs"] * steps_per_epoch)
+    return Plan(max_train_steps=max_train_steps, model=choice.model, **optimization, **intervals, **switches)
 
 
 def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedule) -> Learner:
@@ -161,12 +163,13 @@ def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedul
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if config.channels_last:
         unet = unet.to(memory_format=torch.channels_last)
+    # the optimization values are the plan's: the config's, or the recipe that followed the data
     images_per_step = config.train_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
-    peak_lr = optimization.peak_learning_rate(config.learning_rate, config.scale_lr, images_per_step)
-    optimizer = make_optimizer(unet.parameters(), peak_lr, (config.adam_beta1, config.adam_beta2),
-                               config.adam_weight_decay, config.adam_epsilon, eight_bit=config.use_8bit_adam)
+    peak_lr = optimization.peak_learning_rate(plan.learning_rate, config.scale_lr, images_per_step)
+    optimizer = make_optimizer(unet.parameters(), peak_lr, (plan.adam_beta1, plan.adam_beta2),
+                               plan.adam_weight_decay, plan.adam_epsilon, eight_bit=config.use_8bit_adam)
     if lr_schedule is None:  # the training schedule
-        lr_scheduler = optimization.training_lr_schedule(optimizer, config.lr_scheduler, config.lr_warmup_steps,
+        lr_scheduler = optimization.training_lr_schedule(optimizer, plan.lr_scheduler, plan.lr_warmup_steps,
                                                          plan.max_train_steps)
     else:  # stepped by the loop, not by accelerate
         lr_scheduler = lr_schedule(optimizer, plan.max_train_steps)
@@ -197,13 +200,13 @@ def register_checkpointed_state(accelerator, learner: Learner, objective: Object
             accelerator.register_for_checkpointing(state)
 
 
-def build_extras(config: TrainConfig, accelerator, unet, held_out_images) -> Extras:
-    """Diagnostics, EMA, post-hoc EMA, the held-out loss."""
+def build_extras(config: TrainConfig, accelerator, plan: Plan, unet, held_out_images) -> Extras:
+    """Diagnostics, EMA (with the plan's decay settings), post-hoc EMA, the held-out loss."""
     parameters = list(unet.parameters())
     extras = Extras(
         diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device))
     if config.use_ema:
-        extras.ema = ExponentialMovingAverage(parameters, config.ema_max_decay, config.ema_inv_gamma, config.ema_power)
+        extras.ema = ExponentialMovingAverage(parameters, plan.ema_max_decay, plan.ema_inv_gamma, plan.ema_power)
     if config.posthoc_ema:
         extras.posthoc_ema = PowerFunctionEMA(parameters)
     if held_out_images is not None:  # never trained on: split off before the batch order exists

@@ -102,7 +102,7 @@ class TrainConfig:
     shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY, group="data")
     # --- model ------------------------------------------------------------------------
     model_config_name_or_path: Optional[str] = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE, group="model")
-    model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape).", resume=REFUSE, cli=False, group="model")
+    model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape), trained with that script's optimization where you set none (README: Coming from diffusers).", resume=REFUSE, cli=False, group="model")
     # --- objective --------------------------------------------------------------------
     prediction_type: str = _f("epsilon", "What the UNet predicts: the noise, v (Salimans & Ho 2022) or the clean image.", choices=PREDICTION_TYPES, resume=REFUSE, group="objective")
     ddpm_num_steps: int = _f(1000, "Diffusion timesteps T.", resume=REFUSE, group="objective")
@@ -192,6 +192,17 @@ class TrainConfig:
     def data_spec(self) -> DataSpec:
         """What the data parts are given (data/spec.py): the data fields, by the same names."""
         return DataSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DataSpec)})
+
+    @property
+    def given(self) -> frozenset:
+        """The names the user set, by flag or in the --config recipe: values nothing derived may
+        replace (models.follow_data). from_sources records them when it builds the config; a config
+        built in code counts its values that differ from the defaults."""
+        recorded = self.__dict__.get("_given")
+        if recorded is not None:
+            return recorded
+        defaults = TrainConfig()
+        return frozenset(f.name for f in fields(self) if getattr(self, f.name) != getattr(defaults, f.name))
 
 
 def config_fields():
@@ -289,7 +300,9 @@ def from_sources(yaml_values: dict, cli_values: dict) -> TrainConfig:
             values["max_train_steps"] = None  # this source asks for epochs, not steps: epochs decide
     for name, value in values.items():
         values[name] = _coerce(known[name], value)
-    return TrainConfig(**values)
+    config = TrainConfig(**values)
+    config._given = frozenset(values)  # recorded once, read through TrainConfig.given; not a setting
+    return config
 
 
 def _coerce(f, value):

@@ -75,7 +75,7 @@ def check_nonfinite(run: Run, values: dict) -> None:
     if streak >= run.config.max_nonfinite_steps:
         config = run.config
         # every remedy named here is applied on resume (diffusion_extras.training.resume_policy; tests/test_resume_remedies.py)
-        remedies = [f"Lower --learning_rate (now {config.learning_rate:g})"]
+        remedies = [f"Lower --learning_rate (now {run.plan.learning_rate:g})"]
         if not config.max_grad_norm:  # a non-finite gradient cannot be clipped; clipping stops the blow-up before it
             remedies.append("set --max_grad_norm 1.0")
         if config.mixed_precision == "fp16":

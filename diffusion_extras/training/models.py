@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import NamedTuple
 
 from diffusion_extras.core import losses
 from diffusion_extras.training.config import DIGITS_UNET, ConfigError, TrainConfig, validate_model_shape
@@ -44,31 +45,70 @@ def unet_config(config: TrainConfig, model: dict | None = None) -> dict:
     return values
 
 
-def follow_data(config: TrainConfig, data_channels: int) -> tuple[dict, str]:
-    """The UNet kwargs for this run and how they were chosen (one line for the log). With a dataset
-    and no model chosen (no --model_config_name_or_path, the recipe's `model` untouched), the model
-    follows the images: their channels, and diffusers' train_unconditional.py default shape where
-    the resolution allows it (a multiple of 32), else our 16 px digits recipe's shape. The embedded
-    digits keep the digits recipe."""
+# diffusers' train_unconditional.py optimization for that UNet: its argparse defaults (its gradient
+# clip, hard-coded at 1.0, is our --max_grad_norm default). Not taken: its --train_batch_size 16
+# (the batch is the memory budget and sets our data order; ours stays 64 unless given) and its
+# --use_ema off (ours is on: samples and exports use the EMA).
+DIFFUSERS_RECIPE = dict(
+    learning_rate=1e-4, lr_scheduler="cosine", lr_warmup_steps=500,
+    adam_beta1=0.95, adam_beta2=0.999, adam_weight_decay=1e-6, adam_epsilon=1e-8,
+    ema_max_decay=0.9999, ema_inv_gamma=1.0, ema_power=0.75,
+    num_epochs=100, max_train_steps=None,  # 100 epochs: the run length follows the data size
+)
+
+
+class Choice(NamedTuple):
+    """What the run trains with when part of it follows the data."""
+    model: dict        # UNet2DModel keyword arguments
+    settings: dict     # config values taken from a recipe for that UNet; none the user gave (flag or --config)
+    description: str   # which UNet, and why (the model line's words)
+    optimization: str = ""  # where the optimization came from, when it followed the data ("" otherwise)
+
+
+def follow_data(config: TrainConfig, data_channels: int) -> Choice:
+    """The UNet and optimization for this run and how they were chosen. With a dataset and no model
+    chosen (no --model_config_name_or_path, the recipe's `model` untouched), the model follows the
+    images: their channels, and diffusers' train_unconditional.py default shape where the
+    resolution allows it (a multiple of 32), else our 16 px digits recipe's shape. That default UNet
+    (113.7M parameters) trains with that script's optimization (DIFFUSERS_RECIPE), except for each
+    value the user set (a flag, or the --config recipe): the digits recipe's lr 2e-3 is 20x what
+    diffusers uses for it. The embedded digits keep the digits recipe."""
     if config.model_config_name_or_path:
-        return config.model, f"UNet from {config.model_config_name_or_path}"
+        return Choice(config.model, {}, f"UNet from {config.model_config_name_or_path}")
     if config.model != DIGITS_UNET or config.data_spec().uses_embedded_digits:
-        return config.model, "the recipe's UNet" if config.model != DIGITS_UNET else "the digits recipe's UNet"
+        return Choice(config.model, {},
+                      "the recipe's UNet" if config.model != DIGITS_UNET else "the digits recipe's UNet")
     channels = {"in_channels": data_channels, "out_channels": data_channels}
-    if config.resolution % 32 == 0:
-        return ({**DIFFUSERS_DEFAULT_UNET, **channels},
-                f"diffusers train_unconditional.py's default UNet at {config.resolution} px (no model chosen)")
-    return ({**DIGITS_UNET, **channels},
-            f"the digits recipe's UNet shape at {config.resolution} px (no model chosen; diffusers' default "
-            "needs a multiple of 32 px)")
+    if config.resolution % 32 != 0:
+        return Choice({**DIGITS_UNET, **channels}, {},
+                      f"the digits recipe's UNet shape at {config.resolution} px (no model chosen; diffusers' "
+                      "default needs a multiple of 32 px)")
+    given = config.given
+    settings = {name: value for name, value in DIFFUSERS_RECIPE.items() if name not in given}
+    optimization = ""
+    if settings:
+        taken = ", ".join(f"{name} {_shown(value)}" for name, value in settings.items() if name != "max_train_steps")
+        # (given --num_epochs, max_train_steps counts as given and None: from_sources lets the epochs decide)
+        kept = [f"--{name}" for name in DIFFUSERS_RECIPE if name in given and getattr(config, name) is not None]
+        optimization = (f"diffusers' train_unconditional.py recipe ({taken}"
+                        + (", steps from the epochs" if "max_train_steps" in settings else "") + ")"
+                        + (f"; yours kept: {', '.join(kept)}" if kept else ""))
+    return Choice({**DIFFUSERS_DEFAULT_UNET, **channels}, settings,
+                  f"diffusers train_unconditional.py's default UNet at {config.resolution} px (no model chosen)",
+                  optimization)
 
 
-def describe(unet, chosen: str, data_channels: int) -> list[str]:
-    """The model line (shape and size) and, if the images are converted, the conversion line."""
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def describe(unet, chosen: str, data_channels: int, optimization: str = "") -> list[str]:
+    """The model line (shape and size; the optimization when it followed the data) and, if the
+    images are converted, the conversion line."""
     channels = unet.config.in_channels
     lines = [f"model: {chosen}: {channels} channel(s) ({COLOUR_NAMES.get(channels, channels)}), blocks "
              f"{list(unet.config.block_out_channels)} x{unet.config.layers_per_block}, "
-             f"{count_parameters(unet) / 1e6:.1f}M parameters"]
+             f"{count_parameters(unet) / 1e6:.1f}M parameters" + (f"; optimization: {optimization}" if optimization else "")]
     if channels != data_channels:
         lines.append(f"data: the images are {COLOUR_NAMES[data_channels]} and the UNet has {channels} channel(s): "
                      f"converting them to {COLOUR_NAMES.get(channels, channels)}")

@@ -27,8 +27,8 @@ def resume(run: Run) -> None:
             continue
         progress.global_step = state["global_step"]
         progress.step_lr = resume_policy.apply_optimizer_settings(
-            learner.optimizer, learner.lr_scheduler, learner.peak_lr, (config.adam_beta1, config.adam_beta2),
-            config.adam_weight_decay, config.adam_epsilon)
+            learner.optimizer, learner.lr_scheduler, learner.peak_lr, (run.plan.adam_beta1, run.plan.adam_beta2),
+            run.plan.adam_weight_decay, run.plan.adam_epsilon)
         run.data.source.load_state_dict(checkpointing.read_rank_state(path, accelerator.process_index))
         accelerator.wait_for_everyone()  # every rank has read its checkpoint before any folder moves
         if accelerator.is_main_process:

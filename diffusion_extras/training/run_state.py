@@ -47,12 +47,35 @@ class Plan:
     save_images_steps: int       # optimizer steps (or diffusers' --save_images_epochs mapped to steps)
     save_model_steps: int        # optimizer steps (or --save_model_epochs mapped to steps)
     model: dict                  # UNet2DModel keyword arguments: the recipe's, or following the data
+    # optimization and EMA: the config's values, or for a UNet that follows the data the values of a
+    # recipe for it that the user left unset (models.follow_data)
+    learning_rate: float         # peak, before --scale_lr
+    lr_scheduler: str
+    lr_warmup_steps: int         # optimizer steps
+    adam_beta1: float
+    adam_beta2: float
+    adam_weight_decay: float
+    adam_epsilon: float
+    ema_max_decay: float
+    ema_inv_gamma: float
+    ema_power: float
+    num_epochs: int              # epochs (max_train_steps comes from them when the steps were not given)
     validation_split: float      # fraction of cached images held out; 0: none
     grad_diagnostics_steps: int  # optimizer steps between gradient-monitor probes; 0: off
 
     def resolved_config(self, config) -> dict:
         """The config as it ran: the user's values with every derived one filled in."""
         return config.to_dict() | {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+OPTIMIZATION_FIELDS = ("learning_rate", "lr_scheduler", "lr_warmup_steps", "adam_beta1", "adam_beta2",
+                       "adam_weight_decay", "adam_epsilon", "ema_max_decay", "ema_inv_gamma", "ema_power", "num_epochs")
+
+
+def optimization_values(config, recipe: dict) -> dict:
+    """The Plan's optimization fields: the recipe's values (models.Choice.settings, which holds
+    none the user set) over the config's."""
+    return {name: recipe.get(name, getattr(config, name)) for name in OPTIMIZATION_FIELDS}
 
 
 def extras_switches(config, embedded_digits: bool) -> dict:
