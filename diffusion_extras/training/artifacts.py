@@ -14,10 +14,11 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any
+from typing import Optional
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 from PIL import Image
 
 from diffusion_extras.evaluation import metrics as evaluation
@@ -43,8 +44,8 @@ class Target:
     accelerator whose trackers get the images and values (None: files only)."""
     output_dir: str
     step: int
-    accelerator: Any = None
-    history: Any = None  # tracking.History: logged values are appended to logs/history.jsonl
+    accelerator: Optional[Accelerator] = None
+    history: Optional[tracking.History] = None  # logged values are appended to logs/history.jsonl
 
     def path(self, relative: str) -> str:
         path = os.path.join(self.output_dir, relative)
