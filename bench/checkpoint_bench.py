@@ -16,12 +16,10 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def main(argv=None) -> None:

@@ -26,7 +26,6 @@ import yaml
 from PIL import Image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from diffusion_extras.data import streaming  # noqa: E402
 from diffusion_extras.training.config import TrainConfig  # noqa: E402
