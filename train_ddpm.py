@@ -8,8 +8,8 @@ Progress is counted in optimizer steps. Everything random in a step (data order,
 noise, timesteps) is a function of (seed, micro-step), so a resumed run continues bit for bit
 and P ranks with batch B train like one rank with batch P*B (up to float summation order).
 
-The trainer lives in the package (diffusion_extras/training/):
-build.py builds the typed run, step.py is one optimizer step, loop.py the loop, periodic.py the grids, probes and export,
+The trainer lives in the package (diffusion_extras/training/): build.py builds the typed run,
+step.py is one optimizer step, loop.py the loop, periodic.py the grids, probes and export,
 resume.py the resume, lr_range.py the LR range test, main.py the exit codes, and hooks.py the
 extension points. `python train_ddpm.py --help` lists the flags by group.
 

@@ -61,7 +61,8 @@ def train_all(jobs: list[tuple[str, list[str]]], parallel: int) -> None:
     """Runs not trained yet, `parallel` at a time with one thread each (2 threads on a shared
     2-core machine stall)."""
     pending = [(out, command) for out, command in jobs if not os.path.isfile(os.path.join(out, "model_index.json"))]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1" if parallel > 1 else os.environ.get("OMP_NUM_THREADS", "")}
+    threads = "1" if parallel > 1 else os.environ.get("OMP_NUM_THREADS", "")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": threads}
     running = []
     while pending or running:
         while pending and len(running) < parallel:
@@ -106,7 +107,8 @@ def main(argv=None) -> None:
     images = data.decode_dataset(data.load_image_dataset(config), "image", config.resolution, True, 1).as_array()
     reference = evaluation.reference_statistics(images[:1000], extractor)
     results = {"steps": args.steps, "real_digits": score_digits(classifier, images[:256]), "runs": {}}
-    runs = {f"{p}-{'snr5' if g else 'plain'}": (p, g) for p in ("epsilon", "v_prediction", "sample") for g in (None, 5.0)}
+    runs = {f"{p}-{'snr5' if g else 'plain'}": (p, g)
+            for p in ("epsilon", "v_prediction", "sample") for g in (None, 5.0)}
     train_all([(os.path.join(args.out, name), train_command(os.path.join(args.out, name), p, g, args.steps))
                for name, (p, g) in runs.items()], args.parallel)
     for name in runs:
@@ -119,7 +121,8 @@ def main(argv=None) -> None:
     real = results["real_digits"]
     lines.append(f"| real digits | {real['confident']:.2f} | {real['coverage']:.3f} | - | - |")
     for name, r in results["runs"].items():
-        lines.append(f"| {name} | {r['confident']:.2f} | {r['coverage']:.3f} | {r['fid_tiny']:.3f} | {r['final_loss']:.4f} |")
+        lines.append(f"| {name} | {r['confident']:.2f} | {r['coverage']:.3f} | {r['fid_tiny']:.3f} "
+                     f"| {r['final_loss']:.4f} |")
     print("\n".join(lines))
 
 

@@ -57,7 +57,7 @@ CALLER_VARIABLES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_OFFLINE", "WANDB_")
 ENVIRONMENT_CONSTANTS = ("huggingface_hub.constants", "datasets.config")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fresh_constants(module_name: str, hf_home: str) -> dict:
     """The UPPER_CASE values `module_name` would hold if imported now, in a clean environment (no
     CALLER_VARIABLES, HF_HOME=hf_home): its source run again in a scratch module."""
@@ -176,8 +176,8 @@ def parquet_images(tmp_path):
     folder = tmp_path / "pq"
     folder.mkdir()
     images = [Image.fromarray(np.full((10, 12), i * 5, np.uint8)) for i in range(40)]
-    dataset = datasets.Dataset.from_dict({"img": images, "n": list(range(40))},
-                                         features=datasets.Features({"img": datasets.Image(), "n": datasets.Value("int64")}))
+    features = datasets.Features({"img": datasets.Image(), "n": datasets.Value("int64")})
+    dataset = datasets.Dataset.from_dict({"img": images, "n": list(range(40))}, features=features)
     for k in range(4):
         dataset.shard(4, k).to_parquet(str(folder / f"part-{k}.parquet"))
     return str(folder)

@@ -118,7 +118,8 @@ class _HubHandler(BaseHTTPRequestHandler):
         headers = {k.lower(): v for k, v in self.headers.items()}
         with self.hub.lock:
             self.hub.requests.append(
-                {"method": method, "path": split.path, "query": parse_qs(split.query), "headers": headers, "body_size": len(body)}
+                {"method": method, "path": split.path, "query": parse_qs(split.query), "headers": headers,
+                 "body_size": len(body)}
             )
         for route_method, pattern, name in _ROUTES:
             match = re.fullmatch(pattern, split.path)

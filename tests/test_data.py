@@ -42,7 +42,8 @@ def _image_folder(path, count=6, size=(12, 10)):
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(0)
     for i in range(count):
-        Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(os.path.join(path, f"{i}.png"))
+        pixels = rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(os.path.join(path, f"{i}.png"))
     return str(path)
 
 

@@ -41,7 +41,7 @@ def test_binned_statistics_match_brute_force_reference():
     stats = diag.reduce_and_reset()
 
     per_bin = {i: [] for i in range(num_bins)}
-    nonfinite = {i: 0 for i in range(num_bins)}
+    nonfinite = dict.fromkeys(range(num_bins), 0)
     for timesteps, loss in batches:
         for t, value in zip(timesteps, np.float32(loss).astype(np.float64)):
             i = int(np.searchsorted(edges, t, side="right")) - 1

@@ -220,7 +220,8 @@ def test_diffusers_readme_command_lines_parse_with_the_same_meaning(tmp_path):
     from diffusion_extras.training.config import parse_config
     data = str(tmp_path)
     flowers = parse_config(README_FLOWERS.format(data=data).split())
-    assert (flowers.dataset_name, flowers.resolution, flowers.center_crop, flowers.random_flip) == (data, 64, True, True)
+    assert (flowers.dataset_name, flowers.resolution, flowers.center_crop, flowers.random_flip) == \
+        (data, 64, True, True)
     assert (flowers.output_dir, flowers.train_batch_size, flowers.gradient_accumulation_steps) == \
         ("ddpm-ema-flowers-64", 16, 1)
     assert flowers.num_epochs == 100 and flowers.max_train_steps is None  # epochs decide, as in diffusers
@@ -231,7 +232,8 @@ def test_diffusers_readme_command_lines_parse_with_the_same_meaning(tmp_path):
     other = parse_config(README_FLOWERS.format(data=data).split() + OTHER_DIFFUSERS_FLAGS.split())
     assert (other.dataset_config_name, other.cache_dir, other.eval_batch_size) == ("default", "cache", 16)
     assert (other.save_images_epochs, other.save_model_epochs, other.lr_scheduler) == (10, 10, "cosine_with_restarts")
-    assert (other.adam_beta1, other.adam_weight_decay, other.ema_max_decay, other.ema_power) == (0.95, 1e-6, 0.9999, 0.75)
+    assert (other.adam_beta1, other.adam_weight_decay, other.ema_max_decay, other.ema_power) == \
+        (0.95, 1e-6, 0.9999, 0.75)
     assert (other.hub_model_id, other.hub_private_repo, other.local_rank) == ("me/flowers", True, -1)
     assert (other.prediction_type, other.ddpm_num_inference_steps, other.ddpm_beta_schedule) == \
         ("sample", 1000, "sigmoid")

@@ -55,7 +55,8 @@ def test_monitor_logs_per_bin_and_does_not_change_the_training_result(train, tin
         train(recipe, tmp_path / name, *flags, *extra)
     for exported in (True, False):  # the exported (EMA) pipeline and the checkpoint's raw weights
         plain, probed = (load_unet_weights(tmp_path / name) if exported else
-                         load_file(tmp_path / name / "checkpoint-4" / "model.safetensors") for name in ("plain", "probed"))
+                         load_file(tmp_path / name / "checkpoint-4" / "model.safetensors")
+                         for name in ("plain", "probed"))
         assert plain.keys() == probed.keys() and all(torch.equal(plain[k], probed[k]) for k in plain)
     rows = [r for r in read_history(tmp_path / "probed") if "grad_probe/total_norm" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -114,7 +114,7 @@ def test_steps_between_logging_intervals_never_sync(tmp_path, monkeypatch, fresh
     assert recorder.in_phase("loop") == [], f"host syncs in the loop between steps: {recorder.in_phase('loop')}"
     intervals = steps // interval
     assert by_function(recorder.in_phase("log")) == collections.Counter(
-        {sync: intervals for sync in LOGGING_SYNCS}), recorder.in_phase("log")
+        dict.fromkeys(LOGGING_SYNCS, intervals)), recorder.in_phase("log")
 
 
 def test_a_nonfinite_step_adds_no_sync_and_its_warning_names_one(tmp_path, monkeypatch, fresh_accelerate):
@@ -129,7 +129,7 @@ def test_a_nonfinite_step_adds_no_sync_and_its_warning_names_one(tmp_path, monke
     with pytest.warns(UserWarning, match="1 non-finite step"):
         recorder = record_training(monkeypatch, run)
     assert recorder.in_phase("step") == [] and recorder.in_phase("loop") == []
-    expected = collections.Counter({sync: 2 for sync in LOGGING_SYNCS})
+    expected = collections.Counter(dict.fromkeys(LOGGING_SYNCS, 2))
     expected[("tolist", "log_window")] = 1  # run.progress.nonfinite_inputs.tolist(), for the warning
     assert by_function(recorder.in_phase("log")) == expected, recorder.in_phase("log")
 
@@ -149,9 +149,10 @@ class StandInOptimizer(torch.optim.Optimizer):
 
 def test_an_optimizer_without_found_inf_syncs_once_per_step(tmp_path, monkeypatch, fresh_accelerate):
     """bitsandbytes' AdamW8bit (not installed here) knows no `found_inf`: optimizer_step reads the
-    finite flag on the host (in step_unless_nonfinite) to skip a non-finite step, the one named sync of that path. torch's
-    plain SGD above (sync-free itself, and not an AdamW) stands in for it."""
-    monkeypatch.setattr(build, "make_optimizer", lambda parameters, lr, *args, **kwargs: StandInOptimizer(parameters, lr))
+    finite flag on the host (in step_unless_nonfinite) to skip a non-finite step, the one named sync
+    of that path. torch's plain SGD above (sync-free itself, and not an AdamW) stands in for it."""
+    monkeypatch.setattr(build, "make_optimizer",
+                        lambda parameters, lr, *args, **kwargs: StandInOptimizer(parameters, lr))
     run = tiny_run(tmp_path, *ALL_EXTRAS, "--max_train_steps", 4, diagnostics_steps=2)
     recorder = record_training(monkeypatch, run)
     assert by_function(recorder.in_phase("step")) == collections.Counter(

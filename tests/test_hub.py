@@ -59,7 +59,8 @@ def _write(folder, rel_path: str, content: bytes) -> None:
 def pipeline_dir(tmp_path):
     """An output dir as the trainer leaves it: pipeline files plus training state that stays local."""
     folder = tmp_path / "ddpm-tiny"
-    weights = safetensors_bytes({"conv_in.weight": np.random.default_rng(0).standard_normal((4, 3, 3, 3), dtype=np.float32)})
+    conv_in = np.random.default_rng(0).standard_normal((4, 3, 3, 3), dtype=np.float32)
+    weights = safetensors_bytes({"conv_in.weight": conv_in})
     contents = {
         "model_index.json": json.dumps({"_class_name": "DDPMPipeline", "unet": ["diffusers", "UNet2DModel"]}).encode(),
         "unet/config.json": json.dumps({"sample_size": 8, "in_channels": 3}).encode(),

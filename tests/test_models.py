@@ -41,7 +41,8 @@ def test_a_value_the_user_set_wins_by_flag_or_recipe(tmp_path):
     flag = models.follow_data(parse_config(["--train_data_dir", str(tmp_path), "--resolution", "32",
                                             "--learning_rate", "2e-3", "--max_train_steps", "7"]), 3)
     assert "learning_rate" not in flag.settings and "max_train_steps" not in flag.settings  # 2e-3 is also our default
-    assert flag.settings["lr_warmup_steps"] == 500 and "yours kept: --learning_rate, --max_train_steps" in flag.optimization
+    assert flag.settings["lr_warmup_steps"] == 500
+    assert "yours kept: --learning_rate, --max_train_steps" in flag.optimization
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"adam_beta1": 0.9, "num_epochs": 3}))
     from_recipe = models.follow_data(parse_config(["--config", str(recipe), "--train_data_dir", str(tmp_path),

@@ -14,8 +14,8 @@ from diffusion_extras.training.checkpointing import verify_checkpoint
 STEPS, EVERY = 6, 3  # checkpoints at 3 and 6; a stop at 2 is off the checkpoint grid
 CPU = {"ACCELERATE_USE_CPU": "1"}
 STOP_LINE = re.compile(r"^preempted: (.+?) received; stopped after optimizer step (\d+) with checkpoint (\S+?)"
-                       r"(?:, [\d.]+ s after it)?\. Continue with the same command and --resume_from_checkpoint latest$",
-                       re.MULTILINE)
+                       r"(?:, [\d.]+ s after it)?\. "
+                       r"Continue with the same command and --resume_from_checkpoint latest$", re.MULTILINE)
 
 
 def stop_lines(result):
@@ -94,3 +94,42 @@ def test_streamed_data_preempted_and_resumed_exactly(hooked_train, tiny_recipe, 
     assert {f"rank_state_{rank}.json" for rank in range(ranks)} <= set(os.listdir(out / "checkpoint-2"))
     hooked_train(recipe, out, *flags, "--resume_from_checkpoint", "latest", launcher=launcher, env=CPU)
     assert_same_state(reference, out, STEPS)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_scheduler_sigterm_to_the_launched_command_saves_and_resumes_bit_identical(train, tiny_recipe, tmp_path,
+                                                                                       ranks):
+    """The signal from outside, as a job scheduler sends it: to `python train_ddpm.py`, or to the
+    torch.distributed.run launcher, which forwards it to every rank. The run is signalled once
+    checkpoint-2 is saved, stops at whatever step it has reached with a checkpoint there, and its
+    resume to two steps further equals a straight run to that step (constant LR: the length does
+    not shape the schedule)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, cli_env
+    recipe = tiny_recipe(train_batch_size=4, max_train_steps=100_000, checkpointing_steps=2,
+                         lr_scheduler="constant_with_warmup", lr_warmup_steps=2)
+    out = tmp_path / "run"
+    launcher = torchrun() if ranks == 2 else [sys.executable]
+    env = {**cli_env(tmp_path), **CPU, "PYTHONUNBUFFERED": "1"}  # its lines as they are printed
+    with subprocess.Popen([*launcher, "train_ddpm.py", "--config", recipe, "--output_dir", str(out)], cwd=ROOT,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        for line in process.stdout:  # checkpoint-2 saved: training is under way
+            if "saved" in line and line.rstrip().endswith("checkpoint-2"):
+                break
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=120)
+        seconds = time.monotonic() - signalled
+    [(name, step, path)] = STOP_LINE.findall(stderr)
+    assert name == "SIGTERM" and int(step) >= 2 and path == str(out / f"checkpoint-{step}"), stderr[-2000:]
+    assert (process.returncode == 4) if ranks == 1 else (process.returncode != 0), stderr[-2000:]
+    assert verify_checkpoint(path) is None and seconds < 30  # well inside a 30-second grace period
+    end = int(step) + 2
+    launch = torchrun() if ranks == 2 else None
+    train(recipe, out, "--resume_from_checkpoint", "latest", "--max_train_steps", end, launcher=launch, env=CPU)
+    train(recipe, tmp_path / "straight", "--max_train_steps", end, launcher=launch, env=CPU)
+    assert_same_state(tmp_path / "straight", out, end)

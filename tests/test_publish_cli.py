@@ -41,7 +41,8 @@ def test_push_to_hub_commits_pipeline_and_card_only(train, tiny_recipe, tmp_path
     assert {"model_index.json", "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
             "scheduler/scheduler_config.json", "README.md", "images/samples.png",
             "images/loss_per_timestep.png", "training_config.yaml"} <= committed
-    assert not [f for f in committed if f.startswith(("checkpoint-", "logs/", "samples/")) or f.endswith((".pkl", ".bin"))]
+    assert not [f for f in committed
+                if f.startswith(("checkpoint-", "logs/", "samples/")) or f.endswith((".pkl", ".bin"))]
     card = server.repos[repo_id]["files"]["README.md"].decode()
     front = yaml.safe_load(card.split("---")[1])
     assert front["library_name"] == "diffusers" and front["pipeline_tag"] == "unconditional-image-generation"

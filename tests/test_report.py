@@ -118,7 +118,7 @@ def test_nonfinite_events_severity():
 IMBALANCED_LOSS = 0.05  # the noisiest bin's loss: ~1500x its optimum and ~3 % of the whole objective
 
 
-def _imbalanced(step, rng, value, key=loss_bin_key(9, NUM_BINS)):
+def _imbalanced(step, rng, value):
     return IMBALANCED_LOSS
 
 

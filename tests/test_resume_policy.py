@@ -39,7 +39,8 @@ def test_readme_states_the_policy_table_of_the_metadata():
     """README's resume section lists every field under the policy its metadata declares."""
     from diffusion_extras.training.resume_policy import policy_table
     readme = open(os.path.join(ROOT, "README.md")).read()
-    assert policy_table() in readme, "README's policy table is stale: paste diffusion_extras.training.resume_policy.policy_table()"
+    assert policy_table() in readme, \
+        "README's policy table is stale: paste diffusion_extras.training.resume_policy.policy_table()"
 
 
 # ----------------------------------------------------------------------------- real runs
@@ -81,7 +82,8 @@ def test_changed_lr_weight_decay_and_betas_apply_from_the_first_resumed_step(hoo
     assert "resuming with --adam_beta1 0.8 (was 0.9)" in result.stdout
     history = {h["step"]: h["lr"] for h in read_history(out)}
     assert history[1] == 0.0 and history[2] == pytest.approx(5e-4)  # the first run's own schedule
-    assert history[3] == pytest.approx(cosine_lr(1e-5, 2, 2, 4)) and history[4] == pytest.approx(cosine_lr(1e-5, 3, 2, 4))
+    assert history[3] == pytest.approx(cosine_lr(1e-5, 2, 2, 4))
+    assert history[4] == pytest.approx(cosine_lr(1e-5, 3, 2, 4))
     optimizer = optimizer_state(out / "checkpoint-4")
     [group] = optimizer["param_groups"]
     assert group["weight_decay"] == 0.5 and tuple(group["betas"]) == (0.8, 0.99) and group["initial_lr"] == 1e-5

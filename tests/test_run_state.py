@@ -49,7 +49,8 @@ def test_images_seen_counts_processes_and_accumulation():
 @pytest.mark.parametrize("flags, embedded, expected", [
     ({}, True, {"validation_split": 0.05, "grad_diagnostics_steps": 250}),
     ({}, False, {"validation_split": 0.0, "grad_diagnostics_steps": 0}),
-    ({"validation_split": 0.0, "grad_diagnostics_steps": 0}, True, {"validation_split": 0.0, "grad_diagnostics_steps": 0}),
+    ({"validation_split": 0.0, "grad_diagnostics_steps": 0}, True,
+     {"validation_split": 0.0, "grad_diagnostics_steps": 0}),
     ({"validation_split": 0.2, "validation_steps": 50}, False, {"validation_split": 0.2, "grad_diagnostics_steps": 0}),
     ({"validation_steps": 50}, True, {"validation_split": 0.05, "grad_diagnostics_steps": 50}),
 ])

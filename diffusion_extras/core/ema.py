@@ -9,7 +9,7 @@ while its decay settings come from the run's config.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 
@@ -32,7 +32,7 @@ class ExponentialMovingAverage:
         return min(max(value, self.min_decay), self.max_decay)
 
     @torch.no_grad()
-    def step(self, parameters: Iterable[torch.nn.Parameter], finite: Optional[torch.Tensor] = None) -> None:
+    def step(self, parameters: Iterable[torch.nn.Parameter], finite: torch.Tensor | None = None) -> None:
         """One update per optimizer step. `finite` (0-dim bool tensor on the device) makes a skipped
         optimizer step a no-op here too, without reading it on the host."""
         self.optimization_step += 1
@@ -69,7 +69,7 @@ class ExponentialMovingAverage:
                 for param, saved in zip(parameters, backup):
                     param.copy_(saved)
 
-    def to(self, device) -> "ExponentialMovingAverage":
+    def to(self, device) -> ExponentialMovingAverage:
         self.shadow_params = [p.to(device) for p in self.shadow_params]
         return self
 

@@ -47,7 +47,7 @@ class NoiseSchedule:
         self.num_train_timesteps = len(betas)
 
     @classmethod
-    def from_scheduler(cls, scheduler, device=None) -> "NoiseSchedule":
+    def from_scheduler(cls, scheduler, device=None) -> NoiseSchedule:
         # zero-terminal-SNR schedules end with beta_T = 1: log1p(-1) = -inf keeps abar_T = 0 exact.
         return cls(scheduler.betas, device)
 

@@ -2,7 +2,7 @@
 gradient skips without a host sync."""
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from diffusers.optimization import get_scheduler

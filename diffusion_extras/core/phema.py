@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 import torch
@@ -190,7 +190,7 @@ def solve_weights(snapshot_steps, snapshot_gammas, target_step: int,
     if steps.ndim != 1 or steps.shape != gammas.shape or steps.size == 0:
         raise ValueError("need one step and one gamma per snapshot, and at least one snapshot")
     if target_step not in steps:
-        known = sorted(set(int(s) for s in steps))
+        known = sorted({int(s) for s in steps})
         listed = known if len(known) <= 6 else [*known[:3], "...", *known[-3:]]
         raise ValueError(f"step {target_step} has no snapshot; choose one of "
                          f"{', '.join(map(str, listed))}")

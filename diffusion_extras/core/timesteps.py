@@ -15,7 +15,7 @@ rank holds the same distribution without any host sync, and it goes into the che
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 
@@ -24,7 +24,7 @@ class TimestepSampler(Protocol):
     """The interface both samplers have (the loss-aware one adds update, state_dict, load_state_dict)."""
     learns_from_losses: bool
 
-    def sample(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+    def sample(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 class UniformTimesteps:

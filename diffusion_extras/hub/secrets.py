@@ -4,7 +4,7 @@ copy of the command line."""
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 _HF_TOKEN_RE = re.compile(r"hf_[A-Za-z0-9]{30,}")  # shape of Hub user access tokens
 

@@ -168,7 +168,8 @@ def check_loss_noise(run: RunLog) -> list[Finding]:
         f"Over the last half, logged losses scatter by {spread:.0%} around their running median and "
         f"{spikes} of {len(residual)} windows spike above {SPIKE_RATIO:g}x it.",
         _stability_fix(run.config, "Reduce the gradient noise: raise --train_batch_size or "
-                       "--gradient_accumulation_steps in a new run (a resume refuses them)" + ("" if run.config.get("snr_gamma") else
+                       "--gradient_accumulation_steps in a new run (a resume refuses them)"
+                       + ("" if run.config.get("snr_gamma") else
                        ", and consider --snr_gamma 5 (Min-SNR, Hang et al. 2023, tames the large low-noise losses)")
                        + f"; each logged value averages ~{samples} "
                        "samples per process, so a larger --diagnostics_steps smooths the log itself"),

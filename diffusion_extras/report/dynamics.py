@@ -1,5 +1,6 @@
-"""Health checks on the held-out loss (validation.py): overfitting, and EMA weights not yet ahead
-of the raw ones; on the per-timestep gradient monitor (grad_monitor.py): one bin dominating. report.analyze runs them beside report_checks; each reads only the logged history."""
+"""Health checks on the held-out loss (monitoring/held_out.py): overfitting, and EMA weights not yet
+ahead of the raw ones; on the per-timestep gradient monitor (monitoring/grad_monitor.py): one bin
+dominating. report.health.analyze runs them beside report.checks; each reads only the logged history."""
 from __future__ import annotations
 
 import numpy as np

@@ -126,7 +126,7 @@ def resume_candidates(output_dir: str, resume_from: str) -> list[str]:
     for path in reversed(list_checkpoints(output_dir)):
         problem = verify_checkpoint(path)
         if problem:
-            warnings.warn(f"skipping {path}: {problem}; falling back to the previous checkpoint")
+            warnings.warn(f"skipping {path}: {problem}; falling back to the previous checkpoint", stacklevel=2)
         else:
             candidates.append(path)
     return candidates
@@ -300,7 +300,7 @@ def check_resumable(path: str, current: dict) -> tuple[dict, dict[str, tuple]]:
     applied = {k: _decoded(v) for k, v in sorted(changes.get(APPLY, {}).items())}
     if applied:
         warnings.warn("resuming with changed settings; the run will differ from an uninterrupted one: "
-                      + "; ".join(describe_change(k, *v) for k, v in applied.items()))
+                      + "; ".join(describe_change(k, *v) for k, v in applied.items()), stacklevel=2)
     return state, applied
 
 

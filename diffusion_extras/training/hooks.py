@@ -10,8 +10,9 @@ step N, a full disk at a chosen write).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,21 +29,21 @@ class Hooks:
     # held_out_images, batches_per_epoch, description)
     data_source: Callable = sources.build_source
     # (run, checkpoint path): on every rank, after a checkpoint is complete (marker written)
-    after_checkpoint: Optional[Callable[["Run", str], None]] = None
+    after_checkpoint: Callable[[Run, str], None] | None = None
     # (temporary checkpoint folder): inside the atomic save, after every file is written and
     # synced, before the completion marker: the moment a kill leaves a torn checkpoint
-    before_checkpoint_marker: Optional[Callable[[str], None]] = None
+    before_checkpoint_marker: Callable[[str], None] | None = None
     # (run, clean model input in [-1, 1], micro-step) -> the model input: after decoding and
     # flips, before noising
-    model_input: Optional[Callable[["Run", torch.Tensor, int], torch.Tensor]] = None
+    model_input: Callable[[Run, torch.Tensor, int], torch.Tensor] | None = None
     # (run): on every rank after each optimizer step, before the loop asks whether a stop signal
     # came (tests send SIGTERM to themselves here: a preemption at a chosen step)
-    after_step: Optional[Callable[["Run"], None]] = None
+    after_step: Callable[[Run], None] | None = None
     # (run, what: "checkpoint-N", "pipeline export", "sample grid", "log history"): at the start of
     # each guarded write of the output folder (training.disk_space); tests raise OSError(ENOSPC) here
-    before_write: Optional[Callable[["Run", str], None]] = None
+    before_write: Callable[[Run, str], None] | None = None
 
 
-def hook(run: "Run", name: str) -> Optional[Callable]:
+def hook(run: Run, name: str) -> Callable | None:
     """The extension point `name` of run.hooks, or None when the run has no hooks or leaves it unset."""
     return getattr(run.hooks, name) if run.hooks is not None else None

@@ -66,7 +66,7 @@ def log_window(run: Run, loss_sum: torch.Tensor, steps: int, seconds: float, pro
                            zip(("mean", "std", "min", "max"), run.progress.nonfinite_inputs.tolist()))
         warnings.warn(f"{values['nonfinite_steps']:.0f} non-finite step(s) skipped up to step {step} "
                       f"(weights and EMA untouched); timestep bins with non-finite losses: {bins or 'none'}; "
-                      f"inputs of the last one: {inputs}")
+                      f"inputs of the last one: {inputs}", stacklevel=2)
     return values
 
 
@@ -74,7 +74,7 @@ def check_nonfinite(run: Run, values: dict) -> None:
     streak = values.get("max_consecutive_nonfinite", 0)
     if streak >= run.config.max_nonfinite_steps:
         config = run.config
-        # every remedy named here is applied on resume (diffusion_extras.training.resume_policy; tests/test_resume_remedies.py)
+        # every remedy named here is applied on resume (training/resume_policy.py; tests/test_resume_remedies.py)
         remedies = [f"Lower --learning_rate (now {run.plan.learning_rate:g})"]
         if not config.max_grad_norm:  # a non-finite gradient cannot be clipped; clipping stops the blow-up before it
             remedies.append("set --max_grad_norm 1.0")

@@ -23,7 +23,8 @@ def resume(run: Run) -> None:
         except Exception as error:  # unreadable despite a complete marker: fall back, as with truncation
             if config.resume_from_checkpoint != "latest" or path == candidates[-1]:
                 raise checkpointing.CheckpointError(f"cannot load {path}: {type(error).__name__}: {error}") from None
-            warnings.warn(f"cannot load {path} ({type(error).__name__}: {error}); falling back to the previous one")
+            warnings.warn(f"cannot load {path} ({type(error).__name__}: {error}); falling back to the previous one",
+                          stacklevel=2)
             continue
         progress.global_step = state["global_step"]
         progress.step_lr = resume_policy.apply_optimizer_settings(

@@ -56,7 +56,8 @@ def applied_change_lines(applied: dict, next_step: int, next_lr: float) -> list[
         if key == "mixed_precision" and old == "fp16":
             line += "; the checkpoint's GradScaler state (scaler.pt) is dropped"
         elif key == "mixed_precision" and new == "fp16":
-            line += "; the GradScaler starts fresh, as in a new fp16 run (its first steps may be skipped while it calibrates)"
+            line += ("; the GradScaler starts fresh, as in a new fp16 run (its first steps may be skipped while it "
+                     "calibrates)")
         lines.append(line)
     return lines
 
