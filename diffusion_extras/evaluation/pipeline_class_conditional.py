@@ -26,13 +26,14 @@ def null_class(unet) -> int:
     return unet.config.num_class_embeds - 1
 
 
-def unconditional_labels(unet, batch_size: int, device) -> torch.Tensor | None:
-    """None for an unconditional UNet, else "no class" for each image: what the held-out loss,
-    gradient probe and debug images give a class-conditional UNet (its unconditional prediction)."""
+def unconditional_inputs(unet, batch_size: int, device) -> dict:
+    """{} for an unconditional UNet, else {"class_labels": "no class" for each image}: the extra
+    UNet arguments with which the held-out loss, the gradient probe, debug images and unlabelled
+    sampling get a class-conditional UNet's unconditional prediction."""
     unet = getattr(unet, "module", unet)  # DDP-wrapped or not
-    if getattr(unet.config, "num_class_embeds", None) is None:
-        return None
-    return torch.full((batch_size,), null_class(unet), dtype=torch.long, device=device)
+    if getattr(getattr(unet, "config", None), "num_class_embeds", None) is None:
+        return {}
+    return {"class_labels": torch.full((batch_size,), null_class(unet), dtype=torch.long, device=device)}
 
 
 def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tensor, guidance_scale: float,
@@ -137,4 +138,4 @@ def _randn(shape, generator, device) -> torch.Tensor:
     return torch.randn(shape, generator=generator, device=on).to(device)
 
 
-__all__ = ["ClassConditionalPipeline", "guided_model_output", "null_class", "unconditional_labels"]
+__all__ = ["ClassConditionalPipeline", "guided_model_output", "null_class", "unconditional_inputs"]

@@ -17,7 +17,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from diffusion_extras.data.images import mix_seed
-from diffusion_extras.evaluation.pipeline_class_conditional import guided_model_output, unconditional_labels
+from diffusion_extras.evaluation.pipeline_class_conditional import guided_model_output, unconditional_inputs
 
 SCHEDULERS = ("ddpm", "ddim", "dpm")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -76,7 +76,7 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
             continue
         model_input = scheduler.scale_model_input(sample, t).to(net_dtype)
         with autocast:  # a class-conditional UNet without labels: its "no class" prediction
-            model_output = unet(model_input, t, class_labels=unconditional_labels(unet, len(sample), device)).sample
+            model_output = unet(model_input, t, **unconditional_inputs(unet, len(sample), device)).sample
         # x_t stays fp32 whatever the network precision: rounding it each step accumulates error.
         sample = scheduler.step(model_output.float(), t, sample, generator=generators).prev_sample
         step_bar.update(len(generators))
