@@ -18,6 +18,7 @@ from PIL import Image
 
 from diffusion_extras.data.images import preprocess_image
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
+from diffusion_extras.evaluation.pipeline_class_conditional import PIPELINE_CLASS, ClassConditionalPipeline
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -66,6 +67,11 @@ def one_line_errors():
 
 
 # ----------------------------------------------------------------------------- pipelines
+def read_model_index(path: str) -> dict:
+    with open(os.path.join(path, "model_index.json")) as f:
+        return json.load(f)
+
+
 def check_pipeline_folder(path: str) -> None:
     """A one-line ValueError unless `path` holds an unconditional DDPMPipeline (read from
     model_index.json, without loading any weights)."""
@@ -74,11 +80,12 @@ def check_pipeline_folder(path: str) -> None:
         raise ValueError(f"{path} is not a diffusers pipeline folder (no model_index.json); pass the "
                          "output_dir that train_ddpm.py saved, or a folder written by save_pretrained")
     try:
-        with open(index_path) as f:
-            index = json.load(f)
+        index = read_model_index(path)
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"{index_path} is not readable JSON ({error})") from None
     unet_class = (index.get("unet") or [None, None])[-1]
+    if isinstance(index.get("_class_name"), list) and index["_class_name"][-1] != PIPELINE_CLASS:
+        raise ValueError(f"{path} holds a custom pipeline {index['_class_name']}; expected a DDPMPipeline or {PIPELINE_CLASS}")
     if unet_class != "UNet2DModel" or "scheduler" not in index:
         raise ValueError(f"{path} holds a {index.get('_class_name', 'unknown')} with unet {unet_class}; "
                          "expected an unconditional DDPMPipeline (UNet2DModel + scheduler)")
@@ -122,8 +129,11 @@ def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
     path = os.path.expanduser(name_or_path)
     if os.path.isdir(path):
         check_pipeline_folder(path)
+        # a class-conditional folder names its pipeline file (diffusers' custom-pipeline convention);
+        # the package's own copy of that class loads it without running the folder's code
+        conditional = isinstance(read_model_index(path).get("_class_name"), list)
         try:
-            pipeline = DDPMPipeline.from_pretrained(path, dtype=dtype)
+            pipeline = (ClassConditionalPipeline if conditional else DDPMPipeline).from_pretrained(path, dtype=dtype)
         except (OSError, ValueError, EnvironmentError) as error:
             raise ValueError(f"could not load the pipeline in {path}: "
                              f"{str(error).strip().splitlines()[0]}") from None

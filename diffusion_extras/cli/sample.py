@@ -1,6 +1,7 @@
-"""Command line: sample images from a saved DDPMPipeline folder.
+"""Command line: sample images from a saved DDPMPipeline or ClassConditionalPipeline folder.
 
     python -m diffusion_extras.sample PIPELINE --num_images 16 --scheduler ddim --output DIR
+    python -m diffusion_extras.sample PIPELINE --class_labels 3,7 --guidance_scale 2 --output DIR
 """
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="image i uses noise seeded from (seed, i)")
     parser.add_argument("--batch_size", type=positive_int, default=16, help="images per UNet call")
     parser.add_argument("--output", required=True, help="folder for 000000.png ... and grid.png")
+    parser.add_argument("--class_labels", default=None,
+                        help="class-conditional pipelines: comma list of class ids or names (image i is of "
+                             "class i mod the list's length); default: every class in turn")
+    parser.add_argument("--guidance_scale", type=float, default=None,
+                        help="class-conditional pipelines: classifier-free guidance scale (default 2; 1: none)")
     add_device_argument(parser)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                         help="UNet precision; the sampler state stays fp32")
@@ -38,10 +44,36 @@ def main(argv=None) -> int:
     with one_line_errors():
         device = resolve_device(args.device)
         pipeline = load_pipeline(args.pipeline, device=device, dtype=dtype)
+        labels, guidance_scale = requested_classes(pipeline, args.class_labels, args.guidance_scale, args.num_images)
         scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
         images = generate(pipeline.unet, scheduler, args.num_images, args.num_inference_steps,
                           seed=args.seed, batch_size=args.batch_size, device=device,
-                          dtype=dtype, progress=True)
+                          dtype=dtype, progress=True, class_labels=labels, guidance_scale=guidance_scale)
         paths = save_images(images, args.output)
     print(f"wrote {len(images)} images and {paths[-1]}")
     return 0
+
+
+def requested_classes(pipeline, class_labels: str | None, guidance_scale: float | None, num_images: int) -> tuple:
+    """(a class id per image or None, the guidance scale) from --class_labels (ids or names) and
+    --guidance_scale; a ValueError for either on an unconditional pipeline, or an unknown class."""
+    id2label = getattr(pipeline, "id2label", None)
+    if not id2label:
+        for flag, value in (("--class_labels", class_labels), ("--guidance_scale", guidance_scale)):
+            if value is not None:
+                raise ValueError(f"{flag}: this pipeline is unconditional (a {type(pipeline).__name__}); drop the flag")
+        return None, 1.0
+    ids = list(id2label)
+    if class_labels is not None:
+        ids = []
+        for item in (part.strip() for part in class_labels.split(",") if part.strip()):
+            if item in pipeline.labels:
+                ids.append(pipeline.labels[item])
+            elif item.lstrip("-").isdigit() and int(item) in id2label:
+                ids.append(int(item))
+            else:
+                raise ValueError(f"--class_labels: unknown class {item!r}; the classes are "
+                                 + ", ".join(f"{i} ({name})" for i, name in id2label.items()))
+        if not ids:
+            raise ValueError("--class_labels: give at least one class id or name")
+    return [ids[i % len(ids)] for i in range(num_images)], 2.0 if guidance_scale is None else guidance_scale

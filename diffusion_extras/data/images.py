@@ -178,6 +178,54 @@ def find_image_column(dataset, image_column: str | None = None) -> str:
     return found[0]
 
 
+# ----------------------------------------------------------------------------- class labels
+def find_label_column(dataset, label_column: str | None = None) -> str:
+    """--label_column, or the dataset's one ClassLabel column (an imagefolder's subfolder names,
+    the digits' `label`)."""
+    import datasets
+
+    columns = list(dataset.features)
+    if label_column is not None:
+        if label_column not in columns:
+            raise DataError(f"--label_column {label_column} is not in the dataset (columns: {', '.join(columns)})")
+        return label_column
+    found = [name for name, feature in dataset.features.items() if isinstance(feature, datasets.ClassLabel)]
+    if len(found) != 1:
+        what = "no ClassLabel column" if not found else f"several ClassLabel columns ({', '.join(found)})"
+        raise DataError(f"--class_conditional: the dataset has {what} (columns: {', '.join(columns)}); "
+                        "pass --label_column NAME for the column of class ids or names")
+    return found[0]
+
+
+def class_labels(dataset, label_column: str) -> tuple[np.ndarray, list[str]]:
+    """(int64 class id per row, class names by id). A ClassLabel column declares its classes; any
+    other column must hold non-negative ints (classes 0..max) or names (classes sorted by name)."""
+    import datasets
+
+    feature = dataset.features[label_column]
+    values = dataset.with_format("arrow")[:].column(label_column).to_pylist()
+    if isinstance(feature, datasets.ClassLabel):
+        names = list(feature.names)
+    elif values and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        names = [str(i) for i in range(max(values) + 1)]
+    elif values and all(isinstance(v, str) for v in values):
+        names = sorted(set(values))
+        index = {name: i for i, name in enumerate(names)}
+        values = [index[v] for v in values]
+    else:
+        bad = next((v for v in values if not isinstance(v, (int, str)) or isinstance(v, bool)), values[:1])
+        raise DataError(f"--label_column {label_column}: labels must be ints or class names (got {bad!r})")
+    labels = np.asarray(values, dtype=np.int64)
+    outside = labels[(labels < 0) | (labels >= len(names))]
+    if len(outside):
+        raise DataError(f"--label_column {label_column}: label {int(outside[0])} is outside the declared "
+                        f"classes 0..{len(names) - 1} ({len(outside)} row(s))")
+    empty = [names[i] for i in np.flatnonzero(np.bincount(labels, minlength=len(names)) == 0)]
+    if empty:
+        warnings.warn(f"--label_column {label_column}: class(es) with no images: {', '.join(empty)}")
+    return labels, names
+
+
 # ----------------------------------------------------------------------------- channels
 GRAYSCALE_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")  # PIL modes with one colour
 
@@ -428,13 +476,14 @@ class GlobalBatchOrder:
 
 
 class MicroBatches(torch.utils.data.Dataset):
-    """Item k = this rank's uint8 images [B, C, H, W] for micro-step k. Use with
-    DataLoader(batch_size=None, sampler=range(first, last)) so workers prefetch in order."""
+    """Item k = this rank's uint8 images [B, C, H, W] for micro-step k, or (images, int64 class
+    labels [B]) when `labels` (one per image) is given. Use with DataLoader(batch_size=None,
+    sampler=range(first, last)) so workers prefetch in order."""
 
     def __init__(self, images: DecodedImages, order: GlobalBatchOrder, rank: int, batch_size: int,
-                 resolution: int, seed: int):
+                 resolution: int, seed: int, labels: np.ndarray | None = None):
         self.images, self.order, self.rank, self.batch_size = images, order, rank, batch_size
-        self.resolution, self.seed = resolution, seed
+        self.resolution, self.seed, self.labels = resolution, seed, labels
 
     def __len__(self) -> int:
         return 2 ** 62  # an endless stream; the sampler bounds it
@@ -444,7 +493,13 @@ class MicroBatches(torch.utils.data.Dataset):
         batch = np.empty((len(rows), self.resolution, self.resolution, self.images.channels), np.uint8)
         for slot, row in enumerate(rows):
             batch[slot] = random_crop(self.images.image(int(row)), self.resolution, self.seed, int(row), micro_step)
-        return torch.from_numpy(batch).permute(0, 3, 1, 2)
+        images = torch.from_numpy(batch).permute(0, 3, 1, 2)
+        return images if self.labels is None else (images, torch.from_numpy(self.labels[rows]))
+
+
+def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(uint8 images, int64 labels or None) of a data source's batch: images, or (images, labels)."""
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch, None)
 
 
 def to_model_input(batch: torch.Tensor, device, flip: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,7 +2,9 @@
 artifacts (sigma_data, FID references) see a data source and never ask which kind it is.
 
     source = build_source(spec, processes, channels, dataset, validation_split)
-    batches = source.batches(first, last)   # this rank's uint8 [B, C, H, W] micro-batches, first..last-1
+    batches = source.batches(first, last)   # this rank's uint8 [B, C, H, W] micro-batches, first..last-1;
+                                            # (images, int64 labels [B]) pairs when class_names is set
+    source.class_names                      # class names by id (--class_conditional), or None
     source.position(micro_step)             # {"epoch", "batch_in_epoch"} for the train state
     source.state_dict() / load_state_dict() # this rank's position, when the micro-step alone cannot say it
     source.reference_sample(count)          # uint8 NCHW training images, the run's position untouched
@@ -29,6 +31,7 @@ class DataSource(Protocol):
     batches_per_epoch: Optional[int]  # None for a stream (no epoch length)
     description: str                  # names the data in the FID reference fingerprint
     held_out_images: object           # data.ImageSubset, or None
+    class_names: Optional[list]       # names by class id with --class_conditional (batches carry labels), else None
 
     def batches(self, first: int, last: int) -> Iterator[torch.Tensor]: ...
     def position(self, micro_step: int) -> dict: ...
@@ -48,9 +51,15 @@ class CachedImages:
             image_column = data.find_image_column(dataset, spec.image_column)
             self.images = data.cached_decode(dataset, image_column, spec.resolution, spec.center_crop,
                                              channels, spec.cache_dir, processes.is_local_main_process)
+        self.labels, self.class_names = dataset_classes(spec, dataset)
+        if self.labels is not None and len(self.labels) != len(self.images):
+            raise data.DataError(f"{len(self.labels) - len(self.images)} image(s) could not be decoded: with "
+                                 "--class_conditional every image needs its label; remove the unreadable files")
         self.held_out_images = None  # --validation_split: held out before the order exists, never trained on
         if validation_split:
             self.images, self.held_out_images = data.split_held_out(self.images, validation_split, spec.seed)
+            if self.labels is not None:
+                self.labels = self.labels[self.images.rows]
         self.order = data.GlobalBatchOrder(len(self.images), spec.train_batch_size * processes.num_processes,
                                            spec.seed)
         self.spec, self.rank = spec, processes.process_index
@@ -62,7 +71,8 @@ class CachedImages:
         """Micro-batches first..last-1, prefetched in order by the DataLoader workers."""
         spec = self.spec
         loader = torch.utils.data.DataLoader(
-            data.MicroBatches(self.images, self.order, self.rank, spec.train_batch_size, spec.resolution, spec.seed),
+            data.MicroBatches(self.images, self.order, self.rank, spec.train_batch_size, spec.resolution, spec.seed,
+                              self.labels),
             batch_size=None, sampler=range(first, last), num_workers=spec.dataloader_num_workers,
             pin_memory=self.pin_memory,
             generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
@@ -83,6 +93,13 @@ class CachedImages:
         count = min(len(self.images), count)
         order = data.GlobalBatchOrder(len(self.images), count, self.spec.seed)
         return data.MicroBatches(self.images, order, 0, count, self.spec.resolution, self.spec.seed)[0].numpy()
+
+
+def dataset_classes(spec: DataSpec, dataset) -> tuple:
+    """(int64 label per row, class names) with --class_conditional, else (None, None)."""
+    if not spec.class_conditional:
+        return None, None
+    return data.class_labels(dataset, data.find_label_column(dataset, spec.label_column))
 
 
 def open_training_data(spec: DataSpec, processes: Processes) -> tuple:

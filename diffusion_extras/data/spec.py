@@ -21,6 +21,8 @@ class DataSpec:
     train_data_dir: str | None = None        # a folder of images (datasets' imagefolder)
     train_data_files: str | None = None      # globs / brace lists of .tar or .parquet shards
     image_column: str | None = None          # found from the features when None
+    class_conditional: bool = False          # batches carry class labels
+    label_column: str | None = None          # the labels; None: the dataset's one ClassLabel column
     cache_dir: str | None = None             # datasets' cache and the decoded-image cache
     max_train_samples: int | None = None     # keep this many images (a seeded subset)
     resolution: int = 16                     # pixels, square

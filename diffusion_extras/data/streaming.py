@@ -186,6 +186,7 @@ class StreamSource:
 
     batches_per_epoch = None  # unknown for a stream: runs are counted in steps (--max_train_steps)
     held_out_images = None  # --validation_split needs a fixed set: cached data only (validate refuses it)
+    class_names = None      # --class_conditional needs cached data for now (validate refuses it)
 
     def __init__(self, spec: DataSpec, processes: Processes, channels: int):
         shard, column = load_stream(spec, processes.process_index, processes.num_processes)

@@ -273,9 +273,11 @@ def evaluate_unet(unet, scheduler, reference: ReferenceStatistics, extractor, nu
 
 
 def evaluate_unet_metrics(unet, scheduler, suites, num_samples: int, num_inference_steps: int = 50, seed: int = 0,
-                          batch_size: int = 64, device=None) -> dict:
+                          batch_size: int = 64, device=None, num_classes: int | None = None,
+                          guidance_scale: float = 1.0) -> dict:
     """`suites`: (extractor, its reference statistics, metrics) triples. One set of samples serves
-    every extractor, so all metrics judge the same images."""
+    every extractor, so all metrics judge the same images. `num_classes` (a class-conditional
+    UNet): sample i is of class i mod num_classes (class-balanced), guided at `guidance_scale`."""
     for extractor, reference, _ in suites:
         if reference.extractor_name != extractor.name:
             raise ValueError(f"reference statistics were made with {reference.extractor_name!r}, "
@@ -283,8 +285,10 @@ def evaluate_unet_metrics(unet, scheduler, suites, num_samples: int, num_inferen
     features = [[] for _ in suites]
     # Chunks of one seeded run (start_index), so memory holds one batch of images at a time.
     for first in range(0, num_samples, batch_size):
-        images = generate(unet, scheduler, min(batch_size, num_samples - first), num_inference_steps, seed=seed,
-                          device=device, start_index=first)
+        count = min(batch_size, num_samples - first)
+        labels = None if num_classes is None else [i % num_classes for i in range(first, first + count)]
+        images = generate(unet, scheduler, count, num_inference_steps, seed=seed, device=device, start_index=first,
+                          class_labels=labels, guidance_scale=guidance_scale)
         for collected, (extractor, _, _) in zip(features, suites):
             collected.append(_extract_all([images], extractor))
     values = {}

@@ -17,6 +17,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from diffusion_extras.data.images import mix_seed
+from diffusion_extras.evaluation.pipeline_class_conditional import guided_model_output, unconditional_inputs
 
 SCHEDULERS = ("ddpm", "ddim", "dpm")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -33,6 +34,11 @@ def make_scheduler(name: str, config):
         raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
     overrides = {"timestep_spacing": "trailing"} if config.get("rescale_betas_zero_snr") else {}
     return classes[name].from_config(config, **overrides)
+
+
+def class_rows(class_names: list, per_class: int, max_classes: int = 10) -> list[int]:
+    """Class ids for a grid of one row per class (the first `max_classes` classes), `per_class` each."""
+    return [label for label in range(min(len(class_names), max_classes)) for _ in range(per_class)]
 
 
 def image_seed(seed: int, index: int) -> int:
@@ -52,7 +58,8 @@ def _to_uint8(sample: torch.Tensor) -> np.ndarray:
     return (images * 255).round().astype(np.uint8)
 
 
-def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dtype, step_bar):
+def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dtype, step_bar,
+                   class_labels=None, guidance_scale: float = 1.0):
     shape = (len(generators),) + _image_shape(unet)
     sample = torch.cat([torch.randn((1,) + shape[1:], generator=g) for g in generators]).to(device)
     sample = sample * scheduler.init_noise_sigma
@@ -61,9 +68,15 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
     net_dtype = next(unet.parameters()).dtype
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     for t in scheduler.timesteps:
+        if class_labels is not None:  # the pipeline's guidance, one batched call (fp32 combination)
+            model_output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels,
+                                               guidance_scale, dtype)
+            sample = scheduler.step(model_output, t, sample, generator=generators).prev_sample
+            step_bar.update(len(generators))
+            continue
         model_input = scheduler.scale_model_input(sample, t).to(net_dtype)
-        with autocast:
-            model_output = unet(model_input, t).sample
+        with autocast:  # a class-conditional UNet without labels: its "no class" prediction
+            model_output = unet(model_input, t, **unconditional_inputs(unet, len(sample), device)).sample
         # x_t stays fp32 whatever the network precision: rounding it each step accumulates error.
         sample = scheduler.step(model_output.float(), t, sample, generator=generators).prev_sample
         step_bar.update(len(generators))
@@ -73,12 +86,15 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
 @torch.no_grad()
 def generate(unet, scheduler, num_images: int, num_inference_steps: int = 50, seed: int = 0,
              batch_size: int | None = None, device=None, dtype=torch.float32, progress: bool = False,
-             *, start_index: int = 0) -> np.ndarray:
+             *, start_index: int = 0, class_labels=None, guidance_scale: float = 1.0) -> np.ndarray:
     """Sample `num_images` images as uint8 [N, H, W, C].
 
     `scheduler` is only read (a copy is stepped), so the training noise scheduler may be passed.
     `dtype` is the precision the UNet runs in (autocast); the sampler state stays fp32.
     `start_index` offsets the image indices, so chunks of one long run reproduce that run.
+    `class_labels` (one class id per image) samples a class-conditional UNet with classifier-free
+    guidance at `guidance_scale` (the ClassConditionalPipeline's guidance); without them such a UNet
+    samples its unconditional ("no class") model.
     The noise is the same whatever `batch_size`; the UNet's batched kernels are not bit-identical
     across batch sizes (~1e-7), which a long deterministic (DDIM) run can amplify: bit-exact
     reproduction needs the same seed, device and batch size.
@@ -88,6 +104,8 @@ def generate(unet, scheduler, num_images: int, num_inference_steps: int = 50, se
     batch_size = batch_size or num_images
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if class_labels is not None and len(class_labels) != num_images:
+        raise ValueError(f"give one class label per image ({num_images}), got {len(class_labels)}")
     parameter = next(unet.parameters())
     device = torch.device(device) if device is not None else parameter.device
     scheduler = type(scheduler).from_config(scheduler.config)
@@ -100,8 +118,10 @@ def generate(unet, scheduler, num_images: int, num_inference_steps: int = 50, se
             for first in range(0, num_images, batch_size):
                 indices = range(start_index + first, start_index + min(first + batch_size, num_images))
                 generators = [torch.Generator("cpu").manual_seed(image_seed(seed, i)) for i in indices]
+                labels = (None if class_labels is None else
+                          torch.as_tensor(class_labels[first:first + len(indices)], dtype=torch.long, device=device))
                 images.append(_denoise_batch(unet, scheduler, generators, num_inference_steps,
-                                             device, dtype, step_bar))
+                                             device, dtype, step_bar, labels, guidance_scale))
     finally:
         for module, was_training in modes.items():
             module.training = was_training

@@ -14,10 +14,13 @@ from concurrent.futures import Future
 from huggingface_hub import HfApi, ModelCard, ModelCardData, constants, get_token
 from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
 
+from diffusion_extras.evaluation.pipeline_class_conditional import PIPELINE_MODULE
 from diffusion_extras.hub.secrets import redact_config  # the project's one secret-dropping rule
 
 # What a DDPMPipeline needs, plus its card; everything else in the output dir stays local.
-PIPELINE_PATTERNS = ["model_index.json", "unet/*", "scheduler/*", "README.md", "images/*", "training_config.yaml"]
+# the class-conditional pipeline's source file: model_index.json names it, the Hub loads it as remote code
+PIPELINE_PATTERNS = ["model_index.json", "unet/*", "scheduler/*", "README.md", "images/*", "training_config.yaml",
+                     f"{PIPELINE_MODULE}.py"]
 # Training state that must never leave the machine even if it lands inside an allowed folder.
 NEVER_PUSH_PATTERNS = ["*.pkl", "*optimizer*.bin", "*random_states*", "*.lock"]
 CARD_IMAGES_DIR = "images"  # card images live here, the only image folder that is pushed
@@ -134,7 +137,8 @@ class HubPusher:
 def write_model_card(folder: str, info: dict) -> str:
     """Writes folder/README.md for a DDPM pipeline and returns its path. `info` keys: repo_id,
     config (dict), global_step, images_seen, metrics (dict), sample_grid and loss_plot (paths under
-    folder/images/), dataset_name, license, title, _redact (secrets to keep out of the card)."""
+    folder/images/), dataset_name, license, title, class_names (a class-conditional pipeline), _redact
+    (secrets to keep out of the card)."""
     secrets = [s for s in info.get("_redact") or [] if s]
     config = redact_config(info.get("config") or {}, secrets)
     repo_id = info.get("repo_id") or default_repo_id(folder, None)
@@ -142,7 +146,7 @@ def write_model_card(folder: str, info: dict) -> str:
     card_data = ModelCardData(
         library_name="diffusers",
         pipeline_tag="unconditional-image-generation",
-        tags=CARD_TAGS,
+        tags=CARD_TAGS + (["class-conditional"] if info.get("class_names") else []),
         datasets=[dataset] if _is_hub_dataset_id(dataset) else None,
         license=info.get("license") or "apache-2.0",
     )
@@ -183,12 +187,25 @@ def _card_body(folder: str, info: dict, config: dict, repo_id: str, dataset: str
     for key, heading in (("sample_grid", "Samples"), ("loss_plot", "Loss per timestep")):
         if info.get(key):
             lines += [f"## {heading}", "", f"![{heading}]({_card_image(folder, info[key], key)})", ""]
-    lines += [
-        "## Usage", "", "```python", "from diffusers import DDPMPipeline", "",
-        f'pipeline = DDPMPipeline.from_pretrained("{repo_id}")',
-        "image = pipeline(batch_size=1).images[0]", 'image.save("sample.png")', "```", "",
-    ]
+    lines += _usage(repo_id, info.get("class_names"))
     return "\n".join(lines)
+
+
+def _usage(repo_id: str, class_names: list | None) -> list[str]:
+    if not class_names:
+        return ["## Usage", "", "```python", "from diffusers import DDPMPipeline", "",
+                f'pipeline = DDPMPipeline.from_pretrained("{repo_id}")',
+                "image = pipeline(batch_size=1).images[0]", 'image.save("sample.png")', "```", ""]
+    names = ", ".join(f'"{name}"' for name in class_names[:2])
+    return ["## Usage", "",
+            f"Class-conditional: {len(class_names)} classes ({', '.join(map(str, class_names[:10]))}"
+            f"{', ...' if len(class_names) > 10 else ''}), sampled with classifier-free guidance. The pipeline's code "
+            f"is `{PIPELINE_MODULE}.py` in this repository (hence `trust_remote_code=True`).", "",
+            "```python", "import torch", "from diffusers import DiffusionPipeline", "",
+            f'pipeline = DiffusionPipeline.from_pretrained("{repo_id}", trust_remote_code=True)',
+            f"class_ids = pipeline.get_label_ids([{names}])  # pipeline.id2label lists the classes",
+            "images = pipeline(class_labels=class_ids, guidance_scale=2.0, num_inference_steps=50,",
+            "                  generator=torch.manual_seed(0)).images", 'images[0].save("sample.png")', "```", ""]
 
 
 def _card_image(folder: str, path: str, key: str) -> str:

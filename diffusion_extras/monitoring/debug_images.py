@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs
 from diffusion_extras.evaluation.sampling import _image_shape, _to_uint8, image_grid, image_seed
 
 
@@ -45,7 +46,8 @@ def denoising_strip(unet, scheduler, num_seeds: int, num_inference_steps: int, s
     unet.eval()
     try:
         for index, t in enumerate(scheduler.timesteps):
-            model_output = unet(scheduler.scale_model_input(sample, t), t).sample.float()
+            labels = unconditional_inputs(unet, len(sample), device)  # a class-conditional UNet: "no class"
+            model_output = unet(scheduler.scale_model_input(sample, t), t, **labels).sample.float()
             output = scheduler.step(model_output, t, sample, generator=generators)
             if index in keep:
                 columns.append((_to_uint8(sample), _to_uint8(output.pred_original_sample)))

@@ -17,6 +17,7 @@ import torch
 
 from diffusion_extras.core import losses
 from diffusion_extras.data.images import mix_seed, to_model_input
+from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs
 from diffusion_extras.monitoring.diagnostics import loss_bin_key, save_figure, timestep_bin_edges
 
 PROBE_STREAM = 0x67AD  # seed stream of the probe batch's timesteps and noise
@@ -42,7 +43,8 @@ class GradientMonitor:
         clean = to_model_input(self.images, device)
         noise, timesteps = self.noise[index].to(device), self.timesteps[index].to(device)
         target = schedule.target(prediction_type, clean, noise, timesteps)
-        prediction = unet(schedule.add_noise(clean, noise, timesteps), timesteps).sample
+        labels = unconditional_inputs(unet, len(clean), clean.device)  # a class-conditional UNet: "no class"
+        prediction = unet(schedule.add_noise(clean, noise, timesteps), timesteps, **labels).sample
         per_sample = losses.per_sample_loss(prediction, target, loss_type, huber_c)
         if snr_gamma:
             per_sample = per_sample * losses.min_snr_weight(schedule.snr[timesteps], snr_gamma, prediction_type)

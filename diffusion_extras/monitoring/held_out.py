@@ -13,6 +13,7 @@ import torch
 
 from diffusion_extras.core import losses
 from diffusion_extras.data.images import VALIDATION_STREAM, ImageSubset, mix_seed, random_crop, to_model_input
+from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs
 from diffusion_extras.monitoring.diagnostics import loss_bin_key, save_figure, timestep_bin_edges
 
 
@@ -48,7 +49,9 @@ class HeldOutLoss:
                 timesteps = self.timesteps.view(-1)[index].to(device)
                 noisy = schedule.add_noise(clean, noise, timesteps)
                 target = schedule.target(prediction_type, clean, noise, timesteps)
-                mse = losses.per_sample_loss(unet(noisy, timesteps).sample, target)
+                # a class-conditional UNet is scored unconditionally ("no class")
+                labels = unconditional_inputs(unet, len(noisy), noisy.device)
+                mse = losses.per_sample_loss(unet(noisy, timesteps, **labels).sample, target)
                 np.add.at(totals, bins.numpy(), mse.double().cpu().numpy())  # a host sync per chunk
         finally:
             unet.train(was_training)

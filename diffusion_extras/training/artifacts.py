@@ -98,13 +98,20 @@ def sample_grid_paths(output_dir: str, step: int) -> list[str]:
 
 
 def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int, num_inference_steps: int,
-                     seed: int) -> str:
+                     seed: int, class_names: list | None = None, guidance_scale: float = 1.0) -> str:
     """EMA samples (fp32, DDIM, fixed seed) as samples/step_XXXXXX.png, images/samples.png (for the
-    card) and to the trackers."""
+    card) and to the trackers. With `class_names`: one row per class (up to 10), guided at
+    `guidance_scale`, num_images // rows images per row (at least 1)."""
     scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
+    labels, per_row = None, None
+    if class_names is not None:
+        per_row = max(1, num_images // min(len(class_names), 10))
+        labels = sampling.class_rows(class_names, per_row)
+        num_images = len(labels)
     with sampling_unet(unet, ema) as copy:
-        images = sampling.generate(copy, scheduler, num_images, num_inference_steps, seed=seed, device=target.device)
-    grid = sampling.image_grid(images)
+        images = sampling.generate(copy, scheduler, num_images, num_inference_steps, seed=seed, device=target.device,
+                                   class_labels=labels, guidance_scale=guidance_scale)
+    grid = sampling.image_grid(images, nrow=per_row)
     path = target.path(os.path.join("samples", f"step_{target.step:06d}.png"))
     grid.save(path)
     shutil.copyfile(path, target.path(CARD_GRID))
@@ -215,12 +222,12 @@ def connect_hub(config, is_main_process: bool):
 
 
 def export(unet, ema, noise_scheduler, target: Target, hub_pusher=None, card: dict | None = None,
-           final: bool = False) -> None:
+           final: bool = False, class_names: list | None = None) -> None:
     """The DDPMPipeline with EMA weights; with a `hub_pusher`, the model card (from `card`: config,
     images_seen, metrics, dataset_name, _redact; see hub.write_model_card) and a push, in the
     background except the final one, which waits and reports the commit URL."""
     with sampling_unet(unet, ema) as copy:
-        models.export_pipeline(copy, noise_scheduler, target.output_dir)
+        models.export_pipeline(copy, noise_scheduler, target.output_dir, class_names)
     if hub_pusher is None:
         return
     info = {"repo_id": hub_pusher.repo_id, "global_step": target.step, **(card or {})}
@@ -258,13 +265,15 @@ def prepare_evaluation(config, source, device):
 
 
 def evaluate(unet, ema, noise_scheduler, suites, target: Target, num_samples: int, num_inference_steps: int,
-             seed: int, batch_size: int) -> tuple[dict, dict]:
+             seed: int, batch_size: int, class_names: list | None = None, guidance_scale: float = 1.0
+             ) -> tuple[dict, dict]:
     """--eval_metrics of EMA samples, logged to the trackers and history. Returns (metrics, the
     same named with their extractor, for the model card)."""
     scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
     with sampling_unet(unet, ema) as copy:
         metrics = evaluation.evaluate_unet_metrics(copy, scheduler, suites, num_samples, num_inference_steps, seed,
-                                                   batch_size, target.device)
+                                                   batch_size, target.device,
+                                                   None if class_names is None else len(class_names), guidance_scale)
     target.log_values({f"eval/{k}": float(v) for k, v in metrics.items()})
     names = {metric: extractor.name for extractor, _, group in suites for metric in group}
     return metrics, {f"{k} ({names[k]})" if k in names else k: v for k, v in metrics.items()}

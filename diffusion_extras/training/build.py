@@ -91,7 +91,8 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     switches = run_state.extras_switches(config, config.data_spec().uses_embedded_digits)
     # the data is opened before the model: with no model chosen, the model follows the images
     dataset, data_channels = sources.open_training_data(config.data_spec(), accelerator)
-    choice, unet = build_model(config, accelerator, data_channels)
+    class_names = sources.dataset_classes(config.data_spec(), dataset)[1] if dataset is not None else None
+    choice, unet = build_model(config, accelerator, data_channels, class_names)
     training_data, held_out_images = build_data(config, accelerator, unet.config.in_channels, dataset,
                                                 switches["validation_split"], hooks.data_source)
     plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
@@ -116,10 +117,12 @@ def refuse_sharded_training(accelerator) -> None:
             "with --gradient_checkpointing and --mixed_precision bf16 to save memory")
 
 
-def build_model(config: TrainConfig, accelerator, data_channels: int) -> tuple[models.Choice, torch.nn.Module]:
+def build_model(config: TrainConfig, accelerator, data_channels: int,
+                class_names: list | None = None) -> tuple[models.Choice, torch.nn.Module]:
     """(the choice, the UNet): the recipe's UNet, or one that follows the images with its
-    optimization; announced in one line with its size."""
-    choice = models.follow_data(config, data_channels)
+    optimization, with a class embedding for `class_names` (--class_conditional); announced in one
+    line with its size."""
+    choice = models.follow_data(config, data_channels, class_names)
     unet = models.build_unet(config, choice.model)
     for line in models.describe(unet, choice.description, data_channels, choice.optimization):
         accelerator.print(line)
@@ -134,7 +137,7 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
     sample = torch.from_numpy(source.reference_sample(2048))
     # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
     sigma_data = diagnostics.per_dimension_variance(data.to_model_input(sample, "cpu")) ** 0.5
-    training_data = Data(source=source, sigma_data=sigma_data,
+    training_data = Data(source=source, sigma_data=sigma_data, class_names=getattr(source, "class_names", None),
                          global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
                          gradient_accumulation_steps=config.gradient_accumulation_steps)
     return training_data, source.held_out_images

@@ -99,6 +99,8 @@ class TrainConfig:
     center_crop: bool = _f(True, "Center-crop to the square resolution; --no-center_crop crops at a random place.", resume=APPLY, group="data")
     random_flip: bool = _f(False, "Flip images horizontally at random (off for digits: flipped digits are not digits).", resume=APPLY, group="data")
     streaming: bool = _f(False, "Stream the dataset (load_dataset(streaming=True)) instead of downloading and caching it; needs --max_train_steps.", resume=REFUSE, group="data")
+    class_conditional: bool = _f(False, "Train a class-conditional UNet (a class embedding with one extra 'no class' entry for classifier-free guidance); the classes and their names come from the data and are saved with the pipeline.", resume=REFUSE, group="data")
+    label_column: Optional[str] = _f(None, "Column of class labels (ints or class names) for --class_conditional; default: the dataset's one ClassLabel column (an imagefolder's subfolder names, the digits' label).", resume=REFUSE, group="data")
     shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY, group="data")
     # --- model ------------------------------------------------------------------------
     model_config_name_or_path: Optional[str] = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE, group="model")
@@ -111,6 +113,7 @@ class TrainConfig:
     snr_gamma: Optional[float] = _f(5.0, "Min-SNR-gamma loss weighting (Hang et al. 2023); 0 turns it off. 5 beat no weighting on digits for every prediction type (docs/EXPERIMENTS.md).", resume=APPLY, group="objective")
     loss_type: str = _f("l2", "Loss: l2, or huber (pseudo-Huber with --huber_c).", choices=LOSS_TYPES, resume=APPLY, group="objective")
     huber_c: float = _f(0.1, "Pseudo-Huber transition scale.", resume=APPLY, group="objective")
+    condition_dropout: float = _f(0.1, "With --class_conditional: the fraction of labels replaced by 'no class' (drawn from seed and micro-step), which teaches the unconditional prediction classifier-free guidance needs (Ho & Salimans 2022).", resume=APPLY, group="objective")
     timestep_sampling: str = _f("uniform", "How timesteps are drawn: uniform, or loss_aware (importance sampling by the per-timestep loss second moment, reweighted to stay unbiased).", choices=TIMESTEP_SAMPLING, resume=REFUSE, group="objective")
     # --- optimization -----------------------------------------------------------------
     train_batch_size: int = _f(64, "Images per process per micro-batch.", resume=REFUSE, group="optimization")
@@ -145,6 +148,7 @@ class TrainConfig:
     save_images_steps: int = _f(500, "Save a sample grid (EMA weights, DDIM) every N optimizer steps and at the end.", resume=APPLY, group="evaluation")
     eval_batch_size: int = _f(64, "Images in each sample grid.", resume=APPLY, group="evaluation")
     ddpm_num_inference_steps: int = _f(50, "DDIM steps for sample grids.", resume=APPLY, group="evaluation")
+    guidance_scale: float = _f(2.0, "With --class_conditional: classifier-free guidance scale of the sample grids (one row per class, up to 10 classes); 1: no guidance.", resume=FREE, group="evaluation")
     eval_steps: Optional[int] = _f(None, "Every N optimizer steps (and at the end): FID/KID of EMA samples against the training data. None: off.", resume=APPLY, group="evaluation")
     eval_num_samples: int = _f(1000, "Samples per evaluation (and reference images, at most the dataset size).", resume=APPLY, group="evaluation")
     eval_metrics: str = _f("fid,kid", "Comma list of metrics at --eval_steps: fid, kid (in --feature_extractor features), fd_dinov2 (Frechet distance in DINOv2 features, --dinov2_model), cmmd (CLIP MMD, --clip_model). README: which to use and how many samples each needs.", resume=APPLY, group="evaluation")
@@ -352,6 +356,11 @@ def validate(c: TrainConfig) -> None:
     need(0 <= c.adam_beta1 < 1 and 0 <= c.adam_beta2 < 1, "--adam_beta1 and --adam_beta2 must lie in [0, 1)")
     need(c.dataloader_num_workers >= 0, "--dataloader_num_workers must be >= 0")
     need(c.shuffle_buffer_size >= 0, "--shuffle_buffer_size must be >= 0")
+    need(0 <= c.condition_dropout < 1, f"--condition_dropout must lie in [0, 1) (got {c.condition_dropout})")
+    need(c.guidance_scale >= 0, f"--guidance_scale must be >= 0 (1: no guidance; got {c.guidance_scale})")
+    need(not (c.label_column and not c.class_conditional), "--label_column is read only with --class_conditional: add it")
+    need(not (c.class_conditional and c.streaming),
+         "--class_conditional needs cached data for now (labels are not read from streams); drop --streaming")
     need(not c.streaming or c.dataset_name or c.train_data_dir or c.train_data_files,
          "--streaming needs --dataset_name or --train_data_dir or --train_data_files (the embedded digits are already in memory)")
     need(not c.streaming or c.max_train_steps, "--streaming counts in steps, not epochs: give --max_train_steps")

@@ -6,6 +6,7 @@ import os
 from typing import NamedTuple
 
 from diffusion_extras.core import losses
+from diffusion_extras.evaluation import pipeline_class_conditional as conditional
 from diffusion_extras.training.config import DIGITS_UNET, ConfigError, TrainConfig, validate_model_shape
 
 # diffusers' examples/unconditional_image_generation/train_unconditional.py builds this UNet when no
@@ -65,7 +66,17 @@ class Choice(NamedTuple):
     optimization: str = ""  # where the optimization came from, when it followed the data ("" otherwise)
 
 
-def follow_data(config: TrainConfig, data_channels: int) -> Choice:
+def follow_data(config: TrainConfig, data_channels: int, class_names: list | None = None) -> Choice:
+    """The choice of `model_for_data`, with a class embedding when `class_names` are given:
+    num_class_embeds = classes + 1, the last entry being "no class" (classifier-free guidance)."""
+    choice = model_for_data(config, data_channels)
+    if class_names is None:
+        return choice
+    return choice._replace(model={**choice.model, "num_class_embeds": len(class_names) + 1},
+                           description=f"{choice.description}, conditioned on {len(class_names)} classes")
+
+
+def model_for_data(config: TrainConfig, data_channels: int) -> Choice:
     """The UNet and optimization for this run and how they were chosen. With a dataset and no model
     chosen (no --model_config_name_or_path, the recipe's `model` untouched), the model follows the
     images: their channels, and diffusers' train_unconditional.py default shape where the
@@ -116,11 +127,15 @@ def describe(unet, chosen: str, data_channels: int, optimization: str = "") -> l
 
 
 def build_unet(config: TrainConfig, model: dict | None = None):
-    """The UNet of `model` kwargs (default: the recipe's, or --model_config_name_or_path)."""
+    """The UNet of `model` kwargs (default: the recipe's, or --model_config_name_or_path); a
+    `num_class_embeds` in `model` wins over the config file's."""
     from diffusers import UNet2DModel
 
+    values = unet_config(config, model)
+    if model is not None and "num_class_embeds" in model:
+        values["num_class_embeds"] = model["num_class_embeds"]
     try:
-        return UNet2DModel(**unet_config(config, model))
+        return UNet2DModel(**values)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"the UNet config is invalid: {error}") from None
 
@@ -137,17 +152,22 @@ def count_parameters(model) -> int:
 EXPORT_STAGING = ".pipeline.tmp"  # where export_pipeline writes before swapping the parts in
 
 
-def export_pipeline(unet, noise_scheduler, output_dir: str) -> None:
-    """Save a DDPMPipeline (weights only, no optimizer state) into output_dir, swapping each part in
-    by rename so a kill mid-save leaves the previous export loadable."""
+def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | None = None) -> None:
+    """Save a DDPMPipeline, or with `class_names` a ClassConditionalPipeline with its source file
+    (weights only, no optimizer state), into output_dir, swapping each part in by rename so a
+    kill mid-save leaves the previous export loadable."""
     import shutil
-
-    from diffusers import DDPMPipeline
 
     staging = os.path.join(output_dir, EXPORT_STAGING)
     shutil.rmtree(staging, ignore_errors=True)
-    DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(staging)
-    for name in ("unet", "scheduler", "model_index.json"):  # model_index.json last: it marks a pipeline
+    names = ["unet", "scheduler"]
+    if class_names is None:
+        from diffusers import DDPMPipeline
+        DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(staging)
+    else:
+        save_class_conditional(unet, noise_scheduler, class_names, staging)
+        names.append(f"{conditional.PIPELINE_MODULE}.py")
+    for name in (*names, "model_index.json"):  # model_index.json last: it marks a pipeline
         target, old = os.path.join(output_dir, name), os.path.join(output_dir, f".{name}.old")
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(target):
@@ -158,3 +178,22 @@ def export_pipeline(unet, noise_scheduler, output_dir: str) -> None:
         elif os.path.exists(old):
             os.remove(old)
     shutil.rmtree(staging, ignore_errors=True)
+
+
+def save_class_conditional(unet, noise_scheduler, class_names: list, folder: str) -> None:
+    """save_pretrained of a ClassConditionalPipeline, plus its source file beside model_index.json
+    and `_class_name` [module, class]: diffusers' custom-pipeline convention, which
+    DiffusionPipeline.from_pretrained(folder, trust_remote_code=True) resolves to that file
+    (pipeline_loading_utils._resolve_custom_pipeline_and_cls), the package not needed."""
+    import shutil
+
+    pipeline = conditional.ClassConditionalPipeline(unet=unet, scheduler=noise_scheduler,
+                                                    id2label=dict(enumerate(class_names)))
+    pipeline.save_pretrained(folder)
+    shutil.copyfile(conditional.__file__, os.path.join(folder, f"{conditional.PIPELINE_MODULE}.py"))
+    index_path = os.path.join(folder, "model_index.json")
+    with open(index_path) as fh:
+        index = json.load(fh)
+    index["_class_name"] = [conditional.PIPELINE_MODULE, conditional.PIPELINE_CLASS]
+    with open(index_path, "w") as fh:
+        json.dump(index, fh, indent=2, sort_keys=True)

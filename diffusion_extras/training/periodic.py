@@ -39,7 +39,8 @@ def run_main_process_extras(run: Run, step: int, last: bool) -> None:
         with end_of_run_work(run, f"final sample grid ({config.eval_batch_size} images, "
                                   f"{config.ddpm_num_inference_steps} DDIM steps)", last), \
                 guarded_write(run, "sample grid", artifacts.sample_grid_paths(config.output_dir, step)):
-            artifacts.save_sample_grid(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings)
+            artifacts.save_sample_grid(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings,
+                                       class_names=run.data.class_names, guidance_scale=config.guidance_scale)
             artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings)
             artifacts.save_loss_plot(extras.diagnostics, objective.schedule.alphas_cumprod.cpu(), run.data.sigma_data,
                                      config.prediction_type, target)
@@ -53,12 +54,14 @@ def run_main_process_extras(run: Run, step: int, last: bool) -> None:
         with end_of_run_work(run, f"final FID/KID ({config.eval_num_samples} samples)", last):
             metrics, run.progress.last_metrics = artifacts.evaluate(
                 unet, extras.ema, objective.noise_scheduler, extras.evaluation, target, config.eval_num_samples,
-                config.ddpm_num_inference_steps, config.seed, config.eval_batch_size)
+                config.ddpm_num_inference_steps, config.seed, config.eval_batch_size, run.data.class_names,
+                config.guidance_scale)
         run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     if step % plan.save_model_steps == 0 or last:
         with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last), \
                 guarded_write(run, "pipeline export", [os.path.join(config.output_dir, models.EXPORT_STAGING)]):
-            artifacts.export(unet, extras.ema, objective.noise_scheduler, target, run.hub_pusher, model_card(run), last)
+            artifacts.export(unet, extras.ema, objective.noise_scheduler, target, run.hub_pusher, model_card(run), last,
+                             run.data.class_names)
 
 
 def guarded_write(run: Run, what: str, partial):
@@ -74,7 +77,7 @@ def model_card(run: Run) -> dict:
     return {"config": redact_config(run.plan.resolved_config(config), run.secrets),
             "images_seen": run.data.images_seen(run.progress.global_step), "metrics": run.progress.last_metrics,
             "dataset_name": config.dataset_name or ("sklearn digits" if config.data_spec().uses_embedded_digits else None),
-            "_redact": list(run.secrets)}
+            "_redact": list(run.secrets), "class_names": run.data.class_names}
 
 
 def write_reference_bins(run: Run) -> dict:

@@ -116,6 +116,7 @@ class Data:
     sigma_data: float              # std of the model input in [-1, 1]: the Bayes-optimal reference scale
     global_micro_batch_size: int   # images in one micro-step over all processes (without accumulation)
     gradient_accumulation_steps: int
+    class_names: Optional[list] = None  # names by class id with --class_conditional (batches carry labels)
 
     def images_seen(self, optimizer_steps: int) -> int:
         """Training images consumed by that many optimizer steps, over all processes."""

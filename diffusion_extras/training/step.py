@@ -12,26 +12,32 @@ from diffusion_extras.training.run_state import Run
 
 
 def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
-    """Noise, timesteps (with their importance weights) and flips for the whole global micro-batch,
-    from (seed, micro-step): every rank draws the same and keeps its slice, so results do not
-    depend on the number of ranks. Returns the global timesteps too (a loss-aware sampler learns
-    from them)."""
+    """Noise, timesteps (with their importance weights), flips and label drops (--condition_dropout;
+    None unconditional) for the whole global micro-batch, from (seed, micro-step): every rank draws
+    the same and keeps its slice, so results do not depend on the number of ranks. Returns the
+    global timesteps too (a loss-aware sampler learns from them)."""
     device, global_batch = run.accelerator.device, run.data.global_micro_batch_size
     generator = torch.Generator(device).manual_seed(data.mix_seed(run.config.seed, micro_step, 1))
     noise = torch.randn((global_batch, *shape), generator=generator, device=device)
     timesteps, importance = run.objective.timestep_sampler.sample(global_batch, generator)
     flips = torch.rand(global_batch, generator=generator, device=device) < 0.5
+    # drawn last, and only when conditional: an unconditional run's draws are unchanged
+    drops = (torch.rand(global_batch, generator=generator, device=device) < run.config.condition_dropout
+             if run.data.class_names is not None else None)
     rank, batch = run.accelerator.process_index, run.config.train_batch_size
     part = slice(rank * batch, (rank + 1) * batch)
     return (noise[part], timesteps[part], importance[part] if importance is not None else None,
-            flips[part] if run.config.random_flip else None, timesteps)
+            flips[part] if run.config.random_flip else None, drops[part] if drops is not None else None, timesteps)
 
 
 def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool) -> torch.Tensor:
     """sample t, noise, predict, loss, backward. Returns the (weighted) loss, detached, on device."""
     config, accelerator, schedule, unet = run.config, run.accelerator, run.objective.schedule, run.learner.unet
-    noise, timesteps, importance, flips, global_timesteps = micro_step_randomness(run, micro_step, batch.shape[1:])
+    batch, labels = data.split_batch(batch)
+    noise, timesteps, importance, flips, drops, global_timesteps = micro_step_randomness(run, micro_step,
+                                                                                        batch.shape[1:])
     clean = data.to_model_input(batch, accelerator.device, flips)
+    class_labels = conditioning_labels(run, labels, drops)
     if run.hooks is not None and run.hooks.model_input is not None:
         clean = run.hooks.model_input(run, clean, micro_step)
     if config.channels_last:
@@ -39,13 +45,22 @@ def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool)
     noisy = schedule.add_noise(clean, noise, timesteps)  # fp32, outside autocast
     target = schedule.target(config.prediction_type, clean, noise, timesteps)
     with accelerator.no_sync(unet) if not sync else contextlib.nullcontext():
-        prediction = unet(noisy, timesteps).sample  # autocast inside when mixed precision
+        prediction = unet(noisy, timesteps, class_labels=class_labels).sample  # autocast inside when mixed precision
         per_sample = losses.per_sample_loss(prediction, target, config.loss_type, config.huber_c)
         loss = (per_sample * loss_weights(run, timesteps, importance)).mean()
         accelerator.backward(loss / config.gradient_accumulation_steps)
     mse = per_sample if config.loss_type == "l2" else losses.per_sample_loss(prediction, target)
     record_micro_batch(run, timesteps, global_timesteps, mse.detach(), clean)
     return loss.detach()
+
+
+def conditioning_labels(run: Run, labels, drops):
+    """The class labels the UNet sees: None unconditional; else the batch's labels with the dropped
+    ones replaced by "no class" (the last class embedding), which classifier-free guidance needs."""
+    if run.data.class_names is None:
+        return None
+    labels = labels.to(run.accelerator.device, non_blocking=True)
+    return torch.where(drops, torch.full_like(labels, len(run.data.class_names)), labels)
 
 
 def loss_weights(run: Run, timesteps, importance):

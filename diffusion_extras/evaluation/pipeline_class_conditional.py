@@ -1,0 +1,141 @@
+"""A class-conditional DDPM pipeline: a UNet2DModel with a class embedding (num_class_embeds =
+classes + 1; the last index is "no class") and any diffusers scheduler, with DiTPipeline's call:
+
+    pipe = DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)
+    images = pipe(class_labels=pipe.get_label_ids(["3", "7"]), guidance_scale=2.0,
+                  num_inference_steps=50, generator=torch.manual_seed(0)).images
+
+This file is self-contained (torch and diffusers only; huggingface_hub when the class itself loads a Hub id): the trainer saves a copy beside
+model_index.json, whose `_class_name` is ["pipeline_class_conditional", "ClassConditionalPipeline"],
+so diffusers loads it without the training package (diffusers' custom-pipeline convention).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from diffusers import DiffusionPipeline, ImagePipelineOutput, UNet2DModel
+
+PIPELINE_MODULE = "pipeline_class_conditional"  # this file's name in an exported folder, without .py
+PIPELINE_CLASS = "ClassConditionalPipeline"
+
+
+def null_class(unet) -> int:
+    """The "no class" index: the UNet's last class embedding, which training gives dropped labels."""
+    return unet.config.num_class_embeds - 1
+
+
+def unconditional_inputs(unet, batch_size: int, device) -> dict:
+    """{} for an unconditional UNet, else {"class_labels": "no class" for each image}: the extra
+    UNet arguments with which the held-out loss, the gradient probe, debug images and unlabelled
+    sampling get a class-conditional UNet's unconditional prediction."""
+    unet = getattr(unet, "module", unet)  # DDP-wrapped or not
+    if getattr(getattr(unet, "config", None), "num_class_embeds", None) is None:
+        return {}
+    return {"class_labels": torch.full((batch_size,), null_class(unet), dtype=torch.long, device=device)}
+
+
+def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tensor, guidance_scale: float,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Classifier-free guidance (Ho & Salimans 2022): uncond + s * (cond - uncond), from ONE batched
+    UNet call on [conditional; "no class"], combined in fp32. The combination is made on the raw
+    model output, whatever the prediction type: for a fixed t, epsilon, v and x0 predictions are
+    affine in each other given x_t (x0 = (x_t - sqrt(1-a) eps) / sqrt(a), v = sqrt(a) eps - sqrt(1-a) x0),
+    and an affine map commutes with this weighted sum (the weights sum to 1), so guiding the
+    output the scheduler consumes equals guiding epsilon. guidance_scale 1: the conditional
+    prediction alone (one call of half the batch)."""
+    net_dtype = next(unet.parameters()).dtype
+    autocast = torch.autocast(sample.device.type, dtype=dtype, enabled=dtype != torch.float32)
+    if guidance_scale == 1.0:
+        with autocast:
+            return unet(sample.to(net_dtype), t, class_labels=class_labels).sample.float()
+    null = torch.full_like(class_labels, null_class(unet))
+    with autocast:
+        output = unet(torch.cat([sample, sample]).to(net_dtype), t,
+                      class_labels=torch.cat([class_labels, null])).sample.float()
+    conditional, unconditional = output.chunk(2)
+    return unconditional + guidance_scale * (conditional - unconditional)
+
+
+class ClassConditionalPipeline(DiffusionPipeline):
+    """Class-conditional image generation with a UNet2DModel and classifier-free guidance."""
+
+    model_cpu_offload_seq = "unet"
+
+    def __init__(self, unet: UNet2DModel, scheduler, id2label: dict | None = None):
+        super().__init__()
+        self.register_modules(unet=unet, scheduler=scheduler)
+        # JSON keys are strings: {"0": "zero", ...}; kept in the config so save_pretrained writes them
+        id2label = {int(k): str(v) for k, v in (id2label or {}).items()}
+        self.register_to_config(id2label={str(k): v for k, v in sorted(id2label.items())})
+        self.id2label = id2label
+        self.labels = {name: index for index, name in sorted(id2label.items())}  # DiTPipeline's name -> id
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """Loading through this class itself (the package installed): a folder's model_index.json
+        names the saved copy of this file, which diffusers would import as remote code; here the
+        class is already at hand, so the parts are loaded directly into it."""
+        if cls is not ClassConditionalPipeline or kwargs.get("trust_remote_code"):
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        import diffusers
+
+        folder = str(pretrained_model_name_or_path)
+        if not os.path.isdir(folder):
+            from huggingface_hub import snapshot_download
+            folder = snapshot_download(folder, allow_patterns=["model_index.json", "unet/*", "scheduler/*"])
+        with open(os.path.join(folder, "model_index.json")) as fh:
+            index = json.load(fh)
+        dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
+        unet = UNet2DModel.from_pretrained(folder, subfolder="unet", torch_dtype=dtype)
+        scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(folder, subfolder="scheduler")
+        return cls(unet=unet, scheduler=scheduler, id2label=index.get("id2label"))
+
+    def get_label_ids(self, label: str | list[str]) -> list[int]:
+        """Class names -> class ids, as DiTPipeline.get_label_ids."""
+        names = [label] if isinstance(label, str) else list(label)
+        unknown = [name for name in names if name not in self.labels]
+        if unknown:
+            raise ValueError(f"unknown class name(s) {unknown}; the classes are: {', '.join(self.labels)}")
+        return [self.labels[name] for name in names]
+
+    @torch.no_grad()
+    def __call__(self, class_labels: list[int], guidance_scale: float = 2.0,
+                 generator: torch.Generator | list[torch.Generator] | None = None, num_inference_steps: int = 50,
+                 output_type: str = "pil", return_dict: bool = True):
+        """Images of `class_labels` (ids; see get_label_ids). guidance_scale 1: no guidance; more
+        pulls the samples towards their class. output_type: "pil", "np" (float [N, H, W, C] in
+        [0, 1]) or "pt"."""
+        unet, device = self.unet, self._execution_device
+        labels = torch.as_tensor(class_labels, dtype=torch.long).reshape(-1).to(device)
+        num_classes = null_class(unet)
+        if len(labels) == 0 or labels.min() < 0 or labels.max() >= num_classes:
+            raise ValueError(f"class_labels must be ids in [0, {num_classes}); got {list(class_labels)}")
+        size = unet.config.sample_size
+        shape = (len(labels), unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
+        sample = _randn(shape, generator, device) * self.scheduler.init_noise_sigma
+        self.scheduler.set_timesteps(num_inference_steps, device=device)
+        for t in self.progress_bar(self.scheduler.timesteps):
+            model_input = self.scheduler.scale_model_input(sample, t)
+            model_output = guided_model_output(unet, model_input, t, labels, guidance_scale)
+            # x_t stays fp32 whatever the UNet's dtype
+            sample = self.scheduler.step(model_output, t, sample, generator=generator).prev_sample
+        images = (sample / 2 + 0.5).clamp(0, 1)
+        if output_type != "pt":
+            images = images.cpu().permute(0, 2, 3, 1).float().numpy()
+            if output_type == "pil":
+                images = self.numpy_to_pil(images)
+        self.maybe_free_model_hooks()
+        return ImagePipelineOutput(images=images) if return_dict else (images,)
+
+
+def _randn(shape, generator, device) -> torch.Tensor:
+    """fp32 noise; a list of generators draws one image each (on the CPU, device-independent)."""
+    if isinstance(generator, list):
+        return torch.cat([torch.randn((1, *shape[1:]), generator=g) for g in generator]).to(device)
+    on = generator.device if generator is not None else device
+    return torch.randn(shape, generator=generator, device=on).to(device)
+
+
+__all__ = ["ClassConditionalPipeline", "guided_model_output", "null_class", "unconditional_inputs"]

@@ -1,0 +1,166 @@
+"""Class-conditional training (issue 23): labels through the batch order, the exported
+ClassConditionalPipeline (loaded with and without the package), guidance, sampling, refusals and
+exact resume."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import load_unet_weights, save_random_images, tiny_unet
+from test_resume import assert_same_state, torchrun
+
+from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, guided_model_output
+
+# A process that cannot import the package, as the acceptance check (a user without it installed).
+BLOCKED_LOAD = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "diffusion_extras" or name.startswith("diffusion_extras."):
+            raise ImportError("blocked")
+sys.meta_path.insert(0, Block())
+import numpy as np, torch
+from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
+pipe = DiffusionPipeline.from_pretrained(sys.argv[1], trust_remote_code=True)
+pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
+images = pipe(class_labels=pipe.get_label_ids(["3", "7"]), guidance_scale=2.0, num_inference_steps=3,
+              generator=torch.Generator().manual_seed(0), output_type="np").images
+assert np.asarray(images).shape == (2, 8, 8, 1) and np.isfinite(images).all()
+print(type(pipe).__name__, sorted(pipe.id2label.items())[:2])
+"""
+
+
+@pytest.fixture(scope="module")
+def conditional_run(tmp_path_factory):
+    """A 3-step class-conditional run on the digits (tiny recipe), shared by the loading tests."""
+    from conftest import run_training, write_tiny_recipe
+    folder = tmp_path_factory.mktemp("conditional")
+    recipe = write_tiny_recipe(folder, save_images_steps=3, eval_batch_size=20)
+    run_training(folder, recipe, folder / "run", "--class_conditional", "--max_train_steps", 3)
+    return folder / "run"
+
+
+def test_export_names_the_pipeline_file_and_the_classes(conditional_run):
+    index = json.loads((conditional_run / "model_index.json").read_text())
+    assert index["_class_name"] == ["pipeline_class_conditional", "ClassConditionalPipeline"]
+    assert index["id2label"] == {str(i): str(i) for i in range(10)}
+    assert (conditional_run / "pipeline_class_conditional.py").is_file()
+    unet_config = json.loads((conditional_run / "unet" / "config.json").read_text())
+    assert unet_config["num_class_embeds"] == 11  # ten digits + "no class"
+    # the grid: one row per class (10), eval_batch_size // 10 = 2 images each
+    from PIL import Image
+    grid = Image.open(conditional_run / "samples" / "step_000003.png")
+    assert grid.size == (2 + 2 * 10, 2 + 10 * 10)
+
+
+def test_loads_without_the_package_with_trust_remote_code(conditional_run, run_cli, tmp_path):
+    script = tmp_path / "load.py"
+    script.write_text(BLOCKED_LOAD)
+    result = run_cli([script, conditional_run], env={"PYTHONPATH": None}, check=True)
+    assert "ClassConditionalPipeline [(0, '0'), (1, '1')]" in result.stdout
+
+
+def test_the_package_class_loads_the_folder_directly(conditional_run):
+    pipe = ClassConditionalPipeline.from_pretrained(conditional_run)
+    assert type(pipe) is ClassConditionalPipeline and pipe.get_label_ids(["9"]) == [9]
+    images = pipe(class_labels=[0, 1], num_inference_steps=2, generator=torch.manual_seed(0)).images
+    assert len(images) == 2 and images[0].size == (8, 8)
+    with pytest.raises(ValueError, match="unknown class name"):
+        pipe.get_label_ids(["ten"])
+    with pytest.raises(ValueError, match=r"class_labels must be ids in \[0, 10\)"):
+        pipe(class_labels=[10], num_inference_steps=1)
+
+
+def test_sample_cli_takes_class_ids_or_names_and_refuses_unknown_ones(conditional_run, run_cli, tmp_path):
+    result = run_cli(["-m", "diffusion_extras.sample", conditional_run, "--class_labels", "3,7", "--guidance_scale",
+                      "3", "--num_images", 2, "--num_inference_steps", 2, "--output", tmp_path / "out"])
+    assert result.returncode == 0, result.stderr
+    assert len(os.listdir(tmp_path / "out")) == 3
+    result = run_cli(["-m", "diffusion_extras.sample", conditional_run, "--class_labels", "3,eleven",
+                      "--output", tmp_path / "bad"])
+    assert result.returncode == 2 and "unknown class 'eleven'" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_guidance_scale_on_an_unconditional_pipeline_is_refused(run_cli, tmp_path):
+    from conftest import save_tiny_pipeline
+    folder = save_tiny_pipeline(tmp_path / "plain")
+    result = run_cli(["-m", "diffusion_extras.sample", folder, "--guidance_scale", "2", "--output", tmp_path / "o"])
+    assert result.returncode == 2 and "--guidance_scale: this pipeline is unconditional" in result.stderr
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+def test_guidance_is_one_batched_call_combined_in_fp32(prediction_type):
+    unet = tiny_unet(num_class_embeds=4).eval()
+    calls = []
+    unet.register_forward_hook(lambda module, args, output: calls.append(1))
+    sample, labels = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 2])
+    with torch.no_grad():
+        guided = guided_model_output(unet, sample, 10, labels, 3.0)
+        assert len(calls) == 1  # conditional and "no class" in one call
+        conditional = unet(sample, 10, class_labels=labels).sample
+        unconditional = unet(sample, 10, class_labels=torch.full_like(labels, 3)).sample
+    expected = unconditional + 3.0 * (conditional - unconditional)
+    torch.testing.assert_close(guided, expected, rtol=1e-5, atol=1e-5)
+    assert guided.dtype == torch.float32
+
+
+def test_no_label_column_is_one_line_naming_the_columns(train, tiny_recipe, tmp_path):
+    images = save_random_images(tmp_path / "flat", 16, 8, 8)  # no subfolders: imagefolder gives no label
+    result = train(tiny_recipe(), tmp_path / "run", "--train_data_dir", images, "--class_conditional",
+                   "--max_train_steps", 1, check=False)
+    assert result.returncode != 0
+    assert "no ClassLabel column (columns: image)" in result.stderr and "--label_column" in result.stderr
+
+
+def test_labels_outside_the_declared_classes_or_not_labels_are_refused():
+    import datasets
+
+    from diffusion_extras.data.images import DataError, class_labels
+    outside = datasets.Dataset.from_dict({"label": [0, 1]}, features=datasets.Features(
+        {"label": datasets.ClassLabel(names=["cat", "dog", "fox"])}))
+    with pytest.warns(UserWarning, match="class\\(es\\) with no images: fox"):
+        labels, names = class_labels(outside, "label")
+    assert labels.tolist() == [0, 1] and names == ["cat", "dog", "fox"]
+    by_name = datasets.Dataset.from_dict({"kind": ["dog", "cat", "dog"]})
+    assert class_labels(by_name, "kind")[0].tolist() == [1, 0, 1]
+    with pytest.raises(DataError, match="labels must be ints or class names"):
+        class_labels(datasets.Dataset.from_dict({"kind": [0.5, 1.5]}), "kind")
+    with pytest.raises(DataError, match="label -1 is outside the declared classes 0..1"):
+        class_labels(datasets.Dataset.from_dict({"label": [0, -1]}, features=datasets.Features(
+            {"label": datasets.ClassLabel(names=["a", "b"])})), "label")
+
+
+def test_resume_with_labels_is_bitwise_identical(hooked_train, tiny_recipe, tmp_path):
+    recipe = tiny_recipe(checkpointing_steps=3, class_conditional=True, condition_dropout=0.5)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    hooked_train(recipe, straight, "--max_train_steps", 6)
+    hooked_train(recipe, resumed, "--max_train_steps", 6, env={"DDPM_TEST_STOP_AFTER_STEP": "3"})
+    hooked_train(recipe, resumed, "--max_train_steps", 6, "--resume_from_checkpoint", "latest")
+    assert_same_state(straight, resumed, 6)
+    # the labels and their dropout are used: another dropout gives other weights
+    other = tmp_path / "other"
+    hooked_train(tiny_recipe(class_conditional=True, condition_dropout=0.0), other, "--max_train_steps", 6)
+    a, b = load_unet_weights(straight), load_unet_weights(other)
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_class_conditional_and_the_number_of_classes_are_refused_on_resume(hooked_train, tiny_recipe, tmp_path):
+    out = tmp_path / "run"
+    hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 2, "--class_conditional")
+    result = hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 4,
+                          "--resume_from_checkpoint", "latest", check=False)
+    assert result.returncode == 2 and "class_conditional" in result.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo ranks on linux")
+def test_two_ranks_with_labels_equal_one_rank(hooked_train, tiny_recipe, tmp_path):
+    two, single = tmp_path / "two", tmp_path / "single"
+    hooked_train(tiny_recipe(train_batch_size=4, class_conditional=True), two, "--max_train_steps", 3,
+                 launcher=torchrun(), env={"ACCELERATE_USE_CPU": "1"})
+    hooked_train(tiny_recipe(train_batch_size=8, class_conditional=True), single, "--max_train_steps", 3)
+    w2, w1 = load_unet_weights(two), load_unet_weights(single)
+    assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
+    assert np.isfinite([v.abs().max().item() for v in w1.values()]).all()
