@@ -124,7 +124,9 @@ def test_a_scheduler_sigterm_to_the_launched_command_saves_and_resumes_bit_ident
         process.send_signal(signal.SIGTERM)
         stdout, stderr = process.communicate(timeout=120)
         seconds = time.monotonic() - signalled
-    [(name, step, path)] = STOP_LINE.findall(stderr)
+    stops = STOP_LINE.findall(stderr)
+    assert len(stops) == 1, stderr[-3000:]
+    [(name, step, path)] = stops
     assert name == "SIGTERM" and int(step) >= 2 and path == str(out / f"checkpoint-{step}"), stderr[-2000:]
     assert (process.returncode == 4) if ranks == 1 else (process.returncode != 0), stderr[-2000:]
     assert verify_checkpoint(path) is None and seconds < 30  # well inside a 30-second grace period

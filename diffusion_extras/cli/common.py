@@ -85,7 +85,8 @@ def check_pipeline_folder(path: str) -> None:
         raise ValueError(f"{index_path} is not readable JSON ({error})") from None
     unet_class = (index.get("unet") or [None, None])[-1]
     if isinstance(index.get("_class_name"), list) and index["_class_name"][-1] != PIPELINE_CLASS:
-        raise ValueError(f"{path} holds a custom pipeline {index['_class_name']}; expected a DDPMPipeline or {PIPELINE_CLASS}")
+        raise ValueError(f"{path} holds a custom pipeline {index['_class_name']}; "
+                         f"expected a DDPMPipeline or {PIPELINE_CLASS}")
     if unet_class != "UNet2DModel" or "scheduler" not in index:
         raise ValueError(f"{path} holds a {index.get('_class_name', 'unknown')} with unet {unet_class}; "
                          "expected an unconditional DDPMPipeline (UNet2DModel + scheduler)")
@@ -134,7 +135,7 @@ def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
         conditional = isinstance(read_model_index(path).get("_class_name"), list)
         try:
             pipeline = (ClassConditionalPipeline if conditional else DDPMPipeline).from_pretrained(path, dtype=dtype)
-        except (OSError, ValueError, EnvironmentError) as error:
+        except (OSError, ValueError) as error:
             raise ValueError(f"could not load the pipeline in {path}: "
                              f"{str(error).strip().splitlines()[0]}") from None
     elif os.path.exists(path):

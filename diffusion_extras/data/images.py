@@ -222,7 +222,7 @@ def class_labels(dataset, label_column: str) -> tuple[np.ndarray, list[str]]:
                         f"classes 0..{len(names) - 1} ({len(outside)} row(s))")
     empty = [names[i] for i in np.flatnonzero(np.bincount(labels, minlength=len(names)) == 0)]
     if empty:
-        warnings.warn(f"--label_column {label_column}: class(es) with no images: {', '.join(empty)}")
+        warnings.warn(f"--label_column {label_column}: class(es) with no images: {', '.join(empty)}", stacklevel=2)
     return labels, names
 
 
@@ -272,7 +272,7 @@ class DecodedImages:
         return np.asarray(self.pixels).reshape(len(self), height, width, self.channels)
 
     @classmethod
-    def load(cls, directory: str, channels: int) -> "DecodedImages":
+    def load(cls, directory: str, channels: int) -> DecodedImages:
         shapes = np.load(os.path.join(directory, "shapes.npy"))
         pixels = np.memmap(os.path.join(directory, "pixels.bin"), dtype=np.uint8, mode="r")
         return cls(pixels, shapes, _offsets(shapes, channels), channels)
@@ -364,7 +364,7 @@ def iter_decoded(dataset, image_column: str, resolution: int, center_crop: bool,
         for arrays, problems in (pool.map(task, bounds) if pool else map(task, bounds)):
             for name, message in problems:
                 skipped.append(name)
-                warnings.warn(f"skipping unreadable image {name}: {message}")
+                warnings.warn(f"skipping unreadable image {name}: {message}", stacklevel=2)
             decoded += len(arrays)
             bar.update(len(arrays) + len(problems))
             yield from arrays

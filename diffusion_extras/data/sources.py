@@ -16,7 +16,8 @@ stream's own state, saved per rank).
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -28,15 +29,15 @@ from diffusion_extras.data.streaming import StreamSource, load_stream
 
 class DataSource(Protocol):
     """The interface above, as a type."""
-    batches_per_epoch: Optional[int]  # None for a stream (no epoch length)
+    batches_per_epoch: int | None  # None for a stream (no epoch length)
     description: str                  # names the data in the FID reference fingerprint
     held_out_images: object           # data.ImageSubset, or None
-    class_names: Optional[list]       # names by class id with --class_conditional (batches carry labels), else None
+    class_names: list | None       # names by class id with --class_conditional (batches carry labels), else None
 
     def batches(self, first: int, last: int) -> Iterator[torch.Tensor]: ...
     def position(self, micro_step: int) -> dict: ...
-    def state_dict(self) -> Optional[dict]: ...
-    def load_state_dict(self, state: Optional[dict]) -> None: ...
+    def state_dict(self) -> dict | None: ...
+    def load_state_dict(self, state: dict | None) -> None: ...
     def reference_sample(self, count: int) -> np.ndarray: ...
 
 

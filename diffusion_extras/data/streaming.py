@@ -91,7 +91,7 @@ class DecodedStream(torch.utils.data.IterableDataset):
             return decode_image(image, self.resolution, self.center_crop, self.channels)
         except Exception as error:  # a corrupt file in a stream: skip it, name it, go on
             name = image.get("path") or f"#{self.examples_seen}"
-            warnings.warn(f"skipping unreadable image {name}: {type(error).__name__}: {error}")
+            warnings.warn(f"skipping unreadable image {name}: {type(error).__name__}: {error}", stacklevel=2)
             return None
 
     def state_dict(self) -> dict:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import numpy as np
 import scipy.linalg
@@ -192,7 +193,7 @@ def cmmd(features1, features2, sigma: float = CMMD_SIGMA, scale: float = CMMD_SC
     return float(scale * (mean_kernel(x, x) + mean_kernel(y, y) - 2 * mean_kernel(x, y)))
 
 
-def score(features: np.ndarray, reference: "ReferenceStatistics", metrics: list[str], seed: int = 0) -> dict:
+def score(features: np.ndarray, reference: ReferenceStatistics, metrics: list[str], seed: int = 0) -> dict:
     """The requested metrics of generated `features` against `reference` (same extractor)."""
     values = {}
     if "fid" in metrics or "fd_dinov2" in metrics:
@@ -224,7 +225,7 @@ class ReferenceStatistics:
         os.replace(temporary, path)  # a crash mid-write never leaves a truncated cache behind
 
     @classmethod
-    def load(cls, path) -> "ReferenceStatistics":
+    def load(cls, path) -> ReferenceStatistics:
         try:
             with np.load(path, allow_pickle=False) as data:
                 return cls(mu=data["mu"], sigma=data["sigma"], features=data["features"].astype(np.float64),

@@ -5,9 +5,10 @@ classes + 1; the last index is "no class") and any diffusers scheduler, with DiT
     images = pipe(class_labels=pipe.get_label_ids(["3", "7"]), guidance_scale=2.0,
                   num_inference_steps=50, generator=torch.manual_seed(0)).images
 
-This file is self-contained (torch and diffusers only; huggingface_hub when the class itself loads a Hub id): the trainer saves a copy beside
-model_index.json, whose `_class_name` is ["pipeline_class_conditional", "ClassConditionalPipeline"],
-so diffusers loads it without the training package (diffusers' custom-pipeline convention).
+This file is self-contained (torch and diffusers only; huggingface_hub when the class itself
+loads a Hub id): the trainer saves a copy beside model_index.json, whose `_class_name` is
+["pipeline_class_conditional", "ClassConditionalPipeline"], so diffusers loads it without the
+training package (diffusers' custom-pipeline convention).
 """
 from __future__ import annotations
 

@@ -57,7 +57,8 @@ class HubPusher:
 
     def __init__(self, repo_id: str, token: str, private: bool, folder: str):
         if constants.is_offline_mode():  # read once, when huggingface_hub is imported
-            raise ValueError("--push_to_hub cannot work in offline mode: unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE)")
+            raise ValueError("--push_to_hub cannot work in offline mode: "
+                             "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE)")
         self.token, self.folder = token, folder
         self.api = HfApi(token=token)
         # The Hub ignores `private` for a repo that already exists: its visibility is kept.

@@ -80,7 +80,8 @@ def plot_held_out(history: list[dict], training_bins: np.ndarray, raw: np.ndarra
     fig = Figure(figsize=(11.0, 4.5), dpi=100)
     FigureCanvasAgg(fig)
     per_bin, over_steps = fig.subplots(1, 2)
-    curves = (("Bayes-optimal, bin mean", reference_bins, "s", "0.3"), ("training, running mean", training_bins, "o", "tab:red"),
+    curves = (("Bayes-optimal, bin mean", reference_bins, "s", "0.3"),
+              ("training, running mean", training_bins, "o", "tab:red"),
               ("held-out, raw weights", raw, "^", "tab:blue"), ("held-out, EMA weights", ema, "v", "tab:green"))
     for label, values, marker, color in curves:
         if values is not None and np.isfinite(values).any():

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -44,8 +43,8 @@ class Target:
     accelerator whose trackers get the images and values (None: files only)."""
     output_dir: str
     step: int
-    accelerator: Optional[Accelerator] = None
-    history: Optional[tracking.History] = None  # logged values are appended to logs/history.jsonl
+    accelerator: Accelerator | None = None
+    history: tracking.History | None = None  # logged values are appended to logs/history.jsonl
 
     def path(self, relative: str) -> str:
         path = os.path.join(self.output_dir, relative)

@@ -234,7 +234,8 @@ def start_trackers(run: Run) -> None:
         run.accelerator.init_trackers("train_ddpm", config=tracking.hyperparameters(run.plan.resolved_config(config)),
                                       init_kwargs={"wandb": {"dir": logging_dir}})
     except Exception as error:  # a tracker that cannot start is a setup problem, not a crash mid-run
-        raise ConfigError(f"--logger {config.logger}: the tracker failed to start: {type(error).__name__}: {error}") from None
+        raise ConfigError(f"--logger {config.logger}: the tracker failed to start: "
+                          f"{type(error).__name__}: {error}") from None
 
 
 def state_config(resolved_config: dict, unet, accelerator) -> dict:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Iterable, Optional
 
 import yaml
 
@@ -88,29 +88,29 @@ def _copy(value):
 @dataclass
 class TrainConfig:
     # --- data -------------------------------------------------------------------------
-    dataset_name: Optional[str] = _f(None, "Hub dataset id, or a local save_to_disk / load_dataset folder. None (and no --train_data_dir): the embedded scikit-learn digits.", resume=APPLY, group="data")
-    dataset_config_name: Optional[str] = _f(None, "Dataset configuration name (load_dataset's `name`).", resume=APPLY, group="data")
-    train_data_dir: Optional[str] = _f(None, "A folder of images, loaded with datasets' `imagefolder`.", resume=APPLY, group="data")
-    train_data_files: Optional[str] = _f(None, "Data files to train on: whitespace-separated globs or brace lists of webdataset .tar shards or .parquet files (e.g. 'shards/train-{000..127}.tar'), read with datasets' webdataset / parquet builders, cached or --streaming.", resume=APPLY, group="data")
-    image_column: Optional[str] = _f(None, "Column holding the images; found from the features when not given.", resume=APPLY, group="data")
-    cache_dir: Optional[str] = _f(None, "Where datasets and the decoded-image cache are stored (default: datasets' cache).", resume=FREE, group="data")
-    max_train_samples: Optional[int] = _f(None, "Keep only this many training images (for debugging or quick runs).", resume=APPLY, group="data")
+    dataset_name: str | None = _f(None, "Hub dataset id, or a local save_to_disk / load_dataset folder. None (and no --train_data_dir): the embedded scikit-learn digits.", resume=APPLY, group="data")
+    dataset_config_name: str | None = _f(None, "Dataset configuration name (load_dataset's `name`).", resume=APPLY, group="data")
+    train_data_dir: str | None = _f(None, "A folder of images, loaded with datasets' `imagefolder`.", resume=APPLY, group="data")
+    train_data_files: str | None = _f(None, "Data files to train on: whitespace-separated globs or brace lists of webdataset .tar shards or .parquet files (e.g. 'shards/train-{000..127}.tar'), read with datasets' webdataset / parquet builders, cached or --streaming.", resume=APPLY, group="data")
+    image_column: str | None = _f(None, "Column holding the images; found from the features when not given.", resume=APPLY, group="data")
+    cache_dir: str | None = _f(None, "Where datasets and the decoded-image cache are stored (default: datasets' cache).", resume=FREE, group="data")
+    max_train_samples: int | None = _f(None, "Keep only this many training images (for debugging or quick runs).", resume=APPLY, group="data")
     resolution: int = _f(16, "Training image size in pixels (square).", resume=REFUSE, group="data")
     center_crop: bool = _f(True, "Center-crop to the square resolution; --no-center_crop crops at a random place.", resume=APPLY, group="data")
     random_flip: bool = _f(False, "Flip images horizontally at random (off for digits: flipped digits are not digits).", resume=APPLY, group="data")
     streaming: bool = _f(False, "Stream the dataset (load_dataset(streaming=True)) instead of downloading and caching it; needs --max_train_steps.", resume=REFUSE, group="data")
     class_conditional: bool = _f(False, "Train a class-conditional UNet (a class embedding with one extra 'no class' entry for classifier-free guidance); the classes and their names come from the data and are saved with the pipeline.", resume=REFUSE, group="data")
-    label_column: Optional[str] = _f(None, "Column of class labels (ints or class names) for --class_conditional; default: the dataset's one ClassLabel column (an imagefolder's subfolder names, the digits' label).", resume=REFUSE, group="data")
+    label_column: str | None = _f(None, "Column of class labels (ints or class names) for --class_conditional; default: the dataset's one ClassLabel column (an imagefolder's subfolder names, the digits' label).", resume=REFUSE, group="data")
     shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY, group="data")
     # --- model ------------------------------------------------------------------------
-    model_config_name_or_path: Optional[str] = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE, group="model")
+    model_config_name_or_path: str | None = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE, group="model")
     model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape), trained with that script's optimization where you set none (README: Coming from diffusers).", resume=REFUSE, cli=False, group="model")
     # --- objective --------------------------------------------------------------------
     prediction_type: str = _f("epsilon", "What the UNet predicts: the noise, v (Salimans & Ho 2022) or the clean image.", choices=PREDICTION_TYPES, resume=REFUSE, group="objective")
     ddpm_num_steps: int = _f(1000, "Diffusion timesteps T.", resume=REFUSE, group="objective")
     ddpm_beta_schedule: str = _f("linear", "Noise schedule of the betas.", choices=BETA_SCHEDULES, resume=REFUSE, group="objective")
     rescale_betas_zero_snr: bool = _f(False, "Rescale betas to zero terminal SNR (Lin et al. 2024); pair with v_prediction.", resume=REFUSE, group="objective")
-    snr_gamma: Optional[float] = _f(5.0, "Min-SNR-gamma loss weighting (Hang et al. 2023); 0 turns it off. 5 beat no weighting on digits for every prediction type (docs/EXPERIMENTS.md).", resume=APPLY, group="objective")
+    snr_gamma: float | None = _f(5.0, "Min-SNR-gamma loss weighting (Hang et al. 2023); 0 turns it off. 5 beat no weighting on digits for every prediction type (docs/EXPERIMENTS.md).", resume=APPLY, group="objective")
     loss_type: str = _f("l2", "Loss: l2, or huber (pseudo-Huber with --huber_c).", choices=LOSS_TYPES, resume=APPLY, group="objective")
     huber_c: float = _f(0.1, "Pseudo-Huber transition scale.", resume=APPLY, group="objective")
     condition_dropout: float = _f(0.1, "With --class_conditional: the fraction of labels replaced by 'no class' (drawn from seed and micro-step), which teaches the unconditional prediction classifier-free guidance needs (Ho & Salimans 2022).", resume=APPLY, group="objective")
@@ -118,7 +118,7 @@ class TrainConfig:
     # --- optimization -----------------------------------------------------------------
     train_batch_size: int = _f(64, "Images per process per micro-batch.", resume=REFUSE, group="optimization")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.", resume=REFUSE, group="optimization")
-    max_train_steps: Optional[int] = _f(1200, "Optimizer steps to train; wins over --num_epochs when both are given, and giving only --num_epochs trains that many epochs.", resume=APPLY, group="optimization")
+    max_train_steps: int | None = _f(1200, "Optimizer steps to train; wins over --num_epochs when both are given, and giving only --num_epochs trains that many epochs.", resume=APPLY, group="optimization")
     learning_rate: float = _f(2e-3, "Peak learning rate (after warmup).", resume=APPLY, group="optimization")
     scale_lr: bool = _f(False, "Multiply the learning rate by batch size x accumulation x processes.", resume=APPLY, group="optimization")
     lr_scheduler: str = _f("cosine", "Learning-rate schedule after warmup.", choices=LR_SCHEDULERS, resume=APPLY, group="optimization")
@@ -138,9 +138,9 @@ class TrainConfig:
     posthoc_ema_snapshot_steps: int = _f(500, "Post-hoc EMA snapshot interval (optimizer steps), fp16, into output_dir/posthoc_ema/.", resume=APPLY, group="EMA")
     # --- diagnostics ------------------------------------------------------------------
     diagnostics_bins: int = _f(10, "Timestep bins for the per-timestep loss statistics and plot.", resume=REFUSE, group="diagnostics")
-    validation_split: Optional[float] = _f(None, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss; 0: none. None: 0.05 of the embedded digits (90 images), none of your data.", resume=REFUSE, group="diagnostics")
+    validation_split: float | None = _f(None, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss; 0: none. None: 0.05 of the embedded digits (90 images), none of your data.", resume=REFUSE, group="diagnostics")
     validation_steps: int = _f(250, "Every N optimizer steps (and at the end): held-out loss per timestep bin with raw and EMA weights, fixed noise and timesteps (held-out images x --diagnostics_bins forwards).", resume=APPLY, group="diagnostics")
-    grad_diagnostics_steps: Optional[int] = _f(None, "Every N optimizer steps: per-timestep-bin gradient norms and shares of the total gradient on a fixed probe batch (--train_batch_size images; 2 x --diagnostics_bins backwards on the main process, off the training gradients). 0: off. None: every --validation_steps on the embedded digits, off on your data.", resume=APPLY, group="diagnostics")
+    grad_diagnostics_steps: int | None = _f(None, "Every N optimizer steps: per-timestep-bin gradient norms and shares of the total gradient on a fixed probe batch (--train_batch_size images; 2 x --diagnostics_bins backwards on the main process, off the training gradients). 0: off. None: every --validation_steps on the embedded digits, off on your data.", resume=APPLY, group="diagnostics")
     max_nonfinite_steps: int = _f(20, "Stop (saving the last good weights) after this many consecutive non-finite steps.", resume=APPLY, group="diagnostics")
     find_lr: bool = _f(False, "Run an LR range test instead of training: exponential sweep 1e-7 -> 1e-2, plot and suggested lr.", resume=FREE, group="diagnostics")
     find_lr_steps: int = _f(100, "Optimizer steps of the LR range test.", resume=FREE, group="diagnostics")
@@ -149,23 +149,23 @@ class TrainConfig:
     eval_batch_size: int = _f(64, "Images in each sample grid.", resume=APPLY, group="evaluation")
     ddpm_num_inference_steps: int = _f(50, "DDIM steps for sample grids.", resume=APPLY, group="evaluation")
     guidance_scale: float = _f(2.0, "With --class_conditional: classifier-free guidance scale of the sample grids (one row per class, up to 10 classes); 1: no guidance.", resume=FREE, group="evaluation")
-    eval_steps: Optional[int] = _f(None, "Every N optimizer steps (and at the end): FID/KID of EMA samples against the training data. None: off.", resume=APPLY, group="evaluation")
+    eval_steps: int | None = _f(None, "Every N optimizer steps (and at the end): FID/KID of EMA samples against the training data. None: off.", resume=APPLY, group="evaluation")
     eval_num_samples: int = _f(1000, "Samples per evaluation (and reference images, at most the dataset size).", resume=APPLY, group="evaluation")
     eval_metrics: str = _f("fid,kid", "Comma list of metrics at --eval_steps: fid, kid (in --feature_extractor features), fd_dinov2 (Frechet distance in DINOv2 features, --dinov2_model), cmmd (CLIP MMD, --clip_model). README: which to use and how many samples each needs.", resume=APPLY, group="evaluation")
     feature_extractor: str = _f("inception", "Features for FID/KID: inception (the StyleGAN/EDM TorchScript detector; downloaded into the HF cache when no --inception_weights), or tiny (random features for smoke tests; not comparable with published FIDs).", choices=FEATURE_EXTRACTORS, resume=APPLY, group="evaluation")
-    inception_weights: Optional[str] = _f(None, "Local TorchScript Inception file (inception-2015-12-05.pt) for FID/KID; default: downloaded once from its public URL.", resume=APPLY, group="evaluation")
+    inception_weights: str | None = _f(None, "Local TorchScript Inception file (inception-2015-12-05.pt) for FID/KID; default: downloaded once from its public URL.", resume=APPLY, group="evaluation")
     dinov2_model: str = _f("facebook/dinov2-large", "DINOv2 backbone for fd_dinov2: a Hub id or a local save_pretrained folder.", resume=APPLY, group="evaluation")
     clip_model: str = _f("openai/clip-vit-large-patch14-336", "CLIP backbone for cmmd: a Hub id or a local save_pretrained folder.", resume=APPLY, group="evaluation")
     # --- checkpoints ------------------------------------------------------------------
     output_dir: str = _f("ddpm-digits", "Where the pipeline, samples, logs and checkpoints are written.", resume=FREE, group="checkpoints")
     save_model_steps: int = _f(1000, "Export the DDPMPipeline to output_dir every N optimizer steps and at the end.", resume=APPLY, group="checkpoints")
     checkpointing_steps: int = _f(500, "Save a resumable checkpoint every N optimizer steps.", resume=APPLY, group="checkpoints")
-    checkpoints_total_limit: Optional[int] = _f(None, "Keep only the newest K checkpoints.", resume=APPLY, group="checkpoints")
-    resume_from_checkpoint: Optional[str] = _f(None, "'latest' or a checkpoint folder (anywhere) to resume from.", resume=FREE, group="checkpoints")
+    checkpoints_total_limit: int | None = _f(None, "Keep only the newest K checkpoints.", resume=APPLY, group="checkpoints")
+    resume_from_checkpoint: str | None = _f(None, "'latest' or a checkpoint folder (anywhere) to resume from.", resume=FREE, group="checkpoints")
     # --- Hub --------------------------------------------------------------------------
     push_to_hub: bool = _f(False, "Upload the pipeline and model card to the Hub at --save_model_steps and at the end.", resume=APPLY, group="Hub")
-    hub_model_id: Optional[str] = _f(None, "Hub repo id (default: the output dir's name).", resume=APPLY, group="Hub")
-    hub_token: Optional[str] = _f(None, "Hub token (default: the logged-in one). Never written anywhere.", resume=FREE, group="Hub")
+    hub_model_id: str | None = _f(None, "Hub repo id (default: the output dir's name).", resume=APPLY, group="Hub")
+    hub_token: str | None = _f(None, "Hub token (default: the logged-in one). Never written anywhere.", resume=FREE, group="Hub")
     hub_private_repo: bool = _f(False, "Create the Hub repo private.", resume=FREE, group="Hub")
     # --- logging ----------------------------------------------------------------------
     logger: str = _f("tensorboard", "Experiment tracker.", choices=LOGGERS, resume=FREE, group="logging")
@@ -182,8 +182,8 @@ class TrainConfig:
     dataloader_num_workers: int = _f(0, "Loader worker processes. With --streaming they decode the stream in parallel (a 256 px JPEG costs a few ms of a core; see docs/BENCHMARKS.md) and a resume needs the same value; cached images are decoded once, so 0-2 suffice.", resume=FREE, group="performance")
     # --- diffusers compatibility ------------------------------------------------------
     num_epochs: int = _f(100, "Epochs to train when --max_train_steps is not given.", resume=APPLY, group="diffusers compatibility")
-    save_images_epochs: Optional[int] = _f(None, "diffusers' flag: a sample grid every N epochs; sets --save_images_steps to N x the optimizer steps per epoch (stated in the log).", resume=APPLY, group="diffusers compatibility")
-    save_model_epochs: Optional[int] = _f(None, "diffusers' flag: export the pipeline every N epochs; sets --save_model_steps to N x the optimizer steps per epoch (stated in the log).", resume=APPLY, group="diffusers compatibility")
+    save_images_epochs: int | None = _f(None, "diffusers' flag: a sample grid every N epochs; sets --save_images_steps to N x the optimizer steps per epoch (stated in the log).", resume=APPLY, group="diffusers compatibility")
+    save_model_epochs: int | None = _f(None, "diffusers' flag: export the pipeline every N epochs; sets --save_model_steps to N x the optimizer steps per epoch (stated in the log).", resume=APPLY, group="diffusers compatibility")
     overwrite_output_dir: bool = _f(False, "Start afresh in an --output_dir that holds an earlier run: the earlier run is renamed to <output_dir>.previous-<time> first (nothing is deleted).", resume=FREE, group="diffusers compatibility")
     enable_xformers_memory_efficient_attention: bool = _f(False, "diffusers' flag, accepted: attention already uses PyTorch's scaled_dot_product_attention (diffusers' default, memory-efficient kernels included); xformers is not needed.", resume=FREE, group="diffusers compatibility")
     local_rank: int = _f(-1, "diffusers' flag, accepted and unused as there: accelerate launch sets each process's rank.", resume=FREE, group="diffusers compatibility")

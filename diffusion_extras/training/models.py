@@ -119,7 +119,8 @@ def describe(unet, chosen: str, data_channels: int, optimization: str = "") -> l
     channels = unet.config.in_channels
     lines = [f"model: {chosen}: {channels} channel(s) ({COLOUR_NAMES.get(channels, channels)}), blocks "
              f"{list(unet.config.block_out_channels)} x{unet.config.layers_per_block}, "
-             f"{count_parameters(unet) / 1e6:.1f}M parameters" + (f"; optimization: {optimization}" if optimization else "")]
+             f"{count_parameters(unet) / 1e6:.1f}M parameters"
+             + (f"; optimization: {optimization}" if optimization else "")]
     if channels != data_channels:
         lines.append(f"data: the images are {COLOUR_NAMES[data_channels]} and the UNet has {channels} channel(s): "
                      f"converting them to {COLOUR_NAMES.get(channels, channels)}")

@@ -74,9 +74,10 @@ def guarded_write(run: Run, what: str, partial):
 def model_card(run: Run) -> dict:
     """What the Hub model card says of the run (hub.write_model_card); secrets are redacted there."""
     config = run.config
+    embedded = config.data_spec().uses_embedded_digits
     return {"config": redact_config(run.plan.resolved_config(config), run.secrets),
             "images_seen": run.data.images_seen(run.progress.global_step), "metrics": run.progress.last_metrics,
-            "dataset_name": config.dataset_name or ("sklearn digits" if config.data_spec().uses_embedded_digits else None),
+            "dataset_name": config.dataset_name or ("sklearn digits" if embedded else None),
             "_redact": list(run.secrets), "class_names": run.data.class_names}
 
 

@@ -40,6 +40,12 @@ class PreemptionWatch:
         self.previous = {}
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             self.previous = {number: signal.signal(number, self._record) for number in SIGNALS}
+            for number in SIGNALS:
+                # Python installs handlers without SA_RESTART: a system call in C++ code (a gloo or
+                # NCCL socket read inside a collective, a file write in a save) would fail with EINTR
+                # when the scheduler's signal lands in it. Restarted instead, it finishes, and the
+                # flag is read after the step.
+                signal.siginterrupt(number, False)
 
     def _record(self, number, frame) -> None:
         if self.received is None:

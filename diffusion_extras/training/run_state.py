@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
@@ -116,7 +116,7 @@ class Data:
     sigma_data: float              # std of the model input in [-1, 1]: the Bayes-optimal reference scale
     global_micro_batch_size: int   # images in one micro-step over all processes (without accumulation)
     gradient_accumulation_steps: int
-    class_names: Optional[list] = None  # names by class id with --class_conditional (batches carry labels)
+    class_names: list | None = None  # names by class id with --class_conditional (batches carry labels)
 
     def images_seen(self, optimizer_steps: int) -> int:
         """Training images consumed by that many optimizer steps, over all processes."""
@@ -127,11 +127,11 @@ class Data:
 class Extras:
     """What the run keeps beside the weights; each registered for checkpointing where it has state."""
     diagnostics: TimestepDiagnostics
-    ema: Optional[ExponentialMovingAverage] = None   # with --use_ema
-    posthoc_ema: Optional[PowerFunctionEMA] = None   # with --posthoc_ema
-    held_out: Optional[HeldOutLoss] = None           # with a held-out split (main process)
-    grad_monitor: Optional[GradientMonitor] = None   # with --grad_diagnostics_steps (main process)
-    evaluation: Optional[list] = None  # (extractor, reference statistics, metrics) per extractor (main process)
+    ema: ExponentialMovingAverage | None = None   # with --use_ema
+    posthoc_ema: PowerFunctionEMA | None = None   # with --posthoc_ema
+    held_out: HeldOutLoss | None = None           # with a held-out split (main process)
+    grad_monitor: GradientMonitor | None = None   # with --grad_diagnostics_steps (main process)
+    evaluation: list | None = None  # (extractor, reference statistics, metrics) per extractor (main process)
 
 
 @dataclass
@@ -140,8 +140,8 @@ class Progress:
     global_step: int = 0       # optimizer steps done (skipped non-finite steps count)
     step_lr: float = 0.0       # the learning rate the last step used
     last_metrics: dict = field(default_factory=dict)  # the last evaluation, named for the model card
-    input_statistics: Optional[torch.Tensor] = None   # mean, std, min, max of the last clean micro-batch
-    nonfinite_inputs: Optional[torch.Tensor] = None   # the same, of the last skipped step (NaN: none yet)
+    input_statistics: torch.Tensor | None = None   # mean, std, min, max of the last clean micro-batch
+    nonfinite_inputs: torch.Tensor | None = None   # the same, of the last skipped step (NaN: none yet)
 
 
 @dataclass
@@ -155,6 +155,6 @@ class Run:
     extras: Extras
     progress: Progress
     history: History       # logs/history.jsonl
-    hub_pusher: Optional[HubPusher] = None  # on the main process with --push_to_hub
+    hub_pusher: HubPusher | None = None  # on the main process with --push_to_hub
     secrets: tuple = ()    # values never to be written (the Hub token)
-    hooks: Optional[Hooks] = None  # the extension points (the data source, fault injection)
+    hooks: Hooks | None = None  # the extension points (the data source, fault injection)
