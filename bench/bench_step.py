@@ -154,10 +154,10 @@ def full_step(run, batches: int = 4):
 
 def bare_step(run):
     """The minimum a DDPM step must do, on one fixed noisy batch: forward, MSE, backward, AdamW."""
-    from diffusion_extras.data import images as data
+    from diffusion_extras.data import batch_order
 
     config, device = run.config, run.accelerator.device
-    clean = data.to_model_input(next(run.data.source.batches(0, 1)), device)
+    clean = batch_order.to_model_input(next(run.data.source.batches(0, 1)), device)
     generator = torch.Generator(device).manual_seed(config.seed)
     noise = torch.randn(clean.shape, generator=generator, device=device)
     timesteps = torch.randint(0, run.objective.schedule.num_train_timesteps, (clean.shape[0],), generator=generator,
@@ -213,20 +213,20 @@ def summarize_steps(times: dict, images_per_step: int) -> dict:
 # ----------------------------------------------------------------------------- data pipeline
 def measure_data_pipeline(run, seconds: float, synchronize, windows: int = 3) -> dict:
     """The DataLoader train() builds, read as fast as it goes, each batch made model input on the device."""
-    from diffusion_extras.data import images as data
+    from diffusion_extras.data import batch_order
     from diffusion_extras.training import loop
 
     config, device = run.config, run.accelerator.device
     batches = loop.make_batches(run)
     flips = (torch.rand(config.train_batch_size, device=device) < 0.5) if config.random_flip else None
-    data.to_model_input(next(batches), device, flips)  # worker start-up is not throughput
+    batch_order.to_model_input(next(batches), device, flips)  # worker start-up is not throughput
     rates = []
     for _ in range(windows):
         synchronize()
         start, images = time.perf_counter(), 0
         while images == 0 or time.perf_counter() - start < seconds / windows:
             batch = next(batches)
-            data.to_model_input(batch, device, flips)
+            batch_order.to_model_input(batch, device, flips)
             images += batch.shape[0]
         synchronize()
         rates.append(images / (time.perf_counter() - start))

@@ -68,6 +68,7 @@ def steps_for_budget(out: str, seconds: float, recipe: str | None, extra: list[s
 
 def real_digits(recipe: str | None, extra: list[str]):
     """(training-split images, their labels, held-out images) exactly as the run split them."""
+    from diffusion_extras.data import batch_order, decode_cache
     from diffusion_extras.data import images as data
     from diffusion_extras.training.config import parse_config
 
@@ -76,8 +77,8 @@ def real_digits(recipe: str | None, extra: list[str]):
     if config.dataset_name or config.train_data_dir:
         raise SystemExit("bench/quality.py scores digits: leave out --dataset_name / --train_data_dir")
     dataset = data.load_image_dataset(config)
-    images = data.decode_dataset(dataset, "image", config.resolution, True, 1)
-    training, held_out = data.split_held_out(images, config.validation_split, config.seed)
+    images = decode_cache.decode_dataset(dataset, "image", config.resolution, True, 1)
+    training, held_out = batch_order.split_held_out(images, config.validation_split, config.seed)
     as_array = lambda part: np.stack([part.image(i) for i in range(len(part))])  # noqa: E731
     labels = np.asarray(dataset["label"])[training.rows]
     return as_array(training), labels, as_array(held_out)

@@ -97,6 +97,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "snr"))
     parser.add_argument("--parallel", type=int, default=2, help="trainings at once (one thread each when > 1)")
     args = parser.parse_args(argv)
+    from diffusion_extras.data import decode_cache
     from diffusion_extras.data import images as data
     from diffusion_extras.evaluation import metrics as evaluation
     from diffusion_extras.training.config import TrainConfig
@@ -104,7 +105,8 @@ def main(argv=None) -> None:
     classifier = digit_classifier()
     extractor = evaluation.build_feature_extractor("tiny")
     config = TrainConfig()
-    images = data.decode_dataset(data.load_image_dataset(config), "image", config.resolution, True, 1).as_array()
+    dataset = data.load_image_dataset(config)
+    images = decode_cache.decode_dataset(dataset, "image", config.resolution, True, 1).as_array()
     reference = evaluation.reference_statistics(images[:1000], extractor)
     results = {"steps": args.steps, "real_digits": score_digits(classifier, images[:256]), "runs": {}}
     runs = {f"{p}-{'snr5' if g else 'plain'}": (p, g)

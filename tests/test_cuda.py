@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_run
 from test_host_sync import ALL_EXTRAS
 
-from diffusion_extras.data import images
+from diffusion_extras.data import batch_order, images
 from diffusion_extras.training import loop, step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -56,7 +56,7 @@ def test_batches_are_pinned_and_copied_without_sync(tmp_path, fresh_accelerate):
     batch = next(loop.make_batches(run))
     assert batch.is_pinned(), "the loader must pin host batches (pin_memory) for non-blocking copies"
     with no_host_sync():
-        clean = images.to_model_input(batch, run.accelerator.device)
+        clean = batch_order.to_model_input(batch, run.accelerator.device)
     assert clean.is_cuda and clean.dtype == torch.float32
 
 
@@ -67,7 +67,7 @@ def test_fused_adamw_skips_a_nonfinite_step_on_the_device(tmp_path, fresh_accele
     batches = loop.make_batches(run)
     for _ in range(WARMUP_STEPS):
         step.optimizer_step(run, batches)
-    original_input = images.to_model_input
+    original_input = batch_order.to_model_input
     monkeypatch.setattr(images, "to_model_input",
                         lambda *args, **kwargs: original_input(*args, **kwargs) * float("nan"))
     before, ema = weights(run), [s.clone() for s in run.extras.ema.shadow_params]

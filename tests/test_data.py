@@ -6,6 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
+from diffusion_extras.data import batch_order, decode_cache
 from diffusion_extras.data import images as data
 from diffusion_extras.training.config import TrainConfig
 
@@ -94,59 +95,60 @@ def test_corrupt_file_skipped_with_warning_naming_it(tmp_path):
         fh.write(b"\x89PNG\r\n\x1a\ntruncated")
     dataset = data.load_image_dataset(config(train_data_dir=folder, cache_dir=str(tmp_path / "c")))
     with pytest.warns(UserWarning, match="bad.png"):
-        images = data.decode_dataset(dataset, "image", 8, True, 3)
+        images = decode_cache.decode_dataset(dataset, "image", 8, True, 3)
     assert len(images) == 4
 
 
 def test_decode_cache_is_reused(tmp_path):
     folder = _image_folder(tmp_path / "imgs", count=5, size=(16, 12))
     dataset = data.load_image_dataset(config(train_data_dir=folder, cache_dir=str(tmp_path / "c")))
-    first = data.cached_decode(dataset, "image", 8, False, 3, str(tmp_path / "cache"))
+    first = decode_cache.cached_decode(dataset, "image", 8, False, 3, str(tmp_path / "cache"))
     [entry] = os.listdir(tmp_path / "cache" / "ddpm_decoded")
-    second = data.cached_decode(dataset, "image", 8, False, 3, str(tmp_path / "cache"))
+    second = decode_cache.cached_decode(dataset, "image", 8, False, 3, str(tmp_path / "cache"))
     assert isinstance(second.pixels, np.memmap)
     for i in range(5):
         assert np.array_equal(first.image(i), second.image(i)) and first.image(i).shape == (8, 11, 3)  # 16x12 -> 11x8
-    data.cached_decode(dataset, "image", 4, False, 3, str(tmp_path / "cache"))
+    decode_cache.cached_decode(dataset, "image", 4, False, 3, str(tmp_path / "cache"))
     assert len(os.listdir(tmp_path / "cache" / "ddpm_decoded")) == 2  # another resolution, another entry
 
 
 def test_global_batch_order_is_function_of_seed_and_step():
-    order = data.GlobalBatchOrder(20, 6, seed=3)
+    order = batch_order.GlobalBatchOrder(20, 6, seed=3)
     assert order.batches_per_epoch == 3
     epoch0 = np.concatenate([order.indices(k) for k in range(3)])
     assert len(set(epoch0.tolist())) == 18  # no repeats within an epoch
-    again = data.GlobalBatchOrder(20, 6, seed=3)
+    again = batch_order.GlobalBatchOrder(20, 6, seed=3)
     assert np.array_equal(again.indices(4), order.indices(4))  # random access, no replay
     assert not np.array_equal(order.indices(3), order.indices(0))  # a new permutation each epoch
     assert order.position(7) == (2, 1)
     with pytest.raises(data.DataError, match="larger than the dataset"):
-        data.GlobalBatchOrder(4, 8, 0)
+        batch_order.GlobalBatchOrder(4, 8, 0)
 
 
 def test_rank_slices_partition_the_global_batch():
-    images = data.DecodedImages(np.arange(10 * 4, dtype=np.uint8), np.array([[2, 2]] * 10), np.arange(0, 40, 4), 1)
-    order = data.GlobalBatchOrder(10, 4, seed=0)
-    single = data.MicroBatches(images, order, 0, 4, 2, 0)[1]
-    ranks = [data.MicroBatches(images, order, r, 2, 2, 0)[1] for r in (0, 1)]
+    images = decode_cache.DecodedImages(np.arange(10 * 4, dtype=np.uint8), np.array([[2, 2]] * 10),
+                                        np.arange(0, 40, 4), 1)
+    order = batch_order.GlobalBatchOrder(10, 4, seed=0)
+    single = batch_order.MicroBatches(images, order, 0, 4, 2, 0)[1]
+    ranks = [batch_order.MicroBatches(images, order, r, 2, 2, 0)[1] for r in (0, 1)]
     assert torch.equal(torch.cat(ranks), single)
     assert single.shape == (4, 1, 2, 2) and single.dtype == torch.uint8
 
 
 def test_random_crop_is_deterministic_per_step_and_varies():
     pixels = np.arange(6 * 10, dtype=np.uint8)
-    images = data.DecodedImages(pixels, np.array([[6, 10]]), np.array([0]), 1)
-    order = data.GlobalBatchOrder(1, 1, seed=0)
-    batches = data.MicroBatches(images, order, 0, 1, 6, seed=5)
+    images = decode_cache.DecodedImages(pixels, np.array([[6, 10]]), np.array([0]), 1)
+    order = batch_order.GlobalBatchOrder(1, 1, seed=0)
+    batches = batch_order.MicroBatches(images, order, 0, 1, 6, seed=5)
     crops = [batches[k] for k in range(8)]
-    assert torch.equal(crops[2], data.MicroBatches(images, order, 0, 1, 6, seed=5)[2])
+    assert torch.equal(crops[2], batch_order.MicroBatches(images, order, 0, 1, 6, seed=5)[2])
     assert len({c.numpy().tobytes() for c in crops}) > 1
     assert all(c.shape == (1, 1, 6, 6) for c in crops)
 
 
 def test_to_model_input_scales_and_flips():
     batch = torch.tensor([[[[0, 255]]], [[[0, 255]]]], dtype=torch.uint8)
-    out = data.to_model_input(batch, "cpu", torch.tensor([False, True]))
+    out = batch_order.to_model_input(batch, "cpu", torch.tensor([False, True]))
     assert out.dtype == torch.float32
     assert out[0].flatten().tolist() == [-1.0, 1.0] and out[1].flatten().tolist() == [1.0, -1.0]
 
@@ -158,9 +160,9 @@ def test_pooled_decoding_equals_in_process_and_names_corrupt_files(tmp_path, mon
     dataset = data.load_image_dataset(config(train_data_dir=folder, cache_dir=str(tmp_path / "c")))
     monkeypatch.setattr(data, "DECODE_CHUNK", 3)  # 12 rows -> 4 tasks
     with pytest.warns(UserWarning, match="05-bad.png"):
-        alone = list(data.iter_decoded(dataset, "image", 8, False, 3, workers=1))
+        alone = list(decode_cache.iter_decoded(dataset, "image", 8, False, 3, workers=1))
     with pytest.warns(UserWarning, match="05-bad.png"):
-        pooled = list(data.iter_decoded(dataset, "image", 8, False, 3, workers=2))
+        pooled = list(decode_cache.iter_decoded(dataset, "image", 8, False, 3, workers=2))
     assert len(alone) == len(pooled) == 11
     assert all(np.array_equal(a, b) for a, b in zip(alone, pooled))
 
@@ -168,8 +170,8 @@ def test_pooled_decoding_equals_in_process_and_names_corrupt_files(tmp_path, mon
 def test_cache_file_holds_every_image_in_row_order(tmp_path):
     folder = _image_folder(tmp_path / "imgs", count=7, size=(9, 13))
     dataset = data.load_image_dataset(config(train_data_dir=folder, cache_dir=str(tmp_path / "c")))
-    cached = data.cached_decode(dataset, "image", 8, False, 3, str(tmp_path / "cache"))
-    direct = data.decode_dataset(dataset, "image", 8, False, 3)
+    cached = decode_cache.cached_decode(dataset, "image", 8, False, 3, str(tmp_path / "cache"))
+    direct = decode_cache.decode_dataset(dataset, "image", 8, False, 3)
     [entry] = os.listdir(tmp_path / "cache" / "ddpm_decoded")
     assert os.path.getsize(tmp_path / "cache" / "ddpm_decoded" / entry / "pixels.bin") == direct.pixels.size
     assert all(np.array_equal(cached.image(i), direct.image(i)) for i in range(7))

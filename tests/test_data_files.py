@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from diffusion_extras.data import decode_cache, streaming
 from diffusion_extras.data import images as data
-from diffusion_extras.data import streaming
 from diffusion_extras.training.config import TrainConfig
 
 
@@ -61,7 +61,7 @@ def test_tar_shards_load_cached_by_brace_list_and_glob(tmp_path, extension):
         dataset = data.load_image_dataset(config)
         assert len(dataset) == 12
         column = data.find_image_column(dataset)
-        images = data.decode_dataset(dataset, column, 8, True, 1)
+        images = decode_cache.decode_dataset(dataset, column, 8, True, 1)
         assert ids(images.image(i) for i in range(len(images))) == list(range(12))
     assert os.listdir(tmp_path / "cache")  # datasets' arrow cache went where --cache_dir says
 
@@ -80,7 +80,7 @@ def test_tar_shards_stream_every_image_once(tmp_path):
 def test_parquet_data_files_cached_and_streamed(tmp_path):
     path = write_parquet(tmp_path / "images.parquet")
     cached = data.load_image_dataset(TrainConfig(train_data_files=path, cache_dir=str(tmp_path / "c")))
-    decoded = data.decode_dataset(cached, "image", 8, True, 1)
+    decoded = decode_cache.decode_dataset(cached, "image", 8, True, 1)
     assert ids(decoded.image(i) for i in range(12)) == list(range(12))
     stream, column = streaming.load_stream(TrainConfig(train_data_files=path, streaming=True, shuffle_buffer_size=0,
                                                        resolution=8), 0, 1)

@@ -9,6 +9,7 @@ from conftest import read_history
 from diffusers import DDPMScheduler, UNet2DModel
 
 from diffusion_extras.core.losses import NoiseSchedule
+from diffusion_extras.data import batch_order, decode_cache
 from diffusion_extras.data import images as data
 from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.report.checks import RunLog
@@ -17,13 +18,13 @@ from diffusion_extras.training.config import parse_config
 
 
 def test_split_is_seeded_disjoint_and_complete():
-    images = data.DecodedImages(np.arange(20 * 4, dtype=np.uint8), np.full((20, 2), 2), np.arange(20) * 4, 1)
-    train_part, held = data.split_held_out(images, 0.25, seed=3)
+    images = decode_cache.DecodedImages(np.arange(20 * 4, dtype=np.uint8), np.full((20, 2), 2), np.arange(20) * 4, 1)
+    train_part, held = batch_order.split_held_out(images, 0.25, seed=3)
     assert (len(train_part), len(held)) == (15, 5)
     assert sorted(np.concatenate([train_part.rows, held.rows]).tolist()) == list(range(20))
     np.testing.assert_array_equal(held.image(0), images.image(int(held.rows[0])))
-    assert data.split_held_out(images, 0.25, seed=3)[1].rows.tolist() == held.rows.tolist()
-    assert data.split_held_out(images, 0.25, seed=4)[1].rows.tolist() != held.rows.tolist()
+    assert batch_order.split_held_out(images, 0.25, seed=3)[1].rows.tolist() == held.rows.tolist()
+    assert batch_order.split_held_out(images, 0.25, seed=4)[1].rows.tolist() != held.rows.tolist()
 
 
 def test_training_logs_raw_and_ema_held_out_loss_per_bin_with_fixed_noise(train, tiny_recipe, tmp_path):
@@ -41,8 +42,8 @@ def test_training_logs_raw_and_ema_held_out_loss_per_bin_with_fixed_noise(train,
     # noise and timesteps: recomputed here from the saved pipeline, they agree.
     config = parse_config(["--config", recipe, "--output_dir", str(out), "--validation_split", "0.25"])
     dataset = data.load_image_dataset(config)
-    images = data.cached_decode(dataset, data.find_image_column(dataset), 8, True, 1, str(tmp_path / "cache"))
-    _, held = data.split_held_out(images, 0.25, config.seed)
+    images = decode_cache.cached_decode(dataset, data.find_image_column(dataset), 8, True, 1, str(tmp_path / "cache"))
+    _, held = batch_order.split_held_out(images, 0.25, config.seed)
     held_out = validation.HeldOutLoss(held, 8, 1000, 10, config.seed, config.train_batch_size)
     unet = UNet2DModel.from_pretrained(out / "unet")
     schedule = NoiseSchedule.from_scheduler(DDPMScheduler.from_pretrained(out / "scheduler"))

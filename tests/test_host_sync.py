@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, tiny_run
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from diffusion_extras.data import images
+from diffusion_extras.data import batch_order, images
 from diffusion_extras.training import build, loop
 
 # aten ops that read a device value on the host: scalar reads (.item(), bool(), float(), .tolist()),
@@ -120,7 +120,7 @@ def test_steps_between_logging_intervals_never_sync(tmp_path, monkeypatch, fresh
 def test_a_nonfinite_step_adds_no_sync_and_its_warning_names_one(tmp_path, monkeypatch, fresh_accelerate):
     """The NaN guard skips on the device; only the interval's warning reads the offending inputs."""
     run = tiny_run(tmp_path, *ALL_EXTRAS, "--max_train_steps", 4, diagnostics_steps=2)
-    original_input, calls = images.to_model_input, []
+    original_input, calls = batch_order.to_model_input, []
 
     def poisoned(*args, **kwargs):  # the 4th micro-batch: optimizer step 2 is non-finite
         calls.append(1)

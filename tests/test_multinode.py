@@ -10,25 +10,26 @@ import pytest
 from conftest import HOOKED_TRAIN, ROOT, cli_env
 from test_data_files import write_tar_shards
 
+from diffusion_extras.data import decode_cache
 from diffusion_extras.data import images as data
 
 
 def test_cache_race_loser_uses_the_winners_cache(tmp_path):
     directory = str(tmp_path / "ddpm_decoded" / "key")
     winner = [np.full((4, 4, 1), 7, np.uint8)]
-    data._write_cache(directory, iter(winner))
-    data._write_cache(directory, iter([np.full((4, 4, 1), 9, np.uint8)]))  # lost the race: discarded
+    decode_cache._write_cache(directory, iter(winner))
+    decode_cache._write_cache(directory, iter([np.full((4, 4, 1), 9, np.uint8)]))  # lost the race: discarded
     assert os.listdir(tmp_path / "ddpm_decoded") == ["key"]  # no tmp folder left behind
-    assert (data.DecodedImages.load(directory, 1).image(0) == 7).all()
+    assert (decode_cache.DecodedImages.load(directory, 1).image(0) == 7).all()
 
 
 def test_disk_guard_message_names_streaming(tmp_path, monkeypatch):
     import shutil
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=10_000))
-    data.check_cache_space(str(tmp_path), 50, 8, 3)  # 9,600 bytes fit
+    decode_cache.check_cache_space(str(tmp_path), 50, 8, 3)  # 9,600 bytes fit
     with pytest.raises(data.DataError, match="--streaming"):
-        data.check_cache_space(str(tmp_path), 100, 8, 3)  # 19,200 bytes do not
+        decode_cache.check_cache_space(str(tmp_path), 100, 8, 3)  # 19,200 bytes do not
 
 
 def test_cli_refuses_a_cache_that_does_not_fit_and_streams_instead(train, tiny_recipe, tmp_path):

@@ -1,30 +1,22 @@
-"""Training images: loading through `datasets`, a decode-once cache, and position-determined batches.
-
-Data order is a pure function of (seed, micro-step): micro-step k of the run is the k-th slice of
-global batches drawn from per-epoch permutations. A resumed run therefore asks for batch k and
-gets it directly, nothing is decoded and thrown away, and any number of ranks each take their
-slice of the same global batch (so P ranks x B images see exactly what 1 rank x P*B would).
-"""
+"""Training images in: the dataset a run names (a Hub id, a folder, a saved dataset, parquet or tar
+shards, or the embedded digits) through `datasets`, its image and label columns, its colour
+channels, and one image's decoding and preprocessing. The decode-once cache is decode_cache.py;
+the (seed, micro-step) batch order is batch_order.py."""
 from __future__ import annotations
 
 import glob
-import hashlib
 import io
 import logging
 import os
 import re
-import time
 import warnings
 
 import numpy as np
-import torch
 from PIL import Image
 
 from diffusion_extras.data.spec import DataSpec
 
 logger = logging.getLogger(__name__)
-
-CACHE_FORMAT = 2  # bump when the cached layout or preprocessing changes
 
 
 class DataError(ValueError):
@@ -249,40 +241,6 @@ def dataset_channels(dataset, image_column: str, count: int = 16) -> int:
     return stored_channels(items) or 3
 
 
-# ----------------------------------------------------------------------------- decode once
-class DecodedImages:
-    """Every training image decoded, converted and resized once, kept as uint8 (memory-mapped
-    from the cache when one exists). Without center crop the shorter side equals the resolution
-    and the random crop happens per batch; with it every image is already resolution^2."""
-
-    def __init__(self, pixels: np.ndarray, shapes: np.ndarray, offsets: np.ndarray, channels: int):
-        self.pixels, self.shapes, self.offsets, self.channels = pixels, shapes, offsets, channels
-
-    def __len__(self) -> int:
-        return len(self.shapes)
-
-    def image(self, index: int) -> np.ndarray:
-        height, width = self.shapes[index]
-        start = self.offsets[index]
-        return self.pixels[start:start + height * width * self.channels].reshape(height, width, self.channels)
-
-    def as_array(self) -> np.ndarray:
-        """All images [N, H, W, C] uint8; only when all share one shape (center crop)."""
-        height, width = self.shapes[0]
-        return np.asarray(self.pixels).reshape(len(self), height, width, self.channels)
-
-    @classmethod
-    def load(cls, directory: str, channels: int) -> DecodedImages:
-        shapes = np.load(os.path.join(directory, "shapes.npy"))
-        pixels = np.memmap(os.path.join(directory, "pixels.bin"), dtype=np.uint8, mode="r")
-        return cls(pixels, shapes, _offsets(shapes, channels), channels)
-
-
-def _offsets(shapes: np.ndarray, channels: int) -> np.ndarray:
-    sizes = shapes[:, 0].astype(np.int64) * shapes[:, 1] * channels
-    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-
-
 def preprocess_image(image: Image.Image, resolution: int, center_crop: bool, channels: int) -> np.ndarray:
     """Mode by the model's channels, shorter side to `resolution` (bicubic, antialiased when
     shrinking), then the centre square if asked. Returns uint8 [H, W, C]."""
@@ -306,231 +264,9 @@ def decode_image(item: dict, resolution: int, center_crop: bool, channels: int) 
         return preprocess_image(image, resolution, center_crop, channels)
 
 
-def random_crop(image: np.ndarray, resolution: int, *seed_parts: int) -> np.ndarray:
-    """A resolution^2 crop placed by mix_seed(*seed_parts), so a resumed run crops the same."""
-    height, width = image.shape[:2]
-    if height == width == resolution:
-        return image
-    rng = np.random.default_rng(mix_seed(*seed_parts))
-    top = rng.integers(0, height - resolution + 1)
-    left = rng.integers(0, width - resolution + 1)
-    return image[top:top + resolution, left:left + resolution]
-
-
 def _decode(item: dict) -> Image.Image:
     if item.get("bytes") is not None:
         return Image.open(io.BytesIO(item["bytes"]))
     return Image.open(item["path"])
 
 
-DECODE_CHUNK = 512  # rows per decoding task
-
-
-def _decode_rows(bounds: tuple[int, int], dataset, image_column: str, resolution: int, center_crop: bool,
-                 channels: int) -> tuple[list, list]:
-    """Decode rows [start, stop) from their stored bytes: (arrays, [(name, error)]). Runs in worker
-    processes too; the arrow format hands over bytes and paths without decoding."""
-    start, stop = bounds
-    items = dataset.with_format("arrow")[start:stop].column(image_column).to_pylist()
-    arrays, problems = [], []
-    for offset, item in enumerate(items):
-        try:
-            arrays.append(decode_image(item, resolution, center_crop, channels))
-        except Exception as error:  # PIL raises several types for truncated or non-image files
-            problems.append((item.get("path") or f"row {start + offset}", f"{type(error).__name__}: {error}"))
-    return arrays, problems
-
-
-def decode_workers(num_rows: int) -> int:
-    """Processes for decoding: all cores (up to 16) for datasets big enough to repay the start-up."""
-    return min(os.cpu_count() or 1, 16) if num_rows >= 4 * DECODE_CHUNK else 1
-
-
-def iter_decoded(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
-                 workers: int = 1, progress: bool = False):
-    """Every decodable image, in row order, as uint8 [H, W, C]; unreadable files are skipped with a
-    warning that names them. Raises DataError if none can be decoded."""
-    import functools
-    from concurrent.futures import ProcessPoolExecutor
-
-    from tqdm.auto import tqdm
-
-    bounds = [(a, min(a + DECODE_CHUNK, len(dataset))) for a in range(0, len(dataset), DECODE_CHUNK)]
-    task = functools.partial(_decode_rows, dataset=dataset, image_column=image_column, resolution=resolution,
-                             center_crop=center_crop, channels=channels)
-    pool = ProcessPoolExecutor(workers) if workers > 1 else None
-    decoded, skipped = 0, []
-    with tqdm(total=len(dataset), desc="decoding images once", disable=not progress) as bar:
-        for arrays, problems in (pool.map(task, bounds) if pool else map(task, bounds)):
-            for name, message in problems:
-                skipped.append(name)
-                warnings.warn(f"skipping unreadable image {name}: {message}", stacklevel=2)
-            decoded += len(arrays)
-            bar.update(len(arrays) + len(problems))
-            yield from arrays
-    if pool:
-        pool.shutdown()
-    if not decoded:
-        raise DataError(f"none of the {len(dataset)} images could be decoded (first: {skipped[:3]})")
-
-
-def decode_dataset(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
-                   progress: bool = False) -> DecodedImages:
-    """Decode every image once, in memory (small datasets: the digits)."""
-    arrays = list(iter_decoded(dataset, image_column, resolution, center_crop, channels, progress=progress))
-    shapes = np.array([a.shape[:2] for a in arrays], dtype=np.int64)
-    pixels = np.concatenate([a.reshape(-1) for a in arrays])
-    return DecodedImages(pixels, shapes, _offsets(shapes, channels), channels)
-
-
-def cached_decode(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
-                  cache_dir: str | None, progress: bool = False) -> DecodedImages:
-    """Decoded images stored on disk, keyed by the dataset's fingerprint and the preprocessing, so
-    later runs (and the other local ranks, which wait for the node's main one) only memory-map
-    them. Images are written to the file as they are decoded (memory stays flat whatever the
-    dataset size), by a process pool for large datasets. In-memory datasets (the digits) have no
-    stable fingerprint and are decoded each time (under a second)."""
-    if not dataset.cache_files:
-        return decode_dataset(dataset, image_column, resolution, center_crop, channels, progress)
-    import datasets
-
-    key = hashlib.sha256(repr((CACHE_FORMAT, dataset._fingerprint, image_column, resolution,
-                               center_crop, channels)).encode()).hexdigest()[:20]
-    root = str(cache_dir or datasets.config.HF_DATASETS_CACHE)
-    directory = os.path.join(root, "ddpm_decoded", key)
-    if not os.path.isdir(directory):  # published whole by one rename: present means complete
-        check_cache_space(root, len(dataset), resolution, channels)
-        start = time.perf_counter()
-        images = iter_decoded(dataset, image_column, resolution, center_crop, channels,
-                              decode_workers(len(dataset)), progress)
-        _write_cache(directory, images)
-        # one line per decode: how often a node decoded is visible in its log (and tested)
-        print(f"decoded {len(dataset)} images once into {directory} in {time.perf_counter() - start:.1f} s", flush=True)
-    return DecodedImages.load(directory, channels)
-
-
-def check_cache_space(root: str, rows: int, resolution: int, channels: int) -> None:
-    """Refuse before decoding when the cache's disk cannot hold rows x resolution^2 x channels
-    bytes (a lower bound: without --center_crop the stored images are larger)."""
-    import shutil
-
-    os.makedirs(root, exist_ok=True)
-    needed, free = rows * resolution * resolution * channels, shutil.disk_usage(root).free
-    if needed > free:
-        raise DataError(f"the decoded-image cache needs at least {needed / 1e9:.2f} GB ({rows} images of "
-                        f"{resolution}x{resolution}x{channels} bytes) but {root} has {free / 1e9:.2f} GB free: "
-                        "use --streaming (decodes on the fly, no cache) or a --cache_dir on a larger disk")
-
-
-def _write_cache(directory: str, images) -> None:
-    """pixels.bin (every image's bytes, in order) and shapes.npy, written under a name no other
-    process uses (host, pid, random) and published by one atomic rename. Nodes sharing a cache
-    folder may race: the first rename wins, a loser deletes its copy and uses the winner's."""
-    import shutil
-    import socket
-    import uuid
-
-    tmp = f"{directory}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp)
-    shapes = []
-    with open(os.path.join(tmp, "pixels.bin"), "wb") as fh:
-        for array in images:
-            fh.write(np.ascontiguousarray(array).tobytes())
-            shapes.append(array.shape[:2])
-    np.save(os.path.join(tmp, "shapes.npy"), np.array(shapes, dtype=np.int64))
-    try:
-        os.rename(tmp, directory)  # atomic; fails when the (non-empty) winner's folder is there
-    except OSError:
-        if not os.path.isfile(os.path.join(directory, "shapes.npy")):
-            raise
-        shutil.rmtree(tmp)
-
-
-# ----------------------------------------------------------------------------- batch order
-def mix_seed(*values: int) -> int:
-    """A 63-bit seed from integers (seed, micro-step, ...), well mixed so neighbours differ."""
-    return int(np.random.SeedSequence([int(v) for v in values]).generate_state(1, np.uint64)[0] >> 1)
-
-
-class GlobalBatchOrder:
-    """Which dataset rows micro-step k uses, for every rank: a function of (seed, k) only."""
-
-    def __init__(self, num_examples: int, global_micro_batch_size: int, seed: int):
-        if global_micro_batch_size > num_examples:
-            raise DataError(f"the global batch ({global_micro_batch_size} images = batch size x processes) is larger "
-                            f"than the dataset ({num_examples} images); lower --train_batch_size")
-        self.num_examples, self.global_micro_batch_size, self.seed = num_examples, global_micro_batch_size, seed
-        self.batches_per_epoch = num_examples // global_micro_batch_size  # the last partial batch is dropped
-        self._epoch, self._permutation = None, None
-
-    def position(self, micro_step: int) -> tuple[int, int]:
-        """(epoch, batch index within the epoch) of a micro-step."""
-        return divmod(micro_step, self.batches_per_epoch)
-
-    def indices(self, micro_step: int) -> np.ndarray:
-        epoch, batch = self.position(micro_step)
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._permutation = np.random.default_rng(mix_seed(self.seed, epoch)).permutation(self.num_examples)
-        return self._permutation[batch * self.global_micro_batch_size:(batch + 1) * self.global_micro_batch_size]
-
-
-class MicroBatches(torch.utils.data.Dataset):
-    """Item k = this rank's uint8 images [B, C, H, W] for micro-step k, or (images, int64 class
-    labels [B]) when `labels` (one per image) is given. Use with DataLoader(batch_size=None,
-    sampler=range(first, last)) so workers prefetch in order."""
-
-    def __init__(self, images: DecodedImages, order: GlobalBatchOrder, rank: int, batch_size: int,
-                 resolution: int, seed: int, labels: np.ndarray | None = None):
-        self.images, self.order, self.rank, self.batch_size = images, order, rank, batch_size
-        self.resolution, self.seed, self.labels = resolution, seed, labels
-
-    def __len__(self) -> int:
-        return 2 ** 62  # an endless stream; the sampler bounds it
-
-    def __getitem__(self, micro_step: int) -> torch.Tensor:
-        rows = self.order.indices(micro_step)[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-        batch = np.empty((len(rows), self.resolution, self.resolution, self.images.channels), np.uint8)
-        for slot, row in enumerate(rows):
-            batch[slot] = random_crop(self.images.image(int(row)), self.resolution, self.seed, int(row), micro_step)
-        images = torch.from_numpy(batch).permute(0, 3, 1, 2)
-        return images if self.labels is None else (images, torch.from_numpy(self.labels[rows]))
-
-
-def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(uint8 images, int64 labels or None) of a data source's batch: images, or (images, labels)."""
-    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch, None)
-
-
-def to_model_input(batch: torch.Tensor, device, flip: torch.Tensor | None = None) -> torch.Tensor:
-    """uint8 [B, C, H, W] -> fp32 in [-1, 1] on the device; `flip` (bool [B]) mirrors images there."""
-    images = batch.to(device, non_blocking=True).float().div_(127.5).sub_(1.0)
-    if flip is not None:
-        images = torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
-    return images
-
-
-VALIDATION_STREAM = 0x48E1D0  # seed stream of the held-out split (and of the held-out timesteps and noise)
-
-
-class ImageSubset:
-    """Rows of DecodedImages, seen through the same small interface (len, image, channels)."""
-
-    def __init__(self, images, rows: np.ndarray):
-        self.images, self.rows, self.channels = images, np.asarray(rows, dtype=np.int64), images.channels
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def image(self, index: int) -> np.ndarray:
-        return self.images.image(int(self.rows[index]))
-
-
-def split_held_out(images, fraction: float, seed: int) -> tuple[ImageSubset, ImageSubset]:
-    """(training, held-out) rows, a seeded random split; the held-out part never enters training."""
-    count = int(round(fraction * len(images)))
-    if not 1 <= count < len(images):
-        raise DataError(f"--validation_split {fraction} of {len(images)} images leaves {count} held out; "
-                         "choose a fraction that keeps at least one image on each side")
-    order = np.random.default_rng(mix_seed(seed, VALIDATION_STREAM)).permutation(len(images))
-    return ImageSubset(images, np.sort(order[count:])), ImageSubset(images, np.sort(order[:count]))

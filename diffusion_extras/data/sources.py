@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from diffusion_extras.data import batch_order, decode_cache
 from diffusion_extras.data import images as data
 from diffusion_extras.data.spec import DataSpec, Processes
 from diffusion_extras.data.streaming import StreamSource, load_stream
@@ -31,7 +32,7 @@ class DataSource(Protocol):
     """The interface above, as a type."""
     batches_per_epoch: int | None  # None for a stream (no epoch length)
     description: str                  # names the data in the FID reference fingerprint
-    held_out_images: object           # data.ImageSubset, or None
+    held_out_images: object           # batch_order.ImageSubset, or None
     class_names: list | None       # names by class id with --class_conditional (batches carry labels), else None
 
     def batches(self, first: int, last: int) -> Iterator[torch.Tensor]: ...
@@ -42,7 +43,7 @@ class DataSource(Protocol):
 
 
 class CachedImages:
-    """Every image decoded once (data.cached_decode) and drawn in a (seed, micro-step) order."""
+    """Every image decoded once (decode_cache.cached_decode) and drawn in a (seed, micro-step) order."""
 
     def __init__(self, spec: DataSpec, processes: Processes, channels: int, dataset=None,
                  validation_split: float = 0.0):
@@ -50,7 +51,7 @@ class CachedImages:
         with processes.local_main_process_first():
             dataset = dataset if dataset is not None else data.load_image_dataset(spec)
             image_column = data.find_image_column(dataset, spec.image_column)
-            self.images = data.cached_decode(dataset, image_column, spec.resolution, spec.center_crop,
+            self.images = decode_cache.cached_decode(dataset, image_column, spec.resolution, spec.center_crop,
                                              channels, spec.cache_dir, processes.is_local_main_process)
         self.labels, self.class_names = dataset_classes(spec, dataset)
         if self.labels is not None and len(self.labels) != len(self.images):
@@ -58,10 +59,10 @@ class CachedImages:
                                  "--class_conditional every image needs its label; remove the unreadable files")
         self.held_out_images = None  # --validation_split: held out before the order exists, never trained on
         if validation_split:
-            self.images, self.held_out_images = data.split_held_out(self.images, validation_split, spec.seed)
+            self.images, self.held_out_images = batch_order.split_held_out(self.images, validation_split, spec.seed)
             if self.labels is not None:
                 self.labels = self.labels[self.images.rows]
-        self.order = data.GlobalBatchOrder(len(self.images), spec.train_batch_size * processes.num_processes,
+        self.order = batch_order.GlobalBatchOrder(len(self.images), spec.train_batch_size * processes.num_processes,
                                            spec.seed)
         self.spec, self.rank = spec, processes.process_index
         self.pin_memory = processes.device.type == "cuda"
@@ -72,8 +73,8 @@ class CachedImages:
         """Micro-batches first..last-1, prefetched in order by the DataLoader workers."""
         spec = self.spec
         loader = torch.utils.data.DataLoader(
-            data.MicroBatches(self.images, self.order, self.rank, spec.train_batch_size, spec.resolution, spec.seed,
-                              self.labels),
+            batch_order.MicroBatches(self.images, self.order, self.rank, spec.train_batch_size, spec.resolution,
+                                     spec.seed, self.labels),
             batch_size=None, sampler=range(first, last), num_workers=spec.dataloader_num_workers,
             pin_memory=self.pin_memory,
             generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
@@ -92,8 +93,8 @@ class CachedImages:
     def reference_sample(self, count: int) -> np.ndarray:
         """Up to `count` training images as uint8 NCHW, a seeded random subset with the run's crops."""
         count = min(len(self.images), count)
-        order = data.GlobalBatchOrder(len(self.images), count, self.spec.seed)
-        return data.MicroBatches(self.images, order, 0, count, self.spec.resolution, self.spec.seed)[0].numpy()
+        order = batch_order.GlobalBatchOrder(len(self.images), count, self.spec.seed)
+        return batch_order.MicroBatches(self.images, order, 0, count, self.spec.resolution, self.spec.seed)[0].numpy()
 
 
 def dataset_classes(spec: DataSpec, dataset) -> tuple:

@@ -21,7 +21,8 @@ import warnings
 import numpy as np
 import torch
 
-from diffusion_extras.data.images import DataError, decode_image, find_image_column, open_dataset, random_crop
+from diffusion_extras.data.batch_order import random_crop
+from diffusion_extras.data.images import DataError, decode_image, find_image_column, open_dataset
 from diffusion_extras.data.spec import DataSpec, Processes
 
 

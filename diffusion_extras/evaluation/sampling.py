@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from diffusion_extras.data.images import mix_seed
+from diffusion_extras.data.batch_order import mix_seed
 from diffusion_extras.evaluation.pipeline_class_conditional import guided_model_output, unconditional_inputs
 
 SCHEDULERS = ("ddpm", "ddim", "dpm")

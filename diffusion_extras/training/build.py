@@ -12,8 +12,7 @@ from diffusion_extras.core.ema import ExponentialMovingAverage
 from diffusion_extras.core.optimization import make_optimizer
 from diffusion_extras.core.phema import PowerFunctionEMA
 from diffusion_extras.core.timesteps import make_timestep_sampler
-from diffusion_extras.data import images as data
-from diffusion_extras.data import sources
+from diffusion_extras.data import batch_order, sources
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
@@ -136,7 +135,7 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
     source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split)
     sample = torch.from_numpy(source.reference_sample(2048))
     # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
-    sigma_data = diagnostics.per_dimension_variance(data.to_model_input(sample, "cpu")) ** 0.5
+    sigma_data = diagnostics.per_dimension_variance(batch_order.to_model_input(sample, "cpu")) ** 0.5
     training_data = Data(source=source, sigma_data=sigma_data, class_names=getattr(source, "class_names", None),
                          global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
                          gradient_accumulation_steps=config.gradient_accumulation_steps)

@@ -245,6 +245,13 @@ class _UnbrokenNames(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+def value_type(f) -> str:
+    """The field's value type by name ("int", "float", "str", "bool", "dict"): its annotation is a
+    string (postponed evaluation), written `int | None` or `Optional[int]`."""
+    annotation = f.type.replace(" | None", "").replace("None | ", "")
+    return annotation.removeprefix("Optional[").removesuffix("]") if annotation.startswith("Optional[") else annotation
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every TrainConfig field becomes a flag, shown under its group; defaults are None so we know
     which flags were given."""
@@ -256,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML recipe (see configs/); flags given here override it.")
     sections = {name: parser.add_argument_group(name, description) for name, description in GROUP_DESCRIPTIONS.items()}
     for f in config_fields():
-        section, kind = sections[f.metadata["group"]], f.type.replace("Optional[", "").rstrip("]")
+        section, kind = sections[f.metadata["group"]], value_type(f)
         if kind == "bool":
             section.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text(f))
         else:
@@ -310,7 +317,7 @@ def from_sources(yaml_values: dict, cli_values: dict) -> TrainConfig:
 
 
 def _coerce(f, value):
-    kind = f.type.replace("Optional[", "").rstrip("]")
+    kind = value_type(f)
     if value is None:
         return None
     try:

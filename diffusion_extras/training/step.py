@@ -7,7 +7,7 @@ import torch
 
 from diffusion_extras.core import losses
 from diffusion_extras.core.optimization import step_unless_nonfinite
-from diffusion_extras.data import images as data
+from diffusion_extras.data import batch_order
 from diffusion_extras.training.run_state import Run
 
 
@@ -17,7 +17,7 @@ def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
     the same and keeps its slice, so results do not depend on the number of ranks. Returns the
     global timesteps too (a loss-aware sampler learns from them)."""
     device, global_batch = run.accelerator.device, run.data.global_micro_batch_size
-    generator = torch.Generator(device).manual_seed(data.mix_seed(run.config.seed, micro_step, 1))
+    generator = torch.Generator(device).manual_seed(batch_order.mix_seed(run.config.seed, micro_step, 1))
     noise = torch.randn((global_batch, *shape), generator=generator, device=device)
     timesteps, importance = run.objective.timestep_sampler.sample(global_batch, generator)
     flips = torch.rand(global_batch, generator=generator, device=device) < 0.5
@@ -33,10 +33,10 @@ def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
 def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool) -> torch.Tensor:
     """sample t, noise, predict, loss, backward. Returns the (weighted) loss, detached, on device."""
     config, accelerator, schedule, unet = run.config, run.accelerator, run.objective.schedule, run.learner.unet
-    batch, labels = data.split_batch(batch)
+    batch, labels = batch_order.split_batch(batch)
     noise, timesteps, importance, flips, drops, global_timesteps = micro_step_randomness(run, micro_step,
                                                                                         batch.shape[1:])
-    clean = data.to_model_input(batch, accelerator.device, flips)
+    clean = batch_order.to_model_input(batch, accelerator.device, flips)
     class_labels = conditioning_labels(run, labels, drops)
     if run.hooks is not None and run.hooks.model_input is not None:
         clean = run.hooks.model_input(run, clean, micro_step)

@@ -1,0 +1,113 @@
+"""Position-determined batches: data order is a pure function of (seed, micro-step). Micro-step k of
+the run is the k-th slice of global batches drawn from per-epoch permutations, so a resumed run
+asks for batch k and gets it directly (nothing decoded and thrown away), and any number of ranks
+each take their slice of the same global batch (P ranks x B images see what 1 rank x P*B would).
+Also the seeded random crop, the model input in [-1, 1] and the held-out split."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from diffusion_extras.data.decode_cache import DecodedImages
+from diffusion_extras.data.images import DataError
+
+
+def random_crop(image: np.ndarray, resolution: int, *seed_parts: int) -> np.ndarray:
+    """A resolution^2 crop placed by mix_seed(*seed_parts), so a resumed run crops the same."""
+    height, width = image.shape[:2]
+    if height == width == resolution:
+        return image
+    rng = np.random.default_rng(mix_seed(*seed_parts))
+    top = rng.integers(0, height - resolution + 1)
+    left = rng.integers(0, width - resolution + 1)
+    return image[top:top + resolution, left:left + resolution]
+
+
+# ----------------------------------------------------------------------------- batch order
+def mix_seed(*values: int) -> int:
+    """A 63-bit seed from integers (seed, micro-step, ...), well mixed so neighbours differ."""
+    return int(np.random.SeedSequence([int(v) for v in values]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class GlobalBatchOrder:
+    """Which dataset rows micro-step k uses, for every rank: a function of (seed, k) only."""
+
+    def __init__(self, num_examples: int, global_micro_batch_size: int, seed: int):
+        if global_micro_batch_size > num_examples:
+            raise DataError(f"the global batch ({global_micro_batch_size} images = batch size x processes) is larger "
+                            f"than the dataset ({num_examples} images); lower --train_batch_size")
+        self.num_examples, self.global_micro_batch_size, self.seed = num_examples, global_micro_batch_size, seed
+        self.batches_per_epoch = num_examples // global_micro_batch_size  # the last partial batch is dropped
+        self._epoch, self._permutation = None, None
+
+    def position(self, micro_step: int) -> tuple[int, int]:
+        """(epoch, batch index within the epoch) of a micro-step."""
+        return divmod(micro_step, self.batches_per_epoch)
+
+    def indices(self, micro_step: int) -> np.ndarray:
+        epoch, batch = self.position(micro_step)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._permutation = np.random.default_rng(mix_seed(self.seed, epoch)).permutation(self.num_examples)
+        return self._permutation[batch * self.global_micro_batch_size:(batch + 1) * self.global_micro_batch_size]
+
+
+class MicroBatches(torch.utils.data.Dataset):
+    """Item k = this rank's uint8 images [B, C, H, W] for micro-step k, or (images, int64 class
+    labels [B]) when `labels` (one per image) is given. Use with DataLoader(batch_size=None,
+    sampler=range(first, last)) so workers prefetch in order."""
+
+    def __init__(self, images: DecodedImages, order: GlobalBatchOrder, rank: int, batch_size: int,
+                 resolution: int, seed: int, labels: np.ndarray | None = None):
+        self.images, self.order, self.rank, self.batch_size = images, order, rank, batch_size
+        self.resolution, self.seed, self.labels = resolution, seed, labels
+
+    def __len__(self) -> int:
+        return 2 ** 62  # an endless stream; the sampler bounds it
+
+    def __getitem__(self, micro_step: int) -> torch.Tensor:
+        rows = self.order.indices(micro_step)[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+        batch = np.empty((len(rows), self.resolution, self.resolution, self.images.channels), np.uint8)
+        for slot, row in enumerate(rows):
+            batch[slot] = random_crop(self.images.image(int(row)), self.resolution, self.seed, int(row), micro_step)
+        images = torch.from_numpy(batch).permute(0, 3, 1, 2)
+        return images if self.labels is None else (images, torch.from_numpy(self.labels[rows]))
+
+
+def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(uint8 images, int64 labels or None) of a data source's batch: images, or (images, labels)."""
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch, None)
+
+
+def to_model_input(batch: torch.Tensor, device, flip: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 [B, C, H, W] -> fp32 in [-1, 1] on the device; `flip` (bool [B]) mirrors images there."""
+    images = batch.to(device, non_blocking=True).float().div_(127.5).sub_(1.0)
+    if flip is not None:
+        images = torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
+    return images
+
+
+VALIDATION_STREAM = 0x48E1D0  # seed stream of the held-out split (and of the held-out timesteps and noise)
+
+
+class ImageSubset:
+    """Rows of DecodedImages, seen through the same small interface (len, image, channels)."""
+
+    def __init__(self, images, rows: np.ndarray):
+        self.images, self.rows, self.channels = images, np.asarray(rows, dtype=np.int64), images.channels
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def image(self, index: int) -> np.ndarray:
+        return self.images.image(int(self.rows[index]))
+
+
+def split_held_out(images, fraction: float, seed: int) -> tuple[ImageSubset, ImageSubset]:
+    """(training, held-out) rows, a seeded random split; the held-out part never enters training."""
+    count = int(round(fraction * len(images)))
+    if not 1 <= count < len(images):
+        raise DataError(f"--validation_split {fraction} of {len(images)} images leaves {count} held out; "
+                         "choose a fraction that keeps at least one image on each side")
+    order = np.random.default_rng(mix_seed(seed, VALIDATION_STREAM)).permutation(len(images))
+    return ImageSubset(images, np.sort(order[count:])), ImageSubset(images, np.sort(order[:count]))
