@@ -57,7 +57,8 @@ def test_flags_override_yaml_which_overrides_defaults(tmp_path):
 def non_default(field) -> tuple:
     """A value of `field` other than its default, and the flags that give it."""
     default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-    kind, flag = field.type.replace("Optional[", "").rstrip("]"), f"--{field.name}"
+    kind = field.type.replace(" | None", "").removeprefix("Optional[").removesuffix("]")  # "int | None": int
+    flag = f"--{field.name}"
     if kind == "bool":
         return (not default), [flag if not default else f"--no-{field.name}"]
     if kind == "int":
