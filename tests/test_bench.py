@@ -73,7 +73,7 @@ def test_tiny_bench_writes_complete_json(tiny_run):
 def test_table_renders_the_gpu_rows(tiny_run):
     """The GPU-only rows (MFU, memory, diffusers reference, profile) cannot run here: render them
     from a CPU report with those sections filled in, so a format slip shows before a GPU run."""
-    import bench_report
+    bench_report = load_bench_module("bench_report")
 
     report = json.loads(json.dumps(tiny_run[1]))
     report["flops"].update(peak_tflops=989.4, mfu_full=0.2, mfu_bare=0.25)

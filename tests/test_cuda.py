@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_run
 from test_host_sync import ALL_EXTRAS
 
-from diffusion_extras.data import batch_order, images
+from diffusion_extras.data import batch_order
 from diffusion_extras.training import loop, step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -68,7 +68,7 @@ def test_fused_adamw_skips_a_nonfinite_step_on_the_device(tmp_path, fresh_accele
     for _ in range(WARMUP_STEPS):
         step.optimizer_step(run, batches)
     original_input = batch_order.to_model_input
-    monkeypatch.setattr(images, "to_model_input",
+    monkeypatch.setattr(batch_order, "to_model_input",
                         lambda *args, **kwargs: original_input(*args, **kwargs) * float("nan"))
     before, ema = weights(run), [s.clone() for s in run.extras.ema.shadow_params]
     steps = [optimizer.state[p]["step"].clone() for p in optimizer.param_groups[0]["params"]]

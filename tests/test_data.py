@@ -158,7 +158,7 @@ def test_pooled_decoding_equals_in_process_and_names_corrupt_files(tmp_path, mon
     with open(os.path.join(folder, "05-bad.png"), "wb") as fh:
         fh.write(b"\x89PNG\r\n\x1a\ntruncated")
     dataset = data.load_image_dataset(config(train_data_dir=folder, cache_dir=str(tmp_path / "c")))
-    monkeypatch.setattr(data, "DECODE_CHUNK", 3)  # 12 rows -> 4 tasks
+    monkeypatch.setattr(decode_cache, "DECODE_CHUNK", 3)  # 12 rows -> 4 tasks
     with pytest.warns(UserWarning, match="05-bad.png"):
         alone = list(decode_cache.iter_decoded(dataset, "image", 8, False, 3, workers=1))
     with pytest.warns(UserWarning, match="05-bad.png"):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from diffusion_extras.core.losses import NoiseSchedule, min_snr_weight
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
-from diffusion_extras.report.checks import Run
+from diffusion_extras.report.checks import RunLog
 from diffusion_extras.report.dynamics import check_gradient_dominance
 
 
@@ -83,5 +83,5 @@ def test_report_warns_when_one_bin_dominates_the_gradient(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "gradient_dominated_by_one_bin" in printed and "Timesteps 0-99 carry 70%" in printed
     assert "--snr_gamma 5" in printed
-    assert not check_gradient_dominance(Run(probes([[0.1] * 10] * 8), {}))
-    assert not check_gradient_dominance(Run(probes([dominated] * 3 + [[0.1] * 10] * 5), {}))  # early only
+    assert not check_gradient_dominance(RunLog(probes([[0.1] * 10] * 8), {}))
+    assert not check_gradient_dominance(RunLog(probes([dominated] * 3 + [[0.1] * 10] * 5), {}))  # early only

@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, tiny_run
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from diffusion_extras.data import batch_order, images
+from diffusion_extras.data import batch_order
 from diffusion_extras.training import build, loop
 
 # aten ops that read a device value on the host: scalar reads (.item(), bool(), float(), .tolist()),
@@ -125,7 +125,7 @@ def test_a_nonfinite_step_adds_no_sync_and_its_warning_names_one(tmp_path, monke
     def poisoned(*args, **kwargs):  # the 4th micro-batch: optimizer step 2 is non-finite
         calls.append(1)
         return original_input(*args, **kwargs) * (float("nan") if len(calls) == 4 else 1.0)
-    monkeypatch.setattr(images, "to_model_input", poisoned)
+    monkeypatch.setattr(batch_order, "to_model_input", poisoned)
     with pytest.warns(UserWarning, match="1 non-finite step"):
         recorder = record_training(monkeypatch, run)
     assert recorder.in_phase("step") == [] and recorder.in_phase("loop") == []
