@@ -153,19 +153,24 @@ def _train_split(loaded, name: str):
     return loaded
 
 
+def _named_or_typed(dataset, flag: str, name: str | None, feature_type) -> list[str]:
+    """[the column `flag` names], checked to exist; with no name, the columns of `feature_type`."""
+    columns = list(dataset.features)
+    if name is not None:
+        if name not in columns:
+            raise DataError(f"{flag} {name} is not in the dataset (columns: {', '.join(columns)})")
+        return [name]
+    return [column for column, feature in dataset.features.items() if isinstance(feature, feature_type)]
+
+
 def find_image_column(dataset, image_column: str | None = None) -> str:
     import datasets
 
-    columns = list(dataset.features)
-    if image_column is not None:
-        if image_column not in columns:
-            raise DataError(f"--image_column {image_column} is not in the dataset (columns: {', '.join(columns)})")
-        if not isinstance(dataset.features[image_column], datasets.Image):
-            raise DataError(f"--image_column {image_column} holds {dataset.features[image_column]}, not images")
-        return image_column
-    found = [name for name, feature in dataset.features.items() if isinstance(feature, datasets.Image)]
+    found = _named_or_typed(dataset, "--image_column", image_column, datasets.Image)
+    if image_column is not None and not isinstance(dataset.features[image_column], datasets.Image):
+        raise DataError(f"--image_column {image_column} holds {dataset.features[image_column]}, not images")
     if not found:
-        raise DataError(f"the dataset has no image column (columns: {', '.join(columns)}); "
+        raise DataError(f"the dataset has no image column (columns: {', '.join(dataset.features)}); "
                         "pass --image_column NAME for a column of images")
     return found[0]
 
@@ -176,15 +181,10 @@ def find_label_column(dataset, label_column: str | None = None) -> str:
     the digits' `label`)."""
     import datasets
 
-    columns = list(dataset.features)
-    if label_column is not None:
-        if label_column not in columns:
-            raise DataError(f"--label_column {label_column} is not in the dataset (columns: {', '.join(columns)})")
-        return label_column
-    found = [name for name, feature in dataset.features.items() if isinstance(feature, datasets.ClassLabel)]
+    found = _named_or_typed(dataset, "--label_column", label_column, datasets.ClassLabel)
     if len(found) != 1:
         what = "no ClassLabel column" if not found else f"several ClassLabel columns ({', '.join(found)})"
-        raise DataError(f"--class_conditional: the dataset has {what} (columns: {', '.join(columns)}); "
+        raise DataError(f"--class_conditional: the dataset has {what} (columns: {', '.join(dataset.features)}); "
                         "pass --label_column NAME for the column of class ids or names")
     return found[0]
 
