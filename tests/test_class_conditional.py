@@ -164,3 +164,36 @@ def test_two_ranks_with_labels_equal_one_rank(hooked_train, tiny_recipe, tmp_pat
     w2, w1 = load_unet_weights(two), load_unet_weights(single)
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
     assert np.isfinite([v.abs().max().item() for v in w1.values()]).all()
+
+
+@pytest.mark.parametrize("column,message", [
+    ("score", "--label_column score: labels must be ints or class names (got 0.5)"),
+    ("kind", "--label_column kind: label -1 is outside the declared classes 0..1 (1 row(s))"),
+])
+def test_bad_label_values_are_one_line_before_training(train, tiny_recipe, tmp_path, column, message):
+    """Through the command line: an image folder whose metadata.jsonl gives each image a `score`
+    (floats: not labels) and a `kind` (ints, one of them -1: outside the classes 0..1)."""
+    folder = save_random_images(tmp_path / "images", 4, 8, 8)
+    with open(os.path.join(folder, "metadata.jsonl"), "w") as fh:
+        for index, kind in enumerate([0, 1, 1, -1]):
+            fh.write(json.dumps({"file_name": f"{index}.png", "score": index + 0.5, "kind": kind}) + "\n")
+    result = train(tiny_recipe(), tmp_path / "run", "--train_data_dir", folder, "--class_conditional",
+                   "--label_column", column, "--max_train_steps", 1, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == f"error: {message}"
+    assert not os.path.exists(tmp_path / "run" / "checkpoint-1")
+
+
+def test_a_class_with_no_images_is_a_warning_and_training_goes_on(train, tiny_recipe, tmp_path):
+    import datasets
+    from PIL import Image
+
+    images = [Image.new("L", (8, 8), value) for value in range(0, 240, 30)]  # 8: one batch of the tiny recipe
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])})
+    datasets.Dataset.from_dict({"image": images, "label": [0, 1] * 4}, features=features).save_to_disk(
+        str(tmp_path / "saved"))
+    result = train(tiny_recipe(), tmp_path / "run", "--dataset_name", tmp_path / "saved", "--class_conditional",
+                   "--max_train_steps", 1)
+    assert "--label_column label: class(es) with no images: c" in result.stderr
+    with open(tmp_path / "run" / "model_index.json") as fh:
+        assert json.load(fh)["id2label"] == {"0": "a", "1": "b", "2": "c"}
