@@ -87,10 +87,11 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     extension points (hooks.py), defaults when None."""
     hooks = hooks or Hooks()
     noise_scheduler = models.build_noise_scheduler(config)
-    switches = run_state.extras_switches(config, config.data_spec().uses_embedded_digits)
+    spec = config.data_spec()
+    switches = run_state.extras_switches(config, spec.uses_embedded_digits)
     # the data is opened before the model: with no model chosen, the model follows the images
-    dataset, data_channels = sources.open_training_data(config.data_spec(), accelerator)
-    class_names = sources.dataset_classes(config.data_spec(), dataset)[1] if dataset is not None else None
+    dataset, data_channels = sources.open_training_data(spec, accelerator)
+    class_names = sources.dataset_classes(spec, dataset)[1] if dataset is not None else None
     choice, unet = build_model(config, accelerator, data_channels, class_names)
     training_data, held_out_images = build_data(config, accelerator, unet.config.in_channels, dataset,
                                                 switches["validation_split"], hooks.data_source)

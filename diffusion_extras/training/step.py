@@ -8,6 +8,7 @@ import torch
 from diffusion_extras.core import losses
 from diffusion_extras.core.optimization import step_unless_nonfinite
 from diffusion_extras.data import batch_order
+from diffusion_extras.training.hooks import hook
 from diffusion_extras.training.run_state import Run
 
 
@@ -38,7 +39,7 @@ def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool)
                                                                                         batch.shape[1:])
     clean = batch_order.to_model_input(batch, accelerator.device, flips)
     class_labels = conditioning_labels(run, labels, drops)
-    if run.hooks is not None and run.hooks.model_input is not None:
+    if hook(run, "model_input") is not None:
         clean = run.hooks.model_input(run, clean, micro_step)
     if config.channels_last:
         clean = clean.contiguous(memory_format=torch.channels_last)
