@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import fork_server
 import pytest
 import yaml
 
@@ -104,12 +105,92 @@ def cli_env(tmp_path) -> dict:
     return env
 
 
+class ForkServer:
+    """The client of tests/fork_server.py (read its docstring): runs `python SCRIPT ARGS` or
+    `python -m MODULE ARGS` as a fork of an interpreter with the heavy libraries imported, one
+    command at a time; started on first use, one per pytest process."""
+    _instance = None
+    _started_for = None
+
+    def __init__(self, env: dict):
+        import tempfile
+        import threading
+        self.start_up_key = fork_server.start_up_key(env)
+        self.lock = threading.Lock()
+        self.outputs = tempfile.mkdtemp(prefix="fork_server_")
+        self.process = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "fork_server.py")], cwd=ROOT,
+                                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.pending = b""
+        if self._reply(120).get("ready") is not True:
+            raise RuntimeError("the fork server did not start")
+
+    @classmethod
+    def for_command(cls, launcher, args, env):
+        """The server if it can run this command as a fresh interpreter would, else None."""
+        if launcher is not None or os.environ.get("DDPM_TEST_FRESH_INTERPRETERS") == "1" or not args:
+            return None
+        if not (str(args[0]).endswith(".py") or (str(args[0]) == "-m" and len(args) > 1)):
+            return None
+        if cls._instance is None or cls._instance.process.poll() is not None:
+            if cls._started_for == os.getpid():  # it died: this process runs fresh interpreters from now on
+                return None
+            cls._started_for = os.getpid()
+            cls._instance = cls(env)
+            import atexit
+            atexit.register(cls._instance.close)
+        server = cls._instance
+        return server if server.start_up_key == fork_server.start_up_key(env) else None
+
+    def _reply(self, timeout):
+        import select
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.process.stdout], [], [], left)[0]:
+                raise subprocess.TimeoutExpired("fork server reply", timeout)
+            chunk = os.read(self.process.stdout.fileno(), 65536)
+            if not chunk:
+                raise RuntimeError("the fork server exited")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, command, args, env, timeout):
+        """subprocess.run(command, cwd=ROOT, env=env, stdin=DEVNULL, capture_output=True, text=True,
+        timeout=timeout), in a fork of the server."""
+        with self.lock:
+            out, err = os.path.join(self.outputs, "stdout"), os.path.join(self.outputs, "stderr")
+            request = {"argv": [str(arg) for arg in args], "cwd": ROOT, "env": env, "stdout": out, "stderr": err}
+            self.process.stdin.write((json.dumps(request) + "\n").encode())
+            self.process.stdin.flush()
+            pid = self._reply(60)["pid"]
+            try:
+                returncode = self._reply(timeout)["returncode"]
+            except subprocess.TimeoutExpired:
+                os.kill(pid, 9)
+                self._reply(60)
+                raise subprocess.TimeoutExpired(command, timeout) from None
+            with open(out) as fh_out, open(err) as fh_err:
+                return subprocess.CompletedProcess(command, returncode, fh_out.read(), fh_err.read())
+
+    def close(self):
+        self.process.kill()
+        import shutil
+        shutil.rmtree(self.outputs, ignore_errors=True)
+
+
 def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False):
     """Run `launcher + args` (default launcher: this interpreter) from the project root in a fresh
-    process with cli_env(env_dir) updated by `env` (a None value unsets); returns CompletedProcess."""
+    process with cli_env(env_dir) updated by `env` (a None value unsets); returns CompletedProcess.
+    `python SCRIPT ...` and `python -m MODULE ...` run as forks of the suite's ForkServer."""
     command = (launcher or [sys.executable]) + [str(arg) for arg in args]
     merged = {k: v for k, v in {**cli_env(env_dir), **(env or {})}.items() if v is not None}  # None unsets
-    result = subprocess.run(command, cwd=ROOT, env=merged, capture_output=True, text=True, timeout=timeout)
+    server = ForkServer.for_command(launcher, args, merged)
+    if server is not None:
+        result = server.run(command, args, merged, timeout)
+    else:
+        result = subprocess.run(command, cwd=ROOT, env=merged, stdin=subprocess.DEVNULL, capture_output=True,
+                                text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return result
