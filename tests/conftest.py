@@ -328,5 +328,17 @@ def load_bench_module(name: str):
     return module
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks (pyproject: --dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    """Tests that read one module-scoped fixture (most are a training run made once and read by
+    several tests) run on one xdist worker, so the fixture is made once, not once per worker."""
+    for item in items:
+        for name in item.fixturenames:
+            definitions = item._fixtureinfo.name2fixturedefs.get(name)
+            if definitions and definitions[-1].scope == "module":
+                item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))
+                break
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run them with `pytest -m cuda`")

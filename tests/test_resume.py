@@ -1,4 +1,5 @@
 """Checkpoints and exact resume, through the real command line (1 and 2 processes)."""
+import functools
 import os
 import shutil
 import sys
@@ -149,37 +150,49 @@ def test_state_breaking_change_is_refused_with_the_differences(hooked_train, tin
     assert "ema_max_decay: 0.999 -> 0.5" in harmless.stderr
 
 
-def test_two_ranks_train_checkpoint_resume_and_match_one_rank(hooked_train, tiny_recipe, tmp_path):
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """2-rank runs of the tiny recipe at batch 4 per rank, once per module: "straight" (6 steps,
+    checkpoints 3 and 6, dropout 0.1), "resumed" (the same, killed after checkpoint-3 and resumed),
+    "two" (4 steps, no dropout) and "single" (1 process at batch 8, no dropout). Read them, or copy."""
+    folder = tmp_path_factory.mktemp("two_rank_runs")
+    recipe = write_tiny_recipe(folder, checkpointing_steps=3, train_batch_size=4,
+                               model={**_tiny_model(), "dropout": 0.1})
+    env = {"ACCELERATE_USE_CPU": "1"}
+    runs = {name: folder / name for name in ("straight", "resumed", "two", "single")}
+    train = functools.partial(run_training, folder, script=HOOKED_TRAIN)
+    runs["straight_stdout"] = train(recipe, runs["straight"], "--max_train_steps", 6, launcher=torchrun(),
+                                    env=env).stdout
+    train(recipe, runs["resumed"], "--max_train_steps", 6, launcher=torchrun(),
+          env={**env, "DDPM_TEST_STOP_AFTER_STEP": "3"})
+    runs["ranks_saved_at_3"] = set(os.listdir(runs["resumed"] / "checkpoint-3"))
+    train(recipe, runs["resumed"], "--max_train_steps", 6, "--resume_from_checkpoint", "latest", launcher=torchrun(),
+          env=env)
+    # one process with the same global batch of 8, dropout off in both for a like-for-like check
+    train(write_tiny_recipe(folder, checkpointing_steps=3, train_batch_size=4), runs["two"], "--max_train_steps", 4,
+          launcher=torchrun(), env=env)
+    train(write_tiny_recipe(folder, checkpointing_steps=3, train_batch_size=8), runs["single"], "--max_train_steps", 4)
+    return runs
+
+
+def test_two_ranks_train_checkpoint_resume_and_match_one_rank(two_rank_runs):
     """2 gloo ranks x batch 4 == 1 rank x batch 8 (same data, noise, timesteps), resume restores
     every rank's RNG (dropout on), and the ranks' replicas agree."""
-    recipe = tiny_recipe(checkpointing_steps=3, train_batch_size=4, model={**_tiny_model(), "dropout": 0.1})
-    env = {"ACCELERATE_USE_CPU": "1"}
-    straight, resumed, single = tmp_path / "straight", tmp_path / "resumed", tmp_path / "single"
-    result = hooked_train(recipe, straight, "--max_train_steps", 6, launcher=torchrun(), env=env)
-    assert "replicas identical on 2 processes" in result.stdout
-    hooked_train(recipe, resumed, "--max_train_steps", 6, launcher=torchrun(),
-                 env={**env, "DDPM_TEST_STOP_AFTER_STEP": "3"})
-    assert {f"random_states_{r}.pkl" for r in (0, 1)} <= set(os.listdir(resumed / "checkpoint-3"))
-    hooked_train(recipe, resumed, "--max_train_steps", 6, "--resume_from_checkpoint", "latest",
-                 launcher=torchrun(), env=env)
-    assert_same_state(straight, resumed, 6)
-    # one process with the same global batch of 8, dropout off in both for a like-for-like check
-    recipe_nodrop = tiny_recipe(checkpointing_steps=3, train_batch_size=4)
-    two = tmp_path / "two"
-    hooked_train(recipe_nodrop, two, "--max_train_steps", 4, launcher=torchrun(), env=env)
-    hooked_train(tiny_recipe(checkpointing_steps=3, train_batch_size=8), single, "--max_train_steps", 4)
-    w2, w1 = load_unet_weights(two), load_unet_weights(single)
+    runs = two_rank_runs
+    assert "replicas identical on 2 processes" in runs["straight_stdout"]
+    assert {f"random_states_{r}.pkl" for r in (0, 1)} <= runs["ranks_saved_at_3"]
+    assert_same_state(runs["straight"], runs["resumed"], 6)
+    w2, w1 = load_unet_weights(runs["two"]), load_unet_weights(runs["single"])
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
-    l2, l1 = read_history(two), read_history(single)
+    l2, l1 = read_history(runs["two"]), read_history(runs["single"])
     assert [h["loss"] for h in l2] == pytest.approx([h["loss"] for h in l1], rel=1e-5)
     assert [h["lr"] for h in l2] == [h["lr"] for h in l1]  # the schedule counts optimizer steps, not ranks
 
 
-def test_resume_with_other_process_count_is_refused(hooked_train, tiny_recipe, tmp_path):
-    out = tmp_path / "run"
-    recipe = tiny_recipe(checkpointing_steps=2, train_batch_size=4)
-    hooked_train(recipe, out, "--max_train_steps", 2, launcher=torchrun(), env={"ACCELERATE_USE_CPU": "1"})
-    result = hooked_train(recipe, out, "--max_train_steps", 4, "--resume_from_checkpoint", "latest", check=False)
+def test_resume_with_other_process_count_is_refused(hooked_train, tiny_recipe, tmp_path, two_rank_runs):
+    out = shutil.copytree(two_rank_runs["two"], tmp_path / "run")  # a 2-process run with checkpoint-3
+    recipe = tiny_recipe(checkpointing_steps=3, train_batch_size=4)
+    result = hooked_train(recipe, out, "--max_train_steps", 6, "--resume_from_checkpoint", "latest", check=False)
     assert result.returncode == 2 and "num_processes: 2 -> 1" in result.stderr
 
 
