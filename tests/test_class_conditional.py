@@ -118,7 +118,8 @@ def test_no_label_column_is_one_line_naming_the_columns(train, tiny_recipe, tmp_
 def test_labels_outside_the_declared_classes_or_not_labels_are_refused():
     import datasets
 
-    from diffusion_extras.data.images import DataError, class_labels
+    from diffusion_extras.data.images import DataError
+    from diffusion_extras.data.labels import class_labels
     outside = datasets.Dataset.from_dict({"label": [0, 1]}, features=datasets.Features(
         {"label": datasets.ClassLabel(names=["cat", "dog", "fox"])}))
     with pytest.warns(UserWarning, match="class\\(es\\) with no images: fox"):

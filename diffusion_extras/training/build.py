@@ -90,11 +90,10 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     spec = config.data_spec()
     switches = run_state.extras_switches(config, spec.uses_embedded_digits)
     # the data is opened before the model: with no model chosen, the model follows the images
-    dataset, data_channels = sources.open_training_data(spec, accelerator)
-    class_names = sources.dataset_classes(spec, dataset)[1] if dataset is not None else None
-    choice, unet = build_model(config, accelerator, data_channels, class_names)
+    dataset, data_channels, classes = sources.open_training_data(spec, accelerator)  # labels read once, here
+    choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None)
     training_data, held_out_images = build_data(config, accelerator, unet.config.in_channels, dataset,
-                                                switches["validation_split"], hooks.data_source)
+                                                switches["validation_split"], classes, hooks.data_source)
     plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
     learner = build_learner(config, accelerator, plan, unet, lr_schedule)
     objective = build_objective(config, accelerator, noise_scheduler)
@@ -129,11 +128,11 @@ def build_model(config: TrainConfig, accelerator, data_channels: int,
     return choice, unet
 
 
-def build_data(config: TrainConfig, accelerator, channels: int, dataset, validation_split: float,
+def build_data(config: TrainConfig, accelerator, channels: int, dataset, validation_split: float, classes,
                data_source=sources.build_source) -> tuple:
     """(the training data, the held-out images or None): the data source (decode-once cache or
-    this rank's shard of a stream) and sigma_data."""
-    source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split)
+    this rank's shard of a stream, with the `classes` open_training_data read) and sigma_data."""
+    source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
     sample = torch.from_numpy(source.reference_sample(2048))
     # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
     sigma_data = diagnostics.per_dimension_variance(batch_order.to_model_input(sample, "cpu")) ** 0.5
