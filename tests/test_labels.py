@@ -7,7 +7,7 @@ import os
 
 import datasets
 import pytest
-from conftest import run_training, write_tiny_recipe
+from conftest import read_history, run_training, write_tiny_recipe
 from test_data_files import write_tar_shards
 from test_resume import assert_same_state
 
@@ -140,6 +140,8 @@ def test_streamed_tar_shard_labels_reach_the_unet_with_their_images(streamed_run
     assert {label for _, label in pairs} == {0, 1, 2}
     with open(os.path.join(streamed_runs[kind], "model_index.json")) as fh:
         assert json.load(fh)["id2label"] == {str(i): name for i, name in enumerate(names)}
+    logged = {key for record in read_history(streamed_runs[kind]) for key in record if key.startswith("loss_class/")}
+    assert logged == {"loss_class/00", "loss_class/01", "loss_class/02"}  # the diagnostics' loss per class
 
 
 def test_a_streamed_conditional_run_resumes_bit_exactly(streamed_runs):

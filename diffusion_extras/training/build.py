@@ -97,7 +97,7 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
     learner = build_learner(config, accelerator, plan, unet, lr_schedule)
     objective = build_objective(config, accelerator, noise_scheduler)
-    extras = build_extras(config, accelerator, plan, learner.unet, held_out_images)
+    extras = build_extras(config, accelerator, plan, learner.unet, held_out_images, training_data.class_names)
     register_checkpointed_state(accelerator, learner, objective, extras)
     progress = Progress(step_lr=learner.peak_lr,
                         nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device))
@@ -202,11 +202,13 @@ def register_checkpointed_state(accelerator, learner: Learner, objective: Object
             accelerator.register_for_checkpointing(state)
 
 
-def build_extras(config: TrainConfig, accelerator, plan: Plan, unet, held_out_images) -> Extras:
-    """Diagnostics, EMA (with the plan's decay settings), post-hoc EMA, the held-out loss."""
+def build_extras(config: TrainConfig, accelerator, plan: Plan, unet, held_out_images,
+                 class_names: list | None = None) -> Extras:
+    """Diagnostics (per class too with `class_names`), EMA (with the plan's decay settings), post-hoc
+    EMA, the held-out loss."""
     parameters = list(unet.parameters())
-    extras = Extras(
-        diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device))
+    extras = Extras(diagnostics=diagnostics.TimestepDiagnostics(
+        config.ddpm_num_steps, config.diagnostics_bins, accelerator.device, num_classes=len(class_names or ())))
     if config.use_ema:
         extras.ema = ExponentialMovingAverage(parameters, plan.ema_max_decay, plan.ema_inv_gamma, plan.ema_power)
     if config.posthoc_ema:
