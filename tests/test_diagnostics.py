@@ -10,9 +10,9 @@ from diffusion_extras.monitoring.diagnostics import (
     TimestepDiagnostics,
     bayes_optimal_loss,
     per_dimension_variance,
-    plot_loss_per_timestep,
     timestep_bin_edges,
 )
+from diffusion_extras.monitoring.plots import plot_loss_per_timestep
 
 T = 1000
 

@@ -15,8 +15,6 @@ whose loss sits above it at some t has not yet learned what a linear filter alre
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
@@ -188,7 +186,7 @@ class TimestepDiagnostics:
 
     def bayes_optimal_bins(self, alphas_cumprod, sigma_data, prediction_type) -> dict[str, float]:
         """Bayes-optimal loss averaged over each bin (uniform t), keyed like the loss bins."""
-        reference = _reference_curve(alphas_cumprod, sigma_data, prediction_type)
+        reference = bayes_optimal_curve(alphas_cumprod, sigma_data, prediction_type)
         if reference.shape != (self.num_train_timesteps,):
             raise ValueError(f"alphas_cumprod has {reference.shape[0]} entries but "
                              f"num_train_timesteps={self.num_train_timesteps}; pass the scheduler's")
@@ -254,7 +252,7 @@ def bayes_optimal_loss(alphas_cumprod: torch.Tensor, sigma_data: float | torch.T
     return (factor * data_variance / noisy_variance).to(out_dtype)
 
 
-def _reference_curve(alphas_cumprod, sigma_data, prediction_type) -> np.ndarray:
+def bayes_optimal_curve(alphas_cumprod, sigma_data, prediction_type) -> np.ndarray:
     return bayes_optimal_loss(alphas_cumprod, sigma_data, prediction_type).double().cpu().numpy()
 
 
@@ -273,51 +271,3 @@ def per_dimension_variance(images: torch.Tensor, chunk_size: int = 4096) -> floa
     mean = sum(flat[i:i + chunk_size].double().sum(0) for i in chunks) / flat.shape[0]
     squared = sum(((flat[i:i + chunk_size].double() - mean) ** 2).sum(0) for i in chunks)
     return float((squared / flat.shape[0]).mean())
-
-
-def plot_loss_per_timestep(diag: TimestepDiagnostics, alphas_cumprod, sigma_data, prediction_type,
-                           path: str, title: str = "") -> str:
-    """PNG of the running per-bin loss against the Bayes-optimal curve (log y); returns path."""
-    # Figure + Agg canvas instead of pyplot: no global backend switch, nothing left open.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    reference = _reference_curve(alphas_cumprod, sigma_data, prediction_type)
-    reference_bins = np.array(list(
-        diag.bayes_optimal_bins(alphas_cumprod, sigma_data, prediction_type).values()))
-    timesteps, centers = np.arange(reference.shape[0]), diag.bin_centers()
-    fig = Figure(figsize=(7.0, 4.5), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    positive = reference > 0  # log axis: zero-terminal-SNR ends give an exact 0
-    ax.plot(timesteps[positive], reference[positive], color="0.45", lw=1.2,
-            label="Bayes-optimal, Gaussian data (per t)")
-    shown = reference_bins > 0
-    ax.plot(centers[shown], reference_bins[shown], "s", mfc="none", color="0.3", ms=7,
-            label="Bayes-optimal, bin mean")
-    seen = np.isfinite(diag.running_bin_loss) & (diag.running_bin_loss > 0)
-    if seen.any():
-        ax.plot(centers[seen], diag.running_bin_loss[seen], "o", color="tab:red", ms=6,
-                label="training loss, running mean per bin")
-    else:
-        ax.text(0.5, 0.5, "no loss recorded yet", transform=ax.transAxes, ha="center", va="center")
-    for edge in diag.bin_edges()[1:-1]:
-        ax.axvline(edge - 0.5, color="0.9", lw=0.8, zorder=0)
-    ax.set_yscale("log")
-    ax.set_xlabel("timestep t")
-    ax.set_ylabel(f"per-dimension MSE ({prediction_type} target)")
-    ax.set_title(title or f"Loss per timestep (sigma_data={float(sigma_data):.3g})")
-    return save_figure(fig, [ax], path)
-
-
-def save_figure(fig, axes, path: str) -> str:
-    """The diagnostics plots' common finish: a light log grid, a legend where there are labels,
-    a tight layout, a PNG at `path` (folders created)."""
-    for axis in axes:
-        axis.grid(True, which="both", alpha=0.25)
-        if axis.get_legend_handles_labels()[0] and axis.get_legend() is None:
-            axis.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
