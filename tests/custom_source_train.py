@@ -15,7 +15,7 @@ class CountingSource:
     description = "counting"
     held_out_images = None
 
-    def __init__(self, spec, processes, channels, dataset=None, validation_split=0.0):
+    def __init__(self, spec, processes, channels, dataset=None, validation_split=0.0, classes=None):
         self.spec, self.channels, self.served = spec, channels, 0
 
     def _batch(self, micro_step):

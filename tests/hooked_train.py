@@ -16,8 +16,12 @@ DDPM_TEST_ENOSPC_AT=WHAT:N    OSError(ENOSPC) at the first guarded write WHAT ("
                               mid-save (files written, no marker yet).
 DDPM_TEST_FILL_DISK_IN_SAVE=N:PATH  while checkpoint N is being completed, PATH grows until the disk is
                               full: the marker then meets a real ENOSPC (tests on a small tmpfs).
+DDPM_TEST_RECORD_LABELS=PATH  each training forward appends {"rank", "micro_step", "means": the clean images'
+                              mean pixel in [-1, 1], "labels": the class labels the UNet is given} to PATH (JSON
+                              lines): which label reached the model with which image. Not a fault.
 """
 import errno
+import json
 import os
 import signal
 import sys
@@ -43,6 +47,8 @@ def hooks_from_environment(environ) -> Hooks:
         hooks.before_checkpoint_marker = kill_before_marker
     add_preemption_faults(hooks, environ)
     add_disk_faults(hooks, environ)
+    if environ.get("DDPM_TEST_RECORD_LABELS"):
+        hooks.model_input = label_recorder(environ["DDPM_TEST_RECORD_LABELS"])
     if nan_steps:
         poisoned = {int(step) for step in nan_steps.split(",")}
 
@@ -51,6 +57,27 @@ def hooks_from_environment(environ) -> Hooks:
             return clean * float("nan") if optimizer_step in poisoned else clean
         hooks.model_input = poison
     return hooks
+
+
+def label_recorder(path):
+    """A model_input hook that notes the clean images of a micro-step, and a forward pre-hook on the
+    UNet (registered at the first call) that writes them with the class labels of that forward."""
+    pending, registered = {}, []
+
+    def write_labels(module, args, kwargs):
+        if pending:  # a training forward (sample grids and probes call the UNet without a pending batch)
+            labels = kwargs.get("class_labels")
+            with open(path, "a") as fh:
+                fh.write(json.dumps({**pending, "labels": None if labels is None else labels.tolist()}) + "\n")
+            pending.clear()
+
+    def note_images(run, clean, micro_step):
+        if not registered:
+            registered.append(run.learner.unet.register_forward_pre_hook(write_labels, with_kwargs=True))
+        pending.update(rank=run.accelerator.process_index, micro_step=micro_step,
+                       means=clean.mean(dim=(1, 2, 3)).tolist())
+        return clean
+    return note_images
 
 
 def chain(first, second):

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import load_unet_weights, save_random_images, tiny_unet
+from conftest import load_unet_weights, read_history, save_random_images, tiny_unet
 from test_resume import assert_same_state, torchrun
 
 from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, guided_model_output
@@ -84,11 +84,39 @@ def test_sample_cli_takes_class_ids_or_names_and_refuses_unknown_ones(conditiona
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_guidance_scale_on_an_unconditional_pipeline_is_refused(run_cli, tmp_path):
+@pytest.mark.parametrize("command", ["sample", "evaluate"])
+def test_guidance_scale_on_an_unconditional_pipeline_is_refused(run_cli, tmp_path, command):
     from conftest import save_tiny_pipeline
     folder = save_tiny_pipeline(tmp_path / "plain")
-    result = run_cli(["-m", "diffusion_extras.sample", folder, "--guidance_scale", "2", "--output", tmp_path / "o"])
-    assert result.returncode == 2 and "--guidance_scale: this pipeline is unconditional" in result.stderr
+    rest = ["--output", tmp_path / "o"] if command == "sample" else ["--reference", tmp_path, "--feature_extractor",
+                                                                     "tiny"]
+    result = run_cli(["-m", f"diffusion_extras.{command}", folder, "--guidance_scale", "2", *rest])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == ("error: --guidance_scale: this pipeline is unconditional "
+                                                       "(a DDPMPipeline); drop the flag")
+
+
+def test_evaluate_samples_a_conditional_pipeline_class_balanced_at_the_guidance_scale(conditional_run, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """`python -m diffusion_extras.evaluate` (its main, in this process, so the sampler can be watched):
+    sample i is of class i mod 10, every batch guided at --guidance_scale."""
+    from diffusion_extras.cli import evaluate
+    from diffusion_extras.evaluation import metrics
+    drawn, sample = [], metrics.generate
+
+    def watched(*args, class_labels=None, guidance_scale=1.0, **kwargs):
+        drawn.append((list(class_labels), guidance_scale))
+        return sample(*args, class_labels=class_labels, guidance_scale=guidance_scale, **kwargs)
+    monkeypatch.setattr(metrics, "generate", watched)
+    reference = save_random_images(tmp_path / "reference", 8, 8, 8)
+    assert evaluate.main([str(conditional_run), "--reference", reference, "--feature_extractor", "tiny",
+                          "--num_samples", "25", "--batch_size", "10", "--num_inference_steps", "2",
+                          "--guidance_scale", "3", "--device", "cpu", "--output", str(tmp_path / "m.json")]) == 0
+    assert [labels for labels, _ in drawn] == [list(range(10)), list(range(10)), list(range(5))]
+    assert {scale for _, scale in drawn} == {3.0}
+    report = json.loads((tmp_path / "m.json").read_text())
+    assert (report["num_classes"], report["guidance_scale"], report["num_samples"]) == (10, 3.0, 25)
+    assert np.isfinite(report["fid"]) and json.loads(capsys.readouterr().out) == report
 
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
@@ -118,7 +146,8 @@ def test_no_label_column_is_one_line_naming_the_columns(train, tiny_recipe, tmp_
 def test_labels_outside_the_declared_classes_or_not_labels_are_refused():
     import datasets
 
-    from diffusion_extras.data.images import DataError, class_labels
+    from diffusion_extras.data.images import DataError
+    from diffusion_extras.data.labels import class_labels
     outside = datasets.Dataset.from_dict({"label": [0, 1]}, features=datasets.Features(
         {"label": datasets.ClassLabel(names=["cat", "dog", "fox"])}))
     with pytest.warns(UserWarning, match="class\\(es\\) with no images: fox"):
@@ -164,6 +193,10 @@ def test_two_ranks_with_labels_equal_one_rank(hooked_train, tiny_recipe, tmp_pat
     w2, w1 = load_unet_weights(two), load_unet_weights(single)
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
     assert np.isfinite([v.abs().max().item() for v in w1.values()]).all()
+    # the loss per class sums the (class, timestep bin) cells of both ranks: one rank's values
+    per_class = [{f"{h['step']}:{k}": v for h in read_history(run) for k, v in h.items() if k.startswith("loss_class/")}
+                 for run in (two, single)]
+    assert per_class[0] == pytest.approx(per_class[1], rel=1e-4) and len(per_class[1]) >= 10
 
 
 @pytest.mark.parametrize("column,message", [

@@ -10,9 +10,9 @@ from diffusion_extras.monitoring.diagnostics import (
     TimestepDiagnostics,
     bayes_optimal_loss,
     per_dimension_variance,
-    plot_loss_per_timestep,
     timestep_bin_edges,
 )
+from diffusion_extras.monitoring.plots import plot_loss_per_timestep
 
 T = 1000
 
@@ -313,3 +313,33 @@ def test_updates_do_not_synchronize_with_the_host():
         torch.cuda.set_sync_debug_mode("default")
     stats = diag.reduce_and_reset()
     assert stats["clip_rate"] == 1.0 and stats["loss_scale"] == 65536.0
+
+
+def test_loss_per_class_is_judged_against_all_classes_at_the_same_timesteps():
+    """Two bins (t < 500: loss ~1, t >= 500: loss ~0.01) and 3 classes. Class 0 drew only the noisy,
+    low-loss bin, so its raw mean is tiny, yet it sits at the average there; class 2 is twice the
+    others at both. Dropped labels (3: "no class") and non-finite losses count for no class; the
+    two-rank gather sums the (class, bin) cells like the bins, so two ranks give one rank's values."""
+    timesteps = torch.tensor([600, 700, 100, 800, 200, 900, 300, 50, 60])
+    loss = torch.tensor([0.01, 0.01, 1.0, 0.01, 2.0, 0.02, float("nan"), 5.0, 1.0])
+    labels = torch.tensor([0, 0, 1, 1, 2, 2, 1, 3, 1])
+    one = TimestepDiagnostics(T, num_bins=2, num_classes=3)
+    one.update_loss(timesteps, loss, labels)
+    stats = one.reduce_and_reset()
+    # bin means over conditioned finite samples: low t (1.0, 2.0, 1.0) -> 4/3; high t (0.01 x3, 0.02) -> 0.0125
+    low, high = 4 / 3, 0.05 / 4
+    assert stats["loss_class/00"] == pytest.approx(0.02 / (2 * high))
+    assert stats["loss_class/01"] == pytest.approx((1.0 + 0.01 + 1.0) / (2 * low + high))
+    assert stats["loss_class/02"] == pytest.approx((2.0 + 0.02) / (low + high))
+    assert "loss_class/03" not in stats
+    first, second = TimestepDiagnostics(T, num_bins=2, num_classes=3), TimestepDiagnostics(T, num_bins=2, num_classes=3)
+    first.update_loss(timesteps[:4], loss[:4], labels[:4])
+    second.update_loss(timesteps[4:], loss[4:], labels[4:])
+    two = first.reduce_and_reset(_TwoRankAccelerator(second))
+    assert {k: v for k, v in two.items() if k.startswith("loss_class")} == pytest.approx(
+        {k: v for k, v in stats.items() if k.startswith("loss_class")})
+    unconditional = TimestepDiagnostics(T, num_bins=2)
+    unconditional.update_loss(timesteps, loss, labels)  # no classes declared: labels are ignored
+    assert not any(k.startswith("loss_class") for k in unconditional.reduce_and_reset())
+    with pytest.raises(ValueError, match="num_classes = 1000/2/0, this run 1000/2/3"):
+        one.load_state_dict(unconditional.state_dict())

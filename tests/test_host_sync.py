@@ -5,7 +5,8 @@ the data) blocks Python until the queued work has run, so the next step cannot b
 CPU training shows no such stall, but the ops that cause it are visible here too: `SyncRecorder`
 records them at the dispatcher while the REAL loop (`loop.train`, set up by
 `build.setup` from a recipe) runs with EMA, min-SNR, loss-aware timesteps, post-hoc EMA,
-diagnostics, the NaN guard and gradient accumulation 2.
+diagnostics (with the loss per class of a class-conditional run), the NaN guard and gradient
+accumulation 2.
 
 What it cannot see on CPU: host-to-device copies and `.to("cpu")` (a no-op here); the GPU test
 (tests/test_cuda.py, `torch.cuda.set_sync_debug_mode("error")`) covers those.
@@ -69,7 +70,8 @@ class SyncRecorder(TorchDispatchMode):
 
 
 ALL_EXTRAS = ("--use_ema", "--snr_gamma", 5, "--timestep_sampling", "loss_aware", "--posthoc_ema",
-              "--gradient_accumulation_steps", 2, "--max_grad_norm", 1.0)
+              "--gradient_accumulation_steps", 2, "--max_grad_norm", 1.0,
+              "--class_conditional")  # labels, their dropout and the loss per class as well
 
 
 def recorded(recorder, name, method):

@@ -307,3 +307,27 @@ def test_default_repo_id(tmp_path):
     assert default_repo_id(str(tmp_path), "me/my-model") == "me/my-model"
     with pytest.raises(ValueError, match="--hub_model_id"):
         default_repo_id(str(tmp_path / "run 1"), None)
+
+
+def test_conditional_model_card_shows_a_call_that_runs_as_written(tmp_path, monkeypatch):
+    """The card of a class-conditional export: its tag, its classes, the pipeline file named, and a
+    usage block (DiffusionPipeline with trust_remote_code, class_labels by name, guidance_scale)
+    whose code runs as written against the exported folder (its repo id here)."""
+    from conftest import tiny_unet
+    from diffusers import DDPMScheduler
+
+    from diffusion_extras.training.models import save_class_conditional
+    folder = tmp_path / "ddpm-pets"
+    save_class_conditional(tiny_unet(num_class_embeds=4), DDPMScheduler(num_train_timesteps=50), ["cat", "dog", "fox"],
+                           str(folder))
+    text = open(write_model_card(str(folder), {"repo_id": str(folder), "class_names": ["cat", "dog", "fox"]})).read()
+    assert "class-conditional" in _front_matter(text)["tags"]
+    assert "3 classes (cat, dog, fox)" in text and "`pipeline_class_conditional.py` in this repository" in text
+    code = text.split("## Usage")[1].split("```python\n")[1].split("```")[0]
+    assert f'DiffusionPipeline.from_pretrained("{folder}", trust_remote_code=True)' in code
+    assert 'pipeline.get_label_ids(["cat", "dog"])' in code
+    assert "pipeline(class_labels=class_ids, guidance_scale=2.0," in code
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "model card", "exec"), {})
+    with Image.open(tmp_path / "sample.png") as image:
+        assert image.size == (8, 8)

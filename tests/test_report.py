@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -262,3 +263,27 @@ def test_five_times_the_optimum_at_the_noisiest_bin_is_below_the_floor():
     history = make_history(**{loss_bin_key(9, NUM_BINS): lambda s, rng, v: REFERENCE[loss_bin_key(9, NUM_BINS)] * 5})
     findings = report.analyze(history, CONFIG, REFERENCE)
     assert _serious(findings) == set() and "timestep_error_floor" in {f.code for f in findings}
+
+
+def _class_ratios(lagging_mean, noise):
+    """loss_class/00..02 overrides: classes 0 and 1 at ~0.95 of the loss all reach at their timesteps,
+    class 2 at `lagging_mean`, each window scattered by `noise` (relative)."""
+    def scattered(mean):
+        return lambda step, rng, value: mean * (1 + noise * rng.normal())
+    return {f"loss_class/{c:02d}": scattered(mean) for c, mean in enumerate((0.95, 0.95, lagging_mean))}
+
+
+def test_a_lagging_class_is_named_in_the_cli_report_and_window_noise_is_not(run_cli, tmp_path):
+    noisy = make_history(**_class_ratios(1.3, noise=3.0))  # as high on average, but within its own scatter
+    assert "class_lag" not in _serious(report.analyze(noisy, CONFIG, REFERENCE))
+    _write_run(tmp_path, make_history(steps=2000, every=20, **_class_ratios(1.4, noise=0.1)),
+               {**CONFIG, "max_train_steps": 2000})
+    with open(tmp_path / "model_index.json", "w") as fh:  # the exported pipeline's class names
+        json.dump({"id2label": {"0": "cat", "1": "dog", "2": "fox"}}, fh)
+    result = run_cli(["-m", "diffusion_extras.report", str(tmp_path)])
+    assert result.returncode == 0, result.stderr
+    assert "WARNING: class_lag" in result.stdout
+    assert re.search(r"Class 2 \(fox\) lags: 1\.[34]\dx the loss all classes reach at the same timesteps",
+                     result.stdout)
+    lag = next(f for f in _strict_json(tmp_path / "training_report.json")["findings"] if f["code"] == "class_lag")
+    assert list(lag["evidence"]["lagging"]) == ["2 (fox)"] and len(lag["evidence"]["class_loss_ratios"]) == 3

@@ -151,6 +151,21 @@ def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
     return pipeline.to(device)
 
 
+DEFAULT_GUIDANCE_SCALE = 2.0  # the trainer's --guidance_scale default
+
+
+def guidance_scale_for(pipeline, guidance_scale: float | None, **class_flags) -> float:
+    """--guidance_scale of a class-conditional pipeline (default 2; 1: none), 1 for an unconditional
+    one; a ValueError when it, or one of `class_flags` ({"--flag": value}), is given to an
+    unconditional pipeline."""
+    if getattr(pipeline, "id2label", None):
+        return DEFAULT_GUIDANCE_SCALE if guidance_scale is None else guidance_scale
+    for flag, value in {"--guidance_scale": guidance_scale, **class_flags}.items():
+        if value is not None:
+            raise ValueError(f"{flag}: this pipeline is unconditional (a {type(pipeline).__name__}); drop the flag")
+    return 1.0
+
+
 def pipeline_resolution(pipeline) -> int:
     """The side that images are generated at, and reference images resized to."""
     size = pipeline.unet.config.sample_size

@@ -1,8 +1,10 @@
-"""Command line: FID / KID / FD-DINOv2 / CMMD of a saved DDPMPipeline against a folder of images or
-saved statistics (an .npz serves one extractor; a folder serves any).
+"""Command line: FID / KID / FD-DINOv2 / CMMD of a saved DDPMPipeline or ClassConditionalPipeline
+against a folder of images or saved statistics (an .npz serves one extractor; a folder serves any).
+A class-conditional pipeline draws class-balanced samples (sample i of class i mod the number of
+classes, as the trainer's FID does), guided at --guidance_scale.
 
     python -m diffusion_extras.evaluate PIPELINE --reference DIR_OR_STATS.npz --num_samples 10000 \\
-        --eval_metrics fid,kid,fd_dinov2,cmmd
+        --eval_metrics fid,kid,fd_dinov2,cmmd [--guidance_scale 2]
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import os
 
 from diffusion_extras.cli.common import (
     add_device_argument,
+    guidance_scale_for,
     load_pipeline,
     load_reference,
     one_line_errors,
@@ -48,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num_inference_steps", type=positive_int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch_size", type=positive_int, default=64, help="images per UNet call")
+    parser.add_argument("--guidance_scale", type=float, default=None,
+                        help="class-conditional pipelines: classifier-free guidance scale (default 2; 1: none)")
     parser.add_argument("--cache_dir", default=None, help="where reference statistics are cached")
     parser.add_argument("--output", default=None, help="metrics JSON file")
     add_device_argument(parser)
@@ -60,6 +65,8 @@ def main(argv=None) -> int:
         device = resolve_device(args.device)
         groups = extractors_for(parse_metrics(args.eval_metrics), args.feature_extractor)
         pipeline = load_pipeline(args.pipeline, device=device)
+        guidance_scale = guidance_scale_for(pipeline, args.guidance_scale)  # refused by an unconditional one
+        num_classes = len(pipeline.id2label) if getattr(pipeline, "id2label", None) else None
         resolution = pipeline_resolution(pipeline)
         suites = []
         for kind, metrics in groups.items():
@@ -69,8 +76,10 @@ def main(argv=None) -> int:
             suites.append((extractor, reference, metrics))
         scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
         metrics = evaluate_unet_metrics(pipeline.unet, scheduler, suites, args.num_samples,
-                                        args.num_inference_steps, args.seed, args.batch_size, device)
-        report = {**metrics, "feature_extractors": {m: e.name for e, _, group in suites for m in group},
+                                        args.num_inference_steps, args.seed, args.batch_size, device,
+                                        num_classes, guidance_scale)
+        balance = {"num_classes": num_classes, "guidance_scale": guidance_scale} if num_classes else {}
+        report = {**metrics, **balance, "feature_extractors": {m: e.name for e, _, group in suites for m in group},
                   "reference": args.reference, "reference_images": reference.num_images, "pipeline": args.pipeline,
                   "scheduler": args.scheduler, "num_inference_steps": args.num_inference_steps, "seed": args.seed}
         if args.output:

@@ -9,6 +9,7 @@ import argparse
 
 from diffusion_extras.cli.common import (
     add_device_argument,
+    guidance_scale_for,
     load_pipeline,
     one_line_errors,
     pipeline_parser,
@@ -57,12 +58,10 @@ def main(argv=None) -> int:
 def requested_classes(pipeline, class_labels: str | None, guidance_scale: float | None, num_images: int) -> tuple:
     """(a class id per image or None, the guidance scale) from --class_labels (ids or names) and
     --guidance_scale; a ValueError for either on an unconditional pipeline, or an unknown class."""
+    guidance_scale = guidance_scale_for(pipeline, guidance_scale, **{"--class_labels": class_labels})
     id2label = getattr(pipeline, "id2label", None)
     if not id2label:
-        for flag, value in (("--class_labels", class_labels), ("--guidance_scale", guidance_scale)):
-            if value is not None:
-                raise ValueError(f"{flag}: this pipeline is unconditional (a {type(pipeline).__name__}); drop the flag")
-        return None, 1.0
+        return None, guidance_scale
     ids = list(id2label)
     if class_labels is not None:
         ids = []
@@ -76,4 +75,4 @@ def requested_classes(pipeline, class_labels: str | None, guidance_scale: float 
                                  + ", ".join(f"{i} ({name})" for i, name in id2label.items()))
         if not ids:
             raise ValueError("--class_labels: give at least one class id or name")
-    return [ids[i % len(ids)] for i in range(num_images)], 2.0 if guidance_scale is None else guidance_scale
+    return [ids[i % len(ids)] for i in range(num_images)], guidance_scale

@@ -1,7 +1,7 @@
 """Training images in: the dataset a run names (a Hub id, a folder, a saved dataset, parquet or tar
-shards, or the embedded digits) through `datasets`, its image and label columns, its colour
-channels, and one image's decoding and preprocessing. The decode-once cache is decode_cache.py;
-the (seed, micro-step) batch order is batch_order.py."""
+shards, or the embedded digits) through `datasets`, its image column, its colour channels, and one
+image's decoding and preprocessing. The class labels are labels.py; the decode-once cache is
+decode_cache.py; the (seed, micro-step) batch order is batch_order.py."""
 from __future__ import annotations
 
 import glob
@@ -9,7 +9,6 @@ import io
 import logging
 import os
 import re
-import warnings
 
 import numpy as np
 from PIL import Image
@@ -173,49 +172,6 @@ def find_image_column(dataset, image_column: str | None = None) -> str:
         raise DataError(f"the dataset has no image column (columns: {', '.join(dataset.features)}); "
                         "pass --image_column NAME for a column of images")
     return found[0]
-
-
-# ----------------------------------------------------------------------------- class labels
-def find_label_column(dataset, label_column: str | None = None) -> str:
-    """--label_column, or the dataset's one ClassLabel column (an imagefolder's subfolder names,
-    the digits' `label`)."""
-    import datasets
-
-    found = _named_or_typed(dataset, "--label_column", label_column, datasets.ClassLabel)
-    if len(found) != 1:
-        what = "no ClassLabel column" if not found else f"several ClassLabel columns ({', '.join(found)})"
-        raise DataError(f"--class_conditional: the dataset has {what} (columns: {', '.join(dataset.features)}); "
-                        "pass --label_column NAME for the column of class ids or names")
-    return found[0]
-
-
-def class_labels(dataset, label_column: str) -> tuple[np.ndarray, list[str]]:
-    """(int64 class id per row, class names by id). A ClassLabel column declares its classes; any
-    other column must hold non-negative ints (classes 0..max) or names (classes sorted by name)."""
-    import datasets
-
-    feature = dataset.features[label_column]
-    values = dataset.with_format("arrow")[:].column(label_column).to_pylist()
-    if isinstance(feature, datasets.ClassLabel):
-        names = list(feature.names)
-    elif values and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
-        names = [str(i) for i in range(max(values) + 1)]
-    elif values and all(isinstance(v, str) for v in values):
-        names = sorted(set(values))
-        index = {name: i for i, name in enumerate(names)}
-        values = [index[v] for v in values]
-    else:
-        bad = next((v for v in values if not isinstance(v, (int, str)) or isinstance(v, bool)), values[:1])
-        raise DataError(f"--label_column {label_column}: labels must be ints or class names (got {bad!r})")
-    labels = np.asarray(values, dtype=np.int64)
-    outside = labels[(labels < 0) | (labels >= len(names))]
-    if len(outside):
-        raise DataError(f"--label_column {label_column}: label {int(outside[0])} is outside the declared "
-                        f"classes 0..{len(names) - 1} ({len(outside)} row(s))")
-    empty = [names[i] for i in np.flatnonzero(np.bincount(labels, minlength=len(names)) == 0)]
-    if empty:
-        warnings.warn(f"--label_column {label_column}: class(es) with no images: {', '.join(empty)}", stacklevel=2)
-    return labels, names
 
 
 # ----------------------------------------------------------------------------- channels

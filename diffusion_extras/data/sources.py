@@ -1,7 +1,7 @@
 """Where training images come from, behind one interface: the loop, resume, checkpoints and the
 artifacts (sigma_data, FID references) see a data source and never ask which kind it is.
 
-    source = build_source(spec, processes, channels, dataset, validation_split)
+    source = build_source(spec, processes, channels, dataset, validation_split, classes)
     batches = source.batches(first, last)   # this rank's uint8 [B, C, H, W] micro-batches, first..last-1;
                                             # (images, int64 labels [B]) pairs when class_names is set
     source.class_names                      # class names by id (--class_conditional), or None
@@ -12,7 +12,8 @@ artifacts (sigma_data, FID references) see a data source and never ask which kin
 
 Two kinds: `CachedImages` (decoded once, a (seed, micro-step) order: the position is a function of
 the step, nothing to save) and `streaming.StreamSource` (decoded on the fly; the position is the
-stream's own state, saved per rank).
+stream's own state, saved per rank). With --class_conditional both serve (images, labels) pairs:
+the cache from one array of labels read once (labels.read_classes), the stream from each example.
 """
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from diffusion_extras.data import batch_order, decode_cache
+from diffusion_extras.data import batch_order, decode_cache, labels
 from diffusion_extras.data import images as data
 from diffusion_extras.data.spec import DataSpec, Processes
-from diffusion_extras.data.streaming import StreamSource, load_stream
+from diffusion_extras.data.streaming import StreamSource, load_stream, read_stream_classes
 
 
 class DataSource(Protocol):
@@ -46,14 +47,17 @@ class CachedImages:
     """Every image decoded once (decode_cache.cached_decode) and drawn in a (seed, micro-step) order."""
 
     def __init__(self, spec: DataSpec, processes: Processes, channels: int, dataset=None,
-                 validation_split: float = 0.0):
+                 validation_split: float = 0.0, classes: labels.Classes | None = None):
         # once per node: the node's first rank loads and decodes, the others then read its cache
         with processes.local_main_process_first():
             dataset = dataset if dataset is not None else data.load_image_dataset(spec)
             image_column = data.find_image_column(dataset, spec.image_column)
             self.images = decode_cache.cached_decode(dataset, image_column, spec.resolution, spec.center_crop,
                                              channels, spec.cache_dir, processes.is_local_main_process)
-        self.labels, self.class_names = dataset_classes(spec, dataset)
+        if classes is None and spec.class_conditional:  # a caller that opened nothing (open_training_data reads them)
+            classes = labels.read_classes(dataset, spec.label_column)
+        self.labels = classes.row_labels if classes else None
+        self.class_names = classes.names if classes else None
         if self.labels is not None and len(self.labels) != len(self.images):
             raise data.DataError(f"{len(self.labels) - len(self.images)} image(s) could not be decoded: with "
                                  "--class_conditional every image needs its label; remove the unreadable files")
@@ -97,30 +101,27 @@ class CachedImages:
         return batch_order.MicroBatches(self.images, order, 0, count, self.spec.resolution, self.spec.seed)[0].numpy()
 
 
-def dataset_classes(spec: DataSpec, dataset) -> tuple:
-    """(int64 label per row, class names) with --class_conditional, else (None, None)."""
-    if not spec.class_conditional:
-        return None, None
-    return data.class_labels(dataset, data.find_label_column(dataset, spec.label_column))
-
-
 def open_training_data(spec: DataSpec, processes: Processes) -> tuple:
-    """(the opened dataset or None, the images' colour channels: 1 or 3), judged from the first
-    images' modes before any model exists, so that a model can follow the data. The opened
-    dataset is handed to build_source (a stream is reopened there, lazily, per rank)."""
+    """(the opened dataset or None, the images' colour channels: 1 or 3, the classes or None),
+    judged from the first images' modes and the labels before any model exists, so that a model
+    can follow the data. The opened dataset and the classes are handed to build_source (a stream
+    is reopened there, lazily, per rank)."""
     if spec.streaming:
         shard, column = load_stream(spec, processes.process_index, processes.num_processes)
-        return None, data.stored_channels(item[column] for item in shard.take(16)) or 3
+        channels = data.stored_channels(item[column] for item in shard.take(16)) or 3
+        return None, channels, read_stream_classes(spec) if spec.class_conditional else None
     with processes.local_main_process_first():  # the node's first rank downloads, the others reuse it
         dataset = data.load_image_dataset(spec)
-    return dataset, data.dataset_channels(dataset, data.find_image_column(dataset, spec.image_column))
+    channels = data.dataset_channels(dataset, data.find_image_column(dataset, spec.image_column))
+    return dataset, channels, labels.read_classes(dataset, spec.label_column) if spec.class_conditional else None
 
 
-def build_source(spec: DataSpec, processes: Processes, channels: int, dataset=None, validation_split: float = 0.0):
+def build_source(spec: DataSpec, processes: Processes, channels: int, dataset=None, validation_split: float = 0.0,
+                 classes: labels.Classes | None = None):
     """The run's data source: a stream with --streaming, else the decode-once cache (of `dataset`,
     when open_training_data already opened it) less its held-out fraction (a stream has none:
-    config.validate refuses --validation_split with --streaming)."""
+    config.validate refuses --validation_split with --streaming). `classes` (--class_conditional):
+    the classes open_training_data read; the batches then carry labels."""
     if spec.streaming:
-        return StreamSource(spec, processes, channels)
-    return CachedImages(spec, processes, channels, dataset, validation_split)
-
+        return StreamSource(spec, processes, channels, classes)
+    return CachedImages(spec, processes, channels, dataset, validation_split, classes)

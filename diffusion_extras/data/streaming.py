@@ -23,23 +23,35 @@ import torch
 
 from diffusion_extras.data.batch_order import random_crop
 from diffusion_extras.data.images import DataError, decode_image, find_image_column, open_dataset
+from diffusion_extras.data.labels import Classes, LabelReader, stream_classes
 from diffusion_extras.data.spec import DataSpec, Processes
 
 
-def load_stream(spec: DataSpec, rank: int, world_size: int):
-    """This rank's shard of the shuffled stream, and its image column."""
-    import datasets
-    from datasets.distributed import split_dataset_by_node
-
+def open_stream(spec: DataSpec):
+    """The whole stream, cut to --max_train_samples, with its features known."""
     stream = open_dataset(spec, streaming=True)
     if stream.features is None:
         raise DataError("the streamed dataset does not declare its features; pass --image_column and a dataset "
                         "whose features are known (parquet, imagefolder or a Hub dataset with metadata)")
+    return stream.take(spec.max_train_samples) if spec.max_train_samples is not None else stream
+
+
+def read_stream_classes(spec: DataSpec) -> Classes:
+    """The classes of the stream's examples (labels.stream_classes), before training."""
+    return stream_classes(open_stream(spec), spec.label_column)
+
+
+def load_stream(spec: DataSpec, rank: int, world_size: int, label_column: str | None = None):
+    """This rank's shard of the shuffled stream, and its image column; examples keep the column
+    that `label_column` reads (a 'struct.field' keeps the struct) beside the image."""
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    stream = open_stream(spec)
     column = find_image_column(stream, spec.image_column)
+    kept = [column] + ([label_column.split(".")[0]] if label_column else [])
     # decoded by us, so a corrupt file is skipped and named instead of raising inside the iterator
-    stream = stream.select_columns([column]).cast_column(column, datasets.Image(decode=False))
-    if spec.max_train_samples is not None:
-        stream = stream.take(spec.max_train_samples)
+    stream = stream.select_columns(kept).cast_column(column, datasets.Image(decode=False))
     if spec.shuffle_buffer_size > 0:
         stream = stream.shuffle(seed=spec.seed, buffer_size=spec.shuffle_buffer_size)
     return split_dataset_by_node(stream, rank=rank, world_size=world_size), column
@@ -60,8 +72,9 @@ class DecodedStream(torch.utils.data.IterableDataset):
     counters, restored by re-reading the epoch from its start and dropping `consumed` examples
     (read, not decoded), which also replays the shuffle buffer exactly."""
 
-    def __init__(self, stream, column: str, resolution: int, center_crop: bool, channels: int, seed: int):
-        self.stream, self.column = stream, column
+    def __init__(self, stream, column: str, resolution: int, center_crop: bool, channels: int, seed: int,
+                 label: LabelReader | None = None):
+        self.stream, self.column, self.label = stream, column, label  # label: (image, class id) pairs
         self.resolution, self.center_crop, self.channels, self.seed = resolution, center_crop, channels, seed
         self.epoch, self.consumed, self.examples_seen = 0, 0, 0  # consumed: examples read in this epoch
 
@@ -79,10 +92,12 @@ class DecodedStream(torch.utils.data.IterableDataset):
                                 f"checkpoint says {self.consumed} were read: has the data changed?")
             for example in examples:
                 self.consumed, self.examples_seen = self.consumed + 1, self.examples_seen + 1
+                label = self.label(example) if self.label is not None else None
                 array = self._decode(example[self.column])
                 if array is not None:
                     crop = random_crop(array, self.resolution, self.seed, worker_id, self.examples_seen)
-                    yield torch.from_numpy(np.array(crop)).permute(2, 0, 1)  # a writable copy
+                    image = torch.from_numpy(np.array(crop)).permute(2, 0, 1)  # a writable copy
+                    yield image if label is None else (image, label)  # collated to (images, int64 labels)
             if self.consumed == 0:
                 return  # no shard for this worker (more workers than shards): the others go on
             self.epoch, self.consumed = self.epoch + 1, 0
@@ -103,18 +118,20 @@ class DecodedStream(torch.utils.data.IterableDataset):
 
 
 class StreamingBatches:
-    """Iterator of this rank's uint8 micro-batches [B, C, H, W], decoded by `num_workers` worker
+    """Iterator of this rank's uint8 micro-batches [B, C, H, W] (with `label`: [images, int64 class
+    ids [B]]), decoded by `num_workers` worker
     processes (0: on this thread), with a resumable position. torchdata's StatefulDataLoader is
     used instead of torch's DataLoader because it saves and restores each worker's dataset state
     and the worker round-robin, so a resume continues at the exact example."""
 
     def __init__(self, stream, column: str, batch_size: int, resolution: int, center_crop: bool,
-                 channels: int, seed: int, num_workers: int = 0, pin_memory: bool = False):
+                 channels: int, seed: int, num_workers: int = 0, pin_memory: bool = False,
+                 label: LabelReader | None = None):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         self.num_workers = num_workers
         self.loader = StatefulDataLoader(
-            DecodedStream(stream, column, resolution, center_crop, channels, seed), batch_size=batch_size,
+            DecodedStream(stream, column, resolution, center_crop, channels, seed, label), batch_size=batch_size,
             num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=4 if num_workers else None,
             generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
         self._iterator = None
@@ -187,13 +204,15 @@ class StreamSource:
 
     batches_per_epoch = None  # unknown for a stream: runs are counted in steps (--max_train_steps)
     held_out_images = None  # --validation_split needs a fixed set: cached data only (validate refuses it)
-    class_names = None      # --class_conditional needs cached data for now (validate refuses it)
 
-    def __init__(self, spec: DataSpec, processes: Processes, channels: int):
-        shard, column = load_stream(spec, processes.process_index, processes.num_processes)
+    def __init__(self, spec: DataSpec, processes: Processes, channels: int, classes: Classes | None = None):
+        shard, column = load_stream(spec, processes.process_index, processes.num_processes,
+                                    classes.column if classes else None)
         self.stream = StreamingBatches(shard, column, spec.train_batch_size, spec.resolution, spec.center_crop,
                                        channels, spec.seed + processes.process_index,
-                                       spec.dataloader_num_workers, processes.device.type == "cuda")
+                                       spec.dataloader_num_workers, processes.device.type == "cuda",
+                                       classes.reader() if classes else None)
+        self.class_names = classes.names if classes else None  # labels come with each example
         self.spec, self.channels, self.rank = spec, channels, processes.process_index
         self.description = f"stream:{spec.dataset_name or spec.train_data_dir or spec.train_data_files}"
 

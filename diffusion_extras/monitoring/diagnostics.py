@@ -3,7 +3,9 @@
 The DDPM loss is an average over t, so a healthy-looking mean can hide a model that never learned
 the noisiest (or the cleanest) timesteps. `TimestepDiagnostics` bins the unweighted per-sample MSE
 by timestep and counts optimizer-step events (clipping, non-finite steps) in device tensors; the
-host sees them once per logging interval, in `reduce_and_reset`.
+host sees them once per logging interval, in `reduce_and_reset`. A class-conditional run also sums
+the loss per (class, timestep bin), which gives each class's loss against all classes' at the same
+timesteps: the classes that lag (issue 23).
 
 `bayes_optimal_loss` is the loss of the best denoiser for Gaussian data with the dataset's
 per-dimension variance. The posterior mean E[x0 | x_t] of such data is linear in x_t, so this is
@@ -12,8 +14,6 @@ whose loss sits above it at some t has not yet learned what a linear filter alre
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ class TimestepDiagnostics:
     """Window statistics on the device; one collective and one host copy per logging interval."""
 
     def __init__(self, num_train_timesteps: int, num_bins: int = 10, device=None,
-                 running_decay: float = RUNNING_DECAY):
+                 running_decay: float = RUNNING_DECAY, num_classes: int = 0):
         if not 1 <= num_bins <= num_train_timesteps:
             raise ValueError(f"num_bins={num_bins} must be in [1, num_train_timesteps="
                              f"{num_train_timesteps}]; pass fewer bins")
@@ -51,22 +51,29 @@ class TimestepDiagnostics:
         self.num_train_timesteps = int(num_train_timesteps)
         self.num_bins = int(num_bins)
         self.running_decay = float(running_decay)
+        self.num_classes = int(num_classes)  # 0: unconditional
         self.device = torch.device(device if device is not None else "cpu")
         # float64 keeps sum-of-squares variances exact enough; MPS has no float64.
         self.dtype = torch.float32 if self.device.type == "mps" else torch.float64
         n = self.num_bins
-        # One packed buffer: [bin sums | sums of squares | finite counts | non-finite counts | steps].
-        self._window = torch.zeros(4 * n + len(_STEP_FIELDS), dtype=self.dtype, device=self.device)
+        # One packed buffer: [bin sums | sums of squares | finite counts | non-finite counts | steps |
+        # loss sums per (class, bin) | finite counts per (class, bin)], one more class row for "no class".
+        cells = (self.num_classes + 1) * n if self.num_classes else 0
+        self._window = torch.zeros(4 * n + len(_STEP_FIELDS) + 2 * cells, dtype=self.dtype, device=self.device)
         self._bin_sum, self._bin_sumsq, self._bin_count, self.nonfinite_per_bin = (
             self._window[k * n:(k + 1) * n] for k in range(4))
         self._step = {name: self._window[4 * n + j] for j, name in enumerate(_STEP_FIELDS)}
+        self._classes_start = 4 * n + len(_STEP_FIELDS)
+        self._class_sum, self._class_count = (self._window[self._classes_start + k * cells:][:cells] for k in range(2))
         # The non-finite streak spans logging windows, so it lives outside the window buffer.
         self._consecutive_nonfinite = torch.zeros((), dtype=self.dtype, device=self.device)
         self.running_bin_loss = np.full(n, np.nan)
         self.total_steps = self.total_clipped = self.total_nonfinite = 0
 
-    def update_loss(self, timesteps: torch.LongTensor, per_sample_loss: torch.Tensor) -> None:
-        """Add a batch of unweighted per-sample MSEs; no host sync (timesteps are not range-checked)."""
+    def update_loss(self, timesteps: torch.LongTensor, per_sample_loss: torch.Tensor,
+                    class_labels: torch.LongTensor | None = None) -> None:
+        """Add a batch of unweighted per-sample MSEs, with the class labels the model saw (num_classes:
+        "no class") when conditional; no host sync (timesteps and labels are not range-checked)."""
         if timesteps.dim() != 1 or timesteps.shape != per_sample_loss.shape:
             raise ValueError(f"timesteps {tuple(timesteps.shape)} and per_sample_loss "
                              f"{tuple(per_sample_loss.shape)} must both have shape [batch]; "
@@ -80,6 +87,10 @@ class TimestepDiagnostics:
         self._bin_sumsq.index_add_(0, bins, clean * clean)
         self._bin_count.index_add_(0, bins, finite.to(self.dtype))
         self.nonfinite_per_bin.index_add_(0, bins, (~finite).to(self.dtype))
+        if class_labels is not None and self.num_classes:
+            cells = class_labels.to(self.device, torch.long) * self.num_bins + bins
+            self._class_sum.index_add_(0, cells, clean)
+            self._class_count.index_add_(0, cells, finite.to(self.dtype))
 
     def update_step(self, grad_norm: torch.Tensor, max_grad_norm: float | None,
                     finite: torch.Tensor, loss_scale: float | torch.Tensor | None = None) -> None:
@@ -119,8 +130,10 @@ class TimestepDiagnostics:
         self._window.zero_()
         n = self.num_bins
         bin_sum, bin_sumsq, bin_count, nonfinite = per_rank[:, :4 * n].sum(0).reshape(4, n)
-        step = dict(zip(_STEP_FIELDS, per_rank[:, 4 * n:].max(0)))
+        step = dict(zip(_STEP_FIELDS, per_rank[:, 4 * n:self._classes_start].max(0)))
         out = self._bin_statistics(bin_sum, bin_sumsq, bin_count, nonfinite)
+        if self.num_classes:  # sums over ranks, like the bins
+            out.update(self._class_statistics(per_rank[:, self._classes_start:].sum(0)))
         if step["finite_steps"] > 0:
             out["grad_norm"] = step["grad_norm_sum"] / step["finite_steps"]
         out["clip_rate"] = step["clipped_steps"] / max(step["finite_steps"], 1.0)
@@ -152,6 +165,18 @@ class TimestepDiagnostics:
                                         + (1.0 - self.running_decay) * means[again])
         return out
 
+    def _class_statistics(self, totals: np.ndarray) -> dict:
+        """'loss_class/03': class 3's loss over what all classes' mean loss per timestep bin predicts
+        for the timesteps it drew (1: average, 1.3: 30 % above). A raw per-class mean would mostly
+        say which timesteps a class happened to draw: the loss spans orders of magnitude over t.
+        Labels dropped to "no class" (--condition_dropout) are left out: they train no class."""
+        sums, counts = totals.reshape(2, self.num_classes + 1, self.num_bins)[:, :-1]
+        seen = counts.sum(0)
+        bin_mean = np.divide(sums.sum(0), seen, out=np.zeros(self.num_bins), where=seen > 0)
+        expected = counts @ bin_mean
+        return {loss_bin_key(c, self.num_classes, "loss_class"): sums[c].sum() / expected[c]
+                for c in np.flatnonzero(expected > 0)}
+
     def bin_edges(self) -> list[int]:
         return timestep_bin_edges(self.num_train_timesteps, self.num_bins)
 
@@ -161,7 +186,7 @@ class TimestepDiagnostics:
 
     def bayes_optimal_bins(self, alphas_cumprod, sigma_data, prediction_type) -> dict[str, float]:
         """Bayes-optimal loss averaged over each bin (uniform t), keyed like the loss bins."""
-        reference = _reference_curve(alphas_cumprod, sigma_data, prediction_type)
+        reference = bayes_optimal_curve(alphas_cumprod, sigma_data, prediction_type)
         if reference.shape != (self.num_train_timesteps,):
             raise ValueError(f"alphas_cumprod has {reference.shape[0]} entries but "
                              f"num_train_timesteps={self.num_train_timesteps}; pass the scheduler's")
@@ -173,6 +198,7 @@ class TimestepDiagnostics:
         """CPU tensors and numbers only. The open window is this process's: accelerate saves custom
         state from the main process, so with several processes save right after reduce_and_reset."""
         return {"num_train_timesteps": self.num_train_timesteps, "num_bins": self.num_bins,
+                "num_classes": self.num_classes,
                 "running_decay": self.running_decay, "window": self._window.cpu().clone(),
                 "consecutive_nonfinite": self._consecutive_nonfinite.cpu().clone(),
                 "running_bin_loss": torch.from_numpy(self.running_bin_loss.copy()),
@@ -180,11 +206,11 @@ class TimestepDiagnostics:
                 "total_nonfinite": self.total_nonfinite}
 
     def load_state_dict(self, state: dict) -> None:
-        saved = (state["num_train_timesteps"], state["num_bins"])
-        if saved != (self.num_train_timesteps, self.num_bins):
-            raise ValueError(f"diagnostics checkpoint has num_train_timesteps/num_bins = "
-                             f"{state['num_train_timesteps']}/{state['num_bins']}, this run "
-                             f"{self.num_train_timesteps}/{self.num_bins}; resume with the same settings")
+        saved = (state["num_train_timesteps"], state["num_bins"], state.get("num_classes", 0))
+        if saved != (self.num_train_timesteps, self.num_bins, self.num_classes):
+            raise ValueError(f"diagnostics checkpoint has num_train_timesteps/num_bins/num_classes = "
+                             f"{'/'.join(map(str, saved))}, this run {self.num_train_timesteps}/{self.num_bins}/"
+                             f"{self.num_classes}; resume with the same settings")
         self.running_decay = float(state["running_decay"])
         self._window.copy_(state["window"])  # copy_ keeps the views into the packed buffer valid
         self._consecutive_nonfinite.copy_(state["consecutive_nonfinite"])
@@ -226,7 +252,7 @@ def bayes_optimal_loss(alphas_cumprod: torch.Tensor, sigma_data: float | torch.T
     return (factor * data_variance / noisy_variance).to(out_dtype)
 
 
-def _reference_curve(alphas_cumprod, sigma_data, prediction_type) -> np.ndarray:
+def bayes_optimal_curve(alphas_cumprod, sigma_data, prediction_type) -> np.ndarray:
     return bayes_optimal_loss(alphas_cumprod, sigma_data, prediction_type).double().cpu().numpy()
 
 
@@ -245,51 +271,3 @@ def per_dimension_variance(images: torch.Tensor, chunk_size: int = 4096) -> floa
     mean = sum(flat[i:i + chunk_size].double().sum(0) for i in chunks) / flat.shape[0]
     squared = sum(((flat[i:i + chunk_size].double() - mean) ** 2).sum(0) for i in chunks)
     return float((squared / flat.shape[0]).mean())
-
-
-def plot_loss_per_timestep(diag: TimestepDiagnostics, alphas_cumprod, sigma_data, prediction_type,
-                           path: str, title: str = "") -> str:
-    """PNG of the running per-bin loss against the Bayes-optimal curve (log y); returns path."""
-    # Figure + Agg canvas instead of pyplot: no global backend switch, nothing left open.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    reference = _reference_curve(alphas_cumprod, sigma_data, prediction_type)
-    reference_bins = np.array(list(
-        diag.bayes_optimal_bins(alphas_cumprod, sigma_data, prediction_type).values()))
-    timesteps, centers = np.arange(reference.shape[0]), diag.bin_centers()
-    fig = Figure(figsize=(7.0, 4.5), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    positive = reference > 0  # log axis: zero-terminal-SNR ends give an exact 0
-    ax.plot(timesteps[positive], reference[positive], color="0.45", lw=1.2,
-            label="Bayes-optimal, Gaussian data (per t)")
-    shown = reference_bins > 0
-    ax.plot(centers[shown], reference_bins[shown], "s", mfc="none", color="0.3", ms=7,
-            label="Bayes-optimal, bin mean")
-    seen = np.isfinite(diag.running_bin_loss) & (diag.running_bin_loss > 0)
-    if seen.any():
-        ax.plot(centers[seen], diag.running_bin_loss[seen], "o", color="tab:red", ms=6,
-                label="training loss, running mean per bin")
-    else:
-        ax.text(0.5, 0.5, "no loss recorded yet", transform=ax.transAxes, ha="center", va="center")
-    for edge in diag.bin_edges()[1:-1]:
-        ax.axvline(edge - 0.5, color="0.9", lw=0.8, zorder=0)
-    ax.set_yscale("log")
-    ax.set_xlabel("timestep t")
-    ax.set_ylabel(f"per-dimension MSE ({prediction_type} target)")
-    ax.set_title(title or f"Loss per timestep (sigma_data={float(sigma_data):.3g})")
-    return save_figure(fig, [ax], path)
-
-
-def save_figure(fig, axes, path: str) -> str:
-    """The diagnostics plots' common finish: a light log grid, a legend where there are labels,
-    a tight layout, a PNG at `path` (folders created)."""
-    for axis in axes:
-        axis.grid(True, which="both", alpha=0.25)
-        if axis.get_legend_handles_labels()[0] and axis.get_legend() is None:
-            axis.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, format="png")
-    return path

@@ -14,19 +14,21 @@ from dataclasses import asdict
 import numpy as np
 import yaml
 
-from diffusion_extras.report import checks
+from diffusion_extras.report import checks, class_balance
 from diffusion_extras.report import dynamics as report_dynamics
 from diffusion_extras.report.checks import SEVERITY_ORDER, Finding, RunLog, median
 
 __all__ = ["Finding", "analyze", "summarize", "write_report", "main"]
 
 
-def analyze(history: list[dict], config: dict,
-            bayes_optimal_bins: dict[str, float] | None = None) -> list[Finding]:
-    """All findings for a run, most severe first; ValueError when nothing was logged yet."""
+def analyze(history: list[dict], config: dict, bayes_optimal_bins: dict[str, float] | None = None,
+            class_names: dict[int, str] | None = None) -> list[Finding]:
+    """All findings for a run, most severe first; ValueError when nothing was logged yet.
+    `class_names` (id -> name) names the classes of a class-conditional run."""
     run = RunLog(history, config or {})
     findings = [finding for check in checks.RUN_CHECKS + report_dynamics.CHECKS for finding in check(run)]
     findings += checks.check_timestep_balance(run, bayes_optimal_bins)
+    findings += class_balance.check_class_lag(run, class_names)
     return sorted(findings, key=lambda finding: SEVERITY_ORDER[finding.severity])
 
 
@@ -140,6 +142,20 @@ def load_reference_bins(output_dir: str) -> dict | None:
         return json.load(fh).get("bayes_optimal_bins")
 
 
+def load_class_names(output_dir: str) -> dict[int, str] | None:
+    """id -> class name from the exported pipeline's model_index.json (a class-conditional run that
+    has exported at least once), else None."""
+    path = os.path.join(output_dir, "model_index.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as fh:
+            id2label = json.load(fh).get("id2label")
+    except (OSError, ValueError):  # a folder being written: the report goes on with class ids
+        return None
+    return {int(k): str(v) for k, v in id2label.items()} if isinstance(id2label, dict) else None
+
+
 def write_report(output_dir: str, history=None, config=None, bayes_optimal_bins=None) -> tuple[str, str]:
     """Write training_report.json and .md into output_dir; returns (json_path, md_path)."""
     if history is None or config is None:
@@ -148,7 +164,7 @@ def write_report(output_dir: str, history=None, config=None, bayes_optimal_bins=
         config = load_config(output_dir) if config is None else config
     if bayes_optimal_bins is None:
         bayes_optimal_bins = load_reference_bins(output_dir)
-    findings = analyze(history, config, bayes_optimal_bins)
+    findings = analyze(history, config, bayes_optimal_bins, load_class_names(output_dir))
     summary = summarize(history, config)
     thresholds = {k: v for k, v in vars(checks).items() if k.isupper() and isinstance(v, (int, float))}
     payload = {"output_dir": output_dir, "summary": summary, "findings": [asdict(f) for f in findings],

@@ -23,7 +23,7 @@ from PIL import Image
 from diffusion_extras.evaluation import metrics as evaluation
 from diffusion_extras.evaluation import sampling
 from diffusion_extras.hub import push as hub
-from diffusion_extras.monitoring import debug_images, diagnostics
+from diffusion_extras.monitoring import debug_images, plots
 from diffusion_extras.monitoring import grad_monitor as monitor
 from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.report import health as report
@@ -147,7 +147,7 @@ def save_loss_plot(timestep_diagnostics, alphas_cumprod, sigma_data: float, pred
                    target: Target) -> str:
     """Loss per timestep bin against the Bayes-optimal reference curve."""
     path = target.path(CARD_PLOT)
-    diagnostics.plot_loss_per_timestep(timestep_diagnostics, alphas_cumprod, sigma_data, prediction_type, path,
+    plots.plot_loss_per_timestep(timestep_diagnostics, alphas_cumprod, sigma_data, prediction_type, path,
                                        title=f"step {target.step}")
     target.log_image("loss_per_timestep", path)
     return path

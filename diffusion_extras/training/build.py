@@ -90,15 +90,14 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     spec = config.data_spec()
     switches = run_state.extras_switches(config, spec.uses_embedded_digits)
     # the data is opened before the model: with no model chosen, the model follows the images
-    dataset, data_channels = sources.open_training_data(spec, accelerator)
-    class_names = sources.dataset_classes(spec, dataset)[1] if dataset is not None else None
-    choice, unet = build_model(config, accelerator, data_channels, class_names)
+    dataset, data_channels, classes = sources.open_training_data(spec, accelerator)  # labels read once, here
+    choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None)
     training_data, held_out_images = build_data(config, accelerator, unet.config.in_channels, dataset,
-                                                switches["validation_split"], hooks.data_source)
+                                                switches["validation_split"], classes, hooks.data_source)
     plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
     learner = build_learner(config, accelerator, plan, unet, lr_schedule)
     objective = build_objective(config, accelerator, noise_scheduler)
-    extras = build_extras(config, accelerator, plan, learner.unet, held_out_images)
+    extras = build_extras(config, accelerator, plan, learner.unet, held_out_images, training_data.class_names)
     register_checkpointed_state(accelerator, learner, objective, extras)
     progress = Progress(step_lr=learner.peak_lr,
                         nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device))
@@ -129,11 +128,11 @@ def build_model(config: TrainConfig, accelerator, data_channels: int,
     return choice, unet
 
 
-def build_data(config: TrainConfig, accelerator, channels: int, dataset, validation_split: float,
+def build_data(config: TrainConfig, accelerator, channels: int, dataset, validation_split: float, classes,
                data_source=sources.build_source) -> tuple:
     """(the training data, the held-out images or None): the data source (decode-once cache or
-    this rank's shard of a stream) and sigma_data."""
-    source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split)
+    this rank's shard of a stream, with the `classes` open_training_data read) and sigma_data."""
+    source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
     sample = torch.from_numpy(source.reference_sample(2048))
     # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
     sigma_data = diagnostics.per_dimension_variance(batch_order.to_model_input(sample, "cpu")) ** 0.5
@@ -203,11 +202,13 @@ def register_checkpointed_state(accelerator, learner: Learner, objective: Object
             accelerator.register_for_checkpointing(state)
 
 
-def build_extras(config: TrainConfig, accelerator, plan: Plan, unet, held_out_images) -> Extras:
-    """Diagnostics, EMA (with the plan's decay settings), post-hoc EMA, the held-out loss."""
+def build_extras(config: TrainConfig, accelerator, plan: Plan, unet, held_out_images,
+                 class_names: list | None = None) -> Extras:
+    """Diagnostics (per class too with `class_names`), EMA (with the plan's decay settings), post-hoc
+    EMA, the held-out loss."""
     parameters = list(unet.parameters())
-    extras = Extras(
-        diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device))
+    extras = Extras(diagnostics=diagnostics.TimestepDiagnostics(
+        config.ddpm_num_steps, config.diagnostics_bins, accelerator.device, num_classes=len(class_names or ())))
     if config.use_ema:
         extras.ema = ExponentialMovingAverage(parameters, plan.ema_max_decay, plan.ema_inv_gamma, plan.ema_power)
     if config.posthoc_ema:

@@ -100,7 +100,7 @@ class TrainConfig:
     random_flip: bool = _f(False, "Flip images horizontally at random (off for digits: flipped digits are not digits).", resume=APPLY, group="data")
     streaming: bool = _f(False, "Stream the dataset (load_dataset(streaming=True)) instead of downloading and caching it; needs --max_train_steps.", resume=REFUSE, group="data")
     class_conditional: bool = _f(False, "Train a class-conditional UNet (a class embedding with one extra 'no class' entry for classifier-free guidance); the classes and their names come from the data and are saved with the pipeline.", resume=REFUSE, group="data")
-    label_column: str | None = _f(None, "Column of class labels (ints or class names) for --class_conditional; default: the dataset's one ClassLabel column (an imagefolder's subfolder names, the digits' label).", resume=REFUSE, group="data")
+    label_column: str | None = _f(None, "Column of class labels (ints or class names) for --class_conditional; default: the dataset's one ClassLabel column (an imagefolder's subfolder names, the digits' label), else a tar shard sample's cls entry or its json entry's label (json.label: a field of a struct column). Streamed labels that are not a ClassLabel are read once before training.", resume=REFUSE, group="data")
     shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY, group="data")
     # --- model ------------------------------------------------------------------------
     model_config_name_or_path: str | None = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE, group="model")
@@ -366,8 +366,6 @@ def validate(c: TrainConfig) -> None:
     need(0 <= c.condition_dropout < 1, f"--condition_dropout must lie in [0, 1) (got {c.condition_dropout})")
     need(c.guidance_scale >= 0, f"--guidance_scale must be >= 0 (1: no guidance; got {c.guidance_scale})")
     need(not (c.label_column and not c.class_conditional), "--label_column is read only with --class_conditional: add it")
-    need(not (c.class_conditional and c.streaming),
-         "--class_conditional needs cached data for now (labels are not read from streams); drop --streaming")
     need(not c.streaming or c.dataset_name or c.train_data_dir or c.train_data_files,
          "--streaming needs --dataset_name or --train_data_dir or --train_data_files (the embedded digits are already in memory)")
     need(not c.streaming or c.max_train_steps, "--streaming counts in steps, not epochs: give --max_train_steps")

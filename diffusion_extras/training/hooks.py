@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class Hooks:
-    # (DataSpec, Processes (the accelerator), channels, dataset, validation_split) -> an object with the data-source
-    # interface of data/sources.py (batches, position, state_dict, load_state_dict, reference_sample,
-    # held_out_images, batches_per_epoch, description)
+    # (DataSpec, Processes (the accelerator), channels, dataset, validation_split, classes (data.labels.Classes
+    # with --class_conditional, else None)) -> an object with the data-source interface of data/sources.py
+    # (batches, position, state_dict, load_state_dict, reference_sample, held_out_images, batches_per_epoch,
+    # description, class_names)
     data_source: Callable = sources.build_source
     # (run, checkpoint path): on every rank, after a checkpoint is complete (marker written)
     after_checkpoint: Callable[[Run, str], None] | None = None

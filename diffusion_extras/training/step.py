@@ -51,7 +51,7 @@ def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool)
         loss = (per_sample * loss_weights(run, timesteps, importance)).mean()
         accelerator.backward(loss / config.gradient_accumulation_steps)
     mse = per_sample if config.loss_type == "l2" else losses.per_sample_loss(prediction, target)
-    record_micro_batch(run, timesteps, global_timesteps, mse.detach(), clean)
+    record_micro_batch(run, timesteps, global_timesteps, mse.detach(), clean, class_labels)
     return loss.detach()
 
 
@@ -73,10 +73,10 @@ def loss_weights(run: Run, timesteps, importance):
     return weights * importance if importance is not None else weights
 
 
-def record_micro_batch(run: Run, timesteps, global_timesteps, mse, clean) -> None:
-    """Diagnostics see the unweighted MSE; a loss-aware sampler learns from the whole global batch
-    (one small gather) so every rank keeps the same distribution."""
-    run.extras.diagnostics.update_loss(timesteps, mse)
+def record_micro_batch(run: Run, timesteps, global_timesteps, mse, clean, class_labels) -> None:
+    """Diagnostics see the unweighted MSE (per class too, when conditional); a loss-aware sampler
+    learns from the whole global batch (one small gather) so every rank keeps the same distribution."""
+    run.extras.diagnostics.update_loss(timesteps, mse, class_labels)
     if run.objective.timestep_sampler.learns_from_losses:
         run.objective.timestep_sampler.update(global_timesteps, run.accelerator.gather(mse))
     run.progress.input_statistics = torch.stack([clean.mean(), clean.std(), clean.amin(), clean.amax()])
