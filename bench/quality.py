@@ -27,6 +27,7 @@ that exported pipeline instead: --num_samples split evenly over the classes, at 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -99,17 +100,23 @@ def classifier_fid(classifier, images: np.ndarray, reference: np.ndarray) -> flo
     return evaluation.frechet_distance(mu1, sigma1, mu2, sigma2)
 
 
+@dataclasses.dataclass
 class DigitScorer:
-    """The digit classifier (logistic regression on the training split) with the held-out digits it
-    measures against and the real-data floor for `num_samples` images."""
+    """The digit classifier with the held-out digits it measures against and the real-data floor."""
+    classifier: object  # fitted sklearn classifier on classifier_input features
+    held_out: np.ndarray  # uint8 [N, H, W, 1]
+    held_out_labels: np.ndarray
+    floor: float  # classifier FID of real training-split digits vs the held-out digits
 
-    def __init__(self, recipe: str | None, extra: list[str], num_samples: int):
+    @classmethod
+    def for_recipe(cls, recipe: str | None, extra: list[str], num_samples: int) -> DigitScorer:
+        """Logistic regression fitted on the run's training split; the floor for `num_samples` images."""
         from sklearn.linear_model import LogisticRegression
 
-        training, labels, self.held_out, self.held_out_labels = real_digits(recipe, extra)
-        self.classifier = LogisticRegression(max_iter=2000).fit(classifier_input(training), labels)
+        training, labels, held_out, held_out_labels = real_digits(recipe, extra)
+        classifier = LogisticRegression(max_iter=2000).fit(classifier_input(training), labels)
         real = training[np.random.default_rng(1).permutation(len(training))[:num_samples]]
-        self.floor = classifier_fid(self.classifier, real, self.held_out)
+        return cls(classifier, held_out, held_out_labels, classifier_fid(classifier, real, held_out))
 
     def predict(self, images: np.ndarray) -> np.ndarray:
         return self.classifier.predict(classifier_input(images))
@@ -235,7 +242,7 @@ def main(argv=None) -> None:
         steps = result["time_budget"]["steps"]
     run_dir = os.path.join(args.out, f"run-{steps}")
     result.update(steps=steps, train_seconds=train(run_dir, steps, args.config, extra))
-    scorer = DigitScorer(args.config, extra, args.num_samples)
+    scorer = DigitScorer.for_recipe(args.config, extra, args.num_samples)
     result.update(floor=scorer.floor, held_out_images=len(scorer.held_out), num_samples=args.num_samples)
     if is_class_conditional(run_dir):
         sample, num_classes = pipeline_sampler(run_dir)

@@ -51,9 +51,8 @@ def test_conditional_accuracy_is_scored_against_the_requested_labels():
     quality = load_bench_module("quality")
     digits = load_digits()
     images = (digits.images / 16 * 255).round().astype(np.uint8)[..., None]  # 8x8: classifier_input keeps them
-    scorer = quality.DigitScorer.__new__(quality.DigitScorer)  # the real one trains on a run's split
-    scorer.classifier = LogisticRegression(max_iter=2000).fit(quality.classifier_input(images), digits.target)
-    scorer.held_out, scorer.held_out_labels, scorer.floor = images[:300], digits.target[:300], 0.5
+    classifier = LogisticRegression(max_iter=2000).fit(quality.classifier_input(images), digits.target)
+    scorer = quality.DigitScorer(classifier, images[:300], digits.target[:300], floor=0.5)
     right = scorer.predict(images) == digits.target
     example = {k: images[np.flatnonzero(right & (digits.target == k))[0]] for k in range(10)}
 
