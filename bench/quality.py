@@ -3,6 +3,7 @@
 
     python bench/quality.py --max_train_steps 1200                # the default recipe
     python bench/quality.py --time_budget 300 -- --snr_gamma 0    # 5 minutes; flags after -- go to training
+    python bench/quality.py --max_train_steps 1200 --config configs/digits-conditional.yaml   # class-conditional
 
 Trains the recipe with --validation_split 0.2 (a seeded fifth of the digits never trained on),
 samples --num_samples EMA images (DDIM, 50 steps, seed 1) and scores them with a digit classifier:
@@ -15,10 +16,18 @@ preprocessing and shrunk to 8x8 (snr_experiment.classifier_input). Reported:
 A recipe change is judged by how far above the floor it ends, or the budget it needs to reach it.
 --time_budget first times a short calibration run and trains the steps that fit (the LR schedule
 then completes within the budget, as it would for a step budget).
+
+A class-conditional run (its model_index.json names ClassConditionalPipeline) is sampled through
+that exported pipeline instead: --num_samples split evenly over the classes, at each of
+--guidance_scales with the same noise per image (DDIM 50, seed 1), and reported per guidance:
+  accuracy:       the share of samples the classifier calls the requested class, overall and
+                  per class (the classifier's accuracy on the real held-out digits is its ceiling);
+  fid_classifier: as above, the class-balanced samples vs the held-out digits, and fid_ratio = it / floor.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -67,7 +76,7 @@ def steps_for_budget(out: str, seconds: float, recipe: str | None, extra: list[s
 
 
 def real_digits(recipe: str | None, extra: list[str]):
-    """(training-split images, their labels, held-out images) exactly as the run split them."""
+    """(training-split images, their labels, held-out images, their labels) exactly as the run split them."""
     from diffusion_extras.data import batch_order, decode_cache
     from diffusion_extras.data import images as data
     from diffusion_extras.training.config import parse_config
@@ -80,8 +89,8 @@ def real_digits(recipe: str | None, extra: list[str]):
     images = decode_cache.decode_dataset(dataset, "image", config.resolution, True, 1)
     training, held_out = batch_order.split_held_out(images, config.validation_split, config.seed)
     as_array = lambda part: np.stack([part.image(i) for i in range(len(part))])  # noqa: E731
-    labels = np.asarray(dataset["label"])[training.rows]
-    return as_array(training), labels, as_array(held_out)
+    labels = np.asarray(dataset["label"])
+    return as_array(training), labels[training.rows], as_array(held_out), labels[held_out.rows]
 
 
 def classifier_fid(classifier, images: np.ndarray, reference: np.ndarray) -> float:
@@ -91,22 +100,123 @@ def classifier_fid(classifier, images: np.ndarray, reference: np.ndarray) -> flo
     return evaluation.frechet_distance(mu1, sigma1, mu2, sigma2)
 
 
-def evaluate(run_dir: str, recipe: str | None, extra: list[str], num_samples: int) -> dict:
+@dataclasses.dataclass
+class DigitScorer:
+    """The digit classifier with the held-out digits it measures against and the real-data floor."""
+    classifier: object  # fitted sklearn classifier on classifier_input features
+    held_out: np.ndarray  # uint8 [N, H, W, 1]
+    held_out_labels: np.ndarray
+    floor: float  # classifier FID of real training-split digits vs the held-out digits
+
+    @classmethod
+    def for_recipe(cls, recipe: str | None, extra: list[str], num_samples: int) -> DigitScorer:
+        """Logistic regression fitted on the run's training split; the floor for `num_samples` images."""
+        from sklearn.linear_model import LogisticRegression
+
+        training, labels, held_out, held_out_labels = real_digits(recipe, extra)
+        classifier = LogisticRegression(max_iter=2000).fit(classifier_input(training), labels)
+        real = training[np.random.default_rng(1).permutation(len(training))[:num_samples]]
+        return cls(classifier, held_out, held_out_labels, classifier_fid(classifier, real, held_out))
+
+    def predict(self, images: np.ndarray) -> np.ndarray:
+        return self.classifier.predict(classifier_input(images))
+
+    def fid(self, images: np.ndarray) -> float:
+        return classifier_fid(self.classifier, images, self.held_out)
+
+
+def is_class_conditional(run_dir: str) -> bool:
+    """The folder's model_index.json names ClassConditionalPipeline (a custom pipeline's [module, class])."""
+    from diffusion_extras.evaluation.pipeline_class_conditional import PIPELINE_CLASS
+    with open(os.path.join(run_dir, "model_index.json")) as fh:
+        name = json.load(fh).get("_class_name")
+    return isinstance(name, list) and name[-1] == PIPELINE_CLASS
+
+
+def evaluate(run_dir: str, scorer: DigitScorer, num_samples: int) -> dict:
     from diffusers import DDPMPipeline
-    from sklearn.linear_model import LogisticRegression
 
     from diffusion_extras.evaluation import sampling
-    training, labels, held_out = real_digits(recipe, extra)
-    classifier = LogisticRegression(max_iter=2000).fit(classifier_input(training), labels)
     pipeline = DDPMPipeline.from_pretrained(run_dir)
     scheduler = sampling.make_scheduler("ddim", pipeline.scheduler.config)
     samples = sampling.generate(pipeline.unet, scheduler, num_samples, 50, seed=1, batch_size=128)
     sampling.image_grid(samples[:64]).save(os.path.join(run_dir, "quality_samples_grid.png"))
-    real = training[np.random.default_rng(1).permutation(len(training))[:num_samples]]
-    return {"fid_classifier": classifier_fid(classifier, samples, held_out),
-            "floor": classifier_fid(classifier, real, held_out), **score_digits(classifier, samples),
-            "real_confident_coverage": score_digits(classifier, held_out), "held_out_images": len(held_out),
-            "num_samples": num_samples}
+    return {"fid_classifier": scorer.fid(samples), **score_digits(scorer.classifier, samples),
+            "real_confident_coverage": score_digits(scorer.classifier, scorer.held_out)}
+
+
+def pipeline_sampler(run_dir: str, seed: int = 1, num_inference_steps: int = 50, batch_size: int = 100):
+    """(sample, number of classes) for the exported ClassConditionalPipeline with DDIM:
+    sample(class_labels, guidance_scale) -> uint8 [N, H, W, C]. Image i has its own generator
+    (seeded from (seed, i)), so its noise is the same at every guidance scale and batch size."""
+    import torch
+
+    from diffusion_extras.evaluation import sampling
+    from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, null_class
+    pipeline = ClassConditionalPipeline.from_pretrained(run_dir)
+    pipeline.scheduler = sampling.make_scheduler("ddim", pipeline.scheduler.config)
+    pipeline.set_progress_bar_config(disable=True)
+
+    def sample(class_labels: list[int], guidance_scale: float) -> np.ndarray:
+        chunks = []
+        for first in range(0, len(class_labels), batch_size):
+            labels = class_labels[first:first + batch_size]
+            generators = [torch.Generator().manual_seed(sampling.image_seed(seed, index))
+                          for index in range(first, first + len(labels))]
+            images = pipeline(class_labels=labels, guidance_scale=guidance_scale, generator=generators,
+                              num_inference_steps=num_inference_steps, output_type="np").images
+            chunks.append((images * 255).round().astype(np.uint8))
+        return np.concatenate(chunks)
+    return sample, null_class(pipeline.unet)
+
+
+def per_class_accuracy(predicted: np.ndarray, labels: np.ndarray, num_classes: int) -> list[float]:
+    return [float((predicted[labels == k] == k).mean()) if (labels == k).any() else float("nan")
+            for k in range(num_classes)]
+
+
+def evaluate_conditional(sample, num_classes: int, scorer: DigitScorer, num_samples: int,
+                         guidance_scales: list[float], grid_dir: str | None = None) -> dict:
+    """Per guidance scale: how often the classifier calls each sample the class it was asked for,
+    and the classifier FID of the class-balanced samples against the floor."""
+    from diffusion_extras.evaluation import sampling
+    per_class = num_samples // num_classes
+    if per_class < 1:
+        raise SystemExit(f"--num_samples {num_samples} gives no sample per class; give at least {num_classes}")
+    labels = np.repeat(np.arange(num_classes), per_class)
+    guidance = {}
+    for scale in guidance_scales:
+        images = sample(labels.tolist(), scale)
+        predicted = scorer.predict(images)
+        fid = scorer.fid(images)
+        guidance[str(scale)] = {"accuracy": float((predicted == labels).mean()), "fid_classifier": fid,
+                                "fid_ratio": fid / scorer.floor,
+                                "per_class_accuracy": per_class_accuracy(predicted, labels, num_classes)}
+        if grid_dir:  # one row per class, up to 10 images each
+            rows = np.concatenate([images[labels == k][:10] for k in range(num_classes)])
+            sampling.image_grid(rows, nrow=min(per_class, 10)).save(
+                os.path.join(grid_dir, f"quality_samples_guidance_{scale}.png"))
+    real = scorer.predict(scorer.held_out)
+    return {"guidance": guidance, "best_guidance": max(guidance, key=lambda s: guidance[s]["accuracy"]),
+            "samples_per_class": per_class,
+            "real_held_out_accuracy": float((real == scorer.held_out_labels).mean()),
+            "real_held_out_per_class_accuracy": per_class_accuracy(real, scorer.held_out_labels, num_classes)}
+
+
+def conditional_table(report: dict, floor: float) -> str:
+    """Markdown: one row per guidance scale, then the real digits (accuracy on the held-out split,
+    FID of the training split: the floor)."""
+    def worst(per_class: list[float]) -> str:
+        k = int(np.nanargmin(per_class))
+        return f"{k}: {per_class[k]:.2f}"
+    lines = ["| guidance | class accuracy | worst class | classifier FID | FID ratio (/ floor) |",
+             "|---|---|---|---|---|"]
+    for scale, row in report["guidance"].items():
+        lines.append(f"| {scale} | {row['accuracy']:.3f} | {worst(row['per_class_accuracy'])} "
+                     f"| {row['fid_classifier']:.3f} | {row['fid_ratio']:.3f} |")
+    lines.append(f"| real digits | {report['real_held_out_accuracy']:.3f} (held-out) "
+                 f"| {worst(report['real_held_out_per_class_accuracy'])} | {floor:.3f} (training split) | 1 |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
@@ -118,6 +228,8 @@ def main(argv=None) -> None:
     budget.add_argument("--time_budget", type=float, help="seconds of training (start-up included)")
     parser.add_argument("--config", default=None, help="YAML recipe (default: the embedded digits recipe)")
     parser.add_argument("--num_samples", type=int, default=1000, help="generated images scored")
+    parser.add_argument("--guidance_scales", default="1,2,4",
+                        help="comma-separated classifier-free guidance scales (class-conditional runs)")
     parser.add_argument("--calibration_steps", type=int, default=30, help="steps of the --time_budget timing run")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "quality"))
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -130,11 +242,24 @@ def main(argv=None) -> None:
         steps = result["time_budget"]["steps"]
     run_dir = os.path.join(args.out, f"run-{steps}")
     result.update(steps=steps, train_seconds=train(run_dir, steps, args.config, extra))
-    result.update(evaluate(run_dir, args.config, extra, args.num_samples))
+    scorer = DigitScorer.for_recipe(args.config, extra, args.num_samples)
+    result.update(floor=scorer.floor, held_out_images=len(scorer.held_out), num_samples=args.num_samples)
+    if is_class_conditional(run_dir):
+        sample, num_classes = pipeline_sampler(run_dir)
+        scales = [float(scale) for scale in args.guidance_scales.split(",")]
+        result["class_conditional"] = evaluate_conditional(sample, num_classes, scorer, args.num_samples, scales,
+                                                           grid_dir=run_dir)
+    else:
+        result.update(evaluate(run_dir, scorer, args.num_samples))
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     print(json.dumps(result, indent=1))
-    print(f"classifier FID {result['fid_classifier']:.3f} after {steps} steps; real-data floor {result['floor']:.3f}")
+    if "class_conditional" in result:
+        print(conditional_table(result["class_conditional"], result["floor"]))
+        print(f"real-data floor {result['floor']:.3f} after {steps} steps")
+    else:
+        print(f"classifier FID {result['fid_classifier']:.3f} after {steps} steps; "
+              f"real-data floor {result['floor']:.3f}")
 
 
 if __name__ == "__main__":

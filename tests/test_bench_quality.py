@@ -1,12 +1,14 @@
 """bench/quality.py end to end on the tiny recipe: a step budget and a time budget each give a
-complete report with the classifier FID and the real-data floor. No figure is asserted beyond
-sanity: they are measurements."""
+complete report with the classifier FID and the real-data floor; a class-conditional run is scored
+per guidance scale through its pipeline. No figure of a trained run is asserted beyond sanity:
+they are measurements."""
 import json
 import math
 import os
 
 import numpy as np
-from conftest import run_command
+import pytest
+from conftest import TINY_RECIPE, load_bench_module, run_command
 
 
 def run_quality(tmp_path, *args):
@@ -37,3 +39,59 @@ def test_time_budget_calibrates_then_trains_the_steps_that_fit(tmp_path, tiny_re
     expected = int((45 - budget["startup_seconds"]) / budget["seconds_per_step"])
     assert report["steps"] == budget["steps"] == max(1, expected) and np.isfinite(report["fid_classifier"])
     assert (out / f"run-{report['steps']}" / "model_index.json").is_file()
+
+
+def test_conditional_accuracy_is_scored_against_the_requested_labels():
+    """A sampler that returns a real digit of the requested class (one the classifier gets right)
+    scores 1 per class; one that returns the next class scores 0: accuracy compares against the
+    labels asked for, per guidance scale, and the FID ratio is the FID over the floor."""
+    from sklearn.datasets import load_digits
+    from sklearn.linear_model import LogisticRegression
+
+    quality = load_bench_module("quality")
+    digits = load_digits()
+    images = (digits.images / 16 * 255).round().astype(np.uint8)[..., None]  # 8x8: classifier_input keeps them
+    classifier = LogisticRegression(max_iter=2000).fit(quality.classifier_input(images), digits.target)
+    scorer = quality.DigitScorer(classifier, images[:300], digits.target[:300], floor=0.5)
+    right = scorer.predict(images) == digits.target
+    example = {k: images[np.flatnonzero(right & (digits.target == k))[0]] for k in range(10)}
+
+    def sample(class_labels, guidance_scale):  # right at guidance 4, one class off below
+        shift = 0 if guidance_scale == 4 else 1
+        return np.stack([example[(k + shift) % 10] for k in class_labels])
+
+    report = quality.evaluate_conditional(sample, 10, scorer, 25, [1.0, 4.0])
+    assert report["samples_per_class"] == 2 and report["best_guidance"] == "4.0"
+    assert report["guidance"]["4.0"]["accuracy"] == 1 and report["guidance"]["4.0"]["per_class_accuracy"] == [1] * 10
+    assert report["guidance"]["1.0"]["accuracy"] == 0 and report["guidance"]["1.0"]["per_class_accuracy"] == [0] * 10
+    for row in report["guidance"].values():
+        assert row["fid_ratio"] == pytest.approx(row["fid_classifier"] / 0.5)
+    assert report["real_held_out_accuracy"] == pytest.approx(right[:300].mean())
+    assert "| 4.0 | 1.000 |" in quality.conditional_table(report, 0.5)
+
+
+def test_a_class_conditional_folder_is_scored_per_guidance_through_its_pipeline(tmp_path, tiny_recipe, capsys):
+    """The whole command on an exported (untrained, tiny) ClassConditionalPipeline: a folder that
+    holds a pipeline is not trained again, so no training process is paid for here (the
+    conditional training itself is tested in test_class_conditional.py)."""
+    import torch
+    from diffusers import DDPMScheduler, UNet2DModel
+
+    from diffusion_extras.training.models import save_class_conditional
+    quality = load_bench_module("quality")
+    out = tmp_path / "quality"
+    torch.manual_seed(0)
+    unet = UNet2DModel(sample_size=8, num_class_embeds=11, **TINY_RECIPE["model"])
+    save_class_conditional(unet, DDPMScheduler(), [str(k) for k in range(10)], str(out / "run-2"))
+    quality.main(["--max_train_steps", "2", "--num_samples", "10", "--guidance_scales", "1,3",
+                  "--config", tiny_recipe(class_conditional=True), "--out", str(out)])
+    report = json.loads((out / "results.json").read_text())
+    conditional = report["class_conditional"]
+    assert set(conditional["guidance"]) == {"1.0", "3.0"} and conditional["samples_per_class"] == 1
+    for row in conditional["guidance"].values():
+        assert 0 <= row["accuracy"] <= 1 and len(row["per_class_accuracy"]) == 10
+        assert math.isfinite(row["fid_classifier"]) and row["fid_ratio"] == pytest.approx(
+            row["fid_classifier"] / report["floor"])
+    assert report["held_out_images"] == 13 and len(conditional["real_held_out_per_class_accuracy"]) == 10
+    assert (out / "run-2" / "quality_samples_guidance_3.0.png").is_file()
+    assert "| guidance | class accuracy |" in capsys.readouterr().out
