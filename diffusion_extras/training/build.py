@@ -178,10 +178,15 @@ def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedul
         lr_scheduler = lr_schedule(optimizer, plan.max_train_steps)
     unet, optimizer = accelerator.prepare(unet, optimizer)
     if config.torch_compile:  # in place: state-dict keys (and so checkpoints) stay those of the plain UNet
-        accelerator.unwrap_model(unet).compile(mode=None if config.torch_compile_mode == "default"
-                                               else config.torch_compile_mode)
+        accelerator.unwrap_model(unet).compile(**compile_options(config))
     return Learner(unet=unet, optimizer=optimizer, lr_scheduler=lr_scheduler, peak_lr=peak_lr,
                    state_config=state_config(plan.resolved_config(config), unet, accelerator))
+
+
+def compile_options(config: TrainConfig) -> dict:
+    """torch.compile's arguments for --torch_compile_backend and --torch_compile_mode (inductor's)."""
+    return {"backend": config.torch_compile_backend,
+            "mode": None if config.torch_compile_mode == "default" else config.torch_compile_mode}
 
 
 def build_objective(config: TrainConfig, accelerator, noise_scheduler) -> Objective:
