@@ -11,6 +11,7 @@ One test keeps inductor end to end and compares its losses with an eager run.
 """
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from conftest import dynamo_counts, read_history, tiny_run, write_tiny_recipe
@@ -61,10 +62,12 @@ def losses_by_step(output_dir) -> dict:
     return {h["step"]: h["loss"] for h in read_history(output_dir) if "loss" in h}
 
 
-def assert_stays_compiled(counts: dict, warm: int = WARM) -> None:
+def assert_stays_compiled(counts: dict, warm: int = WARM, until="end") -> None:
+    """No break; the graphs after step `warm` are all there are at `until` (a step, or "end": after
+    the end-of-run grids, evaluation and export)."""
     assert counts["end"]["breaks"] == 0, counts
     assert counts[warm]["graphs"] >= 1, "nothing was compiled"
-    assert counts["end"] == counts[warm], f"graphs captured after warm-up (step {warm}): {counts}"
+    assert counts[until] == counts[warm], f"graphs captured after warm-up (step {warm}): {counts}"
 
 
 @pytest.fixture(scope="module", params=list(SETTINGS))
@@ -80,18 +83,21 @@ def compiled_run(request, tmp_path_factory):
 
 def test_training_stays_compiled_with_every_extra(compiled_run):
     """Per prediction type (min-SNR weights differ per type), with accumulation 2 (no_sync on the first
-    micro-batch), channels_last and bf16 autocast: no break, and no graph after warm-up. Two graphs
-    at most: the training UNet in train mode, and in eval mode for the gradient monitor's probe."""
-    _, _, counts = compiled_run
+    micro-batch), channels_last and bf16 autocast: no break, and no graph after warm-up. Every run
+    has the training UNet's graph and the sampling copy's no-grad graph of FID and the grids (one
+    timestep per call); the run with the other extras adds two: the training UNet in eval mode (the
+    gradient monitor's probe) and the copy's graph of held-out losses (one timestep per image,
+    over batch sizes made dynamic)."""
+    prediction_type, _, counts = compiled_run
     assert_stays_compiled(counts)
-    assert counts["end"]["graphs"] <= 2, counts
+    assert counts["end"]["graphs"] == (4 if SETTINGS[prediction_type][1] else 2), counts
 
 
 def test_a_compiled_checkpoint_resumes_eager_and_back(compiled_run, tmp_path):
     """Compiled to step 2, eager from 2 to 4, compiled again from 4 to 6 (counted: after a resume it
     warms up again and keeps its graphs): the losses of steps 3-6 are those of the uninterrupted
     compiled run. The eager backend runs the captured graph op for op, so they agree to rounding.
-    The resumed legs leave out the extras that change no weights (grids, FID, probes)."""
+    The resumed legs leave out the periodic extras that change no weights (grids, FID, probes)."""
     prediction_type, reference, _ = compiled_run
     if prediction_type != "epsilon":
         pytest.skip("one prediction type suffices: the checkpoint does not depend on it")
@@ -104,7 +110,7 @@ def test_a_compiled_checkpoint_resumes_eager_and_back(compiled_run, tmp_path):
     counted_run(tmp_path, *settings, "--max_train_steps", 4, output_dir=out, **no_extras)
     counts = counted_run(tmp_path, *CHEAP_COMPILE, *settings, "--max_train_steps", STEPS, output_dir=out,
                          **no_extras)
-    assert_stays_compiled(counts, warm=5)
+    assert_stays_compiled(counts, warm=5, until=STEPS)  # the end-of-run extras are the copy's first
     resumed, straight = losses_by_step(out), losses_by_step(reference)
     assert [resumed[s] for s in range(3, STEPS + 1)] == pytest.approx([straight[s] for s in range(3, STEPS + 1)],
                                                                        rel=1e-6, abs=1e-7)
@@ -146,3 +152,35 @@ def test_a_compile_mode_needs_inductor():
     from diffusion_extras.training.config import ConfigError, parse_config
     with pytest.raises(ConfigError, match="--torch_compile_mode max-autotune is an inductor mode"):
         parse_config(["--torch_compile_mode", "max-autotune", "--torch_compile_backend", "eager"])
+
+
+def test_the_sampling_copy_compiles_once_and_follows_the_weights():
+    """The fp32 copy that grids and FID sample with is compiled once (no-grad graphs) and reused:
+    later evaluations, with other weights (raw, EMA, trained further), capture no graph; each
+    evaluation's images are those of a fresh eager copy of the same weights. 3 images in batches of
+    2 (a ragged last batch) at each evaluation."""
+    from conftest import tiny_unet
+    from diffusers import DDIMScheduler
+
+    from diffusion_extras.core.ema import ExponentialMovingAverage
+    from diffusion_extras.evaluation import sampling
+    from diffusion_extras.training.sampling_copy import SamplingCopy, sampling_unet
+    unet = tiny_unet()
+    ema = ExponentialMovingAverage(unet.parameters())
+    scheduler = DDIMScheduler(num_train_timesteps=100)
+    fresh_state()
+    held, counts = SamplingCopy({"backend": "eager", "mode": None}), []
+    for evaluation in range(3):
+        with torch.no_grad():  # training moves the weights between evaluations
+            for parameter in unet.parameters():
+                parameter.add_(0.01 * (evaluation + 1))
+        weights_ema = ema if evaluation == 1 else None
+        with held(unet, weights_ema) as copy:
+            images = sampling.generate(copy, scheduler, 3, 2, seed=evaluation, batch_size=2)
+        counts.append(dynamo_counts())
+        with sampling_unet(unet, weights_ema) as eager:
+            np.testing.assert_array_equal(images, sampling.generate(eager, scheduler, 3, 2, seed=evaluation,
+                                                                    batch_size=2))
+    fresh_state()
+    assert counts[0]["graphs"] >= 1 and counts[0]["breaks"] == 0
+    assert counts[1] == counts[2] == counts[0], counts

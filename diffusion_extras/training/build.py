@@ -22,6 +22,7 @@ from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.periodic import write_reference_bins
 from diffusion_extras.training.resume import resume
 from diffusion_extras.training.run_state import Data, Extras, Learner, Objective, Plan, Progress, Run
+from diffusion_extras.training.sampling_copy import SamplingCopy
 
 
 def make_accelerator(config: TrainConfig):
@@ -212,7 +213,9 @@ def build_extras(config: TrainConfig, accelerator, plan: Plan, unet, held_out_im
     """Diagnostics, EMA (with the plan's decay settings), post-hoc EMA, the held-out loss."""
     parameters = list(unet.parameters())
     extras = Extras(
-        diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device))
+        diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device),
+        # compiled where it pays: FID/KID sample thousands of images; a grid alone does not repay a compile
+        sampling_copy=SamplingCopy(compile_options(config) if config.torch_compile and config.eval_steps else None))
     if config.use_ema:
         extras.ema = ExponentialMovingAverage(parameters, plan.ema_max_decay, plan.ema_inv_gamma, plan.ema_power)
     if config.posthoc_ema:

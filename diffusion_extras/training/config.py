@@ -178,7 +178,7 @@ class TrainConfig:
     mixed_precision: str = _f("no", "Autocast precision of the UNet (fp16 needs a GPU). Noising, targets and loss stay fp32.", choices=MIXED_PRECISION, resume=APPLY, group="performance")
     allow_tf32: bool = _f(False, "TF32 matmuls/convolutions on Ampere+ GPUs (faster fp32; ~1e-3 relative precision). No effect on CPU.", resume=APPLY, group="performance")
     channels_last: bool = _f(False, "NHWC memory layout for the UNet and its inputs (faster convolutions with tensor cores).", resume=APPLY, group="performance")
-    torch_compile: bool = _f(False, "torch.compile the UNet (first steps pay compilation; then faster steps).", resume=APPLY, group="performance")
+    torch_compile: bool = _f(False, "torch.compile the UNet (first steps pay compilation; then faster steps), and with --eval_steps the fp32 copy that samples FID images and grids (compiled once, no-grad).", resume=APPLY, group="performance")
     torch_compile_mode: str = _f("default", "torch.compile mode.", choices=TORCH_COMPILE_MODES, resume=APPLY, group="performance")
     torch_compile_backend: str = _f("inductor", "torch.compile backend (accelerate's dynamo_backend): inductor makes the fast kernels; aot_eager and eager capture the same graphs without code generation (to find graph breaks and recompiles cheaply).", choices=TORCH_COMPILE_BACKENDS, resume=APPLY, group="performance")
     gradient_checkpointing: bool = _f(False, "Recompute UNet activations in backward: ~30-40% less activation memory for ~20-30% more compute.", resume=FREE, group="performance")

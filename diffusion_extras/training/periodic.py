@@ -31,7 +31,7 @@ def run_main_process_extras(run: Run, step: int, last: bool) -> None:
     unet = run.accelerator.unwrap_model(learner.unet)
     target = artifacts.Target(config.output_dir, step, run.accelerator, run.history)
     sampling_settings = dict(num_images=config.eval_batch_size, num_inference_steps=config.ddpm_num_inference_steps,
-                             seed=config.seed)
+                             seed=config.seed, sampling_copy=extras.sampling_copy)
     if extras.posthoc_ema is not None and (step % config.posthoc_ema_snapshot_steps == 0 or last):
         with end_of_run_work(run, "final post-hoc EMA snapshot", last):
             artifacts.posthoc_snapshot(unet, extras.posthoc_ema, target)
@@ -49,13 +49,13 @@ def run_main_process_extras(run: Run, step: int, last: bool) -> None:
                                        extras.diagnostics.bin_centers(), target)
     if extras.held_out is not None and (step % config.validation_steps == 0 or last):
         artifacts.held_out_loss(unet, extras.ema, extras.held_out, extras.diagnostics, objective.schedule,
-                                run.data.sigma_data, config.prediction_type, target)
+                                run.data.sigma_data, config.prediction_type, target, extras.sampling_copy)
     if extras.evaluation is not None and (step % config.eval_steps == 0 or last):
         with end_of_run_work(run, f"final FID/KID ({config.eval_num_samples} samples)", last):
             metrics, run.progress.last_metrics = artifacts.evaluate(
                 unet, extras.ema, objective.noise_scheduler, extras.evaluation, target, config.eval_num_samples,
                 config.ddpm_num_inference_steps, config.seed, config.eval_batch_size, run.data.class_names,
-                config.guidance_scale)
+                config.guidance_scale, extras.sampling_copy)
         run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
     if step % plan.save_model_steps == 0 or last:
         with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last), \
