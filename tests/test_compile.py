@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import dynamo_counts, read_history, tiny_run, write_tiny_recipe
+from conftest import TINY_RECIPE, dynamo_counts, read_history, tiny_run, write_tiny_recipe
 from test_resume import torchrun
 
 from diffusion_extras.training import loop
@@ -116,18 +116,37 @@ def test_a_compiled_checkpoint_resumes_eager_and_back(compiled_run, tmp_path):
                                                                        rel=1e-6, abs=1e-7)
 
 
-def test_two_ranks_stay_compiled(hooked_train, tmp_path):
+def test_two_ranks_stay_compiled_and_share_the_evaluation(hooked_train, tmp_path):
     """2 ranks (DDP, no_sync on the first micro-batch), grids and the gradient monitor on rank 0
-    only, checkpoints on both: each rank keeps its graphs after warm-up, with no break."""
+    only, checkpoints and FID on both: each rank keeps its graphs after warm-up, with no break.
+    The FID images are sampled on both ranks (12 images in batches of 4: ranks 0, 1, 0), and the
+    last FID is bitwise the one-rank evaluation of the exported EMA weights."""
     import json
+
+    import yaml
+    from diffusers import UNet2DModel
+
+    from diffusion_extras.evaluation import metrics, sampling
     out, counts_folder = tmp_path / "run", tmp_path / "counts"
     recipe = write_tiny_recipe(tmp_path, grad_diagnostics_steps=2, save_images_steps=2, checkpointing_steps=2)
     hooked_train(recipe, out, *CHEAP_COMPILE, "--use_ema", "--gradient_accumulation_steps", 2, "--max_train_steps", 4,
+                 "--eval_steps", 2, "--feature_extractor", "tiny", "--eval_num_samples", 12,
                  launcher=torchrun(), env={"ACCELERATE_USE_CPU": "1", "DDPM_TEST_DYNAMO_COUNTS": str(counts_folder)},
                  check=True)
     for rank in (0, 1):
         lines = [json.loads(line) for line in (counts_folder / f"rank{rank}.jsonl").read_text().splitlines()]
         assert_stays_compiled({line.pop("step"): line for line in lines})
+    logged = {h["step"]: h for h in read_history(out) if "eval/fid" in h}
+    assert sorted(logged) == [2, 4] and logged[4]["eval/num_samples"] == 12
+    extractor = metrics.build_feature_extractor("tiny")
+    reference = metrics.ReferenceStatistics.load(str(out / "logs" / "fid_reference_tiny.npz"))
+    unet = UNet2DModel.from_pretrained(str(out / "unet"))
+    scheduler = sampling.make_scheduler("ddim", json.loads((out / "scheduler" / "scheduler_config.json").read_text()))
+    one_rank = metrics.evaluate_unet_metrics(unet, scheduler, [(extractor, reference, ["fid", "kid"])], 12,
+                                             TINY_RECIPE["ddpm_num_inference_steps"],
+                                             seed=yaml.safe_load((out / "training_config.yaml").read_text())["seed"],
+                                             batch_size=TINY_RECIPE["eval_batch_size"])
+    assert (logged[4]["eval/fid"], logged[4]["eval/kid"]) == (one_rank["fid"], one_rank["kid"])
 
 
 def test_inductor_end_to_end_matches_eager(tmp_path, tiny_reference_run):

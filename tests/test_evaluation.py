@@ -17,6 +17,8 @@ from diffusion_extras.evaluation.metrics import (
     frechet_distance,
     kernel_inception_distance,
     reference_statistics,
+    sample_features,
+    score_suites,
 )
 from diffusion_extras.evaluation.sampling import make_scheduler
 
@@ -152,6 +154,26 @@ def test_evaluate_unet_returns_finite_metrics_and_is_seeded():
     assert evaluate_unet(unet, scheduler, reference, extractor, 10, 4, batch_size=4) == metrics
     with pytest.raises(ValueError, match="same feature extractor"):
         evaluate_unet(unet, scheduler, reference, CountingExtractor("other"), 4, 2)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_ranks_sharing_the_images_give_those_of_one_rank_bitwise(num_ranks):
+    """Each rank samples the batches k = rank mod num_ranks of the one-rank run (10 images in batches
+    of 4: a ragged last batch): merged, the features and the metrics are bitwise those of one rank."""
+    unet, scheduler = tiny_unet(channels=3), make_scheduler("ddim", DDPMScheduler(num_train_timesteps=100).config)
+    extractor = build_feature_extractor("tiny")
+    reference = reference_statistics(np.random.default_rng(7).integers(0, 256, (24, 8, 8, 3), dtype=np.uint8),
+                                     extractor)
+    suites = [(extractor, reference, ["fid", "kid"])]
+    one = sample_features(unet, scheduler, [extractor], 10, 2, seed=3, batch_size=4)
+    shares = [sample_features(unet, scheduler, [extractor], 10, 2, seed=3, batch_size=4, rank=rank,
+                              num_ranks=num_ranks) for rank in range(num_ranks)]
+    assert [sorted(share) for share in shares] == ([[0, 8], [4]] if num_ranks == 2 else [[0], [4], [8]])
+    merged = {first: value for share in shares for first, value in share.items()}
+    assert sorted(merged) == sorted(one)
+    for first in one:
+        np.testing.assert_array_equal(merged[first][0], one[first][0])
+    assert score_suites(merged, suites, 10, seed=3) == score_suites(one, suites, 10, seed=3)
 
 
 def test_cli_writes_metrics_json_and_caches_the_reference(run_cli, tmp_path):

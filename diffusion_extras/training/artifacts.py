@@ -5,7 +5,7 @@ card, Hub pushes, FID/KID & co., and post-hoc EMA snapshots.
 Each function takes what it uses (the UNet and EMA, the noise scheduler, the numbers it needs)
 and a `Target`: where and at which step it writes, and the accelerator whose trackers receive
 the images and values. None of them reads a run object, so each can be called (and tested) alone.
-The trainer calls them on the main process; nothing here is a collective.
+The trainer calls them on the main process; the one collective, `evaluate`, on every rank.
 """
 from __future__ import annotations
 
@@ -228,13 +228,14 @@ def export(unet, ema, noise_scheduler, target: Target, hub_pusher=None, card: di
 
 
 # ----------------------------------------------------------------------------- FID / KID
-def prepare_evaluation(config, source, device):
+def prepare_evaluation(config, source, device, with_reference: bool = True):
     """(extractor, reference statistics, metrics) per extractor that --eval_metrics needs, before
-    training; reference statistics cached per extractor as logs/fid_reference_<extractor>.npz.
+    training; reference statistics cached per extractor as logs/fid_reference_<extractor>.npz
+    (None without `with_reference`: the ranks other than the main one only extract features).
     `source`: the run's data source (its reference sample). None without --eval_steps."""
     if config.eval_steps is None:
         return None
-    reference = source.reference_sample(config.eval_num_samples).transpose(0, 2, 3, 1)
+    reference = source.reference_sample(config.eval_num_samples).transpose(0, 2, 3, 1) if with_reference else ()
     fingerprint = f"{source.description}-{config.resolution}-{len(reference)}-{config.seed}"
     groups = evaluation.extractors_for(evaluation.parse_metrics(config.eval_metrics), config.feature_extractor)
     suites = []
@@ -245,6 +246,9 @@ def prepare_evaluation(config, source, device):
                 model={"dinov2": config.dinov2_model, "clip": config.clip_model}.get(kind))
         except (ValueError, FileNotFoundError, RuntimeError) as error:
             raise ConfigError(str(error)) from None
+        if not with_reference:
+            suites.append((extractor, None, metrics))
+            continue
         cache = os.path.join(config.output_dir, "logs", f"fid_reference_{kind}.npz")
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         suites.append((extractor, evaluation.reference_statistics(reference, extractor, cache, fingerprint), metrics))
@@ -253,17 +257,36 @@ def prepare_evaluation(config, source, device):
 
 def evaluate(unet, ema, noise_scheduler, suites, target: Target, num_samples: int, num_inference_steps: int,
              seed: int, batch_size: int, class_names: list | None = None, guidance_scale: float = 1.0,
-             sampling_copy: SamplingCopy | None = None) -> tuple[dict, dict]:
+             sampling_copy: SamplingCopy | None = None) -> tuple[dict, dict] | tuple[None, None]:
     """--eval_metrics of EMA samples, logged to the trackers and history. Returns (metrics, the
-    same named with their extractor, for the model card)."""
+    same named with their extractor, for the model card). With several processes (target.accelerator)
+    it is a collective: every rank samples its batches (metrics.sample_features: the images of one
+    rank, bitwise on CPU), the features are gathered to the main process, which scores and logs;
+    the other ranks return (None, None) and need only the extractors in `suites`."""
+    accelerator = target.accelerator
+    rank, num_ranks = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
     with (sampling_copy or sampling_unet)(unet, ema) as copy:
-        metrics = evaluation.evaluate_unet_metrics(copy, scheduler, suites, num_samples, num_inference_steps, seed,
-                                                   batch_size, target.device,
-                                                   None if class_names is None else len(class_names), guidance_scale)
+        features = evaluation.sample_features(copy, scheduler, [extractor for extractor, _, _ in suites], num_samples,
+                                              num_inference_steps, seed, batch_size, target.device,
+                                              None if class_names is None else len(class_names), guidance_scale,
+                                              rank, num_ranks)
+    if num_ranks > 1:
+        features = gather_to_main(features, rank, num_ranks)
+        if rank != 0:
+            return None, None
+    metrics = evaluation.score_suites(features, suites, num_samples, seed)
     target.log_values({f"eval/{k}": float(v) for k, v in metrics.items()})
     names = {metric: extractor.name for extractor, _, group in suites for metric in group}
     return metrics, {f"{k} ({names[k]})" if k in names else k: v for k, v in metrics.items()}
+
+
+def gather_to_main(features: dict, rank: int, num_ranks: int) -> dict:
+    """Every rank's {first image index: features} merged on rank 0 ({} elsewhere): one collective."""
+    import torch.distributed as dist
+    gathered = [None] * num_ranks if rank == 0 else None
+    dist.gather_object(features, gathered, dst=0)
+    return {first: value for part in gathered or () for first, value in part.items()}
 
 
 # ----------------------------------------------------------------------------- post-hoc EMA

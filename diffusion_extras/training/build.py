@@ -24,6 +24,8 @@ from diffusion_extras.training.resume import resume
 from diffusion_extras.training.run_state import Data, Extras, Learner, Objective, Plan, Progress, Run
 from diffusion_extras.training.sampling_copy import SamplingCopy
 
+COLLECTIVE_TIMEOUT_MINUTES = 30  # see make_accelerator: what a rank may wait for at a collective
+
 
 def make_accelerator(config: TrainConfig):
     from datetime import timedelta
@@ -34,10 +36,13 @@ def make_accelerator(config: TrainConfig):
     tracking.check_tracker_available(config.logger)
     # Accumulation is done here, not by accelerate (its counter is tied to a prepared loader):
     # the accelerator sees one micro-batch per backward and we skip DDP syncs with no_sync().
-    # Grids, FID and Hub pushes run on the main process while the others wait at their next
-    # collective: allow them two hours instead of the default 10-30 minutes.
+    # FID/KID images are sampled on every rank (artifacts.evaluate). What the other ranks still wait
+    # for at their next collective is the main process's own work: the sample grid and debug images
+    # (a few dozen images), held-out losses, the gradient probe, the pipeline export, a checkpoint's
+    # metadata, the reference statistics before the first step (once, then cached) and the final
+    # blocking Hub push. Minutes, not hours: 30 minutes (torch's NCCL default is 10).
     return Accelerator(
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=2))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=COLLECTIVE_TIMEOUT_MINUTES))],
         mixed_precision=config.mixed_precision,
         log_with=tracking.tracker_names(config.logger) or None,
         project_config=ProjectConfiguration(project_dir=config.output_dir,
@@ -78,6 +83,13 @@ def setup(config: TrainConfig, hooks: Hooks | None = None) -> Run:
         run.extras.evaluation = artifacts.prepare_evaluation(config, run.data.source, accelerator.device)
         run.extras.grad_monitor = make_grad_monitor(config, run.plan, run.data.source)
         write_reference_bins(run)  # on-demand reports of a running or killed run use it
+    if config.eval_steps is not None and accelerator.num_processes > 1:
+        # the other ranks sample and extract their share of FID images (artifacts.evaluate); they build
+        # their extractors once the main process has fetched the weights into the cache
+        accelerator.wait_for_everyone()
+        if not accelerator.is_main_process:
+            run.extras.evaluation = artifacts.prepare_evaluation(config, run.data.source, accelerator.device,
+                                                                 with_reference=False)
     return run
 
 
