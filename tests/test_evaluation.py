@@ -188,6 +188,21 @@ def test_cli_writes_metrics_json_and_caches_the_reference(run_cli, tmp_path):
     assert len(os.listdir(tmp_path / "cache")) == 1
 
 
+def test_cli_under_a_two_rank_launch_reports_the_one_rank_metrics(run_cli, tmp_path):
+    """torchrun --nproc_per_node 2 -m diffusion_extras.evaluate: each rank samples its batches (10
+    images in batches of 4), rank 0 scores and writes the report: bitwise the one-process report."""
+    from test_resume import torchrun
+    pipeline_dir = save_tiny_pipeline(tmp_path / "run", channels=3)
+    reference_dir = save_random_images(tmp_path / "reference", 12, 16, 12, seed=8)
+    flags = [pipeline_dir, "--reference", str(reference_dir), "--num_samples", "10", "--feature_extractor", "tiny",
+             "--num_inference_steps", "3", "--batch_size", "4", "--cache_dir", str(tmp_path / "cache"),
+             "--device", "cpu"]
+    run_cli(["-m", "diffusion_extras.evaluate", *flags, "--output", str(tmp_path / "one.json")], check=True)
+    run_cli(["-m", "diffusion_extras.evaluate", *flags, "--output", str(tmp_path / "two.json")], launcher=torchrun(),
+            env={"ACCELERATE_USE_CPU": "1"}, check=True)
+    assert json.loads((tmp_path / "two.json").read_text()) == json.loads((tmp_path / "one.json").read_text())
+
+
 @pytest.mark.parametrize("reference, message", [("nowhere", "neither a folder of images nor"),
                                                 ("stats.npz", "was made with")])
 def test_cli_bad_reference_is_one_line_error_exit_2(run_cli, tmp_path, reference, message):

@@ -20,8 +20,8 @@ import torch
 from accelerate import Accelerator
 from PIL import Image
 
+from diffusion_extras.evaluation import distributed, sampling
 from diffusion_extras.evaluation import metrics as evaluation
-from diffusion_extras.evaluation import sampling
 from diffusion_extras.hub import push as hub
 from diffusion_extras.monitoring import debug_images, diagnostics
 from diffusion_extras.monitoring import grad_monitor as monitor
@@ -272,21 +272,13 @@ def evaluate(unet, ema, noise_scheduler, suites, target: Target, num_samples: in
                                               None if class_names is None else len(class_names), guidance_scale,
                                               rank, num_ranks)
     if num_ranks > 1:
-        features = gather_to_main(features, rank, num_ranks)
+        features = distributed.gather_to_main(features, rank, num_ranks)
         if rank != 0:
             return None, None
     metrics = evaluation.score_suites(features, suites, num_samples, seed)
     target.log_values({f"eval/{k}": float(v) for k, v in metrics.items()})
     names = {metric: extractor.name for extractor, _, group in suites for metric in group}
     return metrics, {f"{k} ({names[k]})" if k in names else k: v for k, v in metrics.items()}
-
-
-def gather_to_main(features: dict, rank: int, num_ranks: int) -> dict:
-    """Every rank's {first image index: features} merged on rank 0 ({} elsewhere): one collective."""
-    import torch.distributed as dist
-    gathered = [None] * num_ranks if rank == 0 else None
-    dist.gather_object(features, gathered, dst=0)
-    return {first: value for part in gathered or () for first, value in part.items()}
 
 
 # ----------------------------------------------------------------------------- post-hoc EMA
