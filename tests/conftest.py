@@ -273,15 +273,24 @@ def fresh_accelerate():
     AcceleratorState._reset_state(True), GradientState._reset_state()
 
 
-def tiny_run(tmp_path, *flags, **recipe):
+def tiny_run(tmp_path, *flags, hooks=None, output_dir=None, **recipe):
     """An in-process run set up (training.build.setup) from TINY_RECIPE with `recipe` overrides and
-    `flags`, in tmp_path/run; use with the fresh_accelerate fixture."""
+    `flags`, in `output_dir` (default tmp_path/run), with `hooks` (training.hooks.Hooks); use with
+    the fresh_accelerate fixture."""
     from diffusion_extras.training import build
     from diffusion_extras.training.config import parse_config
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({**TINY_RECIPE, **recipe}))
-    return build.setup(parse_config(["--config", str(path), "--output_dir", str(tmp_path / "run"),
-                                     *map(str, flags)]))
+    return build.setup(parse_config(["--config", str(path), "--output_dir", str(output_dir or tmp_path / "run"),
+                                     *map(str, flags)]), hooks)
+
+
+def dynamo_counts() -> dict:
+    """torch.compile's tallies in this process so far (torch._dynamo.utils.counters): graphs
+    captured, graph breaks, and frames compiled (a recompile compiles a frame again)."""
+    from torch._dynamo.utils import counters
+    return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
+            "frames": counters["frames"]["total"]}
 
 
 def tiny_unet(channels: int = 1, sample_size: int = TINY_RECIPE["resolution"], seed: int = 0, **overrides):

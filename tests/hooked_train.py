@@ -19,6 +19,8 @@ DDPM_TEST_FILL_DISK_IN_SAVE=N:PATH  while checkpoint N is being completed, PATH 
 DDPM_TEST_RECORD_LABELS=PATH  each training forward appends {"rank", "micro_step", "means": the clean images'
                               mean pixel in [-1, 1], "labels": the class labels the UNet is given} to PATH (JSON
                               lines): which label reached the model with which image. Not a fault.
+DDPM_TEST_DYNAMO_COUNTS=DIR   after each optimizer step and at the end, this process's torch.compile tallies
+                              (conftest.dynamo_counts) as a line of DIR/rank<i>.jsonl.
 """
 import errno
 import json
@@ -56,6 +58,10 @@ def hooks_from_environment(environ) -> Hooks:
             optimizer_step = micro_step // run.config.gradient_accumulation_steps + 1
             return clean * float("nan") if optimizer_step in poisoned else clean
         hooks.model_input = poison
+    counts_folder = environ.get("DDPM_TEST_DYNAMO_COUNTS")
+    if counts_folder:
+        hooks.after_step = chain(hooks.after_step, lambda run: write_dynamo_counts(counts_folder,
+                                                                                   run.progress.global_step))
     return hooks
 
 
@@ -78,6 +84,13 @@ def label_recorder(path):
                        means=clean.mean(dim=(1, 2, 3)).tolist())
         return clean
     return note_images
+
+
+def write_dynamo_counts(folder: str, step) -> None:
+    from conftest import dynamo_counts
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a") as fh:
+        fh.write(json.dumps({"step": step, **dynamo_counts()}) + "\n")
 
 
 def chain(first, second):
@@ -149,4 +162,7 @@ def slow_down_set_epoch(environ) -> None:
 
 if __name__ == "__main__":
     slow_down_set_epoch(os.environ)
-    sys.exit(main(hooks=hooks_from_environment(os.environ)))
+    status = main(hooks=hooks_from_environment(os.environ))
+    if os.environ.get("DDPM_TEST_DYNAMO_COUNTS"):
+        write_dynamo_counts(os.environ["DDPM_TEST_DYNAMO_COUNTS"], "end")
+    sys.exit(status)

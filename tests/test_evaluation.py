@@ -17,6 +17,8 @@ from diffusion_extras.evaluation.metrics import (
     frechet_distance,
     kernel_inception_distance,
     reference_statistics,
+    sample_features,
+    score_suites,
 )
 from diffusion_extras.evaluation.sampling import make_scheduler
 
@@ -154,6 +156,26 @@ def test_evaluate_unet_returns_finite_metrics_and_is_seeded():
         evaluate_unet(unet, scheduler, reference, CountingExtractor("other"), 4, 2)
 
 
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_ranks_sharing_the_images_give_those_of_one_rank_bitwise(num_ranks):
+    """Each rank samples the batches k = rank mod num_ranks of the one-rank run (10 images in batches
+    of 4: a ragged last batch): merged, the features and the metrics are bitwise those of one rank."""
+    unet, scheduler = tiny_unet(channels=3), make_scheduler("ddim", DDPMScheduler(num_train_timesteps=100).config)
+    extractor = build_feature_extractor("tiny")
+    reference = reference_statistics(np.random.default_rng(7).integers(0, 256, (24, 8, 8, 3), dtype=np.uint8),
+                                     extractor)
+    suites = [(extractor, reference, ["fid", "kid"])]
+    one = sample_features(unet, scheduler, [extractor], 10, 2, seed=3, batch_size=4)
+    shares = [sample_features(unet, scheduler, [extractor], 10, 2, seed=3, batch_size=4, rank=rank,
+                              num_ranks=num_ranks) for rank in range(num_ranks)]
+    assert [sorted(share) for share in shares] == ([[0, 8], [4]] if num_ranks == 2 else [[0], [4], [8]])
+    merged = {first: value for share in shares for first, value in share.items()}
+    assert sorted(merged) == sorted(one)
+    for first in one:
+        np.testing.assert_array_equal(merged[first][0], one[first][0])
+    assert score_suites(merged, suites, 10, seed=3) == score_suites(one, suites, 10, seed=3)
+
+
 def test_cli_writes_metrics_json_and_caches_the_reference(run_cli, tmp_path):
     pipeline_dir = save_tiny_pipeline(tmp_path / "run", channels=3)
     reference_dir = save_random_images(tmp_path / "reference", 12, 16, 12, seed=8)
@@ -164,6 +186,22 @@ def test_cli_writes_metrics_json_and_caches_the_reference(run_cli, tmp_path):
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["num_samples"] == 6 and metrics["reference_images"] == 12 and np.isfinite(metrics["fid"])
     assert len(os.listdir(tmp_path / "cache")) == 1
+
+
+def test_cli_under_a_two_rank_launch_reports_the_one_rank_metrics(run_cli, tmp_path):
+    """torchrun --nproc_per_node 2 -m diffusion_extras.evaluate: each rank samples its batches (10
+    images in batches of 4), rank 0 scores and writes the report: bitwise the one-process report."""
+    from test_resume import torchrun
+    pipeline_dir = save_tiny_pipeline(tmp_path / "run", channels=3)
+    reference_dir = save_random_images(tmp_path / "reference", 12, 16, 12, seed=8)
+    flags = [pipeline_dir, "--reference", str(reference_dir), "--num_samples", "10", "--feature_extractor", "tiny",
+             "--num_inference_steps", "3", "--batch_size", "4", "--cache_dir", str(tmp_path / "cache"),
+             "--device", "cpu"]
+    from diffusion_extras.cli import evaluate
+    assert evaluate.main([*flags, "--output", str(tmp_path / "one.json")]) == 0  # one process: in this one
+    run_cli(["-m", "diffusion_extras.evaluate", *flags, "--output", str(tmp_path / "two.json")], launcher=torchrun(),
+            env={"ACCELERATE_USE_CPU": "1"}, check=True)
+    assert json.loads((tmp_path / "two.json").read_text()) == json.loads((tmp_path / "one.json").read_text())
 
 
 @pytest.mark.parametrize("reference, message", [("nowhere", "neither a folder of images nor"),

@@ -1,6 +1,5 @@
 """Memory and speed switches on CPU: each must train and change nothing it should not."""
 
-import math
 
 import pytest
 import torch
@@ -39,20 +38,6 @@ def test_allow_tf32_sets_the_tf32_switches_of_matmuls_and_convolutions(tmp_path,
         assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (expected, expected)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
-def test_torch_compile_on_cpu(train, tiny_recipe, tmp_path, default_losses):
-    reference = default_losses
-    compiled = losses(train, tiny_recipe(), tmp_path, "compiled", "--torch_compile")
-    # steps 1 and 2 see the same weights (warmup: step 1 has lr 0), so the fused kernels must give
-    # the same loss up to float rounding. Later steps may drift by ~1%: Adam divides by sqrt(v),
-    # which turns rounding-level differences in near-zero gradients into lr-sized updates.
-    assert compiled[:2] == pytest.approx(reference[:2], rel=1e-4)
-    assert all(math.isfinite(x) for x in compiled) and compiled[2] == pytest.approx(reference[2], rel=0.05)
-    # checkpoint keys stay those of the plain UNet: a compiled run resumes into an uncompiled one
-    out = tmp_path / "compiled"
-    from safetensors.torch import load_file
-    assert not [k for k in load_file(out / "unet" / "diffusion_pytorch_model.safetensors") if "_orig_mod" in k]
 
 
 def test_8bit_adam_without_bitsandbytes_is_refused(train, tiny_recipe, tmp_path):

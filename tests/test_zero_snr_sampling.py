@@ -52,7 +52,7 @@ def test_in_training_grid_and_fid_sample_from_the_zero_snr_step(tmp_path, monkey
             return original(unet, scheduler, *args, **kwargs)
         return wrapped
     monkeypatch.setattr(sampling, "generate", record(sampling.generate))
-    monkeypatch.setattr(evaluation, "evaluate_unet_metrics", record(evaluation.evaluate_unet_metrics))
+    monkeypatch.setattr(evaluation, "sample_features", record(evaluation.sample_features))
     unet, config = run.accelerator.unwrap_model(run.learner.unet), run.config
     target = artifacts.Target(config.output_dir, 1, run.accelerator, run.history)
     artifacts.save_sample_grid(unet, run.extras.ema, run.objective.noise_scheduler, target, config.eval_batch_size,

@@ -5,6 +5,10 @@ classes, as the trainer's FID does), guided at --guidance_scale.
 
     python -m diffusion_extras.evaluate PIPELINE --reference DIR_OR_STATS.npz --num_samples 10000 \\
         --eval_metrics fid,kid,fd_dinov2,cmmd [--guidance_scale 2]
+
+Under a multi-process launch (`torchrun --nproc_per_node 8 -m diffusion_extras.evaluate ...`) every
+rank samples its share of the seeded images (the images of one process, bitwise on CPU) on its own
+device, and rank 0 gathers the features, scores them and writes the report.
 """
 from __future__ import annotations
 
@@ -23,12 +27,15 @@ from diffusion_extras.cli.common import (
     positive_int,
     resolve_device,
 )
+from diffusion_extras.evaluation import distributed
 from diffusion_extras.evaluation.backbones import CLIP_DEFAULT, DINOV2_DEFAULT
 from diffusion_extras.evaluation.metrics import (
     build_feature_extractor,
-    evaluate_unet_metrics,
+    check_suites,
     extractors_for,
     parse_metrics,
+    sample_features,
+    score_suites,
 )
 from diffusion_extras.evaluation.sampling import SCHEDULERS, make_scheduler
 
@@ -61,8 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    rank, num_ranks = distributed.launched_ranks()
     with one_line_errors():
-        device = resolve_device(args.device)
+        device = launch_device(args.device, num_ranks)
         groups = extractors_for(parse_metrics(args.eval_metrics), args.feature_extractor)
         pipeline = load_pipeline(args.pipeline, device=device)
         guidance_scale = guidance_scale_for(pipeline, args.guidance_scale)  # refused by an unconditional one
@@ -72,12 +80,20 @@ def main(argv=None) -> int:
         for kind, metrics in groups.items():
             extractor = build_feature_extractor(kind, args.inception_weights, device,
                                                 model={"dinov2": args.dinov2_model, "clip": args.clip_model}.get(kind))
-            reference = load_reference(args.reference, extractor, resolution, args.cache_dir, args.batch_size)
+            reference = (load_reference(args.reference, extractor, resolution, args.cache_dir, args.batch_size)
+                         if rank == 0 else None)  # the other ranks only extract features
             suites.append((extractor, reference, metrics))
+        if rank == 0:
+            check_suites(suites)
         scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
-        metrics = evaluate_unet_metrics(pipeline.unet, scheduler, suites, args.num_samples,
-                                        args.num_inference_steps, args.seed, args.batch_size, device,
-                                        num_classes, guidance_scale)
+        features = sample_features(pipeline.unet, scheduler, [extractor for extractor, _, _ in suites],
+                                   args.num_samples, args.num_inference_steps, args.seed, args.batch_size, device,
+                                   num_classes, guidance_scale, rank=rank, num_ranks=num_ranks)
+        if num_ranks > 1:
+            features = distributed.gather_to_main(features, rank, num_ranks)
+            if rank != 0:
+                return 0
+        metrics = score_suites(features, suites, args.num_samples, args.seed)
         balance = {"num_classes": num_classes, "guidance_scale": guidance_scale} if num_classes else {}
         report = {**metrics, **balance, "feature_extractors": {m: e.name for e, _, group in suites for m in group},
                   "reference": args.reference, "reference_images": reference.num_images, "pipeline": args.pipeline,
@@ -88,3 +104,12 @@ def main(argv=None) -> int:
                 json.dump(report, f, indent=2)
     print(json.dumps(report, indent=2))
     return 0
+
+
+def launch_device(name: str, num_ranks: int):
+    """--device for one process; under a multi-process launch, this rank's device (its GPU, or the
+    CPU) once the process group is up (accelerate's PartialState reads the launcher's variables)."""
+    if num_ranks == 1:
+        return resolve_device(name)
+    from accelerate import PartialState
+    return PartialState(cpu=resolve_device(name).type == "cpu").device

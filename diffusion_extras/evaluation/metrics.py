@@ -279,20 +279,39 @@ def evaluate_unet_metrics(unet, scheduler, suites, num_samples: int, num_inferen
     """`suites`: (extractor, its reference statistics, metrics) triples. One set of samples serves
     every extractor, so all metrics judge the same images. `num_classes` (a class-conditional
     UNet): sample i is of class i mod num_classes (class-balanced), guided at `guidance_scale`."""
+    check_suites(suites)
+    features = sample_features(unet, scheduler, [extractor for extractor, _, _ in suites], num_samples,
+                               num_inference_steps, seed, batch_size, device, num_classes, guidance_scale)
+    return score_suites(features, suites, num_samples, seed)
+
+
+def check_suites(suites) -> None:
     for extractor, reference, _ in suites:
         if reference.extractor_name != extractor.name:
             raise ValueError(f"reference statistics were made with {reference.extractor_name!r}, "
                              f"not {extractor.name!r}; recompute them with the same feature extractor")
-    features = [[] for _ in suites]
-    # Chunks of one seeded run (start_index), so memory holds one batch of images at a time.
-    for first in range(0, num_samples, batch_size):
+
+
+def sample_features(unet, scheduler, extractors, num_samples: int, num_inference_steps: int, seed: int,
+                    batch_size: int, device=None, num_classes: int | None = None, guidance_scale: float = 1.0,
+                    rank: int = 0, num_ranks: int = 1) -> dict[int, list[np.ndarray]]:
+    """{first image index: features per extractor} of the batches of one seeded run of `num_samples`
+    images that fall to `rank` of `num_ranks`: batch k (images k*batch_size on) goes to rank k mod
+    num_ranks, so every image is made in the batch, with the noise, it has on one rank (bitwise on CPU)."""
+    features = {}
+    for first in range(rank * batch_size, num_samples, num_ranks * batch_size):
         count = min(batch_size, num_samples - first)
         labels = None if num_classes is None else [i % num_classes for i in range(first, first + count)]
         images = generate(unet, scheduler, count, num_inference_steps, seed=seed, device=device, start_index=first,
                           class_labels=labels, guidance_scale=guidance_scale)
-        for collected, (extractor, _, _) in zip(features, suites):
-            collected.append(_extract_all([images], extractor))
+        features[first] = [_extract_all([images], extractor) for extractor in extractors]
+    return features
+
+
+def score_suites(features: dict[int, list[np.ndarray]], suites, num_samples: int, seed: int) -> dict:
+    """The metrics of every suite from sample_features' batches (of all ranks), in image order."""
     values = {}
-    for collected, (_, reference, metrics) in zip(features, suites):
-        values.update(score(np.concatenate(collected), reference, metrics, seed))
+    for index, (_, reference, metrics) in enumerate(suites):
+        generated = np.concatenate([features[first][index] for first in sorted(features)])
+        values.update(score(generated, reference, metrics, seed))
     return {**values, "num_samples": num_samples}

@@ -5,7 +5,7 @@ card, Hub pushes, FID/KID & co., and post-hoc EMA snapshots.
 Each function takes what it uses (the UNet and EMA, the noise scheduler, the numbers it needs)
 and a `Target`: where and at which step it writes, and the accelerator whose trackers receive
 the images and values. None of them reads a run object, so each can be called (and tested) alone.
-The trainer calls them on the main process; nothing here is a collective.
+The trainer calls them on the main process; the one collective, `evaluate`, on every rank.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import torch
 from accelerate import Accelerator
 from PIL import Image
 
+from diffusion_extras.evaluation import distributed, sampling
 from diffusion_extras.evaluation import metrics as evaluation
-from diffusion_extras.evaluation import sampling
 from diffusion_extras.hub import push as hub
 from diffusion_extras.monitoring import debug_images, plots
 from diffusion_extras.monitoring import grad_monitor as monitor
@@ -29,6 +29,7 @@ from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.report import health as report
 from diffusion_extras.training import models, tracking
 from diffusion_extras.training.config import ConfigError
+from diffusion_extras.training.sampling_copy import SamplingCopy, sampling_unet
 
 CARD_GRID = "images/samples.png"
 CARD_PLOT = "images/loss_per_timestep.png"
@@ -71,24 +72,6 @@ class Target:
         return self.accelerator.device if self.accelerator is not None else torch.device("cpu")
 
 
-@contextlib.contextmanager
-def sampling_unet(unet, ema=None):
-    """The UNet that grids, FID/KID, held-out losses and the exported pipeline use: a plain fp32 copy
-    of `unet` (the training UNet, unwrapped) holding the EMA weights when `ema` is given, whatever
-    --mixed_precision says. A copy, because the prepared UNet's forward is wrapped in accelerate's
-    autocast, which unwrap_model keeps (or strips from the training model for good with
-    keep_fp32_wrapper=False): training keeps its autocast, sampling runs in fp32. The training
-    weights are never swapped; the cost is one fp32 model."""
-    state = unet.state_dict()
-    if ema is not None:
-        state.update(zip([name for name, _ in unet.named_parameters()], ema.shadow_params))
-    with torch.device("meta"):  # no random init: every tensor comes from `state`
-        copy = type(unet).from_config(unet.config)
-    copy.load_state_dict({name: value.detach().to(torch.float32, copy=True) for name, value in state.items()},
-                         assign=True)
-    yield copy.eval()
-
-
 # ----------------------------------------------------------------------------- images and plots
 def sample_grid_paths(output_dir: str, step: int) -> list[str]:
     """The files one sample grid writes under samples/ (the grid and its debug images)."""
@@ -97,7 +80,8 @@ def sample_grid_paths(output_dir: str, step: int) -> list[str]:
 
 
 def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int, num_inference_steps: int,
-                     seed: int, class_names: list | None = None, guidance_scale: float = 1.0) -> str:
+                     seed: int, class_names: list | None = None, guidance_scale: float = 1.0,
+                     sampling_copy: SamplingCopy | None = None) -> str:
     """EMA samples (fp32, DDIM, fixed seed) as samples/step_XXXXXX.png, images/samples.png (for the
     card) and to the trackers. With `class_names`: one row per class (up to 10), guided at
     `guidance_scale`, num_images // rows images per row (at least 1)."""
@@ -107,7 +91,7 @@ def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int
         per_row = max(1, num_images // min(len(class_names), 10))
         labels = sampling.class_rows(class_names, per_row)
         num_images = len(labels)
-    with sampling_unet(unet, ema) as copy:
+    with (sampling_copy or sampling_unet)(unet, ema) as copy:
         images = sampling.generate(copy, scheduler, num_images, num_inference_steps, seed=seed, device=target.device,
                                    class_labels=labels, guidance_scale=guidance_scale)
     grid = sampling.image_grid(images, nrow=per_row)
@@ -119,20 +103,21 @@ def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int
 
 
 def save_debug_images(unet, ema, noise_scheduler, target: Target, num_images: int, num_inference_steps: int,
-                      seed: int) -> list[str]:
+                      seed: int, sampling_copy: SamplingCopy | None = None) -> list[str]:
     """Beside each sample grid: the first seeds from the raw weights | the EMA weights (with EMA on),
     and the denoising strip of the EMA weights, as samples/step_XXXXXX_{raw_vs_ema,denoising}.png
     and to the trackers. Costs about (2 x 16 + 4) images of sampling."""
     scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
     count = min(num_images, 16)
+    sampling_copy = sampling_copy or SamplingCopy()
 
     def sample(weights_ema):
-        with sampling_unet(unet, weights_ema) as copy:
+        with sampling_copy(unet, weights_ema) as copy:
             return sampling.generate(copy, scheduler, count, num_inference_steps, seed=seed, device=target.device)
     images = {}
     if ema is not None:
         images["raw_vs_ema"] = debug_images.side_by_side(sample(None), sample(ema))
-    with sampling_unet(unet, ema) as copy:
+    with sampling_copy(unet, ema) as copy:
         images["denoising"], _ = debug_images.denoising_strip(copy, scheduler, min(DEBUG_SEEDS, num_images),
                                                               num_inference_steps, seed=seed, device=target.device)
     paths = []
@@ -154,13 +139,15 @@ def save_loss_plot(timestep_diagnostics, alphas_cumprod, sigma_data: float, pred
 
 
 def held_out_loss(unet, ema, held_out, timestep_diagnostics, schedule, sigma_data: float, prediction_type: str,
-                  target: Target) -> dict:
+                  target: Target, sampling_copy: SamplingCopy | None = None) -> dict:
     """Held-out loss per timestep bin with the raw and the EMA weights (validation.py): logged to
     the trackers and history, plotted against the training curve and the Bayes-optimal reference.
     A sync and (held-out images x bins) forwards."""
 
-    def score(weights_ema):  # both in fp32 (sampling_unet), so raw and EMA compare like for like
-        with sampling_unet(unet, weights_ema) as copy:
+    sampling_copy = sampling_copy or SamplingCopy()
+
+    def score(weights_ema):  # both in fp32 (the sampling copy), so raw and EMA compare like for like
+        with sampling_copy(unet, weights_ema) as copy:
             return held_out.per_bin_loss(copy, schedule, prediction_type, target.device)
     raw = score(None)
     ema_bins = score(ema) if ema is not None else None
@@ -225,6 +212,7 @@ def export(unet, ema, noise_scheduler, target: Target, hub_pusher=None, card: di
     """The DDPMPipeline with EMA weights; with a `hub_pusher`, the model card (from `card`: config,
     images_seen, metrics, dataset_name, _redact; see hub.write_model_card) and a push, in the
     background except the final one, which waits and reports the commit URL."""
+    # a one-off copy, not the run's SamplingCopy: save_pretrained edits the config a compiled copy guards on
     with sampling_unet(unet, ema) as copy:
         models.export_pipeline(copy, noise_scheduler, target.output_dir, class_names)
     if hub_pusher is None:
@@ -240,13 +228,14 @@ def export(unet, ema, noise_scheduler, target: Target, hub_pusher=None, card: di
 
 
 # ----------------------------------------------------------------------------- FID / KID
-def prepare_evaluation(config, source, device):
+def prepare_evaluation(config, source, device, with_reference: bool = True):
     """(extractor, reference statistics, metrics) per extractor that --eval_metrics needs, before
-    training; reference statistics cached per extractor as logs/fid_reference_<extractor>.npz.
+    training; reference statistics cached per extractor as logs/fid_reference_<extractor>.npz
+    (None without `with_reference`: the ranks other than the main one only extract features).
     `source`: the run's data source (its reference sample). None without --eval_steps."""
     if config.eval_steps is None:
         return None
-    reference = source.reference_sample(config.eval_num_samples).transpose(0, 2, 3, 1)
+    reference = source.reference_sample(config.eval_num_samples).transpose(0, 2, 3, 1) if with_reference else ()
     fingerprint = f"{source.description}-{config.resolution}-{len(reference)}-{config.seed}"
     groups = evaluation.extractors_for(evaluation.parse_metrics(config.eval_metrics), config.feature_extractor)
     suites = []
@@ -257,6 +246,9 @@ def prepare_evaluation(config, source, device):
                 model={"dinov2": config.dinov2_model, "clip": config.clip_model}.get(kind))
         except (ValueError, FileNotFoundError, RuntimeError) as error:
             raise ConfigError(str(error)) from None
+        if not with_reference:
+            suites.append((extractor, None, metrics))
+            continue
         cache = os.path.join(config.output_dir, "logs", f"fid_reference_{kind}.npz")
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         suites.append((extractor, evaluation.reference_statistics(reference, extractor, cache, fingerprint), metrics))
@@ -264,15 +256,26 @@ def prepare_evaluation(config, source, device):
 
 
 def evaluate(unet, ema, noise_scheduler, suites, target: Target, num_samples: int, num_inference_steps: int,
-             seed: int, batch_size: int, class_names: list | None = None, guidance_scale: float = 1.0
-             ) -> tuple[dict, dict]:
+             seed: int, batch_size: int, class_names: list | None = None, guidance_scale: float = 1.0,
+             sampling_copy: SamplingCopy | None = None) -> tuple[dict, dict] | tuple[None, None]:
     """--eval_metrics of EMA samples, logged to the trackers and history. Returns (metrics, the
-    same named with their extractor, for the model card)."""
+    same named with their extractor, for the model card). With several processes (target.accelerator)
+    it is a collective: every rank samples its batches (metrics.sample_features: the images of one
+    rank, bitwise on CPU), the features are gathered to the main process, which scores and logs;
+    the other ranks return (None, None) and need only the extractors in `suites`."""
+    accelerator = target.accelerator
+    rank, num_ranks = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
-    with sampling_unet(unet, ema) as copy:
-        metrics = evaluation.evaluate_unet_metrics(copy, scheduler, suites, num_samples, num_inference_steps, seed,
-                                                   batch_size, target.device,
-                                                   None if class_names is None else len(class_names), guidance_scale)
+    with (sampling_copy or sampling_unet)(unet, ema) as copy:
+        features = evaluation.sample_features(copy, scheduler, [extractor for extractor, _, _ in suites], num_samples,
+                                              num_inference_steps, seed, batch_size, target.device,
+                                              None if class_names is None else len(class_names), guidance_scale,
+                                              rank, num_ranks)
+    if num_ranks > 1:
+        features = distributed.gather_to_main(features, rank, num_ranks)
+        if rank != 0:
+            return None, None
+    metrics = evaluation.score_suites(features, suites, num_samples, seed)
     target.log_values({f"eval/{k}": float(v) for k, v in metrics.items()})
     names = {metric: extractor.name for extractor, _, group in suites for metric in group}
     return metrics, {f"{k} ({names[k]})" if k in names else k: v for k, v in metrics.items()}

@@ -22,6 +22,9 @@ from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.periodic import write_reference_bins
 from diffusion_extras.training.resume import resume
 from diffusion_extras.training.run_state import Data, Extras, Learner, Objective, Plan, Progress, Run
+from diffusion_extras.training.sampling_copy import SamplingCopy
+
+COLLECTIVE_TIMEOUT_MINUTES = 30  # see make_accelerator: what a rank may wait for at a collective
 
 
 def make_accelerator(config: TrainConfig):
@@ -33,10 +36,13 @@ def make_accelerator(config: TrainConfig):
     tracking.check_tracker_available(config.logger)
     # Accumulation is done here, not by accelerate (its counter is tied to a prepared loader):
     # the accelerator sees one micro-batch per backward and we skip DDP syncs with no_sync().
-    # Grids, FID and Hub pushes run on the main process while the others wait at their next
-    # collective: allow them two hours instead of the default 10-30 minutes.
+    # FID/KID images are sampled on every rank (artifacts.evaluate). What the other ranks still wait
+    # for at their next collective is the main process's own work: the sample grid and debug images
+    # (a few dozen images), held-out losses, the gradient probe, the pipeline export, a checkpoint's
+    # metadata, the reference statistics before the first step (once, then cached) and the final
+    # blocking Hub push. Minutes, not hours: 30 minutes (torch's NCCL default is 10).
     return Accelerator(
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=2))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(minutes=COLLECTIVE_TIMEOUT_MINUTES))],
         mixed_precision=config.mixed_precision,
         log_with=tracking.tracker_names(config.logger) or None,
         project_config=ProjectConfiguration(project_dir=config.output_dir,
@@ -77,6 +83,13 @@ def setup(config: TrainConfig, hooks: Hooks | None = None) -> Run:
         run.extras.evaluation = artifacts.prepare_evaluation(config, run.data.source, accelerator.device)
         run.extras.grad_monitor = make_grad_monitor(config, run.plan, run.data.source)
         write_reference_bins(run)  # on-demand reports of a running or killed run use it
+    if config.eval_steps is not None and accelerator.num_processes > 1:
+        # the other ranks sample and extract their share of FID images (artifacts.evaluate); they build
+        # their extractors once the main process has fetched the weights into the cache
+        accelerator.wait_for_everyone()
+        if not accelerator.is_main_process:
+            run.extras.evaluation = artifacts.prepare_evaluation(config, run.data.source, accelerator.device,
+                                                                 with_reference=False)
     return run
 
 
@@ -177,10 +190,15 @@ def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedul
         lr_scheduler = lr_schedule(optimizer, plan.max_train_steps)
     unet, optimizer = accelerator.prepare(unet, optimizer)
     if config.torch_compile:  # in place: state-dict keys (and so checkpoints) stay those of the plain UNet
-        accelerator.unwrap_model(unet).compile(mode=None if config.torch_compile_mode == "default"
-                                               else config.torch_compile_mode)
+        accelerator.unwrap_model(unet).compile(**compile_options(config))
     return Learner(unet=unet, optimizer=optimizer, lr_scheduler=lr_scheduler, peak_lr=peak_lr,
                    state_config=state_config(plan.resolved_config(config), unet, accelerator))
+
+
+def compile_options(config: TrainConfig) -> dict:
+    """torch.compile's arguments for --torch_compile_backend and --torch_compile_mode (inductor's)."""
+    return {"backend": config.torch_compile_backend,
+            "mode": None if config.torch_compile_mode == "default" else config.torch_compile_mode}
 
 
 def build_objective(config: TrainConfig, accelerator, noise_scheduler) -> Objective:
@@ -207,8 +225,11 @@ def build_extras(config: TrainConfig, accelerator, plan: Plan, unet, held_out_im
     """Diagnostics (per class too with `class_names`), EMA (with the plan's decay settings), post-hoc
     EMA, the held-out loss."""
     parameters = list(unet.parameters())
-    extras = Extras(diagnostics=diagnostics.TimestepDiagnostics(
-        config.ddpm_num_steps, config.diagnostics_bins, accelerator.device, num_classes=len(class_names or ())))
+    extras = Extras(
+        diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device,
+                                                    num_classes=len(class_names or ())),
+        # compiled where it pays: FID/KID sample thousands of images; a grid alone does not repay a compile
+        sampling_copy=SamplingCopy(compile_options(config) if config.torch_compile and config.eval_steps else None))
     if config.use_ema:
         extras.ema = ExponentialMovingAverage(parameters, plan.ema_max_decay, plan.ema_inv_gamma, plan.ema_power)
     if config.posthoc_ema:

@@ -30,6 +30,9 @@ MIXED_PRECISION = ("no", "fp16", "bf16")
 LOGGERS = ("tensorboard", "wandb", "all", "none")
 FEATURE_EXTRACTORS = ("inception", "tiny")
 TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
+# dynamo's backends: inductor generates kernels; aot_eager and eager capture the same graphs (same
+# breaks and recompiles) without generating code, which makes them cheap for tests and debugging
+TORCH_COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 # Resume policy: what `--resume_from_checkpoint` does when a setting differs from the checkpoint's.
 REFUSE = "refuse"  # the saved state cannot serve the new value (model shape, schedule, batch layout, ...)
@@ -175,8 +178,9 @@ class TrainConfig:
     mixed_precision: str = _f("no", "Autocast precision of the UNet (fp16 needs a GPU). Noising, targets and loss stay fp32.", choices=MIXED_PRECISION, resume=APPLY, group="performance")
     allow_tf32: bool = _f(False, "TF32 matmuls/convolutions on Ampere+ GPUs (faster fp32; ~1e-3 relative precision). No effect on CPU.", resume=APPLY, group="performance")
     channels_last: bool = _f(False, "NHWC memory layout for the UNet and its inputs (faster convolutions with tensor cores).", resume=APPLY, group="performance")
-    torch_compile: bool = _f(False, "torch.compile the UNet (first steps pay compilation; then faster steps).", resume=APPLY, group="performance")
+    torch_compile: bool = _f(False, "torch.compile the UNet (first steps pay compilation; then faster steps), and with --eval_steps the fp32 copy that samples FID images and grids (compiled once, no-grad).", resume=APPLY, group="performance")
     torch_compile_mode: str = _f("default", "torch.compile mode.", choices=TORCH_COMPILE_MODES, resume=APPLY, group="performance")
+    torch_compile_backend: str = _f("inductor", "torch.compile backend (accelerate's dynamo_backend): inductor makes the fast kernels; aot_eager and eager capture the same graphs without code generation (to find graph breaks and recompiles cheaply).", choices=TORCH_COMPILE_BACKENDS, resume=APPLY, group="performance")
     gradient_checkpointing: bool = _f(False, "Recompute UNet activations in backward: ~30-40% less activation memory for ~20-30% more compute.", resume=FREE, group="performance")
     use_8bit_adam: bool = _f(False, "bitsandbytes' 8-bit AdamW (less optimizer memory; needs `pip install bitsandbytes` and a GPU).", resume=REFUSE, group="performance")
     dataloader_num_workers: int = _f(0, "Loader worker processes. With --streaming they decode the stream in parallel (a 256 px JPEG costs a few ms of a core; see docs/BENCHMARKS.md) and a resume needs the same value; cached images are decoded once, so 0-2 suffice.", resume=FREE, group="performance")
@@ -373,6 +377,8 @@ def validate(c: TrainConfig) -> None:
         choices = f.metadata["choices"]
         need(not choices or getattr(c, f.name) in choices,
              f"--{f.name} {getattr(c, f.name)!r} is not one of: {', '.join(choices or ())}")
+    need(c.torch_compile_mode == "default" or c.torch_compile_backend == "inductor",
+         f"--torch_compile_mode {c.torch_compile_mode} is an inductor mode: drop it or use --torch_compile_backend inductor")
     need(c.snr_gamma is None or c.snr_gamma >= 0, f"--snr_gamma must be >= 0 (0 turns the weighting off; got {c.snr_gamma})")
     need(c.diagnostics_bins >= 1 and c.diagnostics_bins <= c.ddpm_num_steps,
          f"--diagnostics_bins must lie in [1, --ddpm_num_steps] (got {c.diagnostics_bins})")

@@ -11,7 +11,12 @@ import torch
 from diffusion_extras.training import checkpointing, disk_space, preemption
 from diffusion_extras.training.config import save_config
 from diffusion_extras.training.hooks import hook
-from diffusion_extras.training.periodic import guarded_write, run_main_process_extras, write_health_report
+from diffusion_extras.training.periodic import (
+    evaluate_on_every_rank,
+    guarded_write,
+    run_main_process_extras,
+    write_health_report,
+)
 from diffusion_extras.training.run_state import Run
 from diffusion_extras.training.step import optimizer_step
 from diffusion_extras.training.stops import NonFiniteStop
@@ -137,9 +142,10 @@ def train(run: Run) -> None:
                 path = save_checkpoint(run)
             if stop:  # the grids, evaluation and export of this step would not fit in a grace period
                 raise preemption_watch.stopped(step, path)
+            if last:
+                progress_bar.close()  # the bar ends at the last step; the end-of-run work announces itself
+            evaluate_on_every_rank(run, step, last)  # a collective when it is time
             if accelerator.is_main_process:  # the other ranks go on and meet it at the next collective
-                if last:
-                    progress_bar.close()  # the bar ends at the last step; the end-of-run work announces itself
                 run_main_process_extras(run, step, last)
     finally:
         preemption_watch.close()  # the end-of-run work runs with the usual handlers

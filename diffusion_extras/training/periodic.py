@@ -1,5 +1,6 @@
-"""What the main process does at intervals and at the end of a run: post-hoc EMA snapshots, grids
-and debug images, plots, probes, evaluation, export; each piece of end-of-run work announced."""
+"""What the run does at intervals and at the end: FID/KID & co. on every rank; on the main process
+post-hoc EMA snapshots, grids and debug images, plots, probes, export; each piece of end-of-run
+work announced."""
 from __future__ import annotations
 
 import contextlib
@@ -26,12 +27,12 @@ def end_of_run_work(run: Run, what: str, show: bool = True):
 
 
 def run_main_process_extras(run: Run, step: int, last: bool) -> None:
-    """Grids, plots, probes, evaluation, snapshots and export at their intervals (main process)."""
+    """Grids, plots, probes, snapshots and export at their intervals (main process)."""
     config, plan, learner, objective, extras = run.config, run.plan, run.learner, run.objective, run.extras
     unet = run.accelerator.unwrap_model(learner.unet)
     target = artifacts.Target(config.output_dir, step, run.accelerator, run.history)
     sampling_settings = dict(num_images=config.eval_batch_size, num_inference_steps=config.ddpm_num_inference_steps,
-                             seed=config.seed)
+                             seed=config.seed, sampling_copy=extras.sampling_copy)
     if extras.posthoc_ema is not None and (step % config.posthoc_ema_snapshot_steps == 0 or last):
         with end_of_run_work(run, "final post-hoc EMA snapshot", last):
             artifacts.posthoc_snapshot(unet, extras.posthoc_ema, target)
@@ -49,19 +50,29 @@ def run_main_process_extras(run: Run, step: int, last: bool) -> None:
                                        extras.diagnostics.bin_centers(), target)
     if extras.held_out is not None and (step % config.validation_steps == 0 or last):
         artifacts.held_out_loss(unet, extras.ema, extras.held_out, extras.diagnostics, objective.schedule,
-                                run.data.sigma_data, config.prediction_type, target)
-    if extras.evaluation is not None and (step % config.eval_steps == 0 or last):
-        with end_of_run_work(run, f"final FID/KID ({config.eval_num_samples} samples)", last):
-            metrics, run.progress.last_metrics = artifacts.evaluate(
-                unet, extras.ema, objective.noise_scheduler, extras.evaluation, target, config.eval_num_samples,
-                config.ddpm_num_inference_steps, config.seed, config.eval_batch_size, run.data.class_names,
-                config.guidance_scale)
-        run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+                                run.data.sigma_data, config.prediction_type, target, extras.sampling_copy)
     if step % plan.save_model_steps == 0 or last:
         with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last), \
                 guarded_write(run, "pipeline export", [os.path.join(config.output_dir, models.EXPORT_STAGING)]):
             artifacts.export(unet, extras.ema, objective.noise_scheduler, target, run.hub_pusher, model_card(run), last,
                              run.data.class_names)
+
+
+def evaluate_on_every_rank(run: Run, step: int, last: bool) -> None:
+    """FID/KID & co. at --eval_steps and at the end: a collective, every rank samples its share of
+    the images (artifacts.evaluate); the main process scores, logs and keeps them for the model card."""
+    config, extras = run.config, run.extras
+    if extras.evaluation is None or not (step % config.eval_steps == 0 or last):
+        return
+    target = artifacts.Target(config.output_dir, step, run.accelerator, run.history)
+    with end_of_run_work(run, f"final FID/KID ({config.eval_num_samples} samples)", last):
+        metrics, card_metrics = artifacts.evaluate(
+            run.accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler,
+            extras.evaluation, target, config.eval_num_samples, config.ddpm_num_inference_steps, config.seed,
+            config.eval_batch_size, run.data.class_names, config.guidance_scale, extras.sampling_copy)
+    if metrics is not None:  # the main process
+        run.progress.last_metrics = card_metrics
+        run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
 
 
 def guarded_write(run: Run, what: str, partial):

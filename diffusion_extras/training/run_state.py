@@ -30,6 +30,7 @@ from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
 from diffusion_extras.monitoring.held_out import HeldOutLoss
 from diffusion_extras.training.config import TrainConfig
+from diffusion_extras.training.sampling_copy import SamplingCopy
 from diffusion_extras.training.tracking import History
 
 if TYPE_CHECKING:  # only for annotations: these import the Hub client and the trainer's hooks
@@ -132,6 +133,7 @@ class Extras:
     held_out: HeldOutLoss | None = None           # with a held-out split (main process)
     grad_monitor: GradientMonitor | None = None   # with --grad_diagnostics_steps (main process)
     evaluation: list | None = None  # (extractor, reference statistics, metrics) per extractor (main process)
+    sampling_copy: SamplingCopy | None = None  # the fp32 UNet of grids, FID, held-out loss, export (compiled once)
 
 
 @dataclass
