@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from diffusion_extras.core import losses, optimization
+from diffusion_extras.core import losses, optimization, vlb
 from diffusion_extras.core.ema import ExponentialMovingAverage
 from diffusion_extras.core.optimization import make_optimizer
 from diffusion_extras.core.phema import PowerFunctionEMA
@@ -185,11 +185,12 @@ def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedul
 
 
 def build_objective(config: TrainConfig, accelerator, noise_scheduler) -> Objective:
-    """The noise schedule (fp32 copies on the device) and the timestep sampler."""
+    """The noise schedule and reverse-process tables (fp32 copies on the device) and the timestep sampler."""
     return Objective(noise_scheduler=noise_scheduler,
                      schedule=losses.NoiseSchedule.from_scheduler(noise_scheduler, accelerator.device),
                      timestep_sampler=make_timestep_sampler(config.timestep_sampling, config.ddpm_num_steps,
-                                                            accelerator.device))
+                                                            accelerator.device),
+                     reverse_process=vlb.ReverseProcess.from_scheduler(noise_scheduler, accelerator.device))
 
 
 def register_checkpointed_state(accelerator, learner: Learner, objective: Objective, extras: Extras) -> None:
