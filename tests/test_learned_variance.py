@@ -13,6 +13,7 @@ from diffusion_extras.cli import posthoc_ema
 from diffusion_extras.cli import sample as sample_cli
 from diffusion_extras.core import vlb
 from diffusion_extras.evaluation.pipeline_class_conditional import guided_model_output, scheduler_model_output
+from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 from diffusion_extras.training import checkpointing, models, step
 from diffusion_extras.training.config import ConfigError, parse_config, resume_policy
 
@@ -56,6 +57,21 @@ def test_run_exports_a_ddpm_pipeline_that_samples_with_the_learned_variance(lear
     assert any(key.startswith("grad") for row in history for key in row)
     assert any("fid" in key for row in history for key in row)
     assert all(np.isfinite(row["loss"]) for row in history if "loss" in row)
+    # diagnostics: the bound's terms per bin beside the simple loss's, and the report says which is which
+    assert any(key.startswith("vlb_bin/") for row in history for key in row)
+    assert "learned_variance_reference" in (out / "training_report.md").read_text()
+
+
+def test_diagnostics_bin_the_bound_terms_and_sum_them_over_t():
+    diagnostics = TimestepDiagnostics(num_train_timesteps=10, num_bins=2, bound_terms=True)
+    diagnostics.update_loss(torch.tensor([0, 9]), torch.tensor([1.0, 2.0]))
+    diagnostics.update_bound(torch.tensor([0, 1, 9]), torch.tensor([3.0, 1.0, 0.5]))
+    window = diagnostics.reduce_and_reset()
+    assert window["vlb_bin/00"] == 2.0 and window["vlb_bin/01"] == 0.5
+    assert window["vlb_bits_per_dim"] == 5 * 2.0 + 5 * 0.5  # bin width x mean term, summed
+    assert window["loss_bin/00"] == 1.0  # the simple loss's bins as before
+    state = diagnostics.state_dict()
+    diagnostics.load_state_dict(state)
 
 
 @pytest.mark.parametrize("scheduler", ["ddpm", "ddim", "dpm"])
@@ -104,18 +120,13 @@ def test_guidance_moves_the_prediction_and_keeps_the_conditional_variance():
 def test_bound_term_trains_only_the_variance():
     process = vlb.ReverseProcess(DDPMScheduler(num_train_timesteps=20).betas)
     run = SimpleNamespace(objective=SimpleNamespace(reverse_process=process),
-                          config=SimpleNamespace(prediction_type="epsilon", variance_type="learned_range",
-                                                 vlb_weight=0.001))
+                          config=SimpleNamespace(prediction_type="epsilon", variance_type="learned_range"))
     prediction = torch.randn(3, 1, 4, 4, requires_grad=True)
     values = torch.zeros(3, 1, 4, 4, requires_grad=True)
     clean, noisy = torch.rand(3, 1, 4, 4) * 2 - 1, torch.randn(3, 1, 4, 4)
-    loss = step.variance_loss(run, prediction, values, clean, noisy, torch.tensor([0, 7, 19]))
-    loss.sum().backward()
+    term = step.bound_term(run, prediction, values, clean, noisy, torch.tensor([0, 7, 19]))
+    term.sum().backward()
     assert prediction.grad is None and values.grad.abs().sum() > 0
-    # lambda x T x the term: the bound's sum over t, estimated from one t, weighted by lambda
-    term = process.bound_term(prediction.detach(), values, clean, noisy, torch.tensor([0, 7, 19]), "epsilon",
-                              "learned_range")
-    assert torch.allclose(loss, 0.001 * 20 * term)
 
 
 def test_model_gets_2c_outputs_and_settings_are_checked(tmp_path):
@@ -141,5 +152,6 @@ def test_resume_refuses_a_change_of_variance_type(learned_run):
     saved = checkpointing.read_train_state(checkpoint)["config"]
     with pytest.raises(checkpointing.CheckpointError, match="variance_type: 'learned_range' -> 'fixed_small'"):
         checkpointing.check_resumable(checkpoint, {**saved, "variance_type": "fixed_small"})
-    _, applied = checkpointing.check_resumable(checkpoint, {**saved, "vlb_weight": 0.01})  # a weight: applied
+    with pytest.warns(UserWarning, match="vlb_weight: 0.001 -> 0.01"):  # a weight: applied
+        _, applied = checkpointing.check_resumable(checkpoint, {**saved, "vlb_weight": 0.01})
     assert applied == {"vlb_weight": (0.001, 0.01)}

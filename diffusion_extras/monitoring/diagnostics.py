@@ -42,7 +42,7 @@ class TimestepDiagnostics:
     """Window statistics on the device; one collective and one host copy per logging interval."""
 
     def __init__(self, num_train_timesteps: int, num_bins: int = 10, device=None,
-                 running_decay: float = RUNNING_DECAY):
+                 running_decay: float = RUNNING_DECAY, bound_terms: bool = False):
         if not 1 <= num_bins <= num_train_timesteps:
             raise ValueError(f"num_bins={num_bins} must be in [1, num_train_timesteps="
                              f"{num_train_timesteps}]; pass fewer bins")
@@ -55,11 +55,16 @@ class TimestepDiagnostics:
         # float64 keeps sum-of-squares variances exact enough; MPS has no float64.
         self.dtype = torch.float32 if self.device.type == "mps" else torch.float64
         n = self.num_bins
-        # One packed buffer: [bin sums | sums of squares | finite counts | non-finite counts | steps].
-        self._window = torch.zeros(4 * n + len(_STEP_FIELDS), dtype=self.dtype, device=self.device)
+        # One packed buffer: [bin sums | sums of squares | finite counts | non-finite counts | steps]
+        # and, with `bound_terms` (a learned variance), [bound-term sums | their counts].
+        self.bound_terms = bool(bound_terms)
+        self._window = torch.zeros(4 * n + len(_STEP_FIELDS) + 2 * n * self.bound_terms, dtype=self.dtype,
+                                   device=self.device)
         self._bin_sum, self._bin_sumsq, self._bin_count, self.nonfinite_per_bin = (
             self._window[k * n:(k + 1) * n] for k in range(4))
         self._step = {name: self._window[4 * n + j] for j, name in enumerate(_STEP_FIELDS)}
+        self._bound_sum, self._bound_count = (self._window[4 * n + len(_STEP_FIELDS):].view(2, n)
+                                              if self.bound_terms else (None, None))
         # The non-finite streak spans logging windows, so it lives outside the window buffer.
         self._consecutive_nonfinite = torch.zeros((), dtype=self.dtype, device=self.device)
         self.running_bin_loss = np.full(n, np.nan)
@@ -80,6 +85,15 @@ class TimestepDiagnostics:
         self._bin_sumsq.index_add_(0, bins, clean * clean)
         self._bin_count.index_add_(0, bins, finite.to(self.dtype))
         self.nonfinite_per_bin.index_add_(0, bins, (~finite).to(self.dtype))
+
+    def update_bound(self, timesteps: torch.LongTensor, bound_term: torch.Tensor) -> None:
+        """Add a batch of the bound's terms L_{t-1} (bits/dim per sample, core/vlb.py); no host sync."""
+        bins = torch.div(timesteps.to(self.device, torch.long) * self.num_bins,
+                         self.num_train_timesteps, rounding_mode="floor").clamp_(0, self.num_bins - 1)
+        term = bound_term.detach().to(self.device, self.dtype)
+        finite = torch.isfinite(term)
+        self._bound_sum.index_add_(0, bins, torch.where(finite, term, torch.zeros_like(term)))
+        self._bound_count.index_add_(0, bins, finite.to(self.dtype))
 
     def update_step(self, grad_norm: torch.Tensor, max_grad_norm: float | None,
                     finite: torch.Tensor, loss_scale: float | torch.Tensor | None = None) -> None:
@@ -119,8 +133,10 @@ class TimestepDiagnostics:
         self._window.zero_()
         n = self.num_bins
         bin_sum, bin_sumsq, bin_count, nonfinite = per_rank[:, :4 * n].sum(0).reshape(4, n)
-        step = dict(zip(_STEP_FIELDS, per_rank[:, 4 * n:].max(0)))
+        step = dict(zip(_STEP_FIELDS, per_rank[:, 4 * n:4 * n + len(_STEP_FIELDS)].max(0)))
         out = self._bin_statistics(bin_sum, bin_sumsq, bin_count, nonfinite)
+        if self.bound_terms:
+            out.update(self._bound_statistics(*per_rank[:, 4 * n + len(_STEP_FIELDS):].sum(0).reshape(2, n)))
         if step["finite_steps"] > 0:
             out["grad_norm"] = step["grad_norm_sum"] / step["finite_steps"]
         out["clip_rate"] = step["clipped_steps"] / max(step["finite_steps"], 1.0)
@@ -150,6 +166,18 @@ class TimestepDiagnostics:
         again = seen & ~first
         self.running_bin_loss[again] = (self.running_decay * self.running_bin_loss[again]
                                         + (1.0 - self.running_decay) * means[again])
+        return out
+
+    def _bound_statistics(self, bound_sum, bound_count) -> dict:
+        """vlb_bin/03: the mean bound term L_{t-1} in the bin, bits/dim (improved-diffusion logs
+        these per quartile); vlb_bits_per_dim: their sum over t, sum_i width_i x mean_i, when every
+        bin was seen: the training-time estimate of the bound without its prior term (~0)."""
+        out, seen = {}, bound_count > 0
+        means = np.divide(bound_sum, bound_count, out=np.full(self.num_bins, np.nan), where=seen)
+        for i in np.flatnonzero(seen):
+            out[loss_bin_key(i, self.num_bins, "vlb_bin")] = means[i]
+        if seen.all():
+            out["vlb_bits_per_dim"] = float(np.dot(np.diff(self.bin_edges()), means))
         return out
 
     def bin_edges(self) -> list[int]:

@@ -208,7 +208,8 @@ def build_extras(config: TrainConfig, accelerator, plan: Plan, unet, held_out_im
     """Diagnostics, EMA (with the plan's decay settings), post-hoc EMA, the held-out loss."""
     parameters = list(unet.parameters())
     extras = Extras(
-        diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device))
+        diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device,
+                                                    bound_terms=config.variance_type == vlb.LEARNED))
     if config.use_ema:
         extras.ema = ExponentialMovingAverage(parameters, plan.ema_max_decay, plan.ema_inv_gamma, plan.ema_power)
     if config.posthoc_ema:

@@ -55,12 +55,14 @@ def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool)
         prediction, variance_values = vlb.split_output(output, clean.shape[1])  # values: learned variance only
         error = losses.per_sample_loss(prediction, target, config.loss_type, config.huber_c)
         per_sample = error * simple_loss_weights(run, timesteps)
-        if variance_values is not None:
-            per_sample = per_sample + variance_loss(run, prediction, variance_values, clean, noisy, timesteps)
+        bound = None
+        if variance_values is not None:  # improved-diffusion's L_hybrid: T x L_{t-1} (uniform t) estimates the sum
+            bound = bound_term(run, prediction, variance_values, clean, noisy, timesteps)
+            per_sample = per_sample + config.vlb_weight * config.ddpm_num_steps * bound
         loss = (per_sample * importance if importance is not None else per_sample).mean()
         accelerator.backward(loss / config.gradient_accumulation_steps)
     mse = error if config.loss_type == "l2" else losses.per_sample_loss(prediction, target)
-    record_micro_batch(run, timesteps, global_timesteps, mse.detach(), clean)
+    record_micro_batch(run, timesteps, global_timesteps, mse.detach(), clean, bound)
     return loss.detach()
 
 
@@ -82,20 +84,20 @@ def simple_loss_weights(run: Run, timesteps):
                                  run.config.prediction_type)
 
 
-def variance_loss(run: Run, prediction, variance_values, clean, noisy, timesteps):
-    """vlb_weight x T x L_{t-1}(bits/dim) per sample: improved-diffusion's L_hybrid term (T L_{t-1}
-    with uniform t estimates the bound's sum over t). The prediction is detached: the bound trains
-    the variance, the simple loss the mean (Nichol & Dhariwal 2021, Sec. 3.1)."""
-    process = run.objective.reverse_process
-    bound = process.bound_term(prediction.detach(), variance_values, clean, noisy, timesteps,
-                               run.config.prediction_type, run.config.variance_type)
-    return run.config.vlb_weight * process.num_train_timesteps * bound
+def bound_term(run: Run, prediction, variance_values, clean, noisy, timesteps):
+    """The bound's term L_{t-1} per sample, bits/dim, with the prediction detached: the bound
+    trains the variance, the simple loss the mean (Nichol & Dhariwal 2021, Sec. 3.1)."""
+    return run.objective.reverse_process.bound_term(prediction.detach(), variance_values, clean, noisy, timesteps,
+                                                    run.config.prediction_type, run.config.variance_type)
 
 
-def record_micro_batch(run: Run, timesteps, global_timesteps, mse, clean) -> None:
-    """Diagnostics see the unweighted MSE; a loss-aware sampler learns from the whole global batch
-    (one small gather) so every rank keeps the same distribution."""
+def record_micro_batch(run: Run, timesteps, global_timesteps, mse, clean, bound=None) -> None:
+    """Diagnostics see the unweighted MSE (and a learned variance's bound terms); a loss-aware
+    sampler learns from the whole global batch (one small gather) so every rank keeps the same
+    distribution."""
     run.extras.diagnostics.update_loss(timesteps, mse)
+    if bound is not None:
+        run.extras.diagnostics.update_bound(timesteps, bound)
     if run.objective.timestep_sampler.learns_from_losses:
         run.objective.timestep_sampler.update(global_timesteps, run.accelerator.gather(mse))
     run.progress.input_statistics = torch.stack([clean.mean(), clean.std(), clean.amin(), clean.amax()])
