@@ -39,6 +39,11 @@ def measure(run_dir: str, variance_type: str, ddpm_steps: list[int], num_samples
     classifier = LogisticRegression(max_iter=2000).fit(classifier_input(training), labels)
     pipeline = DDPMPipeline.from_pretrained(run_dir)
     results = {"variance_type": variance_type, "run_dir": run_dir, "held_out_images": len(held_out)}
+    started = time.perf_counter()
+    results["nll"] = likelihood.bits_per_dim(pipeline.unet, pipeline.scheduler, held_out, batch_size=128,
+                                             timestep_stride=nll_stride)
+    results["nll"]["seconds"] = time.perf_counter() - started
+    print(json.dumps(results["nll"]), flush=True)
     for steps in ddpm_steps:
         count = num_samples.get(steps, num_samples["default"])
         started = time.perf_counter()
@@ -50,11 +55,8 @@ def measure(run_dir: str, variance_type: str, ddpm_steps: list[int], num_samples
                                     "floor": classifier_fid(classifier, real, held_out), "num_samples": count,
                                     **score_digits(classifier, samples), "seconds": time.perf_counter() - started}
         print(json.dumps({steps: results[f"ddpm_{steps}"]}), flush=True)
-    started = time.perf_counter()
-    results["nll"] = likelihood.bits_per_dim(pipeline.unet, pipeline.scheduler, held_out, batch_size=128,
-                                             timestep_stride=nll_stride)
-    results["nll"]["seconds"] = time.perf_counter() - started
-    print(json.dumps(results["nll"]), flush=True)
+        with open(run_dir.rstrip("/") + ".json", "w") as fh:  # after each step count: a partial result survives
+            json.dump(results, fh, indent=2)
     return results
 
 
