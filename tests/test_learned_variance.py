@@ -32,12 +32,7 @@ def learned_run(tmp_path_factory):
     return SimpleNamespace(output=folder / "run", log=result.stdout + result.stderr)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def test_run_exports_a_ddpm_pipeline_that_samples_with_the_learned_variance(learned_run):
