@@ -221,6 +221,18 @@ def train(tmp_path):
     return functools.partial(run_training, tmp_path)
 
 
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """torch on one intra-op thread for a module (pytestmark = pytest.mark.usefixtures("one_cpu_thread")):
+    on a shared 2-core machine two threads wait on each other, and a tiny UNet call takes ~1 s with
+    2 threads and ~10 ms with 1 (measured)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_reference_run(tmp_path_factory):
     """The output folder of the tiny recipe trained 3 steps (seed 0, no other flag), trained once per

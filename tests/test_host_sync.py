@@ -70,8 +70,8 @@ class SyncRecorder(TorchDispatchMode):
 
 
 ALL_EXTRAS = ("--use_ema", "--snr_gamma", 5, "--timestep_sampling", "loss_aware", "--posthoc_ema",
-              "--gradient_accumulation_steps", 2, "--max_grad_norm", 1.0,
-              "--class_conditional")  # labels, their dropout and the loss per class as well
+              "--gradient_accumulation_steps", 2, "--max_grad_norm", 1.0, "--variance_type", "learned_range",
+              "--offset_noise", 0.1, "--class_conditional")  # labels, their dropout and the loss per class as well
 
 
 def recorded(recorder, name, method):

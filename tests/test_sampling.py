@@ -24,14 +24,7 @@ class ScaledIdentityUNet(torch.nn.Module):
         return SimpleNamespace(sample=sample * self.scale)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    # On a shared 2-core machine two intra-op threads wait on each other: a tiny UNet call takes ~1 s
-    # with 2 threads and ~10 ms with 1 (measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

@@ -188,6 +188,18 @@ def load_image(path: str, resolution: int) -> np.ndarray:
         return preprocess_image(image, resolution, center_crop=True, channels=3)
 
 
+def load_images(folder: str, resolution: int, channels: int) -> np.ndarray:
+    """uint8 [N, H, W, channels] of every image in `folder`, preprocessed as training images are
+    (the bound scores the images themselves, so statistics files cannot serve)."""
+    if not os.path.isdir(folder):
+        raise ValueError(f"--reference {folder}: nll scores images, so give a folder of them (not statistics)")
+    images = []
+    for path in list_images(folder):
+        with Image.open(path) as image:
+            images.append(preprocess_image(image, resolution, center_crop=True, channels=channels))
+    return np.stack(images)
+
+
 def iter_image_batches(paths: list[str], resolution: int, batch_size: int):
     for first in range(0, len(paths), batch_size):
         yield np.stack([load_image(path, resolution) for path in paths[first:first + batch_size]])

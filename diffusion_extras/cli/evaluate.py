@@ -1,14 +1,16 @@
 """Command line: FID / KID / FD-DINOv2 / CMMD of a saved DDPMPipeline or ClassConditionalPipeline
-against a folder of images or saved statistics (an .npz serves one extractor; a folder serves any).
-A class-conditional pipeline draws class-balanced samples (sample i of class i mod the number of
-classes, as the trainer's FID does), guided at --guidance_scale.
+against a folder of images or saved statistics (an .npz serves one extractor; a folder serves any),
+and nll: the bits/dim of the reference images under the model (the variational bound,
+evaluation/likelihood.py). A class-conditional pipeline draws class-balanced samples (sample i of
+class i mod the number of classes, as the trainer's FID does), guided at --guidance_scale.
 
     python -m diffusion_extras.evaluate PIPELINE --reference DIR_OR_STATS.npz --num_samples 10000 \\
         --eval_metrics fid,kid,fd_dinov2,cmmd [--guidance_scale 2]
+    python -m diffusion_extras.evaluate PIPELINE --reference IMAGE_DIR --eval_metrics nll
 
 Under a multi-process launch (`torchrun --nproc_per_node 8 -m diffusion_extras.evaluate ...`) every
 rank samples its share of the seeded images (the images of one process, bitwise on CPU) on its own
-device, and rank 0 gathers the features, scores them and writes the report.
+device, and rank 0 gathers the features, scores them and writes the report (nll runs on rank 0).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import os
 from diffusion_extras.cli.common import (
     add_device_argument,
     guidance_scale_for,
+    load_images,
     load_pipeline,
     load_reference,
     one_line_errors,
@@ -27,7 +30,7 @@ from diffusion_extras.cli.common import (
     positive_int,
     resolve_device,
 )
-from diffusion_extras.evaluation import distributed
+from diffusion_extras.evaluation import distributed, likelihood
 from diffusion_extras.evaluation.backbones import CLIP_DEFAULT, DINOV2_DEFAULT
 from diffusion_extras.evaluation.metrics import (
     build_feature_extractor,
@@ -45,7 +48,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--reference", required=True,
                         help="folder of reference images (resized to the model resolution) or a stats .npz")
     parser.add_argument("--num_samples", type=positive_int, default=10000, help="generated images")
-    parser.add_argument("--eval_metrics", default="fid,kid", help="comma list of fid, kid, fd_dinov2, cmmd")
+    parser.add_argument("--eval_metrics", default="fid,kid",
+                        help="comma list of fid, kid, fd_dinov2, cmmd, nll (bits/dim of the --reference images)")
+    parser.add_argument("--nll_timestep_stride", type=positive_int, default=1,
+                        help="nll: 1 sums the bound over all T timesteps (T UNet calls per image); k > 1 estimates "
+                             "the KL terms from every k-th (T/k calls per image)")
     parser.add_argument("--feature_extractor", choices=("inception", "tiny"), default="inception",
                         help="features of fid/kid; tiny: random conv net for smoke tests, NOT comparable "
                              "with published numbers")
@@ -71,33 +78,28 @@ def main(argv=None) -> int:
     rank, num_ranks = distributed.launched_ranks()
     with one_line_errors():
         device = launch_device(args.device, num_ranks)
-        groups = extractors_for(parse_metrics(args.eval_metrics), args.feature_extractor)
+        names = [m.strip() for m in args.eval_metrics.split(",") if m.strip()]
+        sampled = [m for m in names if m != "nll"]  # nll scores the reference images; the rest sample
+        groups = extractors_for(parse_metrics(",".join(sampled)), args.feature_extractor) if sampled else {}
+        if not names:
+            raise ValueError(f"--eval_metrics {args.eval_metrics!r}: name at least one metric")
         pipeline = load_pipeline(args.pipeline, device=device)
         guidance_scale = guidance_scale_for(pipeline, args.guidance_scale)  # refused by an unconditional one
         num_classes = len(pipeline.id2label) if getattr(pipeline, "id2label", None) else None
         resolution = pipeline_resolution(pipeline)
-        suites = []
-        for kind, metrics in groups.items():
-            extractor = build_feature_extractor(kind, args.inception_weights, device,
-                                                model={"dinov2": args.dinov2_model, "clip": args.clip_model}.get(kind))
-            reference = (load_reference(args.reference, extractor, resolution, args.cache_dir, args.batch_size)
-                         if rank == 0 else None)  # the other ranks only extract features
-            suites.append((extractor, reference, metrics))
-        if rank == 0:
-            check_suites(suites)
-        scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
-        features = sample_features(pipeline.unet, scheduler, [extractor for extractor, _, _ in suites],
-                                   args.num_samples, args.num_inference_steps, args.seed, args.batch_size, device,
-                                   num_classes, guidance_scale, rank=rank, num_ranks=num_ranks)
-        if num_ranks > 1:
-            features = distributed.gather_to_main(features, rank, num_ranks)
-            if rank != 0:
-                return 0
-        metrics = score_suites(features, suites, args.num_samples, args.seed)
-        balance = {"num_classes": num_classes, "guidance_scale": guidance_scale} if num_classes else {}
-        report = {**metrics, **balance, "feature_extractors": {m: e.name for e, _, group in suites for m in group},
-                  "reference": args.reference, "reference_images": reference.num_images, "pipeline": args.pipeline,
-                  "scheduler": args.scheduler, "num_inference_steps": args.num_inference_steps, "seed": args.seed}
+        if "nll" in names and num_classes:
+            raise ValueError("--eval_metrics nll scores unconditional pipelines only; drop nll for this "
+                             "class-conditional one")
+        report = {"reference": args.reference, "pipeline": args.pipeline, "seed": args.seed}
+        if "nll" in names and rank == 0:
+            images = load_images(args.reference, resolution, pipeline.unet.config.in_channels)
+            report.update(likelihood.bits_per_dim(pipeline.unet, pipeline.scheduler, images, args.batch_size,
+                                                  device, args.seed, args.nll_timestep_stride))
+        if groups:
+            report.update(sample_metrics(args, pipeline, groups, resolution, device, rank, num_ranks, num_classes,
+                                         guidance_scale))
+        if rank != 0:
+            return 0
         if args.output:
             os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
             with open(args.output, "w") as f:
@@ -113,3 +115,31 @@ def launch_device(name: str, num_ranks: int):
         return resolve_device(name)
     from accelerate import PartialState
     return PartialState(cpu=resolve_device(name).type == "cpu").device
+
+
+def sample_metrics(args, pipeline, groups: dict, resolution: int, device, rank: int, num_ranks: int,
+                   num_classes: int | None, guidance_scale: float) -> dict:
+    """FID / KID / FD-DINOv2 / CMMD of sampled images against the reference, and how they were
+    sampled; every rank samples its share, rank 0 scores (the others get {})."""
+    suites = []
+    for kind, metrics in groups.items():
+        extractor = build_feature_extractor(kind, args.inception_weights, device,
+                                            model={"dinov2": args.dinov2_model, "clip": args.clip_model}.get(kind))
+        reference = (load_reference(args.reference, extractor, resolution, args.cache_dir, args.batch_size)
+                     if rank == 0 else None)  # the other ranks only extract features
+        suites.append((extractor, reference, metrics))
+    if rank == 0:
+        check_suites(suites)
+    scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
+    features = sample_features(pipeline.unet, scheduler, [extractor for extractor, _, _ in suites],
+                               args.num_samples, args.num_inference_steps, args.seed, args.batch_size, device,
+                               num_classes, guidance_scale, rank=rank, num_ranks=num_ranks)
+    if num_ranks > 1:
+        features = distributed.gather_to_main(features, rank, num_ranks)
+        if rank != 0:
+            return {}
+    metrics = score_suites(features, suites, args.num_samples, args.seed)
+    balance = {"num_classes": num_classes, "guidance_scale": guidance_scale} if num_classes else {}
+    return {**metrics, **balance, "feature_extractors": {m: e.name for e, _, group in suites for m in group},
+            "reference_images": suites[0][1].num_images, "scheduler": args.scheduler,
+            "num_inference_steps": args.num_inference_steps}

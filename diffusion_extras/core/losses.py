@@ -19,30 +19,36 @@ LOSS_TYPES = ("l2", "huber")  # per_sample_loss
 
 
 def ddpm_scheduler(num_train_timesteps: int = 1000, beta_schedule: str = "linear", prediction_type: str = "epsilon",
-                   rescale_betas_zero_snr: bool = False) -> DDPMScheduler:
-    """The run's DDPMScheduler: its betas define the noise schedule, and it is exported with the pipeline."""
+                   rescale_betas_zero_snr: bool = False, variance_type: str = "fixed_small") -> DDPMScheduler:
+    """The run's DDPMScheduler: its betas define the noise schedule, and it is exported with the
+    pipeline; its variance_type (learned_range for a 2C-output UNet) is what DDPMPipeline samples with."""
     # Zero terminal SNR needs sampling to start at t = T-1 (Lin et al. 2024, Sec. 3.3): "trailing"
     # spacing does, diffusers' default "leading" starts below it. Set here, the exported scheduler
     # config carries it, so DDPMPipeline.from_pretrained samples from the zero-SNR step too.
     spacing = "trailing" if rescale_betas_zero_snr else "leading"
     return DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
                          prediction_type=prediction_type, timestep_spacing=spacing,
-                         rescale_betas_zero_snr=rescale_betas_zero_snr)
+                         rescale_betas_zero_snr=rescale_betas_zero_snr, variance_type=variance_type)
+
+
+def log_alphas_cumprod(betas: torch.Tensor) -> torch.Tensor:
+    """log abar_t as a float64 cumulative sum of log(1 - beta): abar_t far below 1e-7 (and exactly 0
+    under zero terminal SNR, where beta_T = 1 gives -inf) stays accurate."""
+    return torch.cumsum(torch.log1p(-betas.double()), dim=0)
 
 
 class NoiseSchedule:
     """Per-timestep coefficients of x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps, on one device."""
 
     def __init__(self, betas: torch.Tensor, device=None):
-        # log-space cumulative product in float64: abar_t far below 1e-7 (and exactly 0 under
-        # zero terminal SNR) stays accurate, so SNR at the noisy end is not rounded away.
-        log_alphas_cumprod = torch.cumsum(torch.log1p(-betas.double()), dim=0)
-        alphas_cumprod = torch.exp(log_alphas_cumprod)
+        # in log space, so SNR at the noisy end is not rounded away
+        log_abar = log_alphas_cumprod(betas)
+        alphas_cumprod = torch.exp(log_abar)
         self.alphas_cumprod = alphas_cumprod.float().to(device)
         self.sqrt_alphas_cumprod = alphas_cumprod.sqrt().float().to(device)
-        self.sqrt_one_minus_alphas_cumprod = (-torch.expm1(log_alphas_cumprod)).clamp_min(0).sqrt().float().to(device)
+        self.sqrt_one_minus_alphas_cumprod = (-torch.expm1(log_abar)).clamp_min(0).sqrt().float().to(device)
         # SNR = abar / (1 - abar) from logs: exp(log abar - log(1 - abar)); exactly 0 at abar = 0.
-        log_snr = log_alphas_cumprod - torch.log(-torch.expm1(log_alphas_cumprod))
+        log_snr = log_abar - torch.log(-torch.expm1(log_abar))
         self.snr = torch.exp(log_snr).float().to(device)
         self.num_train_timesteps = len(betas)
 

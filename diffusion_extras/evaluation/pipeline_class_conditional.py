@@ -16,7 +16,7 @@ import json
 import os
 
 import torch
-from diffusers import DiffusionPipeline, ImagePipelineOutput, UNet2DModel
+from diffusers import DDPMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
 
 PIPELINE_MODULE = "pipeline_class_conditional"  # this file's name in an exported folder, without .py
 PIPELINE_CLASS = "ClassConditionalPipeline"
@@ -56,7 +56,23 @@ def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tenso
         output = unet(torch.cat([sample, sample]).to(net_dtype), t,
                       class_labels=torch.cat([class_labels, null])).sample.float()
     conditional, unconditional = output.chunk(2)
-    return unconditional + guidance_scale * (conditional - unconditional)
+    guided = unconditional + guidance_scale * (conditional - unconditional)
+    channels = sample.shape[1]
+    if output.shape[1] == 2 * channels:  # learned variance: guide the prediction, keep the conditional variance (GLIDE)
+        guided = torch.cat([guided[:, :channels], conditional[:, channels:]], dim=1)
+    return guided
+
+
+def scheduler_model_output(scheduler, model_output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """What `scheduler.step` takes from a UNet output of C or 2C channels (2C: a learned variance,
+    --variance_type learned_range). A DDPMScheduler with a learned variance_type splits the 2C itself
+    and samples with the variance; every other (DDIM, DPM-Solver, fixed-variance DDPM) takes the
+    prediction, the first C channels (DPM-Solver's own split keeps [:, :3], wrong for grayscale)."""
+    channels = sample.shape[1]
+    if model_output.shape[1] != 2 * channels:
+        return model_output
+    learned = isinstance(scheduler, DDPMScheduler) and scheduler.config.variance_type in ("learned", "learned_range")
+    return model_output if learned else model_output[:, :channels]
 
 
 class ClassConditionalPipeline(DiffusionPipeline):
@@ -119,7 +135,8 @@ class ClassConditionalPipeline(DiffusionPipeline):
         self.scheduler.set_timesteps(num_inference_steps, device=device)
         for t in self.progress_bar(self.scheduler.timesteps):
             model_input = self.scheduler.scale_model_input(sample, t)
-            model_output = guided_model_output(unet, model_input, t, labels, guidance_scale)
+            model_output = scheduler_model_output(self.scheduler, guided_model_output(unet, model_input, t, labels,
+                                                                                      guidance_scale), sample)
             # x_t stays fp32 whatever the UNet's dtype
             sample = self.scheduler.step(model_output, t, sample, generator=generator).prev_sample
         images = (sample / 2 + 0.5).clamp(0, 1)
@@ -139,4 +156,5 @@ def _randn(shape, generator, device) -> torch.Tensor:
     return torch.randn(shape, generator=generator, device=on).to(device)
 
 
-__all__ = ["ClassConditionalPipeline", "guided_model_output", "null_class", "unconditional_inputs"]
+__all__ = ["ClassConditionalPipeline", "guided_model_output", "null_class", "scheduler_model_output",
+           "unconditional_inputs"]

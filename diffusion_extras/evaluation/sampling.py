@@ -17,7 +17,11 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from diffusion_extras.data.batch_order import mix_seed
-from diffusion_extras.evaluation.pipeline_class_conditional import guided_model_output, unconditional_inputs
+from diffusion_extras.evaluation.pipeline_class_conditional import (
+    guided_model_output,
+    scheduler_model_output,
+    unconditional_inputs,
+)
 
 SCHEDULERS = ("ddpm", "ddim", "dpm")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -71,6 +75,7 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
         if class_labels is not None:  # the pipeline's guidance, one batched call (fp32 combination)
             model_output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels,
                                                guidance_scale, dtype)
+            model_output = scheduler_model_output(scheduler, model_output, sample)
             sample = scheduler.step(model_output, t, sample, generator=generators).prev_sample
             step_bar.update(len(generators))
             continue
@@ -78,7 +83,8 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
         with autocast:  # a class-conditional UNet without labels: its "no class" prediction
             model_output = unet(model_input, t, **unconditional_inputs(unet, len(sample), device)).sample
         # x_t stays fp32 whatever the network precision: rounding it each step accumulates error.
-        sample = scheduler.step(model_output.float(), t, sample, generator=generators).prev_sample
+        model_output = scheduler_model_output(scheduler, model_output.float(), sample)  # 2C: DDPM's variance
+        sample = scheduler.step(model_output, t, sample, generator=generators).prev_sample
         step_bar.update(len(generators))
     return _to_uint8(sample)
 

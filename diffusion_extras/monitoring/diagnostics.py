@@ -42,7 +42,7 @@ class TimestepDiagnostics:
     """Window statistics on the device; one collective and one host copy per logging interval."""
 
     def __init__(self, num_train_timesteps: int, num_bins: int = 10, device=None,
-                 running_decay: float = RUNNING_DECAY, num_classes: int = 0):
+                 running_decay: float = RUNNING_DECAY, num_classes: int = 0, bound_terms: bool = False):
         if not 1 <= num_bins <= num_train_timesteps:
             raise ValueError(f"num_bins={num_bins} must be in [1, num_train_timesteps="
                              f"{num_train_timesteps}]; pass fewer bins")
@@ -57,14 +57,19 @@ class TimestepDiagnostics:
         self.dtype = torch.float32 if self.device.type == "mps" else torch.float64
         n = self.num_bins
         # One packed buffer: [bin sums | sums of squares | finite counts | non-finite counts | steps |
-        # loss sums per (class, bin) | finite counts per (class, bin)], one more class row for "no class".
+        # loss sums per (class, bin) | finite counts per (class, bin)] (one more class row for "no class")
+        # and, with `bound_terms` (a learned variance), [bound-term sums | their counts].
         cells = (self.num_classes + 1) * n if self.num_classes else 0
-        self._window = torch.zeros(4 * n + len(_STEP_FIELDS) + 2 * cells, dtype=self.dtype, device=self.device)
+        self.bound_terms = bool(bound_terms)
+        self._classes_start = 4 * n + len(_STEP_FIELDS)
+        self._bound_start = self._classes_start + 2 * cells
+        self._window = torch.zeros(self._bound_start + 2 * n * self.bound_terms, dtype=self.dtype, device=self.device)
         self._bin_sum, self._bin_sumsq, self._bin_count, self.nonfinite_per_bin = (
             self._window[k * n:(k + 1) * n] for k in range(4))
         self._step = {name: self._window[4 * n + j] for j, name in enumerate(_STEP_FIELDS)}
-        self._classes_start = 4 * n + len(_STEP_FIELDS)
         self._class_sum, self._class_count = (self._window[self._classes_start + k * cells:][:cells] for k in range(2))
+        self._bound_sum, self._bound_count = (self._window[self._bound_start:].view(2, n)
+                                              if self.bound_terms else (None, None))
         # The non-finite streak spans logging windows, so it lives outside the window buffer.
         self._consecutive_nonfinite = torch.zeros((), dtype=self.dtype, device=self.device)
         self.running_bin_loss = np.full(n, np.nan)
@@ -91,6 +96,15 @@ class TimestepDiagnostics:
             cells = class_labels.to(self.device, torch.long) * self.num_bins + bins
             self._class_sum.index_add_(0, cells, clean)
             self._class_count.index_add_(0, cells, finite.to(self.dtype))
+
+    def update_bound(self, timesteps: torch.LongTensor, bound_term: torch.Tensor) -> None:
+        """Add a batch of the bound's terms L_{t-1} (bits/dim per sample, core/vlb.py); no host sync."""
+        bins = torch.div(timesteps.to(self.device, torch.long) * self.num_bins,
+                         self.num_train_timesteps, rounding_mode="floor").clamp_(0, self.num_bins - 1)
+        term = bound_term.detach().to(self.device, self.dtype)
+        finite = torch.isfinite(term)
+        self._bound_sum.index_add_(0, bins, torch.where(finite, term, torch.zeros_like(term)))
+        self._bound_count.index_add_(0, bins, finite.to(self.dtype))
 
     def update_step(self, grad_norm: torch.Tensor, max_grad_norm: float | None,
                     finite: torch.Tensor, loss_scale: float | torch.Tensor | None = None) -> None:
@@ -133,7 +147,9 @@ class TimestepDiagnostics:
         step = dict(zip(_STEP_FIELDS, per_rank[:, 4 * n:self._classes_start].max(0)))
         out = self._bin_statistics(bin_sum, bin_sumsq, bin_count, nonfinite)
         if self.num_classes:  # sums over ranks, like the bins
-            out.update(self._class_statistics(per_rank[:, self._classes_start:].sum(0)))
+            out.update(self._class_statistics(per_rank[:, self._classes_start:self._bound_start].sum(0)))
+        if self.bound_terms:
+            out.update(self._bound_statistics(*per_rank[:, self._bound_start:].sum(0).reshape(2, n)))
         if step["finite_steps"] > 0:
             out["grad_norm"] = step["grad_norm_sum"] / step["finite_steps"]
         out["clip_rate"] = step["clipped_steps"] / max(step["finite_steps"], 1.0)
@@ -176,6 +192,18 @@ class TimestepDiagnostics:
         expected = counts @ bin_mean
         return {loss_bin_key(c, self.num_classes, "loss_class"): sums[c].sum() / expected[c]
                 for c in np.flatnonzero(expected > 0)}
+
+    def _bound_statistics(self, bound_sum, bound_count) -> dict:
+        """vlb_bin/03: the mean bound term L_{t-1} in the bin, bits/dim (improved-diffusion logs
+        these per quartile); vlb_bits_per_dim: their sum over t, sum_i width_i x mean_i, when every
+        bin was seen: the training-time estimate of the bound without its prior term (~0)."""
+        out, seen = {}, bound_count > 0
+        means = np.divide(bound_sum, bound_count, out=np.full(self.num_bins, np.nan), where=seen)
+        for i in np.flatnonzero(seen):
+            out[loss_bin_key(i, self.num_bins, "vlb_bin")] = means[i]
+        if seen.all():
+            out["vlb_bits_per_dim"] = float(np.dot(np.diff(self.bin_edges()), means))
+        return out
 
     def bin_edges(self) -> list[int]:
         return timestep_bin_edges(self.num_train_timesteps, self.num_bins)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffusion_extras.core import losses
+from diffusion_extras.core import losses, vlb
 from diffusion_extras.data.batch_order import mix_seed, to_model_input
 from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs
 from diffusion_extras.monitoring.diagnostics import loss_bin_key, timestep_bin_edges
@@ -45,7 +45,8 @@ class GradientMonitor:
         noise, timesteps = self.noise[index].to(device), self.timesteps[index].to(device)
         target = schedule.target(prediction_type, clean, noise, timesteps)
         labels = unconditional_inputs(unet, len(clean), clean.device)  # a class-conditional UNet: "no class"
-        prediction = unet(schedule.add_noise(clean, noise, timesteps), timesteps, **labels).sample
+        output = unet(schedule.add_noise(clean, noise, timesteps), timesteps, **labels).sample
+        prediction, _ = vlb.split_output(output, clean.shape[1])  # the simple loss only (no bound term)
         per_sample = losses.per_sample_loss(prediction, target, loss_type, huber_c)
         if snr_gamma:
             per_sample = per_sample * losses.min_snr_weight(schedule.snr[timesteps], snr_gamma, prediction_type)

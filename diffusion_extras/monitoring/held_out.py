@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffusion_extras.core import losses
+from diffusion_extras.core import losses, vlb
 from diffusion_extras.data.batch_order import VALIDATION_STREAM, ImageSubset, mix_seed, random_crop, to_model_input
 from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs
 from diffusion_extras.monitoring.diagnostics import loss_bin_key, timestep_bin_edges
@@ -52,7 +52,8 @@ class HeldOutLoss:
                 target = schedule.target(prediction_type, clean, noise, timesteps)
                 # a class-conditional UNet is scored unconditionally ("no class")
                 labels = unconditional_inputs(unet, len(noisy), noisy.device)
-                mse = losses.per_sample_loss(unet(noisy, timesteps, **labels).sample, target)
+                prediction, _ = vlb.split_output(unet(noisy, timesteps, **labels).sample, clean.shape[1])
+                mse = losses.per_sample_loss(prediction, target)  # the simple loss's part of a 2C output
                 np.add.at(totals, bins.numpy(), mse.double().cpu().numpy())  # a host sync per chunk
         finally:
             unet.train(was_training)

@@ -29,7 +29,27 @@ def analyze(history: list[dict], config: dict, bayes_optimal_bins: dict[str, flo
     findings = [finding for check in checks.RUN_CHECKS + report_dynamics.CHECKS for finding in check(run)]
     findings += checks.check_timestep_balance(run, bayes_optimal_bins)
     findings += class_balance.check_class_lag(run, class_names)
+    findings += learned_variance_note(run)
     return sorted(findings, key=lambda finding: SEVERITY_ORDER[finding.severity])
+
+
+def learned_variance_note(run: RunLog) -> list[Finding]:
+    """With --variance_type learned_range: what the per-timestep loss and its reference measure."""
+    if run.config.get("variance_type") != "learned_range":
+        return []
+    _, estimate = run.series("vlb_bits_per_dim", last_fraction=0.25)
+    return [Finding(
+        "learned_variance_reference", "info",
+        "This run learns its variance (--variance_type learned_range). The per-timestep loss (loss_bin/*) and "
+        "its Bayes-optimal reference are the simple loss's: the unweighted MSE of the prediction, the first C "
+        "of the UNet's 2C output channels, which alone trains the mean (the bound's term is stop-gradiented "
+        "there), so the reference and the imbalance check read as in a fixed-variance run. The bound's terms, "
+        "vlb_bin/* in bits/dim, train only the variance and have no such reference"
+        + (f"; their training-time sum over t is {float(np.median(estimate)):.3f} bits/dim "
+           "(vlb_bits_per_dim, without the prior term)." if len(estimate) else "."),
+        "Nothing to change; for the model's likelihood run `python -m diffusion_extras.evaluate OUTPUT_DIR "
+        "--reference IMAGES --eval_metrics nll`.",
+        {"vlb_bits_per_dim": float(np.median(estimate)) if len(estimate) else None})]
 
 
 def summarize(history: list[dict], config: dict) -> dict:

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from diffusion_extras.core import losses, optimization
+from diffusion_extras.core import losses, optimization, vlb
 from diffusion_extras.core.ema import ExponentialMovingAverage
 from diffusion_extras.core.optimization import make_optimizer
 from diffusion_extras.core.phema import PowerFunctionEMA
@@ -202,11 +202,12 @@ def compile_options(config: TrainConfig) -> dict:
 
 
 def build_objective(config: TrainConfig, accelerator, noise_scheduler) -> Objective:
-    """The noise schedule (fp32 copies on the device) and the timestep sampler."""
+    """The noise schedule and reverse-process tables (fp32 copies on the device) and the timestep sampler."""
     return Objective(noise_scheduler=noise_scheduler,
                      schedule=losses.NoiseSchedule.from_scheduler(noise_scheduler, accelerator.device),
                      timestep_sampler=make_timestep_sampler(config.timestep_sampling, config.ddpm_num_steps,
-                                                            accelerator.device))
+                                                            accelerator.device),
+                     reverse_process=vlb.ReverseProcess.from_scheduler(noise_scheduler, accelerator.device))
 
 
 def register_checkpointed_state(accelerator, learner: Learner, objective: Objective, extras: Extras) -> None:
@@ -227,7 +228,8 @@ def build_extras(config: TrainConfig, accelerator, plan: Plan, unet, held_out_im
     parameters = list(unet.parameters())
     extras = Extras(
         diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device,
-                                                    num_classes=len(class_names or ())),
+                                                    num_classes=len(class_names or ()),
+                                                    bound_terms=config.variance_type == vlb.LEARNED),
         # compiled where it pays: FID/KID sample thousands of images; a grid alone does not repay a compile
         sampling_copy=SamplingCopy(compile_options(config) if config.torch_compile and config.eval_steps else None))
     if config.use_ema:

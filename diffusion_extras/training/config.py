@@ -17,6 +17,7 @@ import yaml
 from diffusion_extras.core.losses import BETA_SCHEDULES, LOSS_TYPES, PREDICTION_TYPES
 from diffusion_extras.core.optimization import LR_SCHEDULERS
 from diffusion_extras.core.timesteps import TIMESTEP_SAMPLING
+from diffusion_extras.core.vlb import VARIANCE_TYPES
 from diffusion_extras.data.spec import DataSpec
 from diffusion_extras.evaluation.metrics import parse_metrics  # metric names are declared once, with their extractors
 from diffusion_extras.hub.secrets import redact_config
@@ -117,6 +118,9 @@ class TrainConfig:
     loss_type: str = _f("l2", "Loss: l2, or huber (pseudo-Huber with --huber_c).", choices=LOSS_TYPES, resume=APPLY, group="objective")
     huber_c: float = _f(0.1, "Pseudo-Huber transition scale.", resume=APPLY, group="objective")
     condition_dropout: float = _f(0.1, "With --class_conditional: the fraction of labels replaced by 'no class' (drawn from seed and micro-step), which teaches the unconditional prediction classifier-free guidance needs (Ho & Salimans 2022).", resume=APPLY, group="objective")
+    variance_type: str = _f("fixed_small", "Reverse-process variance (DDPMScheduler's names): fixed_small (the posterior's, as DDPM), fixed_large (beta_t), or learned_range (Nichol & Dhariwal 2021): the UNet outputs 2C channels and learns where between the two its variance lies, which keeps ancestral (DDPM) sampling good at 50-100 steps; the exported scheduler says so.", choices=VARIANCE_TYPES, resume=REFUSE, group="objective")
+    vlb_weight: float = _f(0.001, "With --variance_type learned_range: the weight lambda of the variational-bound term added to the simple loss (improved-diffusion's L_hybrid; the bound trains the variance only, its mean part stop-gradiented).", resume=APPLY, group="objective")
+    offset_noise: float = _f(0.0, "Offset noise strength s (lucidrains' offset_noise_strength): the noise is eps + s x a per-image, per-channel constant, drawn from the seed and micro-step; lets the model change an image's mean brightness. 0: off.", resume=APPLY, group="objective")
     timestep_sampling: str = _f("uniform", "How timesteps are drawn: uniform, or loss_aware (importance sampling by the per-timestep loss second moment, reweighted to stay unbiased).", choices=TIMESTEP_SAMPLING, resume=REFUSE, group="objective")
     # --- optimization -----------------------------------------------------------------
     train_batch_size: int = _f(64, "Images per process per micro-batch.", resume=REFUSE, group="optimization")
@@ -379,6 +383,11 @@ def validate(c: TrainConfig) -> None:
              f"--{f.name} {getattr(c, f.name)!r} is not one of: {', '.join(choices or ())}")
     need(c.torch_compile_mode == "default" or c.torch_compile_backend == "inductor",
          f"--torch_compile_mode {c.torch_compile_mode} is an inductor mode: drop it or use --torch_compile_backend inductor")
+    need(c.vlb_weight >= 0, f"--vlb_weight must be >= 0 (got {c.vlb_weight})")
+    need(c.offset_noise >= 0, f"--offset_noise must be >= 0 (0: off; got {c.offset_noise})")
+    need(not (c.variance_type == "learned_range" and c.rescale_betas_zero_snr and c.prediction_type == "epsilon"),
+         "--variance_type learned_range with --rescale_betas_zero_snr cannot recover x_0 from epsilon at zero SNR "
+         "(the bound needs it): add --prediction_type v_prediction")
     need(c.snr_gamma is None or c.snr_gamma >= 0, f"--snr_gamma must be >= 0 (0 turns the weighting off; got {c.snr_gamma})")
     need(c.diagnostics_bins >= 1 and c.diagnostics_bins <= c.ddpm_num_steps,
          f"--diagnostics_bins must lie in [1, --ddpm_num_steps] (got {c.diagnostics_bins})")

@@ -5,7 +5,7 @@ import json
 import os
 from typing import NamedTuple
 
-from diffusion_extras.core import losses
+from diffusion_extras.core import losses, vlb
 from diffusion_extras.evaluation import pipeline_class_conditional as conditional
 from diffusion_extras.training.config import DIGITS_UNET, ConfigError, TrainConfig, validate_model_shape
 
@@ -39,9 +39,15 @@ def unet_config(config: TrainConfig, model: dict | None = None) -> dict:
     else:
         values = dict(config.model if model is None else model)
     values["sample_size"] = config.resolution
-    if values.get("in_channels", 3) not in (1, 3) or values.get("out_channels", 3) != values.get("in_channels", 3):
-        raise ConfigError("the UNet must have in_channels == out_channels, 1 (grayscale) or 3 (RGB); "
-                          f"got {values.get('in_channels')} -> {values.get('out_channels')}")
+    channels, outputs = values.get("in_channels", 3), values.get("out_channels", 3)
+    if channels not in (1, 3) or outputs not in (channels, 2 * channels):
+        raise ConfigError("the UNet must have in_channels 1 (grayscale) or 3 (RGB) and out_channels == in_channels "
+                          f"(2 x in_channels with --variance_type learned_range); got {channels} -> {outputs}")
+    expected = vlb.output_channels(channels, config.variance_type)
+    if outputs > expected:  # 2C outputs and a fixed variance: the extra channels would go untrained
+        raise ConfigError(f"the UNet outputs {outputs} channels for {channels}-channel images: a learned-variance "
+                          "UNet; add --variance_type learned_range")
+    values["out_channels"] = expected  # the prediction and, with a learned variance, its C values
     validate_model_shape(values, config.resolution)
     return values
 
@@ -89,7 +95,7 @@ def model_for_data(config: TrainConfig, data_channels: int) -> Choice:
     if config.model != DIGITS_UNET or config.data_spec().uses_embedded_digits:
         return Choice(config.model, {},
                       "the recipe's UNet" if config.model != DIGITS_UNET else "the digits recipe's UNet")
-    channels = {"in_channels": data_channels, "out_channels": data_channels}
+    channels = {"in_channels": data_channels, "out_channels": vlb.output_channels(data_channels, config.variance_type)}
     if config.resolution % 32 != 0:
         return Choice({**DIGITS_UNET, **channels}, {},
                       f"the digits recipe's UNet shape at {config.resolution} px (no model chosen; diffusers' "
@@ -143,7 +149,7 @@ def build_unet(config: TrainConfig, model: dict | None = None):
 
 def build_noise_scheduler(config: TrainConfig):
     return losses.ddpm_scheduler(config.ddpm_num_steps, config.ddpm_beta_schedule, config.prediction_type,
-                                 config.rescale_betas_zero_snr)
+                                 config.rescale_betas_zero_snr, config.variance_type)
 
 
 def count_parameters(model) -> int:

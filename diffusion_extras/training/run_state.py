@@ -25,6 +25,7 @@ from diffusion_extras.core.ema import ExponentialMovingAverage
 from diffusion_extras.core.losses import NoiseSchedule
 from diffusion_extras.core.phema import PowerFunctionEMA
 from diffusion_extras.core.timesteps import TimestepSampler
+from diffusion_extras.core.vlb import ReverseProcess
 from diffusion_extras.data.sources import DataSource
 from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
@@ -108,6 +109,7 @@ class Objective:
     noise_scheduler: DDPMScheduler     # exported with the pipeline, configures the samplers
     schedule: NoiseSchedule            # alphas_cumprod and SNR on the device, for fp32 noising and weights
     timestep_sampler: TimestepSampler  # uniform, or loss-aware (importance-sampled)
+    reverse_process: ReverseProcess    # posterior and model-variance tables: the bound's term (learned variance)
 
 
 @dataclass

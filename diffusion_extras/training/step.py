@@ -5,7 +5,7 @@ import contextlib
 
 import torch
 
-from diffusion_extras.core import losses
+from diffusion_extras.core import losses, vlb
 from diffusion_extras.core.optimization import step_unless_nonfinite
 from diffusion_extras.data import batch_order
 from diffusion_extras.training.hooks import hook
@@ -13,10 +13,10 @@ from diffusion_extras.training.run_state import Run
 
 
 def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
-    """Noise, timesteps (with their importance weights), flips and label drops (--condition_dropout;
-    None unconditional) for the whole global micro-batch, from (seed, micro-step): every rank draws
-    the same and keeps its slice, so results do not depend on the number of ranks. Returns the
-    global timesteps too (a loss-aware sampler learns from them)."""
+    """Noise (with --offset_noise's offsets), timesteps (with their importance weights), flips and
+    label drops (--condition_dropout; None unconditional) for the whole global micro-batch, from
+    (seed, micro-step): every rank draws the same and keeps its slice, so results do not depend on
+    the number of ranks. Returns the global timesteps too (a loss-aware sampler learns from them)."""
     device, global_batch = run.accelerator.device, run.data.global_micro_batch_size
     generator = torch.Generator(device).manual_seed(batch_order.mix_seed(run.config.seed, micro_step, 1))
     noise = torch.randn((global_batch, *shape), generator=generator, device=device)
@@ -25,6 +25,11 @@ def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
     # drawn last, and only when conditional: an unconditional run's draws are unchanged
     drops = (torch.rand(global_batch, generator=generator, device=device) < run.config.condition_dropout
              if run.data.class_names is not None else None)
+    if run.config.offset_noise:  # drawn after the rest: the other draws are those of a run without it
+        # eps + s * a constant per image and channel (lucidrains' offset_noise_strength): the model
+        # learns to move an image's mean, which the i.i.d. noise barely perturbs at high t.
+        offsets = torch.randn((global_batch, shape[0], 1, 1), generator=generator, device=device)
+        noise = noise + run.config.offset_noise * offsets
     rank, batch = run.accelerator.process_index, run.config.train_batch_size
     part = slice(rank * batch, (rank + 1) * batch)
     return (noise[part], timesteps[part], importance[part] if importance is not None else None,
@@ -46,12 +51,18 @@ def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool)
     noisy = schedule.add_noise(clean, noise, timesteps)  # fp32, outside autocast
     target = schedule.target(config.prediction_type, clean, noise, timesteps)
     with accelerator.no_sync(unet) if not sync else contextlib.nullcontext():
-        prediction = unet(noisy, timesteps, class_labels=class_labels).sample  # autocast inside when mixed precision
-        per_sample = losses.per_sample_loss(prediction, target, config.loss_type, config.huber_c)
-        loss = (per_sample * loss_weights(run, timesteps, importance)).mean()
+        output = unet(noisy, timesteps, class_labels=class_labels).sample  # autocast inside when mixed precision
+        prediction, variance_values = vlb.split_output(output, clean.shape[1])  # values: learned variance only
+        error = losses.per_sample_loss(prediction, target, config.loss_type, config.huber_c)
+        per_sample = error * simple_loss_weights(run, timesteps)
+        bound = None
+        if variance_values is not None:  # improved-diffusion's L_hybrid: T x L_{t-1} (uniform t) estimates the sum
+            bound = bound_term(run, prediction, variance_values, clean, noisy, timesteps)
+            per_sample = per_sample + config.vlb_weight * config.ddpm_num_steps * bound
+        loss = (per_sample * importance if importance is not None else per_sample).mean()
         accelerator.backward(loss / config.gradient_accumulation_steps)
-    mse = per_sample if config.loss_type == "l2" else losses.per_sample_loss(prediction, target)
-    record_micro_batch(run, timesteps, global_timesteps, mse.detach(), clean, class_labels)
+    mse = error if config.loss_type == "l2" else losses.per_sample_loss(prediction, target)
+    record_micro_batch(run, timesteps, global_timesteps, mse.detach(), clean, class_labels, bound)
     return loss.detach()
 
 
@@ -64,19 +75,29 @@ def conditioning_labels(run: Run, labels, drops):
     return torch.where(drops, torch.full_like(labels, len(run.data.class_names)), labels)
 
 
-def loss_weights(run: Run, timesteps, importance):
-    """min-SNR weights (Hang et al. 2023) times loss-aware importance weights, 1 when neither is on."""
-    weights = torch.ones(timesteps.shape, device=timesteps.device)
-    if run.config.snr_gamma:
-        weights = weights * losses.min_snr_weight(run.objective.schedule.snr[timesteps], run.config.snr_gamma,
-                                                  run.config.prediction_type)
-    return weights * importance if importance is not None else weights
+def simple_loss_weights(run: Run, timesteps):
+    """min-SNR weights (Hang et al. 2023) of the simple loss, 1 when off. Loss-aware importance
+    weights multiply the whole loss, bound term included, so it stays unbiased."""
+    if not run.config.snr_gamma:
+        return torch.ones(timesteps.shape, device=timesteps.device)
+    return losses.min_snr_weight(run.objective.schedule.snr[timesteps], run.config.snr_gamma,
+                                 run.config.prediction_type)
 
 
-def record_micro_batch(run: Run, timesteps, global_timesteps, mse, clean, class_labels) -> None:
-    """Diagnostics see the unweighted MSE (per class too, when conditional); a loss-aware sampler
-    learns from the whole global batch (one small gather) so every rank keeps the same distribution."""
+def bound_term(run: Run, prediction, variance_values, clean, noisy, timesteps):
+    """The bound's term L_{t-1} per sample, bits/dim, with the prediction detached: the bound
+    trains the variance, the simple loss the mean (Nichol & Dhariwal 2021, Sec. 3.1)."""
+    return run.objective.reverse_process.bound_term(prediction.detach(), variance_values, clean, noisy, timesteps,
+                                                    run.config.prediction_type, run.config.variance_type)
+
+
+def record_micro_batch(run: Run, timesteps, global_timesteps, mse, clean, class_labels, bound=None) -> None:
+    """Diagnostics see the unweighted MSE (per class too, when conditional; and a learned variance's
+    bound terms); a loss-aware sampler learns from the whole global batch (one small gather) so
+    every rank keeps the same distribution."""
     run.extras.diagnostics.update_loss(timesteps, mse, class_labels)
+    if bound is not None:
+        run.extras.diagnostics.update_bound(timesteps, bound)
     if run.objective.timestep_sampler.learns_from_losses:
         run.objective.timestep_sampler.update(global_timesteps, run.accelerator.gather(mse))
     run.progress.input_statistics = torch.stack([clean.mean(), clean.std(), clean.amin(), clean.amax()])
