@@ -351,12 +351,14 @@ def load_bench_module(name: str):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks (pyproject: --dist loadgroup)
 def pytest_collection_modifyitems(config, items):
-    """Tests that read one module-scoped fixture (most are a training run made once and read by
-    several tests) run on one xdist worker, so the fixture is made once, not once per worker."""
+    """Tests that read one module-scoped fixture of their module (most are a training run made once
+    and read by several tests) run on one xdist worker, so it is made once, not once per worker.
+    Module-scoped fixtures of this file (a setting such as one_cpu_thread) group nothing."""
     for item in items:
         for name in item.fixturenames:
             definitions = item._fixtureinfo.name2fixturedefs.get(name)
-            if definitions and definitions[-1].scope == "module":
+            if (definitions and definitions[-1].scope == "module"
+                    and definitions[-1].func.__module__ == item.module.__name__):
                 item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))
                 break
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 from conftest import save_random_images, save_tiny_pipeline, tiny_unet
 from diffusers import DDPMScheduler
-from test_sampling import one_cpu_thread  # noqa: F401 (fixture)
 
 from diffusion_extras.evaluation.metrics import (
     ReferenceStatistics,
@@ -21,6 +20,8 @@ from diffusion_extras.evaluation.metrics import (
     score_suites,
 )
 from diffusion_extras.evaluation.sampling import make_scheduler
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def test_frechet_distance_matches_closed_form_for_diagonal_gaussians():
