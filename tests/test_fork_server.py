@@ -45,6 +45,7 @@ def run_both(tmp_path, args, env=None, timeout=60):
 
 def test_commands_go_through_the_server_unless_told_or_launched(tmp_path, probe, monkeypatch):
     from conftest import cli_env
+    monkeypatch.delenv("DDPM_TEST_FRESH_INTERPRETERS", raising=False)  # the caller's choice: not this test's
     env = cli_env(tmp_path)
     assert ForkServer.for_command(None, [probe, "exit", "0"], env) is not None
     assert ForkServer.for_command(None, ["-m", "diffusion_extras.sample", "--help"], env) is not None
