@@ -18,9 +18,15 @@ Protocol (one request at a time, JSON lines on stdin/stdout): the client sends
 {"argv": [...], "cwd": ..., "env": {...}, "stdout": path, "stderr": path}; the server forks, replies
 {"pid": ...}, waits, and replies {"returncode": ...} (negative: the signal that ended the child).
 """
+import atexit
+import importlib
 import json
 import os
+import runpy
+import signal
 import sys
+import threading
+import traceback
 
 # Read by the interpreter or a preloaded library at start-up: a command whose values differ from
 # the server's cannot be forked from it.
@@ -42,8 +48,6 @@ def start_up_key(env: dict) -> tuple:
 
 def run_child(request: dict) -> None:
     """In the forked child: become `python argv...` and never return."""
-    import runpy
-    import signal
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -68,21 +72,16 @@ def run_child(request: dict) -> None:
                 runpy.run_path(argv[0], run_name="__main__")
             code = 0
         except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-            if stop.code is not None and not isinstance(stop.code, int):
+            if stop.code is None or isinstance(stop.code, int):
+                code = stop.code or 0
+            else:  # sys.exit("message"): the interpreter prints it and exits with 1
                 print(stop.code, file=sys.stderr)
-        except KeyboardInterrupt:
-            import traceback
+                code = 1
+        except BaseException as error:
             traceback.print_exc()
-            code = 130
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-            code = 1
+            code = 130 if isinstance(error, KeyboardInterrupt) else 1
         # what an interpreter does at exit: join non-daemon threads, run atexit, flush
-        import threading
         threading._shutdown()
-        import atexit
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -94,7 +93,6 @@ def run_child(request: dict) -> None:
 
 
 def serve() -> None:
-    import importlib
     for name in PRELOADED:
         try:
             importlib.import_module(name)
