@@ -181,11 +181,11 @@ def list_images(folder: str) -> list[str]:
     return paths
 
 
-def load_image(path: str, resolution: int) -> np.ndarray:
-    """RGB uint8 [H, W, 3], preprocessed exactly as training images are (shorter side to
-    `resolution`, centre crop)."""
+def load_image(path: str, resolution: int, channels: int = 3) -> np.ndarray:
+    """uint8 [H, W, channels] (RGB by default), preprocessed exactly as training images are
+    (shorter side to `resolution`, centre crop)."""
     with Image.open(path) as image:
-        return preprocess_image(image, resolution, center_crop=True, channels=3)
+        return preprocess_image(image, resolution, center_crop=True, channels=channels)
 
 
 def load_images(folder: str, resolution: int, channels: int) -> np.ndarray:
@@ -193,11 +193,7 @@ def load_images(folder: str, resolution: int, channels: int) -> np.ndarray:
     (the bound scores the images themselves, so statistics files cannot serve)."""
     if not os.path.isdir(folder):
         raise ValueError(f"--reference {folder}: nll scores images, so give a folder of them (not statistics)")
-    images = []
-    for path in list_images(folder):
-        with Image.open(path) as image:
-            images.append(preprocess_image(image, resolution, center_crop=True, channels=channels))
-    return np.stack(images)
+    return np.stack([load_image(path, resolution, channels) for path in list_images(folder)])
 
 
 def iter_image_batches(paths: list[str], resolution: int, batch_size: int):

@@ -83,8 +83,7 @@ class TimestepDiagnostics:
             raise ValueError(f"timesteps {tuple(timesteps.shape)} and per_sample_loss "
                              f"{tuple(per_sample_loss.shape)} must both have shape [batch]; "
                              "reduce the loss over all but the batch dimension first")
-        bins = torch.div(timesteps.to(self.device, torch.long) * self.num_bins,
-                         self.num_train_timesteps, rounding_mode="floor").clamp_(0, self.num_bins - 1)
+        bins = self._bins(timesteps)
         loss = per_sample_loss.detach().to(self.device, self.dtype)
         finite = torch.isfinite(loss)
         clean = torch.where(finite, loss, torch.zeros_like(loss))  # NaN * 0 would still be NaN
@@ -99,12 +98,16 @@ class TimestepDiagnostics:
 
     def update_bound(self, timesteps: torch.LongTensor, bound_term: torch.Tensor) -> None:
         """Add a batch of the bound's terms L_{t-1} (bits/dim per sample, core/vlb.py); no host sync."""
-        bins = torch.div(timesteps.to(self.device, torch.long) * self.num_bins,
-                         self.num_train_timesteps, rounding_mode="floor").clamp_(0, self.num_bins - 1)
+        bins = self._bins(timesteps)
         term = bound_term.detach().to(self.device, self.dtype)
         finite = torch.isfinite(term)
         self._bound_sum.index_add_(0, bins, torch.where(finite, term, torch.zeros_like(term)))
         self._bound_count.index_add_(0, bins, finite.to(self.dtype))
+
+    def _bins(self, timesteps: torch.LongTensor) -> torch.LongTensor:
+        """The diagnostics bin of each timestep, on this object's device."""
+        return torch.div(timesteps.to(self.device, torch.long) * self.num_bins,
+                         self.num_train_timesteps, rounding_mode="floor").clamp_(0, self.num_bins - 1)
 
     def update_step(self, grad_norm: torch.Tensor, max_grad_norm: float | None,
                     finite: torch.Tensor, loss_scale: float | torch.Tensor | None = None) -> None:
