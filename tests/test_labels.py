@@ -146,3 +146,40 @@ def test_streamed_tar_shard_labels_reach_the_unet_with_their_images(streamed_run
 
 def test_a_streamed_conditional_run_resumes_bit_exactly(streamed_runs):
     assert_same_state(streamed_runs["cls"], streamed_runs["cls-resumed"], 10)
+
+
+def write_labelled_parquet(path, labels_of_rows):
+    """A parquet file of constant 8 px RGB images (grey 4*i) whose `label` column is a ClassLabel
+    (classes a, b) kept in the file's schema, so a stream declares its classes and reads none ahead."""
+    import numpy as np
+    from PIL import Image
+    images = [Image.fromarray(np.full((8, 8, 3), 4 * i, np.uint8)) for i in range(len(labels_of_rows))]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    datasets.Dataset.from_dict({"image": images, "label": labels_of_rows}, features=features).to_parquet(str(path))
+    return str(path)
+
+
+def test_a_streamed_label_outside_the_classes_is_one_line_and_the_run_resumes_once_fixed(tmp_path):
+    """A ClassLabel stream is not read ahead, so a label outside its classes (-1 in row 41 of 64,
+    read a few steps in with a shuffle buffer of 4) is met by a loader worker while training: one
+    line naming it and the checkpoint to resume from, exit code 2; with the row fixed, the run
+    resumes from that checkpoint and ends."""
+    labelled = [i % 2 for i in range(64)]
+    data_file = write_labelled_parquet(tmp_path / "train.parquet", labelled[:41] + [-1] + labelled[42:])
+    recipe = write_tiny_recipe(tmp_path, train_batch_size=4, checkpointing_steps=2, max_train_samples=None)
+    out = tmp_path / "run"
+    flags = ["--train_data_files", data_file, "--streaming", "--class_conditional", "--shuffle_buffer_size", 4,
+             "--dataloader_num_workers", 1, "--max_train_steps", 14]
+    failed = run_training(tmp_path, recipe, out, *flags, check=False)
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr
+    saved = sorted(int(name.split("-")[1]) for name in os.listdir(out) if name.startswith("checkpoint-"))
+    assert saved and saved[-1] < 14 and not os.path.exists(out / "unet")  # stopped part-way, not exported
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: --label_column label: label -1 is outside the declared classes 0..1 (met while "
+                      f"training). Newest complete checkpoint: {out / f'checkpoint-{saved[-1]}'}. Fix the data, "
+                      "then resume with --resume_from_checkpoint latest"], failed.stderr[-3000:]
+    write_labelled_parquet(tmp_path / "train.parquet", labelled)
+    run_training(tmp_path, recipe, out, *flags, "--resume_from_checkpoint", "latest")
+    assert os.path.exists(out / "checkpoint-14") and os.path.exists(out / "model_index.json")
+    assert [h["step"] for h in read_history(out)][-1] == 14

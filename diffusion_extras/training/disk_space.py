@@ -40,10 +40,13 @@ def newest_checkpoint(output_dir: str) -> str:
     return found[-1] if found else "none yet"
 
 
+def resume_instruction(output_dir: str) -> str:
+    return ("then resume with --resume_from_checkpoint latest" if checkpointing.list_checkpoints(output_dir)
+            else "then run the same command again (no checkpoint to resume from yet)")
+
+
 def remedy(output_dir: str) -> str:
-    start = ("then resume with --resume_from_checkpoint latest" if checkpointing.list_checkpoints(output_dir)
-             else "then run the same command again (no checkpoint to resume from yet)")
-    return f"Free space in {output_dir} (or move older checkpoints elsewhere), {start}"
+    return f"Free space in {output_dir} (or move older checkpoints elsewhere), {resume_instruction(output_dir)}"
 
 
 def space_shortfall(output_dir: str, step: int, needed: int, basis: str) -> str | None:

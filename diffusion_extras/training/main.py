@@ -12,6 +12,7 @@ Under torch.distributed.run the launcher exits 1 when a rank fails and names eac
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 from diffusion_extras.data.images import DataError
@@ -43,6 +44,11 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         return 2
     try:
         train(run)
+    except DataError as error:  # met in a stream while training (a label outside the declared classes)
+        print(f"error: {data_error_line(error)} (met while training). Newest complete checkpoint: "
+              f"{disk_space.newest_checkpoint(config.output_dir)}. Fix the data, "
+              f"{disk_space.resume_instruction(config.output_dir)}", file=sys.stderr, flush=True)
+        return 2
     except RunStopped as stop:  # non-finite steps, preemption, a full disk: the state is saved
         if stop.announce:
             print(f"{stop.prefix}{stop}", file=sys.stderr, flush=True)
@@ -54,3 +60,10 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
               file=sys.stderr, flush=True)
         return DiskFull.exit_code
     return 0
+
+
+def data_error_line(error: DataError) -> str:
+    """The DataError's own one line, also when a DataLoader worker raised it: torch re-raises it in
+    the main process with the worker's whole traceback as its message (ExceptionWrapper.reraise)."""
+    found = re.findall(r"DataError: (.+)", str(error))
+    return found[-1].strip() if found else str(error)
