@@ -121,13 +121,15 @@ class ForkServer:
         self.process = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "fork_server.py")], cwd=ROOT,
                                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.pending = b""
-        if self._reply(120).get("ready") is not True:
+        ready = self._reply(180)
+        if ready.get("ready") is not True:
             raise RuntimeError("the fork server did not start")
+        self.fixed = ready["fixed"]  # variables read at import that a forked command must not change
 
     @classmethod
     def for_command(cls, launcher, args, env):
         """The server if it can run this command as a fresh interpreter would, else None."""
-        if launcher is not None or os.environ.get("DDPM_TEST_FRESH_INTERPRETERS") == "1" or not args:
+        if launcher is not None or env.get("DDPM_TEST_FRESH_INTERPRETERS") == "1" or not args:
             return None
         if not (str(args[0]).endswith(".py") or (str(args[0]) == "-m" and len(args) > 1)):
             return None
@@ -139,7 +141,9 @@ class ForkServer:
             import atexit
             atexit.register(cls._instance.close)
         server = cls._instance
-        return server if server.start_up_key == fork_server.start_up_key(env) else None
+        if server.start_up_key != fork_server.start_up_key(env):
+            return None
+        return server if all(env.get(key) == value for key, value in server.fixed.items()) else None
 
     def _reply(self, timeout):
         import select

@@ -1,32 +1,42 @@
 """A fork server for the suite's command-line runs: each `python SCRIPT ARGS` a test runs is a
 forked copy of one interpreter that has already imported the heavy third-party libraries.
 
-Why: a tiny training run spends most of its wall time importing torch, torch._dynamo (via
-diffusers), scipy, scikit-learn, matplotlib, pandas and pyarrow, and the suite runs a few hundred
-of them. The child is still a process of its own running the real entry point: its own argv,
-environment, working directory, stdout/stderr, exit code (or -signal), and a fresh import of this
-project and of every library that reads the environment at import (huggingface_hub, datasets,
-diffusers, transformers, accelerate, wandb: none of them is preloaded, so HF_HOME, HF_HUB_OFFLINE,
-HF_ENDPOINT, ... are read by the child as a new interpreter would read them).
+Why: a tiny training run spends most of its wall time importing torch, torch._dynamo, diffusers
+(which pulls in transformers), datasets, accelerate, scipy, scikit-learn, matplotlib, pandas and
+pyarrow, and the suite runs a few hundred of them. The child is still a process of its own running
+the real entry point: its own argv, environment, working directory, stdout/stderr, exit code (or
+-signal), and a fresh import of this project.
 
-Only what an interpreter fixes at start-up is shared, so conftest.run_command sends a command here
-only when that matches (PYTHONHASHSEED, OMP/MKL threads, PYTHONPATH, ...: START_UP_VARIABLES) and
-falls back to a real subprocess otherwise (launchers such as torch.distributed.run, `-c`, other
-interpreters). DDPM_TEST_FRESH_INTERPRETERS=1 sends every command to a real subprocess.
+What an import read from the environment must be what the child's environment says. While it
+preloads, the server records which variables each module reads at import (a tracing os.environ).
+Five modules turn the Hugging Face variables a test sets (HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT,
+HF_DATASETS_CACHE, HF_MODULES_CACHE, ...) into module values (REREAD): a child whose values differ
+evaluates their module-level assignments again under its own environment and puts every value that
+changed in place, in those modules and wherever another module imported it by name. Every other
+variable read at import is fixed: conftest.run_command sends a command here only when its values of
+those, and of what the interpreter itself reads at start-up (START_UP_VARIABLES), equal the
+server's, and runs a real subprocess otherwise (as for launchers such as torch.distributed.run,
+`-c`, or DDPM_TEST_FRESH_INTERPRETERS=1). tests/test_fork_server.py checks that a forked child's
+module values equal a fresh interpreter's under other HF_* values.
 
-Protocol (one request at a time, JSON lines on stdin/stdout): the client sends
-{"argv": [...], "cwd": ..., "env": {...}, "stdout": path, "stderr": path}; the server forks, replies
-{"pid": ...}, waits, and replies {"returncode": ...} (negative: the signal that ended the child).
+Protocol (one request at a time, JSON lines on stdin/stdout): the server first replies {"ready":
+true, "fixed": {variable: value or null}}; the client sends {"argv": [...], "cwd": ..., "env":
+{...}, "stdout": path, "stderr": path}; the server forks, replies {"pid": ...}, waits, and replies
+{"returncode": ...} (negative: the signal that ended the child).
 """
 import atexit
+import collections
 import importlib
+import importlib.util
 import json
 import os
+import pathlib
 import runpy
 import signal
 import sys
 import threading
 import traceback
+import types
 
 # Read by the interpreter or a preloaded library at start-up: a command whose values differ from
 # the server's cannot be forked from it.
@@ -34,19 +44,132 @@ START_UP_VARIABLES = ("PYTHONHASHSEED", "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEP
                       "PYTHONOPTIMIZE", "PYTHONWARNINGS", "PYTHONUTF8", "PYTHONIOENCODING", "OMP_NUM_THREADS",
                       "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH", "MPLBACKEND",
                       "MPLCONFIGDIR")
-# Libraries that read no variable a test changes when imported. Importing them does not start
-# threads (an OpenMP pool starts at the first parallel op), so forking after it is safe.
+# Imported once by the server: the libraries a training, sampling or evaluation run imports.
 PRELOADED = ("numpy", "torch", "torch.nn.functional", "torch._dynamo", "sympy", "scipy.linalg", "scipy.stats",
              "sklearn.datasets", "sklearn.linear_model", "matplotlib.figure", "matplotlib.backends.backend_agg",
              "pandas", "pyarrow", "pyarrow.compute", "pyarrow.dataset", "PIL.Image", "yaml",
-             "safetensors.torch", "tqdm", "requests")
+             "safetensors.torch", "tqdm", "requests", "huggingface_hub", "datasets",
+             "datasets.packaged_modules.imagefolder", "datasets.packaged_modules.parquet",
+             "datasets.packaged_modules.webdataset", "accelerate", "torchdata.stateful_dataloader",
+             "diffusers.models.unets.unet_2d", "diffusers.schedulers.scheduling_ddpm",
+             "diffusers.schedulers.scheduling_ddim", "diffusers.schedulers.scheduling_dpmsolver_multistep",
+             "diffusers.pipelines.ddpm.pipeline_ddpm", "diffusers.pipelines.pipeline_utils", "diffusers.optimization",
+             "transformers")
+# Modules whose module-level values come from Hugging Face variables a test sets; a child re-reads them.
+# In order: huggingface_hub.utils._http reads none itself but derives _HUB_ORIGINS from the constants.
+REREAD = ("huggingface_hub.constants", "huggingface_hub.utils._http", "datasets.config", "diffusers.utils.constants",
+          "transformers.utils.hub", "accelerate.commands.config.config_args")
+# Modules that scan the whole environment at import for variables of their own prefix.
+SCANS = {"tqdm.utils": "TQDM_", "fsspec.config": "FSSPEC_"}
+FRAMES_OF_ENVIRON = ("os", "_collections_abc", "collections.abc")
+
+
+class TracingEnviron(type(os.environ)):
+    """os.environ that records, while `recording`, which module read which variable."""
+    recording = False
+    reads = collections.defaultdict(set)
+
+    def _record(self, key):
+        if TracingEnviron.recording:
+            frame = sys._getframe(2)
+            while frame is not None and frame.f_globals.get("__name__") in FRAMES_OF_ENVIRON:
+                frame = frame.f_back
+            module = frame.f_globals.get("__name__") if frame is not None else None
+            prefix = SCANS.get(module)
+            if prefix is None or key.startswith(prefix):
+                TracingEnviron.reads[module].add(key)
+
+    def __getitem__(self, key):
+        self._record(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self._record(key)
+        return super().__contains__(key)
+
+
+def preload() -> tuple[dict, dict, dict]:
+    """Import PRELOADED. Returns the environment they were imported in; {variable: value or None}
+    of every variable read at import by a module other than REREAD's (the values a child's
+    environment must have to be forked); and the variables the imports set themselves (torch sets
+    TORCHINDUCTOR_CACHE_DIR, ...), which a fresh interpreter's environment would hold too."""
+    real = os.environ
+    start = dict(real)
+    os.environ = TracingEnviron(real._data, real.encodekey, real.decodekey,  # noqa: B003 (the same variables)
+                                real.encodevalue, real.decodevalue)
+    TracingEnviron.recording = True
+    try:
+        for name in PRELOADED:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+    finally:
+        TracingEnviron.recording = False
+        os.environ = real  # noqa: B003
+    fixed = {key for module, keys in TracingEnviron.reads.items() if module not in REREAD for key in keys}
+    set_by_imports = {key: value for key, value in os.environ.items() if start.get(key) != value}
+    return start, {key: start.get(key) for key in sorted(fixed)}, set_by_imports
+
+
+def reread_environment_values(server_environment: dict) -> None:
+    """In a child whose values of REREAD's variables differ from the server's: each REREAD module
+    runs again, in order, in a scratch module under the child's environment, and each plain value
+    (str, number, path, or a container of them) that came out different replaces the old object
+    wherever it is: in the module, in any module holding it under the same name (`from .constants
+    import X`), and as a default argument of a module-level function (`def f(path=CONSTANT)`)."""
+    keys = {key for name in REREAD for key in TracingEnviron.reads.get(name, ())}
+    if all(os.environ.get(key) == server_environment.get(key) for key in keys):
+        return
+    changed = []
+    for name in REREAD:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        scratch = importlib.util.module_from_spec(module.__spec__)
+        module.__spec__.loader.exec_module(scratch)
+        for key, value in vars(scratch).items():
+            old = vars(module).get(key, scratch)
+            if not key.startswith("__") and _plain(value) and old is not scratch and _differs(old, value):
+                setattr(module, key, value)  # now: the next REREAD module may derive from it
+                changed.append((key, old, value))
+    # by identity only objects made at import (paths, URLs), never shared singletons (True, None, 1)
+    replacements = {id(old): value for _, old, value in changed if isinstance(old, (str, pathlib.PurePath))}
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for key, old, value in changed:
+            if namespace.get(key, scratch) is old:
+                namespace[key] = value
+        for item in list(namespace.values()):
+            if isinstance(item, types.FunctionType) and item.__defaults__:
+                if any(id(default) in replacements for default in item.__defaults__):
+                    item.__defaults__ = tuple(replacements.get(id(d), d) for d in item.__defaults__)
+
+
+def _plain(value, depth: int = 0) -> bool:
+    if type(value) in (str, int, float, bool, type(None)) or isinstance(value, pathlib.PurePath):
+        return True
+    if depth < 2 and type(value) in (tuple, list, set, frozenset):
+        return all(_plain(item, depth + 1) for item in value)
+    if depth < 2 and type(value) is dict:
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def _differs(a, b) -> bool:
+    try:
+        return bool(a != b)
+    except Exception:
+        return True
 
 
 def start_up_key(env: dict) -> tuple:
     return tuple(env.get(name) for name in START_UP_VARIABLES)
 
 
-def run_child(request: dict) -> None:
+def run_child(request: dict, server_environment: dict, set_by_imports: dict) -> None:
     """In the forked child: become `python argv...` and never return."""
     code = 1
     try:
@@ -55,7 +178,8 @@ def run_child(request: dict) -> None:
             signal.signal(getattr(signal, name), signal.SIG_DFL)
         os.chdir(request["cwd"])
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update({**set_by_imports, **request["env"]})
+        reread_environment_values(server_environment)
         stdin = os.open(os.devnull, os.O_RDONLY)
         os.dup2(stdin, 0)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
@@ -93,21 +217,17 @@ def run_child(request: dict) -> None:
 
 
 def serve() -> None:
-    for name in PRELOADED:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
+    server_environment, fixed, set_by_imports = preload()
     reply = sys.stdout
     sys.stdout = sys.stderr  # nothing but replies on the protocol pipe
-    print(json.dumps({"ready": True}), file=reply, flush=True)
+    print(json.dumps({"ready": True, "fixed": fixed}), file=reply, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             sys.stdout = sys.__stdout__ = reply  # fd 1, pointed at the child's stdout file by run_child
-            run_child(request)
+            run_child(request, server_environment, set_by_imports)
         print(json.dumps({"pid": pid}), file=reply, flush=True)
         _, status = os.waitpid(pid, 0)
         returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)

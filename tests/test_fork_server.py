@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, ForkServer, run_command
+from conftest import ROOT, ForkServer, cli_env, run_command
 
 PROBE = """
 import json, os, sys
@@ -52,8 +52,7 @@ def test_commands_go_through_the_server_unless_told_or_launched(tmp_path, probe,
     assert ForkServer.for_command([sys.executable, "-m", "torch.distributed.run"], [probe], env) is None
     assert ForkServer.for_command(None, ["-c", "pass"], env) is None
     assert ForkServer.for_command(None, [probe], {**env, "OMP_NUM_THREADS": "2"}) is None  # fixed at start-up
-    monkeypatch.setenv("DDPM_TEST_FRESH_INTERPRETERS", "1")
-    assert ForkServer.for_command(None, [probe], env) is None
+    assert ForkServer.for_command(None, [probe], {**env, "DDPM_TEST_FRESH_INTERPRETERS": "1"}) is None
 
 
 @pytest.mark.parametrize("how,expected", [("exit", 3), ("exit", 0), ("raise", 1), ("kill", -9)])
@@ -84,3 +83,72 @@ def test_a_command_past_its_timeout_is_killed_and_the_server_serves_the_next(tmp
         run_command([probe, "sleep"], tmp_path, timeout=3)
     after = run_command([probe, "exit", "5"], tmp_path)
     assert after.returncode == 5 and json.loads(after.stdout)["argv"][1:] == ["exit", "5"]
+
+
+FINGERPRINT = """
+import importlib, json, os, pathlib, sys, types
+sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+import fork_server
+for name in fork_server.PRELOADED:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+def plain(value, depth=0):
+    if type(value) in (str, int, float, bool, type(None)) or isinstance(value, pathlib.PurePath):
+        return True
+    if depth < 2 and type(value) in (tuple, list, set, frozenset):
+        return all(plain(item, depth + 1) for item in value)
+    if depth < 2 and type(value) is dict:
+        return all(plain(k, depth + 1) and plain(v, depth + 1) for k, v in value.items())
+    return False
+def defaults(function):
+    return [function.__defaults__, function.__kwdefaults__]
+values = {"sys.path": repr(sys.path[1:])}
+for module_name in sorted(sys.modules):
+    if not module_name.startswith(("huggingface_hub", "datasets", "diffusers", "transformers", "accelerate")):
+        continue
+    for key, value in list(vars(sys.modules[module_name]).items()):
+        where = f"{module_name}.{key}"
+        if key.startswith("__"):
+            continue
+        if plain(value):
+            values[where] = repr(value)
+        elif isinstance(value, types.FunctionType) and plain(defaults(value)):
+            values[where + "()"] = repr(defaults(value))
+        elif isinstance(value, type) and value.__module__ == module_name:
+            for attribute, member in list(vars(value).items()):
+                if isinstance(member, types.FunctionType) and plain(defaults(member)):
+                    values[f"{where}.{attribute}()"] = repr(defaults(member))
+                elif not attribute.startswith("__") and plain(member):
+                    values[f"{where}.{attribute}"] = repr(member)
+print(json.dumps(values))
+"""
+
+
+def test_a_forked_child_holds_the_module_values_of_a_fresh_interpreter_under_its_own_hf_variables(tmp_path):
+    """Every plain value (str, number, path, container of them) held by a module of huggingface_hub,
+    datasets, diffusers, transformers or accelerate, as a module attribute, class attribute or
+    default argument, is the same in a forked child and in a fresh interpreter, under HF_* values
+    other than the server's (fork_server.reread_environment_values). Ignored: what differs between
+    two fresh interpreters too (random session ids, pids), and fsspec's instance caches, which are
+    keyed by that pid and emptied by fsspec itself in a child."""
+    script = tmp_path / "fingerprint.py"
+    script.write_text(FINGERPRINT)
+    warm = run_command([script], tmp_path / "warm", env={"HF_ENDPOINT": "http://127.0.0.1:1"}, check=True)
+    assert ForkServer.for_command(None, [script], cli_env(tmp_path)) is not None  # it was forked
+    env = {"HF_HOME": str(tmp_path / "home"), "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
+           "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    forked = json.loads(run_command([script], tmp_path, env=env, check=True).stdout)
+    fresh, again = (json.loads(run_command([script], tmp_path, env={**env, "DDPM_TEST_FRESH_INTERPRETERS": "1"},
+                                           check=True).stdout) for _ in range(2))
+    varies = {key for key in fresh.keys() | again.keys() if fresh.get(key) != again.get(key)}
+    varies |= {key[:-len("_pid")] + "_cache" for key in varies if key.endswith("._pid")}
+    differ = {key: (forked.get(key), fresh.get(key)) for key in forked.keys() | fresh.keys()
+              if key not in varies and forked.get(key) != fresh.get(key)}
+    assert not differ, differ
+    # the test sees a stale value: the server's differ, and the values compared are the child's
+    assert json.loads(warm.stdout)["huggingface_hub.constants.ENDPOINT"] == repr("http://127.0.0.1:1")
+    assert forked["huggingface_hub.constants.ENDPOINT"] == repr("http://127.0.0.1:9")
+    assert forked["datasets.config.HF_DATASETS_CACHE"] == repr(tmp_path / "datasets")
+    assert forked["diffusers.utils.constants.HF_MODULES_CACHE"] == repr(str(tmp_path / "modules"))
