@@ -124,12 +124,18 @@ class ForkServer:
         ready = self._reply(180)
         if ready.get("ready") is not True:
             raise RuntimeError("the fork server did not start")
-        self.fixed = ready["fixed"]  # variables read at import that a forked command must not change
+        # variables read at import that a forked command must not change, but for the values the
+        # imports set themselves (which a test process that made those imports passes on)
+        self.fixed, self.set_by_imports = ready["fixed"], ready["set_by_imports"]
 
     @classmethod
     def for_command(cls, launcher, args, env):
-        """The server if it can run this command as a fresh interpreter would, else None."""
-        if launcher is not None or env.get("DDPM_TEST_FRESH_INTERPRETERS") == "1" or not args:
+        """The server if it can run this command as a fresh interpreter would, else None. Launched
+        by torch.distributed.run, the launcher and its workers are forks of the server."""
+        torch_distributed_run = [sys.executable, "-m", fork_server.LAUNCHER]
+        if launcher is not None and [str(part) for part in launcher[:3]] != torch_distributed_run:
+            return None
+        if env.get("DDPM_TEST_FRESH_INTERPRETERS") == "1" or not args:
             return None
         if not (str(args[0]).endswith(".py") or (str(args[0]) == "-m" and len(args) > 1)):
             return None
@@ -143,7 +149,10 @@ class ForkServer:
         server = cls._instance
         if server.start_up_key != fork_server.start_up_key(env):
             return None
-        return server if all(env.get(key) == value for key, value in server.fixed.items()) else None
+        if any(env.get(key) not in (value, server.set_by_imports.get(key, value))
+               for key, value in server.fixed.items()):
+            return None
+        return server
 
     def _reply(self, timeout):
         import select
@@ -191,7 +200,7 @@ def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False
     merged = {k: v for k, v in {**cli_env(env_dir), **(env or {})}.items() if v is not None}  # None unsets
     server = ForkServer.for_command(launcher, args, merged)
     if server is not None:
-        result = server.run(command, args, merged, timeout)
+        result = server.run(command, command[1:], merged, timeout)
     else:
         result = subprocess.run(command, cwd=ROOT, env=merged, stdin=subprocess.DEVNULL, capture_output=True,
                                 text=True, timeout=timeout)

@@ -20,19 +20,26 @@ server's, and runs a real subprocess otherwise (as for launchers such as torch.d
 module values equal a fresh interpreter's under other HF_* values.
 
 Protocol (one request at a time, JSON lines on stdin/stdout): the server first replies {"ready":
-true, "fixed": {variable: value or null}}; the client sends {"argv": [...], "cwd": ..., "env":
-{...}, "stdout": path, "stderr": path}; the server forks, replies {"pid": ...}, waits, and replies
-{"returncode": ...} (negative: the signal that ended the child).
+true, "fixed": {variable: value or null}, "set_by_imports": {variable: value}}; the client sends
+{"argv": [...], "cwd": ..., "env": {...}, "stdout": path, "stderr": path}; the server forks, replies
+{"pid": ...}, waits, and replies {"returncode": ...} (negative: the signal that ended the child).
+
+`python -m torch.distributed.run ...` is forked too, and so are its workers: in that child, torch's
+SubprocessHandler starts each `python -u SCRIPT ARGS` worker as a fork of the launcher, run as a
+command is run here (fork_the_launchers_workers).
 """
 import atexit
 import collections
 import importlib
 import importlib.util
+import io
 import json
+import logging
 import os
 import pathlib
 import runpy
 import signal
+import subprocess
 import sys
 import threading
 import traceback
@@ -54,12 +61,13 @@ PRELOADED = ("numpy", "torch", "torch.nn.functional", "torch._dynamo", "sympy", 
              "diffusers.models.unets.unet_2d", "diffusers.schedulers.scheduling_ddpm",
              "diffusers.schedulers.scheduling_ddim", "diffusers.schedulers.scheduling_dpmsolver_multistep",
              "diffusers.pipelines.ddpm.pipeline_ddpm", "diffusers.pipelines.pipeline_utils", "diffusers.optimization",
-             "transformers")
+             "transformers", "torch.distributed.run")
 # Modules whose module-level values come from Hugging Face variables a test sets; a child re-reads them.
 # In order: huggingface_hub.utils._http reads none itself but derives _HUB_ORIGINS from the constants.
 REREAD = ("huggingface_hub.constants", "huggingface_hub.utils._http", "datasets.config", "diffusers.utils.constants",
           "transformers.utils.hub", "accelerate.commands.config.config_args")
 # Modules that scan the whole environment at import for variables of their own prefix.
+LAUNCHER = "torch.distributed.run"  # a command `python -m torch.distributed.run ...` forks its workers too
 SCANS = {"tqdm.utils": "TQDM_", "fsspec.config": "FSSPEC_"}
 FRAMES_OF_ENVIRON = ("os", "_collections_abc", "collections.abc")
 
@@ -169,8 +177,9 @@ def start_up_key(env: dict) -> tuple:
     return tuple(env.get(name) for name in START_UP_VARIABLES)
 
 
-def run_child(request: dict, server_environment: dict, set_by_imports: dict) -> None:
-    """In the forked child: become `python argv...` and never return."""
+def run_child(request: dict, server_environment: dict, set_by_imports: dict, unbuffered: bool = False) -> None:
+    """In the forked child: become `python argv...` and never return. Without "stdout"/"stderr"
+    paths in the request, the standard streams are those the child was given (a worker's)."""
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -180,12 +189,17 @@ def run_child(request: dict, server_environment: dict, set_by_imports: dict) -> 
         os.environ.clear()
         os.environ.update({**set_by_imports, **request["env"]})
         reread_environment_values(server_environment)
-        stdin = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(stdin, 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        if "stdout" in request:
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        if unbuffered:  # python -u
+            sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+            sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
         argv = request["argv"]
         sys.argv = list(argv)
+        if argv[:2] == ["-m", LAUNCHER]:
+            fork_the_launchers_workers(server_environment, set_by_imports)
         try:
             if argv[0] == "-m":  # python -m module args: sys.path[0] is the working directory
                 sys.argv = [argv[1], *argv[2:]]
@@ -216,11 +230,59 @@ def run_child(request: dict, server_environment: dict, set_by_imports: dict) -> 
         os._exit(code)
 
 
+def fork_the_launchers_workers(server_environment: dict, set_by_imports: dict) -> None:
+    """In a child running torch.distributed.run: its workers (`python -u SCRIPT ARGS`, started by
+    torch's SubprocessHandler with subprocess.Popen in a new session) are forks of this process
+    run as run_child runs a command, each in its own session with the streams torch gives it. What
+    the launcher adds after this point (atexit handlers, root log handlers) is not the workers'."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    launcher_exit_handlers = []
+    register = atexit.register
+
+    def recording_register(function, *args, **kwargs):
+        launcher_exit_handlers.append(function)
+        return register(function, *args, **kwargs)
+
+    atexit.register = recording_register
+    root_handlers = list(logging.getLogger().handlers)
+
+    class WorkerPopen(subprocess.Popen):
+        def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                           creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
+            args = [str(arg) for arg in args]
+            if args[0] != sys.executable or shell or executable is not None:
+                return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                                              startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
+                                              c2pwrite, errread, errwrite, *rest)
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.setsid()
+                    for fd, target in ((0, p2cread), (1, c2pwrite), (2, errwrite)):
+                        if target != -1:
+                            os.dup2(target, fd)
+                    atexit.register = register
+                    for function in launcher_exit_handlers:
+                        atexit.unregister(function)
+                    logging.getLogger().handlers[:] = root_handlers
+                    argv, unbuffered = args[1:], args[1:2] == ["-u"]
+                    run_child({"argv": argv[1:] if unbuffered else argv, "cwd": cwd or os.getcwd(),
+                               "env": dict(env if env is not None else os.environ)},
+                              server_environment, set_by_imports, unbuffered)
+                finally:
+                    os._exit(1)
+            self.pid, self._child_created = pid, True
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+
+    subprocess_handler.Popen = WorkerPopen
+
+
 def serve() -> None:
     server_environment, fixed, set_by_imports = preload()
     reply = sys.stdout
     sys.stdout = sys.stderr  # nothing but replies on the protocol pipe
-    print(json.dumps({"ready": True, "fixed": fixed}), file=reply, flush=True)
+    print(json.dumps({"ready": True, "fixed": fixed, "set_by_imports": set_by_imports}), file=reply, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         sys.stderr.flush()

@@ -49,7 +49,8 @@ def test_commands_go_through_the_server_unless_told_or_launched(tmp_path, probe,
     env = cli_env(tmp_path)
     assert ForkServer.for_command(None, [probe, "exit", "0"], env) is not None
     assert ForkServer.for_command(None, ["-m", "diffusion_extras.sample", "--help"], env) is not None
-    assert ForkServer.for_command([sys.executable, "-m", "torch.distributed.run"], [probe], env) is None
+    assert ForkServer.for_command([sys.executable, "-m", "torch.distributed.run"], [probe], env) is not None
+    assert ForkServer.for_command(["accelerate", "launch"], [probe], env) is None
     assert ForkServer.for_command(None, ["-c", "pass"], env) is None
     assert ForkServer.for_command(None, [probe], {**env, "OMP_NUM_THREADS": "2"}) is None  # fixed at start-up
     assert ForkServer.for_command(None, [probe], {**env, "DDPM_TEST_FRESH_INTERPRETERS": "1"}) is None
@@ -152,3 +153,34 @@ def test_a_forked_child_holds_the_module_values_of_a_fresh_interpreter_under_its
     assert forked["huggingface_hub.constants.ENDPOINT"] == repr("http://127.0.0.1:9")
     assert forked["datasets.config.HF_DATASETS_CACHE"] == repr(tmp_path / "datasets")
     assert forked["diffusers.utils.constants.HF_MODULES_CACHE"] == repr(str(tmp_path / "modules"))
+
+
+RANK_PROBE = """
+import json, os, sys
+import huggingface_hub.constants
+print(json.dumps({"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "argv": sys.argv[1:],
+                  "path0": sys.path[0], "endpoint": huggingface_hub.constants.ENDPOINT,
+                  "pgid_is_pid": os.getpgid(0) == os.getpid()}))
+if sys.argv[1] == "fail" and os.environ["RANK"] == "1":
+    sys.exit(7)
+"""
+
+
+@pytest.mark.parametrize("how", ["ok", "fail"])
+def test_a_launched_command_and_its_ranks_behave_as_fresh_interpreters(tmp_path, how):
+    """torch.distributed.run through the server: each rank is a fork in its own session with its
+    own variables, argv and stdout, and a failing rank fails the launch as it does with fresh ones."""
+    from test_resume import torchrun
+    script = tmp_path / "rank_probe.py"
+    script.write_text(RANK_PROBE)
+    env = {"HF_ENDPOINT": "http://127.0.0.1:7"}
+    assert ForkServer.for_command(torchrun(), [script, how], cli_env(tmp_path)) is not None
+    forked = run_command([script, how], tmp_path, launcher=torchrun(), env=env)
+    fresh = run_command([script, how], tmp_path, launcher=torchrun(), env={**env, "DDPM_TEST_FRESH_INTERPRETERS": "1"})
+    assert forked.returncode == fresh.returncode == (0 if how == "ok" else 1), forked.stderr[-3000:]
+    reports = [sorted((json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")),
+                      key=lambda report: report["rank"]) for run in (forked, fresh)]
+    assert reports[0] == reports[1] and [report["rank"] for report in reports[0]] == ["0", "1"]
+    assert all(report["endpoint"] == "http://127.0.0.1:7" and report["pgid_is_pid"] for report in reports[0])
+    if how == "fail":
+        assert "exitcode  : 7" in forked.stderr and "exitcode  : 7" in fresh.stderr
