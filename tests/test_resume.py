@@ -15,13 +15,9 @@ from diffusion_extras.training import checkpointing
 # 64 images, 8 per micro-batch: 8 micro-batches an epoch, so step 5 (accumulation 1) and step 3
 # (accumulation 2: micro-step 6) stop mid-epoch, and the run to 2N crosses an epoch boundary.
 def torchrun():
-    """A 2-rank launcher on a free local port (tests may run in parallel)."""
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    """A 2-rank launcher on one machine. --standalone: the launcher's rendezvous binds a free port
+    itself (probing for a free port and passing it races with the connections other tests open)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
 def assert_same_state(a, b, step):
