@@ -85,12 +85,13 @@ def test_training_stays_compiled_with_every_extra(compiled_run):
     """Per prediction type (min-SNR weights differ per type), with accumulation 2 (no_sync on the first
     micro-batch), channels_last and bf16 autocast: no break, and no graph after warm-up. Every run
     has the training UNet's graph and the sampling copy's no-grad graph of FID and the grids (one
-    timestep per call); the run with the other extras adds two: the training UNet in eval mode (the
-    gradient monitor's probe) and the copy's graph of held-out losses (one timestep per image,
-    over batch sizes made dynamic)."""
+    timestep per call); the run with the other extras adds three: the training UNet in eval mode
+    (the gradient monitor's probe), the copy's graph of held-out losses (one timestep per image,
+    over batch sizes made dynamic), and a capture of the copy for the grid's rows (2 images, a
+    batch size FID does not use; counted, not explained: in the other runs the rows reuse FID's)."""
     prediction_type, _, counts = compiled_run
     assert_stays_compiled(counts)
-    assert counts["end"]["graphs"] == (4 if SETTINGS[prediction_type][1] else 2), counts
+    assert counts["end"]["graphs"] == (5 if SETTINGS[prediction_type][1] else 2), counts
 
 
 def test_a_compiled_checkpoint_resumes_eager_and_back(compiled_run, tmp_path):
@@ -117,16 +118,19 @@ def test_a_compiled_checkpoint_resumes_eager_and_back(compiled_run, tmp_path):
 
 
 def test_two_ranks_stay_compiled_and_share_the_evaluation(hooked_train, tmp_path):
-    """2 ranks (DDP, no_sync on the first micro-batch), grids and the gradient monitor on rank 0
-    only, checkpoints and FID on both: each rank keeps its graphs after warm-up, with no break.
+    """2 ranks (DDP, no_sync on the first micro-batch), the gradient monitor on rank 0 only,
+    checkpoints, grids and FID on both: each rank keeps its graphs after warm-up, with no break.
     The FID images are sampled on both ranks (12 images in batches of 4: ranks 0, 1, 0), and the
-    last FID is bitwise the one-rank evaluation of the exported EMA weights."""
+    last FID is bitwise the one-rank evaluation of the exported EMA weights; so is the last grid
+    (2 rows of 2 images: one row a rank)."""
     import json
 
     import yaml
     from diffusers import UNet2DModel
+    from PIL import Image
 
     from diffusion_extras.evaluation import metrics, sampling
+    from diffusion_extras.training import artifacts
     out, counts_folder = tmp_path / "run", tmp_path / "counts"
     recipe = write_tiny_recipe(tmp_path, grad_diagnostics_steps=2, save_images_steps=2, checkpointing_steps=2)
     hooked_train(recipe, out, *CHEAP_COMPILE, "--use_ema", "--gradient_accumulation_steps", 2, "--max_train_steps", 4,
@@ -142,11 +146,16 @@ def test_two_ranks_stay_compiled_and_share_the_evaluation(hooked_train, tmp_path
     reference = metrics.ReferenceStatistics.load(str(out / "logs" / "fid_reference_tiny.npz"))
     unet = UNet2DModel.from_pretrained(str(out / "unet"))
     scheduler = sampling.make_scheduler("ddim", json.loads((out / "scheduler" / "scheduler_config.json").read_text()))
+    seed = yaml.safe_load((out / "training_config.yaml").read_text())["seed"]
     one_rank = metrics.evaluate_unet_metrics(unet, scheduler, [(extractor, reference, ["fid", "kid"])], 12,
-                                             TINY_RECIPE["ddpm_num_inference_steps"],
-                                             seed=yaml.safe_load((out / "training_config.yaml").read_text())["seed"],
+                                             TINY_RECIPE["ddpm_num_inference_steps"], seed=seed,
                                              batch_size=TINY_RECIPE["eval_batch_size"])
     assert (logged[4]["eval/fid"], logged[4]["eval/kid"]) == (one_rank["fid"], one_rank["kid"])
+    single = tmp_path / "one_rank_grid"
+    artifacts.save_sample_grid(unet, None, scheduler, artifacts.Target(str(single), 4), TINY_RECIPE["eval_batch_size"],
+                               TINY_RECIPE["ddpm_num_inference_steps"], seed=seed)
+    grids = [np.asarray(Image.open(folder / "samples" / "step_000004.png")) for folder in (out, single)]
+    assert grids[0].shape == grids[1].shape and np.array_equal(grids[0], grids[1])
 
 
 def test_inductor_end_to_end_matches_eager(tmp_path, tiny_reference_run):

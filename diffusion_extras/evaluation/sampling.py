@@ -134,12 +134,18 @@ def generate(unet, scheduler, num_images: int, num_inference_steps: int = 50, se
     return np.concatenate(images)
 
 
+def grid_columns(count: int) -> int:
+    """Images per row of a near-square grid of `count` images."""
+    return math.ceil(math.sqrt(count))
+
+
 def image_grid(images: np.ndarray, nrow: int | None = None, padding: int = 2) -> Image.Image:
-    """A near-square grid (nrow images per row), `padding` black pixels between and around images."""
+    """A near-square grid (nrow images per row, default grid_columns), `padding` black pixels between
+    and around images."""
     if images.ndim != 4 or images.dtype != np.uint8 or len(images) == 0:
         raise ValueError(f"expected a non-empty uint8 array [N, H, W, C], got {images.dtype} {images.shape}")
     count, height, width, channels = images.shape
-    nrow = nrow or math.ceil(math.sqrt(count))
+    nrow = nrow or grid_columns(count)
     ncol = math.ceil(count / nrow)
     grid = np.zeros((padding + ncol * (height + padding), padding + nrow * (width + padding), channels),
                     dtype=np.uint8)

@@ -81,20 +81,35 @@ def sample_grid_paths(output_dir: str, step: int) -> list[str]:
 
 def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int, num_inference_steps: int,
                      seed: int, class_names: list | None = None, guidance_scale: float = 1.0,
-                     sampling_copy: SamplingCopy | None = None) -> str:
+                     sampling_copy: SamplingCopy | None = None, rank: int = 0, num_ranks: int = 1) -> str | None:
     """EMA samples (fp32, DDIM, fixed seed) as samples/step_XXXXXX.png, images/samples.png (for the
     card) and to the trackers. With `class_names`: one row per class (up to 10), guided at
-    `guidance_scale`, num_images // rows images per row (at least 1)."""
+    `guidance_scale`, num_images // rows images per row (at least 1).
+
+    Every rank of a launch calls it (a collective): the grid is sampled a row at a time, row r by
+    rank r mod num_ranks, and the rows are gathered to rank 0, which writes the grid and returns
+    its path (None on the other ranks). Rows are batches whatever the number of ranks, so the
+    grid is bitwise the same on 1 or P ranks (the UNet's kernels are not bitwise across batch sizes)."""
     scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
-    labels, per_row = None, None
+    labels = None
     if class_names is not None:
         per_row = max(1, num_images // min(len(class_names), 10))
         labels = sampling.class_rows(class_names, per_row)
         num_images = len(labels)
+    else:
+        per_row = sampling.grid_columns(num_images)
+    rows = {}
     with (sampling_copy or sampling_unet)(unet, ema) as copy:
-        images = sampling.generate(copy, scheduler, num_images, num_inference_steps, seed=seed, device=target.device,
-                                   class_labels=labels, guidance_scale=guidance_scale)
-    grid = sampling.image_grid(images, nrow=per_row)
+        for first in range(rank * per_row, num_images, num_ranks * per_row):
+            count = min(per_row, num_images - first)
+            rows[first] = sampling.generate(copy, scheduler, count, num_inference_steps, seed=seed,
+                                            device=target.device, start_index=first, guidance_scale=guidance_scale,
+                                            class_labels=None if labels is None else labels[first:first + count])
+    if num_ranks > 1:
+        rows = distributed.gather_to_main(rows, rank, num_ranks)
+    if rank != 0:
+        return None
+    grid = sampling.image_grid(np.concatenate([rows[first] for first in sorted(rows)]), nrow=per_row)
     path = target.path(os.path.join("samples", f"step_{target.step:06d}.png"))
     grid.save(path)
     shutil.copyfile(path, target.path(CARD_GRID))

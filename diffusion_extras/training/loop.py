@@ -15,6 +15,7 @@ from diffusion_extras.training.periodic import (
     evaluate_on_every_rank,
     guarded_write,
     run_main_process_extras,
+    sample_grid_on_every_rank,
     write_health_report,
 )
 from diffusion_extras.training.run_state import Run
@@ -144,7 +145,8 @@ def train(run: Run) -> None:
                 raise preemption_watch.stopped(step, path)
             if last:
                 progress_bar.close()  # the bar ends at the last step; the end-of-run work announces itself
-            evaluate_on_every_rank(run, step, last)  # a collective when it is time
+            evaluate_on_every_rank(run, step, last)  # collectives when it is time
+            sample_grid_on_every_rank(run, step, last)
             if accelerator.is_main_process:  # the other ranks go on and meet it at the next collective
                 run_main_process_extras(run, step, last)
     finally:

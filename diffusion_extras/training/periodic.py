@@ -1,6 +1,6 @@
-"""What the run does at intervals and at the end: FID/KID & co. on every rank; on the main process
-post-hoc EMA snapshots, grids and debug images, plots, probes, export; each piece of end-of-run
-work announced."""
+"""What the run does at intervals and at the end: sample grids and FID/KID & co. on every rank; on
+the main process post-hoc EMA snapshots, debug images, plots, probes, export; each piece of
+end-of-run work announced."""
 from __future__ import annotations
 
 import contextlib
@@ -37,11 +37,8 @@ def run_main_process_extras(run: Run, step: int, last: bool) -> None:
         with end_of_run_work(run, "final post-hoc EMA snapshot", last):
             artifacts.posthoc_snapshot(unet, extras.posthoc_ema, target)
     if step % plan.save_images_steps == 0 or last:
-        with end_of_run_work(run, f"final sample grid ({config.eval_batch_size} images, "
-                                  f"{config.ddpm_num_inference_steps} DDIM steps)", last), \
-                guarded_write(run, "sample grid", artifacts.sample_grid_paths(config.output_dir, step)):
-            artifacts.save_sample_grid(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings,
-                                       class_names=run.data.class_names, guidance_scale=config.guidance_scale)
+        with end_of_run_work(run, "final debug images and loss plot", last), \
+                guarded_write(run, "sample grid", artifacts.sample_grid_paths(config.output_dir, step)[1:]):
             artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings)
             artifacts.save_loss_plot(extras.diagnostics, objective.schedule.alphas_cumprod.cpu(), run.data.sigma_data,
                                      config.prediction_type, target)
@@ -56,6 +53,24 @@ def run_main_process_extras(run: Run, step: int, last: bool) -> None:
                 guarded_write(run, "pipeline export", [os.path.join(config.output_dir, models.EXPORT_STAGING)]):
             artifacts.export(unet, extras.ema, objective.noise_scheduler, target, run.hub_pusher, model_card(run), last,
                              run.data.class_names)
+
+
+def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
+    """The sample grid at --save_images_steps and at the end: a collective, every rank samples its
+    rows (artifacts.save_sample_grid); the main process writes it."""
+    config, extras, accelerator = run.config, run.extras, run.accelerator
+    if not (step % run.plan.save_images_steps == 0 or last):
+        return
+    target = artifacts.Target(config.output_dir, step, accelerator, run.history)
+    writes = (guarded_write(run, "sample grid", artifacts.sample_grid_paths(config.output_dir, step)[:1])
+              if accelerator.is_main_process else contextlib.nullcontext())  # the other ranks write nothing
+    with end_of_run_work(run, f"final sample grid ({config.eval_batch_size} images, "
+                              f"{config.ddpm_num_inference_steps} DDIM steps)", last), writes:
+        artifacts.save_sample_grid(accelerator.unwrap_model(run.learner.unet), extras.ema,
+                                   run.objective.noise_scheduler, target, config.eval_batch_size,
+                                   config.ddpm_num_inference_steps, config.seed, run.data.class_names,
+                                   config.guidance_scale, extras.sampling_copy, accelerator.process_index,
+                                   accelerator.num_processes)
 
 
 def evaluate_on_every_rank(run: Run, step: int, last: bool) -> None:
