@@ -91,8 +91,8 @@ def record_training(monkeypatch, run) -> SyncRecorder:
     # once, before the first step: the DataLoader draws its base seed from a CPU generator (.item())
     monkeypatch.setattr(loop, "make_batches", recorder.phase("start", loop.make_batches))
     # grids, export, checkpoints, the report
-    for name in ("run_main_process_extras", "evaluate_on_every_rank", "save_checkpoint", "verify_replicas",
-                 "write_health_report"):
+    for name in ("run_main_process_extras", "evaluate_on_every_rank", "sample_grid_on_every_rank", "save_checkpoint",
+                 "verify_replicas", "write_health_report"):
         monkeypatch.setattr(loop, name, recorder.phase("extras", getattr(loop, name)))
     with recorder:
         loop.train(run)
