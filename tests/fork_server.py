@@ -138,7 +138,7 @@ def reread_environment_values(server_environment: dict) -> None:
         module.__spec__.loader.exec_module(scratch)
         for key, value in vars(scratch).items():
             old = vars(module).get(key, scratch)
-            if not key.startswith("__") and _plain(value) and old is not scratch and _differs(old, value):
+            if not key.startswith("__") and plain(value) and old is not scratch and _differs(old, value):
                 setattr(module, key, value)  # now: the next REREAD module may derive from it
                 changed.append((key, old, value))
     # by identity only objects made at import (paths, URLs), never shared singletons (True, None, 1)
@@ -156,13 +156,14 @@ def reread_environment_values(server_environment: dict) -> None:
                     item.__defaults__ = tuple(replacements.get(id(d), d) for d in item.__defaults__)
 
 
-def _plain(value, depth: int = 0) -> bool:
+def plain(value, depth: int = 0) -> bool:
+    """A value made of str, numbers, None, paths and (two levels of) containers of them."""
     if type(value) in (str, int, float, bool, type(None)) or isinstance(value, pathlib.PurePath):
         return True
     if depth < 2 and type(value) in (tuple, list, set, frozenset):
-        return all(_plain(item, depth + 1) for item in value)
+        return all(plain(item, depth + 1) for item in value)
     if depth < 2 and type(value) is dict:
-        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in value.items())
+        return all(plain(k, depth + 1) and plain(v, depth + 1) for k, v in value.items())
     return False
 
 

@@ -87,7 +87,7 @@ def test_a_command_past_its_timeout_is_killed_and_the_server_serves_the_next(tmp
 
 
 FINGERPRINT = """
-import importlib, json, os, pathlib, sys, types
+import importlib, json, os, sys, types
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 import fork_server
 for name in fork_server.PRELOADED:
@@ -95,14 +95,7 @@ for name in fork_server.PRELOADED:
         importlib.import_module(name)
     except ImportError:
         pass
-def plain(value, depth=0):
-    if type(value) in (str, int, float, bool, type(None)) or isinstance(value, pathlib.PurePath):
-        return True
-    if depth < 2 and type(value) in (tuple, list, set, frozenset):
-        return all(plain(item, depth + 1) for item in value)
-    if depth < 2 and type(value) is dict:
-        return all(plain(k, depth + 1) and plain(v, depth + 1) for k, v in value.items())
-    return False
+from fork_server import plain
 def defaults(function):
     return [function.__defaults__, function.__kwdefaults__]
 values = {"sys.path": repr(sys.path[1:])}
