@@ -34,11 +34,9 @@ from diffusion_extras.evaluation import distributed, likelihood
 from diffusion_extras.evaluation.backbones import CLIP_DEFAULT, DINOV2_DEFAULT
 from diffusion_extras.evaluation.metrics import (
     build_feature_extractor,
-    check_suites,
+    evaluate_unet_metrics,
     extractors_for,
     parse_metrics,
-    sample_features,
-    score_suites,
 )
 from diffusion_extras.evaluation.sampling import SCHEDULERS, make_scheduler
 
@@ -122,23 +120,17 @@ def sample_metrics(args, pipeline, groups: dict, resolution: int, device, rank: 
     """FID / KID / FD-DINOv2 / CMMD of sampled images against the reference, and how they were
     sampled; every rank samples its share, rank 0 scores (the others get {})."""
     suites = []
-    for kind, metrics in groups.items():
+    for kind, wanted in groups.items():
         extractor = build_feature_extractor(kind, args.inception_weights, device,
                                             model={"dinov2": args.dinov2_model, "clip": args.clip_model}.get(kind))
         reference = (load_reference(args.reference, extractor, resolution, args.cache_dir, args.batch_size)
                      if rank == 0 else None)  # the other ranks only extract features
-        suites.append((extractor, reference, metrics))
-    if rank == 0:
-        check_suites(suites)
+        suites.append((extractor, reference, wanted))
     scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
-    features = sample_features(pipeline.unet, scheduler, [extractor for extractor, _, _ in suites],
-                               args.num_samples, args.num_inference_steps, args.seed, args.batch_size, device,
-                               num_classes, guidance_scale, rank=rank, num_ranks=num_ranks)
-    if num_ranks > 1:
-        features = distributed.gather_to_main(features, rank, num_ranks)
-        if rank != 0:
-            return {}
-    metrics = score_suites(features, suites, args.num_samples, args.seed)
+    metrics = evaluate_unet_metrics(pipeline.unet, scheduler, suites, args.num_samples, args.num_inference_steps,
+                                    args.seed, args.batch_size, device, num_classes, guidance_scale, rank, num_ranks)
+    if metrics is None:  # not rank 0
+        return {}
     balance = {"num_classes": num_classes, "guidance_scale": guidance_scale} if num_classes else {}
     return {**metrics, **balance, "feature_extractors": {m: e.name for e, _, group in suites for m in group},
             "reference_images": suites[0][1].num_images, "scheduler": args.scheduler,

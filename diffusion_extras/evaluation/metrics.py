@@ -21,7 +21,7 @@ import scipy.linalg
 import torch
 import torch.nn.functional as F
 
-from diffusion_extras.evaluation import backbones
+from diffusion_extras.evaluation import backbones, distributed
 from diffusion_extras.evaluation.sampling import generate
 
 
@@ -275,13 +275,22 @@ def evaluate_unet(unet, scheduler, reference: ReferenceStatistics, extractor, nu
 
 def evaluate_unet_metrics(unet, scheduler, suites, num_samples: int, num_inference_steps: int = 50, seed: int = 0,
                           batch_size: int = 64, device=None, num_classes: int | None = None,
-                          guidance_scale: float = 1.0) -> dict:
+                          guidance_scale: float = 1.0, rank: int = 0, num_ranks: int = 1) -> dict | None:
     """`suites`: (extractor, its reference statistics, metrics) triples. One set of samples serves
     every extractor, so all metrics judge the same images. `num_classes` (a class-conditional
-    UNet): sample i is of class i mod num_classes (class-balanced), guided at `guidance_scale`."""
-    check_suites(suites)
+    UNet): sample i is of class i mod num_classes (class-balanced), guided at `guidance_scale`.
+    Over the ranks of a launch (num_ranks > 1) it is a collective: each rank samples its batches
+    (sample_features), the features are gathered to rank 0, which scores; the other ranks get
+    None and need only the extractors in `suites`."""
+    if rank == 0:
+        check_suites(suites)
     features = sample_features(unet, scheduler, [extractor for extractor, _, _ in suites], num_samples,
-                               num_inference_steps, seed, batch_size, device, num_classes, guidance_scale)
+                               num_inference_steps, seed, batch_size, device, num_classes, guidance_scale,
+                               rank, num_ranks)
+    if num_ranks > 1:
+        features = distributed.gather_to_main(features, rank, num_ranks)
+        if rank != 0:
+            return None
     return score_suites(features, suites, num_samples, seed)
 
 

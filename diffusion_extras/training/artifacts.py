@@ -282,15 +282,12 @@ def evaluate(unet, ema, noise_scheduler, suites, target: Target, num_samples: in
     rank, num_ranks = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
     with (sampling_copy or sampling_unet)(unet, ema) as copy:
-        features = evaluation.sample_features(copy, scheduler, [extractor for extractor, _, _ in suites], num_samples,
-                                              num_inference_steps, seed, batch_size, target.device,
-                                              None if class_names is None else len(class_names), guidance_scale,
-                                              rank, num_ranks)
-    if num_ranks > 1:
-        features = distributed.gather_to_main(features, rank, num_ranks)
-        if rank != 0:
-            return None, None
-    metrics = evaluation.score_suites(features, suites, num_samples, seed)
+        metrics = evaluation.evaluate_unet_metrics(copy, scheduler, suites, num_samples, num_inference_steps, seed,
+                                                   batch_size, target.device,
+                                                   None if class_names is None else len(class_names), guidance_scale,
+                                                   rank, num_ranks)
+    if metrics is None:  # not the main process
+        return None, None
     target.log_values({f"eval/{k}": float(v) for k, v in metrics.items()})
     names = {metric: extractor.name for extractor, _, group in suites for metric in group}
     return metrics, {f"{k} ({names[k]})" if k in names else k: v for k, v in metrics.items()}
