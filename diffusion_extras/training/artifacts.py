@@ -99,7 +99,7 @@ def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int
     else:
         per_row = sampling.grid_columns(num_images)
     rows = {}
-    with (sampling_copy or sampling_unet)(unet, ema) as copy:
+    with (sampling_copy or SamplingCopy())(unet, ema) as copy:
         for first in range(rank * per_row, num_images, num_ranks * per_row):
             count = min(per_row, num_images - first)
             rows[first] = sampling.generate(copy, scheduler, count, num_inference_steps, seed=seed,
@@ -281,7 +281,7 @@ def evaluate(unet, ema, noise_scheduler, suites, target: Target, num_samples: in
     accelerator = target.accelerator
     rank, num_ranks = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
-    with (sampling_copy or sampling_unet)(unet, ema) as copy:
+    with (sampling_copy or SamplingCopy())(unet, ema) as copy:
         metrics = evaluation.evaluate_unet_metrics(copy, scheduler, suites, num_samples, num_inference_steps, seed,
                                                    batch_size, target.device,
                                                    None if class_names is None else len(class_names), guidance_scale,
