@@ -29,6 +29,13 @@ if how == "sleep":
 """
 
 
+@pytest.fixture(autouse=True)
+def forking_allowed(monkeypatch):
+    """These tests are of the server itself: a caller's DDPM_TEST_FRESH_INTERPRETERS=1 (every other
+    command fresh) does not apply; the fresh side of each comparison sets it on its own command."""
+    monkeypatch.delenv("DDPM_TEST_FRESH_INTERPRETERS", raising=False)
+
+
 @pytest.fixture
 def probe(tmp_path):
     path = tmp_path / "probe.py"
@@ -43,9 +50,7 @@ def run_both(tmp_path, args, env=None, timeout=60):
     return forked, fresh
 
 
-def test_commands_go_through_the_server_unless_told_or_launched(tmp_path, probe, monkeypatch):
-    from conftest import cli_env
-    monkeypatch.delenv("DDPM_TEST_FRESH_INTERPRETERS", raising=False)  # the caller's choice: not this test's
+def test_commands_go_through_the_server_unless_told_or_launched(tmp_path, probe):
     env = cli_env(tmp_path)
     assert ForkServer.for_command(None, [probe, "exit", "0"], env) is not None
     assert ForkServer.for_command(None, ["-m", "diffusion_extras.sample", "--help"], env) is not None
