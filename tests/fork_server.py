@@ -9,10 +9,11 @@ the real entry point: its own argv, environment, working directory, stdout/stder
 
 What an import read from the environment must be what the child's environment says. While it
 preloads, the server records which variables each module reads at import (a tracing os.environ).
-Five modules turn the Hugging Face variables a test sets (HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT,
+Six modules turn the Hugging Face variables a test sets (HF_HOME, HF_HUB_OFFLINE, HF_ENDPOINT,
 HF_DATASETS_CACHE, HF_MODULES_CACHE, ...) into module values (REREAD): a child whose values differ
-evaluates their module-level assignments again under its own environment and puts every value that
-changed in place, in those modules and wherever another module imported it by name. Every other
+runs them again in scratch modules under its own environment and puts every plain value that
+changed in place, in those modules, wherever another module imported it by name, and in function
+defaults (reread_environment_values). Every other
 variable read at import is fixed: conftest.run_command sends a command here only when its values of
 those, and of what the interpreter itself reads at start-up (START_UP_VARIABLES), equal the
 server's, and runs a real subprocess otherwise (as for launchers such as torch.distributed.run,
@@ -66,10 +67,11 @@ PRELOADED = ("numpy", "torch", "torch.nn.functional", "torch._dynamo", "sympy", 
 # In order: huggingface_hub.utils._http reads none itself but derives _HUB_ORIGINS from the constants.
 REREAD = ("huggingface_hub.constants", "huggingface_hub.utils._http", "datasets.config", "diffusers.utils.constants",
           "transformers.utils.hub", "accelerate.commands.config.config_args")
-# Modules that scan the whole environment at import for variables of their own prefix.
 LAUNCHER = "torch.distributed.run"  # a command `python -m torch.distributed.run ...` forks its workers too
+# Modules that scan the whole environment at import for variables of their own prefix.
 SCANS = {"tqdm.utils": "TQDM_", "fsspec.config": "FSSPEC_"}
 FRAMES_OF_ENVIRON = ("os", "_collections_abc", "collections.abc")
+_ABSENT = object()
 
 
 class TracingEnviron(type(os.environ)):
@@ -120,14 +122,15 @@ def preload() -> tuple[dict, dict, dict]:
     return start, {key: start.get(key) for key in sorted(fixed)}, set_by_imports
 
 
-def reread_environment_values(server_environment: dict) -> None:
-    """In a child whose values of REREAD's variables differ from the server's: each REREAD module
+def reread_environment_values(read_in: dict) -> None:
+    """In a child whose values of REREAD's variables differ from `read_in` (the environment the
+    process it was forked from read them in): each REREAD module
     runs again, in order, in a scratch module under the child's environment, and each plain value
     (str, number, path, or a container of them) that came out different replaces the old object
     wherever it is: in the module, in any module holding it under the same name (`from .constants
     import X`), and as a default argument of a module-level function (`def f(path=CONSTANT)`)."""
     keys = {key for name in REREAD for key in TracingEnviron.reads.get(name, ())}
-    if all(os.environ.get(key) == server_environment.get(key) for key in keys):
+    if all(os.environ.get(key) == read_in.get(key) for key in keys):
         return
     changed = []
     for name in REREAD:
@@ -137,8 +140,8 @@ def reread_environment_values(server_environment: dict) -> None:
         scratch = importlib.util.module_from_spec(module.__spec__)
         module.__spec__.loader.exec_module(scratch)
         for key, value in vars(scratch).items():
-            old = vars(module).get(key, scratch)
-            if not key.startswith("__") and plain(value) and old is not scratch and _differs(old, value):
+            old = vars(module).get(key, _ABSENT)
+            if not key.startswith("__") and plain(value) and old is not _ABSENT and _differs(old, value):
                 setattr(module, key, value)  # now: the next REREAD module may derive from it
                 changed.append((key, old, value))
     # by identity only objects made at import (paths, URLs), never shared singletons (True, None, 1)
@@ -148,10 +151,12 @@ def reread_environment_values(server_environment: dict) -> None:
         if not isinstance(namespace, dict):
             continue
         for key, old, value in changed:
-            if namespace.get(key, scratch) is old:
+            if namespace.get(key, _ABSENT) is old:
                 namespace[key] = value
         for item in list(namespace.values()):
-            if isinstance(item, types.FunctionType) and item.__defaults__:
+            # type(), not isinstance: isinstance reads __class__, which some module attributes
+            # answer with a deprecation warning (torch.distributed.reduce_op) a fresh run never prints
+            if type(item) is types.FunctionType and item.__defaults__:
                 if any(id(default) in replacements for default in item.__defaults__):
                     item.__defaults__ = tuple(replacements.get(id(d), d) for d in item.__defaults__)
 
@@ -178,7 +183,7 @@ def start_up_key(env: dict) -> tuple:
     return tuple(env.get(name) for name in START_UP_VARIABLES)
 
 
-def run_child(request: dict, server_environment: dict, set_by_imports: dict, unbuffered: bool = False) -> None:
+def run_child(request: dict, read_in: dict, set_by_imports: dict, unbuffered: bool = False) -> None:
     """In the forked child: become `python argv...` and never return. Without "stdout"/"stderr"
     paths in the request, the standard streams are those the child was given (a worker's)."""
     code = 1
@@ -189,7 +194,7 @@ def run_child(request: dict, server_environment: dict, set_by_imports: dict, unb
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update({**set_by_imports, **request["env"]})
-        reread_environment_values(server_environment)
+        reread_environment_values(read_in)
         if "stdout" in request:
             os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
             for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
@@ -200,7 +205,7 @@ def run_child(request: dict, server_environment: dict, set_by_imports: dict, unb
         argv = request["argv"]
         sys.argv = list(argv)
         if argv[:2] == ["-m", LAUNCHER]:
-            fork_the_launchers_workers(server_environment, set_by_imports)
+            fork_the_launchers_workers(set_by_imports)
         try:
             if argv[0] == "-m":  # python -m module args: sys.path[0] is the working directory
                 sys.argv = [argv[1], *argv[2:]]
@@ -231,7 +236,7 @@ def run_child(request: dict, server_environment: dict, set_by_imports: dict, unb
         os._exit(code)
 
 
-def fork_the_launchers_workers(server_environment: dict, set_by_imports: dict) -> None:
+def fork_the_launchers_workers(set_by_imports: dict) -> None:
     """In a child running torch.distributed.run: its workers (`python -u SCRIPT ARGS`, started by
     torch's SubprocessHandler with subprocess.Popen in a new session) are forks of this process
     run as run_child runs a command, each in its own session with the streams torch gives it. What
@@ -247,6 +252,7 @@ def fork_the_launchers_workers(server_environment: dict, set_by_imports: dict) -
 
     atexit.register = recording_register
     root_handlers = list(logging.getLogger().handlers)
+    read_in = dict(os.environ)  # the launcher has read its values in this environment: workers that share it skip
 
     class WorkerPopen(subprocess.Popen):
         def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
@@ -270,7 +276,7 @@ def fork_the_launchers_workers(server_environment: dict, set_by_imports: dict) -
                     argv, unbuffered = args[1:], args[1:2] == ["-u"]
                     run_child({"argv": argv[1:] if unbuffered else argv, "cwd": cwd or os.getcwd(),
                                "env": dict(env if env is not None else os.environ)},
-                              server_environment, set_by_imports, unbuffered)
+                              read_in, set_by_imports, unbuffered)
                 finally:
                     os._exit(1)
             self.pid, self._child_created = pid, True
