@@ -36,6 +36,7 @@ CARD_PLOT = "images/loss_per_timestep.png"
 HELD_OUT_PLOT = "images/held_out_loss.png"
 GRAD_PLOT = "images/grad_per_timestep.png"
 DEBUG_SEEDS = 4  # seeds in the denoising strip; the raw-vs-EMA grid shows up to 16
+DEBUG_IMAGES = ("raw_vs_ema", "denoising")  # written beside each sample grid (save_debug_images)
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,18 @@ class Target:
 
 
 # ----------------------------------------------------------------------------- images and plots
-def sample_grid_paths(output_dir: str, step: int) -> list[str]:
-    """The files one sample grid writes under samples/ (the grid and its debug images)."""
-    return [os.path.join(output_dir, "samples", f"step_{step:06d}{suffix}.png")
-            for suffix in ("", "_raw_vs_ema", "_denoising")]
+def samples_file(step: int, suffix: str = "") -> str:
+    """samples/step_XXXXXX{suffix}.png, relative to the output folder: the grid of `step` and,
+    with a suffix, the debug images beside it."""
+    return os.path.join("samples", f"step_{step:06d}{suffix}.png")
+
+
+def sample_grid_path(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, samples_file(step))
+
+
+def debug_image_paths(output_dir: str, step: int) -> list[str]:
+    return [os.path.join(output_dir, samples_file(step, f"_{name}")) for name in DEBUG_IMAGES]
 
 
 def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int, num_inference_steps: int,
@@ -110,7 +119,7 @@ def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int
     if rank != 0:
         return None
     grid = sampling.image_grid(np.concatenate([rows[first] for first in sorted(rows)]), nrow=per_row)
-    path = target.path(os.path.join("samples", f"step_{target.step:06d}.png"))
+    path = target.path(samples_file(target.step))
     grid.save(path)
     shutil.copyfile(path, target.path(CARD_GRID))
     target.log_image("samples", grid)
@@ -137,7 +146,7 @@ def save_debug_images(unet, ema, noise_scheduler, target: Target, num_images: in
                                                               num_inference_steps, seed=seed, device=target.device)
     paths = []
     for name, image in images.items():
-        paths.append(target.path(os.path.join("samples", f"step_{target.step:06d}_{name}.png")))
+        paths.append(target.path(samples_file(target.step, f"_{name}")))
         image.save(paths[-1])
         target.log_image(name, image)
     return paths

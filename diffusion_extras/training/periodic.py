@@ -38,7 +38,7 @@ def run_main_process_extras(run: Run, step: int, last: bool) -> None:
             artifacts.posthoc_snapshot(unet, extras.posthoc_ema, target)
     if step % plan.save_images_steps == 0 or last:
         with end_of_run_work(run, "final debug images and loss plot", last), \
-                guarded_write(run, "sample grid", artifacts.sample_grid_paths(config.output_dir, step)[1:]):
+                guarded_write(run, "sample grid", artifacts.debug_image_paths(config.output_dir, step)):
             artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings)
             artifacts.save_loss_plot(extras.diagnostics, objective.schedule.alphas_cumprod.cpu(), run.data.sigma_data,
                                      config.prediction_type, target)
@@ -62,7 +62,7 @@ def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
     if not (step % run.plan.save_images_steps == 0 or last):
         return
     target = artifacts.Target(config.output_dir, step, accelerator, run.history)
-    writes = (guarded_write(run, "sample grid", artifacts.sample_grid_paths(config.output_dir, step)[:1])
+    writes = (guarded_write(run, "sample grid", [artifacts.sample_grid_path(config.output_dir, step)])
               if accelerator.is_main_process else contextlib.nullcontext())  # the other ranks write nothing
     with end_of_run_work(run, f"final sample grid ({config.eval_batch_size} images, "
                               f"{config.ddpm_num_inference_steps} DDIM steps)", last), writes:
