@@ -156,9 +156,12 @@ def test_a_forked_child_holds_the_module_values_of_a_fresh_interpreter_under_its
 RANK_PROBE = """
 import json, os, sys
 import huggingface_hub.constants
-print(json.dumps({"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "argv": sys.argv[1:],
-                  "path0": sys.path[0], "endpoint": huggingface_hub.constants.ENDPOINT,
-                  "pgid_is_pid": os.getpgid(0) == os.getpid()}))
+report = json.dumps({"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "argv": sys.argv[1:],
+                     "path0": sys.path[0], "endpoint": huggingface_hub.constants.ENDPOINT,
+                     "pgid_is_pid": os.getpgid(0) == os.getpid()})
+# one write per line: torchrun runs its workers with `python -u`, where print() writes the text
+# and its newline in two system calls, so two ranks printing at once can put both reports on one line
+os.write(1, (report + "\\n").encode())
 if sys.argv[1] == "fail" and os.environ["RANK"] == "1":
     sys.exit(7)
 """
