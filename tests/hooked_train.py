@@ -16,6 +16,8 @@ DDPM_TEST_ENOSPC_AT=WHAT:N    OSError(ENOSPC) at the first guarded write WHAT ("
                               mid-save (files written, no marker yet).
 DDPM_TEST_FILL_DISK_IN_SAVE=N:PATH  while checkpoint N is being completed, PATH grows until the disk is
                               full: the marker then meets a real ENOSPC (tests on a small tmpfs).
+DDPM_TEST_FILL_DISK_AT=WHAT:N:PATH  at the first guarded write WHAT at or after step N, PATH grows until the
+                              disk is full: that write then creates its files and meets a real ENOSPC.
 DDPM_TEST_RECORD_LABELS=PATH  each training forward appends {"rank", "micro_step", "means": the clean images'
                               mean pixel in [-1, 1], "labels": the class labels the UNet is given} to PATH (JSON
                               lines): which label reached the model with which image. Not a fault.
@@ -140,16 +142,26 @@ def add_disk_faults(hooks: Hooks, environ) -> None:
     if fill_in_save:
         step, path = fill_in_save.split(":", 1)
         saving = in_save(step)
+        hooks.before_checkpoint_marker = chain(hooks.before_checkpoint_marker,
+                                               lambda directory: saving(directory) and fill_disk(path))
+    fill_at = environ.get("DDPM_TEST_FILL_DISK_AT")
+    if fill_at:
+        what, step, path = fill_at.split(":", 2)
 
-        def fill_disk(directory):
-            if saving(directory):
-                with open(path, "wb", buffering=0) as fh:
-                    try:
-                        while True:
-                            fh.write(b"\0" * 65536)
-                    except OSError as error:
-                        assert error.errno == errno.ENOSPC
-        hooks.before_checkpoint_marker = chain(hooks.before_checkpoint_marker, fill_disk)
+        def fill_before_write(run, name):
+            if name == what and run.progress.global_step >= int(step) and not os.path.exists(path):
+                fill_disk(path)
+        hooks.before_write = fill_before_write
+
+
+def fill_disk(path) -> None:
+    """PATH grows until its file system is full (another writer taking the space)."""
+    with open(path, "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 4096)
+        except OSError as error:
+            assert error.errno == errno.ENOSPC
 
 
 def slow_down_set_epoch(environ) -> None:

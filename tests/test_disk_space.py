@@ -2,6 +2,8 @@
 ENOSPC that still happens (checkpoint, export, grid, history) removes the partial files; both
 print one line naming the folder, the free and needed space and the newest checkpoint, and exit 5.
 Freeing space and resuming as the line says gives the uninterrupted run's weights, bit for bit."""
+import errno
+import io
 import os
 import subprocess
 
@@ -36,6 +38,10 @@ def leftovers(output_dir) -> list:
 @pytest.mark.parametrize("what, newest", [("checkpoint", 2), ("pipeline export", 4), ("sample grid", 4),
                                           ("log history", 2)])
 def test_enospc_at_each_write_is_one_line_cleanup_and_resume(straight, hooked_train, tmp_path, what, newest):
+    """The error line and the resume after an ENOSPC at each guarded write. The error is raised
+    before that write starts (checkpoint: after its files, before the marker), so the cleanup of
+    real partial files is asserted by test_real_full_disk_at_export_and_grid (a tmpfs, root) and
+    test_a_failed_write_removes_the_partial_files_it_left (in-process, any user)."""
     recipe, reference = straight
     out = tmp_path / "run"
     result = hooked_train(recipe, out, env={"DDPM_TEST_ENOSPC_AT": f"{what}:4"}, check=False)
@@ -111,3 +117,78 @@ def test_real_full_disk_mid_save_then_free_and_resume(straight, hooked_train, sm
     os.remove(filler)
     hooked_train(recipe, out, "--resume_from_checkpoint", "latest")
     assert_same_state(reference, out, STEPS)
+
+
+@pytest.mark.parametrize("what, partial", [("pipeline export", ".pipeline.tmp"),
+                                           ("sample grid", "samples/step_000004")])
+def test_real_full_disk_at_export_and_grid_removes_what_the_write_created(straight, hooked_train, small_disk, what,
+                                                                          partial):
+    """The disk fills just before the export / the grid of step 4 (another writer takes the space): the
+    write creates its files and meets a real ENOSPC. The line names the partial files it removed
+    (so they existed), none is left, and resuming after freeing the space finishes the run exactly."""
+    recipe, reference = straight
+    out, filler = small_disk / "run", small_disk / "filler"
+    result = hooked_train(recipe, out, env={"DDPM_TEST_FILL_DISK_AT": f"{what}:4:{filler}"}, check=False)
+    line = the_error_line(result)
+    assert line.startswith(f"error: no space left on the device while writing the {what} in {out} (")
+    assert f"; removed the partial {out / partial}" in line, line
+    assert f"newest complete checkpoint: {out / 'checkpoint-4'}" in line
+    removed = line.split("; removed the partial ", 1)[1].split(". Everything written before", 1)[0].split(", ")
+    assert leftovers(out) == [] and not any(os.path.exists(path) for path in removed), line
+    os.remove(filler)
+    hooked_train(recipe, out, "--resume_from_checkpoint", "latest")
+    assert_same_state(reference, out, STEPS)
+
+
+def write_bytes(path, size: int) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as fh:
+        fh.write(b"\0" * size)
+
+
+@pytest.mark.parametrize("what", ["pipeline export", "sample grid", "debug images"])
+def test_a_failed_write_removes_the_partial_files_it_left(tmp_path, what):
+    """disk_space.guarded_write with the partial paths the trainer gives it (training/periodic.py):
+    the write leaves real files, then meets ENOSPC; they are removed and named, nothing else is."""
+    from diffusion_extras.training import artifacts, models
+    from diffusion_extras.training.disk_space import guarded_write
+    from diffusion_extras.training.stops import DiskFull
+    out = str(tmp_path)
+    partial = {"pipeline export": [os.path.join(out, models.EXPORT_STAGING)],
+               "sample grid": [artifacts.sample_grid_path(out, 4)],
+               "debug images": artifacts.debug_image_paths(out, 4)}[what]
+    written = [os.path.join(partial[0], "unet", "weights")] if what == "pipeline export" else partial[:2]
+    os.makedirs(tmp_path / "logs")
+    (tmp_path / "logs" / "kept").write_text("older")
+    with pytest.raises(DiskFull) as stopped:
+        with guarded_write(what, out, partial):
+            for path in written[:-1]:
+                write_bytes(path, 100)
+            write_bytes(written[-1], 1000)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), written[-1])  # the next write meets a full disk
+    assert all(not os.path.exists(path) for path in partial)
+    removed = [path for path in partial if any(w.startswith(path) for w in written)]
+    assert f"; removed the partial {', '.join(removed)}." in str(stopped.value)
+    assert (tmp_path / "logs" / "kept").read_text() == "older"
+
+
+def test_history_append_that_meets_a_full_disk_leaves_no_torn_line(tmp_path, monkeypatch):
+    """History.append writes part of its line, then the disk is full: the file is as before, so a
+    resume reads every line. (A write that stops short, then fails: what a full file system does.)"""
+    from diffusion_extras.training import tracking
+    history = tracking.History(str(tmp_path))
+    history.append({"step": 1, "loss": 0.5})
+    before = open(history.path, "rb").read()
+    real_open = open
+
+    class FillsUp(io.FileIO):
+        def write(self, data):
+            if len(data) > 20:
+                return super().write(bytes(data)[:20])  # a short write: part of the line is on disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(tracking, "open", lambda path, mode, buffering=-1: FillsUp(path, "a"), raising=False)
+    with pytest.raises(OSError):
+        history.append({"step": 2, "loss": 0.25, "note": "x" * 100})
+    monkeypatch.setattr(tracking, "open", real_open, raising=False)
+    assert open(history.path, "rb").read() == before and history.read() == [{"step": 1, "loss": 0.5}]
