@@ -21,6 +21,10 @@ DDPM_TEST_FILL_DISK_AT=WHAT:N:PATH  at the first guarded write WHAT at or after 
 DDPM_TEST_RECORD_LABELS=PATH  each training forward appends {"rank", "micro_step", "means": the clean images'
                               mean pixel in [-1, 1], "labels": the class labels the UNet is given} to PATH (JSON
                               lines): which label reached the model with which image. Not a fault.
+DDPM_TEST_RECORD_SHARES=DIR   each call of evaluation.metrics.sample_features (the images one rank samples
+                              for FID/KID) appends {"firsts": its batches' first image indices, "images":
+                              how many} to DIR/rank<RANK>.jsonl (record_shares; a wrapper that passes
+                              every call through). Not a fault.
 DDPM_TEST_DYNAMO_COUNTS=DIR   after each optimizer step and at the end, this process's torch.compile tallies
                               (conftest.dynamo_counts) as a line of DIR/rank<i>.jsonl.
 """
@@ -93,6 +97,30 @@ def write_dynamo_counts(folder: str, step) -> None:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a") as fh:
         fh.write(json.dumps({"step": step, **dynamo_counts()}) + "\n")
+
+
+def record_shares(folder: str) -> None:
+    """Note what each call of metrics.sample_features returns on this rank (the call is unchanged)."""
+    from diffusion_extras.evaluation import metrics
+    sample_features = metrics.sample_features
+
+    def recording(*args, **kwargs):
+        features = sample_features(*args, **kwargs)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a") as fh:
+            fh.write(json.dumps({"firsts": sorted(features),
+                                 "images": sum(len(value[0]) for value in features.values())}) + "\n")
+        return features
+    metrics.sample_features = recording
+
+
+def read_shares(folder) -> dict:
+    """{rank: [record_shares' records of that rank, in call order]} from `folder`."""
+    shares = {}
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name)) as fh:
+            shares[int(name[len("rank"):-len(".jsonl")])] = [json.loads(line) for line in fh]
+    return shares
 
 
 def chain(first, second):
@@ -174,6 +202,8 @@ def slow_down_set_epoch(environ) -> None:
 
 if __name__ == "__main__":
     slow_down_set_epoch(os.environ)
+    if os.environ.get("DDPM_TEST_RECORD_SHARES"):
+        record_shares(os.environ["DDPM_TEST_RECORD_SHARES"])
     status = main(hooks=hooks_from_environment(os.environ))
     if os.environ.get("DDPM_TEST_DYNAMO_COUNTS"):
         write_dynamo_counts(os.environ["DDPM_TEST_DYNAMO_COUNTS"], "end")

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import save_random_images, save_tiny_pipeline, tiny_unet
 from diffusers import DDPMScheduler
+from hooked_train import read_shares
 
 from diffusion_extras.evaluation.metrics import (
     ReferenceStatistics,
@@ -200,9 +201,12 @@ def test_cli_under_a_two_rank_launch_reports_the_one_rank_metrics(run_cli, tmp_p
              "--device", "cpu"]
     from diffusion_extras.cli import evaluate
     assert evaluate.main([*flags, "--output", str(tmp_path / "one.json")]) == 0  # one process: in this one
-    run_cli(["-m", "diffusion_extras.evaluate", *flags, "--output", str(tmp_path / "two.json")], launcher=torchrun(),
-            env={"ACCELERATE_USE_CPU": "1"}, check=True)
+    shares = tmp_path / "shares"
+    run_cli(["tests/recording_evaluate.py", *flags, "--output", str(tmp_path / "two.json")], launcher=torchrun(),
+            env={"ACCELERATE_USE_CPU": "1", "DDPM_TEST_RECORD_SHARES": str(shares)}, check=True)
     assert json.loads((tmp_path / "two.json").read_text()) == json.loads((tmp_path / "one.json").read_text())
+    # each rank sampled its own batches, not all of them nor none: rank 0 images 0-3 and 8-9, rank 1 4-7
+    assert read_shares(shares) == {0: [{"firsts": [0, 8], "images": 6}], 1: [{"firsts": [4], "images": 4}]}
 
 
 @pytest.mark.parametrize("reference, message", [("nowhere", "neither a folder of images nor"),
