@@ -119,20 +119,23 @@ def test_evaluate_samples_a_conditional_pipeline_class_balanced_at_the_guidance_
     assert np.isfinite(report["fid"]) and json.loads(capsys.readouterr().out) == report
 
 
-@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
-def test_guidance_is_one_batched_call_combined_in_fp32(prediction_type):
-    unet = tiny_unet(num_class_embeds=4).eval()
+@pytest.mark.parametrize("net_dtype", [torch.float32, torch.bfloat16])
+def test_guidance_is_one_batched_call_combined_in_fp32(net_dtype):
+    """One UNet call on [conditional; "no class"], combined in fp32 even when the UNet runs in bf16.
+    (No prediction type is given: the function guides the raw output, which is right for each type,
+    as its docstring shows; the dtype is what it can get wrong.)"""
+    unet = tiny_unet(num_class_embeds=4).eval().to(net_dtype)
     calls = []
     unet.register_forward_hook(lambda module, args, output: calls.append(1))
     sample, labels = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 2])
     with torch.no_grad():
         guided = guided_model_output(unet, sample, 10, labels, 3.0)
         assert len(calls) == 1  # conditional and "no class" in one call
-        conditional = unet(sample, 10, class_labels=labels).sample
-        unconditional = unet(sample, 10, class_labels=torch.full_like(labels, 3)).sample
-    expected = unconditional + 3.0 * (conditional - unconditional)
-    torch.testing.assert_close(guided, expected, rtol=1e-5, atol=1e-5)
+        both = unet(torch.cat([sample, sample]).to(net_dtype), 10, class_labels=torch.tensor([0, 2, 3, 3])).sample
+    conditional, unconditional = both.float().chunk(2)
+    expected = unconditional + 3.0 * (conditional - unconditional)  # in fp32 from the net's outputs
     assert guided.dtype == torch.float32
+    torch.testing.assert_close(guided, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_no_label_column_is_one_line_naming_the_columns(train, tiny_recipe, tmp_path):
