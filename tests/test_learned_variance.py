@@ -65,8 +65,15 @@ def test_diagnostics_bin_the_bound_terms_and_sum_them_over_t():
     assert window["vlb_bin/00"] == 2.0 and window["vlb_bin/01"] == 0.5
     assert window["vlb_bits_per_dim"] == 5 * 2.0 + 5 * 0.5  # bin width x mean term, summed
     assert window["loss_bin/00"] == 1.0  # the simple loss's bins as before
-    state = diagnostics.state_dict()
-    diagnostics.load_state_dict(state)
+
+    # a resume mid-window: the open window's bound terms, the running loss and the totals come back
+    diagnostics.update_loss(torch.tensor([1, 8]), torch.tensor([4.0, 6.0]))
+    diagnostics.update_bound(torch.tensor([2, 8]), torch.tensor([7.0, 0.25]))
+    resumed = TimestepDiagnostics(num_train_timesteps=10, num_bins=2, bound_terms=True)
+    resumed.load_state_dict(diagnostics.state_dict())
+    np.testing.assert_array_equal(resumed.running_bin_loss, diagnostics.running_bin_loss)
+    expected, got = diagnostics.reduce_and_reset(), resumed.reduce_and_reset()
+    assert got == expected and got["vlb_bin/00"] == 7.0 and got["vlb_bin/01"] == 0.25
 
 
 @pytest.mark.parametrize("scheduler", ["ddpm", "ddim", "dpm"])
