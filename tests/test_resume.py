@@ -20,19 +20,53 @@ def torchrun():
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
+def assert_same_tree(x, y, where: str) -> None:
+    """x and y equal all the way down (dicts: same keys; lists: same length; tensors: bitwise)."""
+    assert type(x) is type(y), f"{where}: {type(x).__name__} vs {type(y).__name__}"
+    if isinstance(x, dict):
+        assert x.keys() == y.keys(), f"{where}: keys {sorted(map(str, x))} vs {sorted(map(str, y))}"
+        for key in x:
+            assert_same_tree(x[key], y[key], f"{where}[{key!r}]")
+    elif isinstance(x, (list, tuple)):
+        assert len(x) == len(y), f"{where}: {len(x)} vs {len(y)} items"
+        for index, (item_x, item_y) in enumerate(zip(x, y)):
+            assert_same_tree(item_x, item_y, f"{where}[{index}]")
+    elif isinstance(x, torch.Tensor):
+        assert x.dtype == y.dtype and torch.equal(x, y), f"{where}: tensors differ"
+    else:
+        assert x == y or (x != x and y != y), f"{where}: {x!r} vs {y!r}"  # (nan == nan here)
+
+
 def assert_same_state(a, b, step):
-    """Same losses at every step, same exported (EMA) weights, same training weights and optimizer."""
+    """Same losses at every step, same exported (EMA) weights, and checkpoint-`step` the same in its
+    training weights, optimizer state and every custom state (LR schedule, EMA, diagnostics, ...)."""
     la, lb = read_history(a), read_history(b)
     assert [h["step"] for h in la] == [h["step"] for h in lb] == list(range(1, step + 1))
     assert [h["loss"] for h in la] == [h["loss"] for h in lb]
-    wa, wb = load_unet_weights(a), load_unet_weights(b)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa), "exported EMA weights differ"
-    ta = load_file(os.path.join(a, f"checkpoint-{step}", "model.safetensors"))
-    tb = load_file(os.path.join(b, f"checkpoint-{step}", "model.safetensors"))
-    assert all(torch.equal(ta[k], tb[k]) for k in ta), "training weights differ"
-    ea = torch.load(os.path.join(a, f"checkpoint-{step}", "custom_checkpoint_1.pkl"), weights_only=True)
-    eb = torch.load(os.path.join(b, f"checkpoint-{step}", "custom_checkpoint_1.pkl"), weights_only=True)
-    assert all(torch.equal(x, y) for x, y in zip(ea["shadow_params"], eb["shadow_params"]))
+    assert_same_tree(load_unet_weights(a), load_unet_weights(b), "exported weights")
+    ca, cb = os.path.join(a, f"checkpoint-{step}"), os.path.join(b, f"checkpoint-{step}")
+    states = sorted(name for name in os.listdir(ca) if name == "optimizer.bin" or name.startswith("custom_checkpoint_"))
+    assert "optimizer.bin" in states and states == sorted(
+        name for name in os.listdir(cb) if name == "optimizer.bin" or name.startswith("custom_checkpoint_"))
+    assert_same_tree(load_file(os.path.join(ca, "model.safetensors")), load_file(os.path.join(cb, "model.safetensors")),
+                     "training weights")
+    for name in states:
+        assert_same_tree(torch.load(os.path.join(ca, name), weights_only=True),
+                         torch.load(os.path.join(cb, name), weights_only=True), f"checkpoint-{step}/{name}")
+
+
+def test_assert_same_tree_sees_an_optimizer_moment_and_a_missing_item():
+    """The comparison assert_same_state makes: one moment element off, or one EMA tensor fewer, fails."""
+    import copy
+    optimizer = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.tensor([1.0, 2.0])}},
+                 "param_groups": [{"lr": 1e-3, "params": [0]}]}
+    assert_same_tree(optimizer, copy.deepcopy(optimizer), "optimizer")
+    moved = copy.deepcopy(optimizer)
+    moved["state"][0]["exp_avg"][1] = 2.5
+    with pytest.raises(AssertionError, match=r"optimizer\['state'\]\[0\]\['exp_avg'\]"):
+        assert_same_tree(optimizer, moved, "optimizer")
+    with pytest.raises(AssertionError, match="2 vs 1 items"):
+        assert_same_tree({"shadow_params": [torch.zeros(1), torch.ones(1)]}, {"shadow_params": [torch.zeros(1)]}, "ema")
 
 
 @pytest.mark.parametrize("accumulation,half,extras", [
