@@ -362,12 +362,34 @@ def load_bench_module(name: str):
     return module
 
 
+COMMAND_FIXTURES = {"run_cli", "train", "hooked_train", "tiny_reference_run"}  # they run the command line
+
+
+def starts_a_command(item) -> bool:
+    """The test runs a command (run_command, directly or through a fixture, or a fixture of its module
+    that trains through the command line): it is a test of the command-line contract (marker `cli`)."""
+    import inspect
+    if COMMAND_FIXTURES & set(item.fixturenames):
+        return True
+    sources = [getattr(item, "function", None)] + [
+        definitions[-1].func for definitions in item._fixtureinfo.name2fixturedefs.values()
+        if definitions and definitions[-1].func.__module__ == item.module.__name__]
+    try:
+        return any(("run_command(" in text or "run_training(" in text)
+                   for text in (inspect.getsource(source) for source in sources if source is not None))
+    except (OSError, TypeError):
+        return False
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks (pyproject: --dist loadgroup)
 def pytest_collection_modifyitems(config, items):
-    """Tests that read one module-scoped fixture of their module (most are a training run made once
+    """Tests that start a command are marked `cli` (.ci/run runs them again in fresh interpreters).
+    Tests that read one module-scoped fixture of their module (most are a training run made once
     and read by several tests) run on one xdist worker, so it is made once, not once per worker.
     Module-scoped fixtures of this file (a setting such as one_cpu_thread) group nothing."""
     for item in items:
+        if starts_a_command(item):
+            item.add_marker(pytest.mark.cli)
         for name in item.fixturenames:
             definitions = item._fixtureinfo.name2fixturedefs.get(name)
             if (definitions and definitions[-1].scope == "module"
@@ -378,3 +400,5 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run them with `pytest -m cuda`")
+    config.addinivalue_line("markers", "cli: starts a command (set at collection: conftest.starts_a_command); "
+                                       ".ci/run runs these again with DDPM_TEST_FRESH_INTERPRETERS=1")
