@@ -20,6 +20,7 @@ from diffusion_extras.data.batch_order import mix_seed
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     guided_model_output,
     scheduler_model_output,
+    scheduler_step,
     unconditional_inputs,
 )
 
@@ -76,7 +77,7 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
             model_output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels,
                                                guidance_scale, dtype)
             model_output = scheduler_model_output(scheduler, model_output, sample)
-            sample = scheduler.step(model_output, t, sample, generator=generators).prev_sample
+            sample = scheduler_step(scheduler, model_output, t, sample, generators)
             step_bar.update(len(generators))
             continue
         model_input = scheduler.scale_model_input(sample, t).to(net_dtype)
