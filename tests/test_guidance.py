@@ -11,7 +11,7 @@ from diffusers.configuration_utils import register_to_config
 from diffusers.models.unets.unet_2d import UNet2DOutput
 
 from diffusion_extras.evaluation import sampling
-from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline
+from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, noise_level
 
 MEANS = (-0.5, 0.5)  # per-pixel means of the two classes, in the [-1, 1] data range
 STD = 0.5  # per-pixel standard deviation within a class: wide enough that guided x0 estimates leave [-1, 1]
@@ -80,3 +80,59 @@ def test_generate_keeps_the_class_under_guidance(name):
     images = sampling.generate(MixtureEpsilon(), scheduler, len(LABELS), 20, seed=0, class_labels=LABELS,
                                guidance_scale=4.0)
     assert ((torch.from_numpy(images).float().flatten(1).mean(1) > 127.5).long() == torch.tensor(LABELS)).all()
+
+
+def sample_pipeline(pipe, guidance_scale=3.0, **call) -> torch.Tensor:
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(class_labels=LABELS[:4], guidance_scale=guidance_scale, num_inference_steps=10,
+                generator=torch.manual_seed(0), output_type="pt", **call).images
+
+
+def conditional_pipeline(**parts) -> ClassConditionalPipeline:
+    from conftest import tiny_unet
+    unet = tiny_unet(num_class_embeds=3)
+    return ClassConditionalPipeline(unet=unet, scheduler=DDIMScheduler.from_config(DDPMScheduler().config),
+                                    id2label={0: "dark", 1: "bright"}, **parts)
+
+
+def test_an_interval_covering_every_noise_level_is_cfg_bit_for_bit_and_outside_it_one_unguided_call():
+    pipe = conditional_pipeline()
+    everywhere = sample_pipeline(pipe, guidance_interval=(0.0, float("inf")))
+    assert torch.equal(everywhere, sample_pipeline(pipe))
+    assert torch.equal(sample_pipeline(pipe, guidance_interval=(1e9, 2e9)), sample_pipeline(pipe, guidance_scale=1.0))
+    batches = []
+    pipe.unet.register_forward_pre_hook(lambda module, args: batches.append(len(args[0])))
+    middle = (0.5, 5.0)  # Kynkäänniemi et al.'s kind of interval: neither the noisiest nor the cleanest steps
+    sample_pipeline(pipe, guidance_interval=middle)
+    sigmas = [noise_level(pipe.scheduler, t) for t in pipe.scheduler.timesteps]
+    assert batches == [8 if middle[0] < sigma <= middle[1] else 4 for sigma in sigmas] and 8 in batches and 4 in batches
+
+
+def test_a_guide_equal_to_the_model_is_no_guidance_bit_for_bit():
+    pipe = conditional_pipeline()
+    pipe.guide = pipe.unet
+    assert torch.equal(sample_pipeline(pipe, guidance_scale=3.0), sample_pipeline(pipe, guidance_scale=1.0))
+    assert not torch.equal(sample_pipeline(pipe, autoguidance=False), sample_pipeline(pipe, guidance_scale=1.0))
+
+
+def test_autoguidance_of_an_unconditional_model_through_generate():
+    """The same with the package's sampler and an unconditional UNet; a different guide does guide."""
+    from conftest import tiny_unet
+    unet, weaker = tiny_unet(seed=0), tiny_unet(seed=1)
+    scheduler = sampling.make_scheduler("ddim", DDPMScheduler().config)
+    plain = sampling.generate(unet, scheduler, 2, 5, seed=0)
+    assert (sampling.generate(unet, scheduler, 2, 5, seed=0, guide=unet, guidance_scale=3.0) == plain).all()
+    assert (sampling.generate(unet, scheduler, 2, 5, seed=0, guide=weaker, guidance_scale=3.0) != plain).any()
+
+
+def test_a_saved_guide_loads_with_the_pipeline(tmp_path):
+    from conftest import tiny_unet
+    pipe = conditional_pipeline(guide=tiny_unet(num_class_embeds=3, seed=1))
+    pipe.save_pretrained(tmp_path)
+    loaded = ClassConditionalPipeline.from_pretrained(tmp_path)
+    assert loaded.guide is not None and torch.equal(sample_pipeline(loaded), sample_pipeline(pipe))
+    without = conditional_pipeline()
+    without.save_pretrained(tmp_path / "plain")
+    assert ClassConditionalPipeline.from_pretrained(tmp_path / "plain").guide is None
+    with pytest.raises(ValueError, match="autoguidance=True needs a guide"):
+        sample_pipeline(without, autoguidance=True)
