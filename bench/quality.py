@@ -304,7 +304,8 @@ def main(argv=None) -> None:
             args.out, args.time_budget, args.config, extra, args.calibration_steps)}
         steps = result["time_budget"]["steps"]
     run_dir = os.path.join(args.out, f"run-{steps}")
-    result.update(steps=steps, train_seconds=train(run_dir, steps, args.config, extra))
+    result.update(steps=steps, train_seconds=float("nan") if args.from_checkpoint else train(
+        run_dir, steps, args.config, extra))
     scorer = DigitScorer.for_recipe(args.config, extra, args.num_samples)
     result.update(floor=scorer.floor, held_out_images=len(scorer.held_out), num_samples=args.num_samples)
     if args.from_checkpoint:
