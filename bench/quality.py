@@ -145,26 +145,55 @@ def evaluate(run_dir: str, scorer: DigitScorer, num_samples: int) -> dict:
             "real_confident_coverage": score_digits(scorer.classifier, scorer.held_out)}
 
 
-def pipeline_sampler(run_dir: str, seed: int = 1, num_inference_steps: int = 50, batch_size: int = 100):
-    """(sample, number of classes) for the exported ClassConditionalPipeline with DDIM:
-    sample(class_labels, guidance_scale) -> uint8 [N, H, W, C]. Image i has its own generator
-    (seeded from (seed, i)), so its noise is the same at every guidance scale and batch size."""
+def export_checkpoint(recipe: str | None, extra: list[str], checkpoint: str, folder: str) -> str:
+    """A ClassConditionalPipeline in `folder` with the EMA weights of a training checkpoint (accelerate's
+    custom_checkpoint_1.pkl: the lr scheduler is registered first, the EMA second), for measuring a
+    run that has not finished, or an earlier step as an autoguidance guide."""
+    import torch
+
+    from diffusion_extras.data import images as data
+    from diffusion_extras.data.labels import class_labels
+    from diffusion_extras.training import models
+    from diffusion_extras.training.config import parse_config
+    if os.path.isfile(os.path.join(folder, "model_index.json")):
+        return folder
+    config = parse_config([*(["--config", recipe] if recipe else []), *extra])
+    _, names = class_labels(data.load_image_dataset(config), config.label_column)
+    unet = models.build_unet(config, models.follow_data(config, 1, names).model)
+    shadow = torch.load(os.path.join(checkpoint, "custom_checkpoint_1.pkl"), weights_only=False)["shadow_params"]
+    with torch.no_grad():
+        for parameter, value in zip(unet.parameters(), shadow, strict=True):
+            parameter.copy_(value)
+    models.save_class_conditional(unet, models.build_noise_scheduler(config), names, folder)
+    return folder
+
+
+def pipeline_sampler(run_dir: str, seed: int = 1, num_inference_steps: int = 50, batch_size: int = 100,
+                     scheduler: str = "ddim", guide: str | None = None):
+    """(sample, number of classes) for the exported ClassConditionalPipeline with `scheduler`
+    ("pipeline": its own) swapped in from its config as users do: sample(class_labels,
+    guidance_scale, **call) -> uint8 [N, H, W, C], `call` going to the pipeline (guidance_interval,
+    autoguidance). `guide`: a pipeline folder whose UNet becomes pipeline.guide. Image i has its own
+    generator (seeded from (seed, i)), so its noise is the same at every guidance scale and batch size."""
     import torch
 
     from diffusion_extras.evaluation import sampling
     from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, null_class
     pipeline = ClassConditionalPipeline.from_pretrained(run_dir)
-    pipeline.scheduler = sampling.make_scheduler("ddim", pipeline.scheduler.config)
+    if scheduler != "pipeline":
+        pipeline.scheduler = sampling.make_scheduler(scheduler, pipeline.scheduler.config)
+    if guide:
+        pipeline.guide = ClassConditionalPipeline.from_pretrained(guide).unet
     pipeline.set_progress_bar_config(disable=True)
 
-    def sample(class_labels: list[int], guidance_scale: float) -> np.ndarray:
+    def sample(class_labels: list[int], guidance_scale: float, **call) -> np.ndarray:
         chunks = []
         for first in range(0, len(class_labels), batch_size):
             labels = class_labels[first:first + batch_size]
             generators = [torch.Generator().manual_seed(sampling.image_seed(seed, index))
                           for index in range(first, first + len(labels))]
             images = pipeline(class_labels=labels, guidance_scale=guidance_scale, generator=generators,
-                              num_inference_steps=num_inference_steps, output_type="np").images
+                              num_inference_steps=num_inference_steps, output_type="np", **call).images
             chunks.append((images * 255).round().astype(np.uint8))
         return np.concatenate(chunks)
     return sample, null_class(pipeline.unet)
@@ -176,7 +205,7 @@ def per_class_accuracy(predicted: np.ndarray, labels: np.ndarray, num_classes: i
 
 
 def evaluate_conditional(sample, num_classes: int, scorer: DigitScorer, num_samples: int,
-                         guidance_scales: list[float], grid_dir: str | None = None) -> dict:
+                         guidance_scales: list[float], grid_dir: str | None = None, **call) -> dict:
     """Per guidance scale: how often the classifier calls each sample the class it was asked for,
     and the classifier FID of the class-balanced samples against the floor."""
     from diffusion_extras.evaluation import sampling
@@ -186,7 +215,7 @@ def evaluate_conditional(sample, num_classes: int, scorer: DigitScorer, num_samp
     labels = np.repeat(np.arange(num_classes), per_class)
     guidance = {}
     for scale in guidance_scales:
-        images = sample(labels.tolist(), scale)
+        images = sample(labels.tolist(), scale, **call)
         predicted = scorer.predict(images)
         fid = scorer.fid(images)
         guidance[str(scale)] = {"accuracy": float((predicted == labels).mean()), "fid_classifier": fid,
@@ -219,6 +248,30 @@ def conditional_table(report: dict, floor: float) -> str:
     return "\n".join(lines)
 
 
+def guidance_variants(args, extra: list[str], run_dir: str, scorer: DigitScorer, scales: list[float]) -> dict:
+    """{"SCHEDULER/VARIANT/seed N": evaluate_conditional report}: CFG, CFG within --guidance_interval
+    and autoguidance with --guide_checkpoint's EMA, per scheduler and seed (the same noise per
+    image across variants and scales)."""
+    guide = (export_checkpoint(args.config, extra, args.guide_checkpoint, args.guide_checkpoint.rstrip("/") + "-ema")
+             if args.guide_checkpoint else None)
+    variants = {"cfg": {}}
+    if args.guidance_interval:
+        low, high = (float(part) for part in args.guidance_interval.split(","))
+        variants[f"cfg+interval({low},{high}]"] = {"guidance_interval": (low, high)}
+    if guide:
+        variants["autoguidance"] = {"autoguidance": True}
+    report = {}
+    for scheduler in args.schedulers.split(","):
+        for seed in (int(part) for part in args.seeds.split(",")):
+            sample, num_classes = pipeline_sampler(run_dir, seed=seed, scheduler=scheduler, guide=guide)
+            for name, call in variants.items():
+                row = report[f"{scheduler}/{name}/seed {seed}"] = evaluate_conditional(
+                    sample, num_classes, scorer, args.num_samples, scales, **call)
+                print(f"{scheduler}/{name}/seed {seed}:", {scale: (round(r["accuracy"], 3), round(r["fid_ratio"], 3))
+                                                          for scale, r in row["guidance"].items()}, flush=True)
+    return report
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -230,6 +283,16 @@ def main(argv=None) -> None:
     parser.add_argument("--num_samples", type=int, default=1000, help="generated images scored")
     parser.add_argument("--guidance_scales", default="1,2,4",
                         help="comma-separated classifier-free guidance scales (class-conditional runs)")
+    parser.add_argument("--schedulers", default="ddim",
+                        help="class-conditional: comma list of ddim, ddpm, dpm, pipeline (its own), swapped in from "
+                             "the pipeline's config")
+    parser.add_argument("--guidance_interval", default=None, metavar="LOW,HIGH",
+                        help="class-conditional: also score CFG guided only at sigma in (LOW, HIGH]")
+    parser.add_argument("--guide_checkpoint", default=None,
+                        help="class-conditional: also score autoguidance with this training checkpoint's EMA")
+    parser.add_argument("--from_checkpoint", default=None,
+                        help="score this checkpoint's EMA (exported beside it) instead of the finished run")
+    parser.add_argument("--seeds", default="1", help="comma list of sampling seeds (the noise of image i: (seed, i))")
     parser.add_argument("--calibration_steps", type=int, default=30, help="steps of the --time_budget timing run")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "quality"))
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -241,14 +304,19 @@ def main(argv=None) -> None:
             args.out, args.time_budget, args.config, extra, args.calibration_steps)}
         steps = result["time_budget"]["steps"]
     run_dir = os.path.join(args.out, f"run-{steps}")
-    result.update(steps=steps, train_seconds=train(run_dir, steps, args.config, extra))
+    result.update(steps=steps, train_seconds=float("nan") if args.from_checkpoint else train(
+        run_dir, steps, args.config, extra))
     scorer = DigitScorer.for_recipe(args.config, extra, args.num_samples)
     result.update(floor=scorer.floor, held_out_images=len(scorer.held_out), num_samples=args.num_samples)
+    if args.from_checkpoint:
+        run_dir = export_checkpoint(args.config, extra, args.from_checkpoint, args.from_checkpoint.rstrip("/") + "-ema")
+        result["from_checkpoint"] = args.from_checkpoint
     if is_class_conditional(run_dir):
-        sample, num_classes = pipeline_sampler(run_dir)
         scales = [float(scale) for scale in args.guidance_scales.split(",")]
+        sample, num_classes = pipeline_sampler(run_dir)
         result["class_conditional"] = evaluate_conditional(sample, num_classes, scorer, args.num_samples, scales,
                                                            grid_dir=run_dir)
+        result["variants"] = guidance_variants(args, extra, run_dir, scorer, scales)
     else:
         result.update(evaluate(run_dir, scorer, args.num_samples))
     with open(os.path.join(args.out, "results.json"), "w") as fh:
@@ -256,6 +324,8 @@ def main(argv=None) -> None:
     print(json.dumps(result, indent=1))
     if "class_conditional" in result:
         print(conditional_table(result["class_conditional"], result["floor"]))
+        for name, report in result["variants"].items():
+            print(f"\n{name}\n" + conditional_table(report, result["floor"]))
         print(f"real-data floor {result['floor']:.3f} after {steps} steps")
     else:
         print(f"classifier FID {result['fid_classifier']:.3f} after {steps} steps; "

@@ -93,7 +93,8 @@ def test_guidance_scale_on_an_unconditional_pipeline_is_refused(run_cli, tmp_pat
     result = run_cli(["-m", f"diffusion_extras.{command}", folder, "--guidance_scale", "2", *rest])
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1] == ("error: --guidance_scale: this pipeline is unconditional "
-                                                       "(a DDPMPipeline); drop the flag")
+                                                       "(a DDPMPipeline) and has no --guide; drop the flag or give "
+                                                       "a --guide")
 
 
 def test_evaluate_samples_a_conditional_pipeline_class_balanced_at_the_guidance_scale(conditional_run, tmp_path,

@@ -18,7 +18,11 @@ from PIL import Image
 
 from diffusion_extras.data.images import preprocess_image
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
-from diffusion_extras.evaluation.pipeline_class_conditional import PIPELINE_CLASS, ClassConditionalPipeline
+from diffusion_extras.evaluation.pipeline_class_conditional import (
+    DEFAULT_GUIDANCE_SCALE,
+    PIPELINE_CLASS,
+    ClassConditionalPipeline,
+)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -151,19 +155,67 @@ def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
     return pipeline.to(device)
 
 
-DEFAULT_GUIDANCE_SCALE = 2.0  # the trainer's --guidance_scale default
+def add_guidance_arguments(parser: argparse.ArgumentParser) -> None:
+    """--guidance_scale, --guidance_interval and --guide of the sample and evaluate commands."""
+    parser.add_argument("--guidance_scale", type=float, default=None,
+                        help=f"guidance scale of a class-conditional pipeline, or of any with --guide "
+                             f"(default {DEFAULT_GUIDANCE_SCALE}; 1: none)")
+    parser.add_argument("--guidance_interval", type=noise_interval, default=None, metavar="LOW,HIGH",
+                        help="guide only at noise levels sigma = sqrt((1 - alpha_bar) / alpha_bar) in (LOW, HIGH], "
+                             "one unguided UNet call elsewhere (Kynkaanniemi et al. 2024); default: every step")
+    parser.add_argument("--guide", default=None,
+                        help="autoguidance (Karras et al. 2024): a weaker UNet of the same kind (a UNet folder, or a "
+                             "pipeline folder with unet/) replaces the 'no class' branch; works for unconditional "
+                             "pipelines too. Default: the pipeline's saved guide/ if it has one; 'none': never")
 
 
-def guidance_scale_for(pipeline, guidance_scale: float | None, **class_flags) -> float:
-    """--guidance_scale of a class-conditional pipeline (default 2; 1: none), 1 for an unconditional
-    one; a ValueError when it, or one of `class_flags` ({"--flag": value}), is given to an
-    unconditional pipeline."""
-    if getattr(pipeline, "id2label", None):
-        return DEFAULT_GUIDANCE_SCALE if guidance_scale is None else guidance_scale
-    for flag, value in {"--guidance_scale": guidance_scale, **class_flags}.items():
+def noise_interval(text: str) -> tuple[float, float]:
+    """LOW,HIGH -> (low, high) with 0 <= low < high ('inf' allowed)."""
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give two noise levels LOW,HIGH, e.g. 0.3,5") from None
+    if not 0 <= low < high:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= LOW < HIGH")
+    return low, high
+
+
+def load_guide(path: str, unet, device):
+    """The guide UNet of --guide, in `unet`'s dtype: a UNet2DModel folder, a pipeline folder's unet/,
+    or a training checkpoint (accelerate's model.safetensors: the raw, non-EMA weights of that step,
+    with `unet`'s architecture)."""
+    from diffusers import UNet2DModel
+    from safetensors.torch import load_file
+    folder = os.path.expanduser(path)
+    if os.path.isfile(os.path.join(folder, "model.safetensors")) and not os.path.isfile(
+            os.path.join(folder, "config.json")):
+        guide = UNet2DModel.from_config(unet.config)
+        guide.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
+        return guide.to(device=device, dtype=unet.dtype)
+    if os.path.isdir(os.path.join(folder, "unet")):
+        folder = os.path.join(folder, "unet")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"--guide {path}: no UNet there; give a UNet folder, a pipeline folder with unet/ or a "
+                         "training checkpoint folder (model.safetensors)")
+    return UNet2DModel.from_pretrained(folder, torch_dtype=unet.dtype).to(device)
+
+
+def guidance_for(pipeline, args, device, **class_flags) -> dict:
+    """{guidance_scale, guide, guidance_interval} for sampling.generate from --guidance_scale (default
+    DEFAULT_GUIDANCE_SCALE; 1: none), --guidance_interval and --guide; a ValueError when a guidance flag,
+    or one of `class_flags` ({"--flag": value}), is given to an unconditional pipeline without a guide."""
+    guide = getattr(pipeline, "guide", None)
+    if args.guide is not None:
+        guide = None if args.guide == "none" else load_guide(args.guide, pipeline.unet, device)
+    if getattr(pipeline, "id2label", None) or guide is not None:
+        scale = DEFAULT_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
+        return {"guidance_scale": scale, "guide": guide, "guidance_interval": args.guidance_interval}
+    flags = {"--guidance_scale": args.guidance_scale, "--guidance_interval": args.guidance_interval, **class_flags}
+    for flag, value in flags.items():
         if value is not None:
-            raise ValueError(f"{flag}: this pipeline is unconditional (a {type(pipeline).__name__}); drop the flag")
-    return 1.0
+            raise ValueError(f"{flag}: this pipeline is unconditional (a {type(pipeline).__name__}) and has no "
+                             "--guide; drop the flag or give a --guide")
+    return {"guidance_scale": 1.0, "guide": None, "guidance_interval": None}
 
 
 def pipeline_resolution(pipeline) -> int:

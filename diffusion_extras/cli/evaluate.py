@@ -5,7 +5,7 @@ evaluation/likelihood.py). A class-conditional pipeline draws class-balanced sam
 class i mod the number of classes, as the trainer's FID does), guided at --guidance_scale.
 
     python -m diffusion_extras.evaluate PIPELINE --reference DIR_OR_STATS.npz --num_samples 10000 \\
-        --eval_metrics fid,kid,fd_dinov2,cmmd [--guidance_scale 2]
+        --eval_metrics fid,kid,fd_dinov2,cmmd [--guidance_scale 2] [--guidance_interval 0.3,5] [--guide DIR]
     python -m diffusion_extras.evaluate PIPELINE --reference IMAGE_DIR --eval_metrics nll
 
 Under a multi-process launch (`torchrun --nproc_per_node 8 -m diffusion_extras.evaluate ...`) every
@@ -20,7 +20,8 @@ import os
 
 from diffusion_extras.cli.common import (
     add_device_argument,
-    guidance_scale_for,
+    add_guidance_arguments,
+    guidance_for,
     load_images,
     load_pipeline,
     load_reference,
@@ -63,8 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num_inference_steps", type=positive_int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch_size", type=positive_int, default=64, help="images per UNet call")
-    parser.add_argument("--guidance_scale", type=float, default=None,
-                        help="class-conditional pipelines: classifier-free guidance scale (default 2; 1: none)")
+    add_guidance_arguments(parser)
     parser.add_argument("--cache_dir", default=None, help="where reference statistics are cached")
     parser.add_argument("--output", default=None, help="metrics JSON file")
     add_device_argument(parser)
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         if not names:
             raise ValueError(f"--eval_metrics {args.eval_metrics!r}: name at least one metric")
         pipeline = load_pipeline(args.pipeline, device=device)
-        guidance_scale = guidance_scale_for(pipeline, args.guidance_scale)  # refused by an unconditional one
+        guidance = guidance_for(pipeline, args, device)  # refused by an unconditional one without a guide
         num_classes = len(pipeline.id2label) if getattr(pipeline, "id2label", None) else None
         resolution = pipeline_resolution(pipeline)
         if "nll" in names and num_classes:
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                                                   device, args.seed, args.nll_timestep_stride))
         if groups:
             report.update(sample_metrics(args, pipeline, groups, resolution, device, rank, num_ranks, num_classes,
-                                         guidance_scale))
+                                         guidance))
         if rank != 0:
             return 0
         if args.output:
@@ -116,7 +116,7 @@ def launch_device(name: str, num_ranks: int):
 
 
 def sample_metrics(args, pipeline, groups: dict, resolution: int, device, rank: int, num_ranks: int,
-                   num_classes: int | None, guidance_scale: float) -> dict:
+                   num_classes: int | None, guidance: dict) -> dict:
     """FID / KID / FD-DINOv2 / CMMD of sampled images against the reference, and how they were
     sampled; every rank samples its share, rank 0 scores (the others get {})."""
     suites = []
@@ -128,10 +128,15 @@ def sample_metrics(args, pipeline, groups: dict, resolution: int, device, rank: 
         suites.append((extractor, reference, wanted))
     scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
     metrics = evaluate_unet_metrics(pipeline.unet, scheduler, suites, args.num_samples, args.num_inference_steps,
-                                    args.seed, args.batch_size, device, num_classes, guidance_scale, rank, num_ranks)
+                                    args.seed, args.batch_size, device, num_classes, guidance["guidance_scale"],
+                                    rank, num_ranks, guide=guidance["guide"],
+                                    guidance_interval=guidance["guidance_interval"])
     if metrics is None:  # not rank 0
         return {}
-    balance = {"num_classes": num_classes, "guidance_scale": guidance_scale} if num_classes else {}
+    balance = {"num_classes": num_classes} if num_classes else {}
+    if num_classes or guidance["guide"] is not None:
+        balance.update(guidance_scale=guidance["guidance_scale"], guidance_interval=guidance["guidance_interval"],
+                       autoguidance=guidance["guide"] is not None)
     return {**metrics, **balance, "feature_extractors": {m: e.name for e, _, group in suites for m in group},
             "reference_images": suites[0][1].num_images, "scheduler": args.scheduler,
             "num_inference_steps": args.num_inference_steps}

@@ -2,6 +2,7 @@
 
     python -m diffusion_extras.sample PIPELINE --num_images 16 --scheduler ddim --output DIR
     python -m diffusion_extras.sample PIPELINE --class_labels 3,7 --guidance_scale 2 --output DIR
+    python -m diffusion_extras.sample PIPELINE --guide EARLIER_PIPELINE --guidance_interval 0.3,5 --output DIR
 """
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import argparse
 
 from diffusion_extras.cli.common import (
     add_device_argument,
-    guidance_scale_for,
+    add_guidance_arguments,
+    guidance_for,
     load_pipeline,
     one_line_errors,
     pipeline_parser,
@@ -31,8 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--class_labels", default=None,
                         help="class-conditional pipelines: comma list of class ids or names (image i is of "
                              "class i mod the list's length); default: every class in turn")
-    parser.add_argument("--guidance_scale", type=float, default=None,
-                        help="class-conditional pipelines: classifier-free guidance scale (default 2; 1: none)")
+    add_guidance_arguments(parser)
     add_device_argument(parser)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                         help="UNet precision; the sampler state stays fp32")
@@ -45,23 +46,23 @@ def main(argv=None) -> int:
     with one_line_errors():
         device = resolve_device(args.device)
         pipeline = load_pipeline(args.pipeline, device=device, dtype=dtype)
-        labels, guidance_scale = requested_classes(pipeline, args.class_labels, args.guidance_scale, args.num_images)
+        guidance = guidance_for(pipeline, args, device, **{"--class_labels": args.class_labels})
+        labels = requested_classes(pipeline, args.class_labels, args.num_images)
         scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
         images = generate(pipeline.unet, scheduler, args.num_images, args.num_inference_steps,
                           seed=args.seed, batch_size=args.batch_size, device=device,
-                          dtype=dtype, progress=True, class_labels=labels, guidance_scale=guidance_scale)
+                          dtype=dtype, progress=True, class_labels=labels, **guidance)
         paths = save_images(images, args.output)
     print(f"wrote {len(images)} images and {paths[-1]}")
     return 0
 
 
-def requested_classes(pipeline, class_labels: str | None, guidance_scale: float | None, num_images: int) -> tuple:
-    """(a class id per image or None, the guidance scale) from --class_labels (ids or names) and
-    --guidance_scale; a ValueError for either on an unconditional pipeline, or an unknown class."""
-    guidance_scale = guidance_scale_for(pipeline, guidance_scale, **{"--class_labels": class_labels})
+def requested_classes(pipeline, class_labels: str | None, num_images: int) -> list[int] | None:
+    """A class id per image (None for an unconditional pipeline) from --class_labels (ids or names);
+    a ValueError for an unknown class."""
     id2label = getattr(pipeline, "id2label", None)
     if not id2label:
-        return None, guidance_scale
+        return None
     ids = list(id2label)
     if class_labels is not None:
         ids = []
@@ -75,4 +76,4 @@ def requested_classes(pipeline, class_labels: str | None, guidance_scale: float 
                                  + ", ".join(f"{i} ({name})" for i, name in id2label.items()))
         if not ids:
             raise ValueError("--class_labels: give at least one class id or name")
-    return [ids[i % len(ids)] for i in range(num_images)], guidance_scale
+    return [ids[i % len(ids)] for i in range(num_images)]

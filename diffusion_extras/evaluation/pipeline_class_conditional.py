@@ -12,7 +12,9 @@ training package (diffusers' custom-pipeline convention).
 """
 from __future__ import annotations
 
+import inspect
 import json
+import math
 import os
 
 import torch
@@ -20,6 +22,9 @@ from diffusers import DDPMScheduler, DiffusionPipeline, ImagePipelineOutput, UNe
 
 PIPELINE_MODULE = "pipeline_class_conditional"  # this file's name in an exported folder, without .py
 PIPELINE_CLASS = "ClassConditionalPipeline"
+# The one guidance default: the pipeline's __call__, the sample and evaluate commands, the trainer's
+# grids, the model card and the README take it from here. Measured on the digits: docs/BENCHMARKS.md.
+DEFAULT_GUIDANCE_SCALE = 2.0
 
 
 def null_class(unet) -> int:
@@ -37,30 +42,60 @@ def unconditional_inputs(unet, batch_size: int, device) -> dict:
     return {"class_labels": torch.full((batch_size,), null_class(unet), dtype=torch.long, device=device)}
 
 
-def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tensor, guidance_scale: float,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Classifier-free guidance (Ho & Salimans 2022): uncond + s * (cond - uncond), from ONE batched
-    UNet call on [conditional; "no class"], combined in fp32. The combination is made on the raw
-    model output, whatever the prediction type: for a fixed t, epsilon, v and x0 predictions are
-    affine in each other given x_t (x0 = (x_t - sqrt(1-a) eps) / sqrt(a), v = sqrt(a) eps - sqrt(1-a) x0),
-    and an affine map commutes with this weighted sum (the weights sum to 1), so guiding the
-    output the scheduler consumes equals guiding epsilon. guidance_scale 1: the conditional
-    prediction alone (one call of half the batch)."""
+def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tensor | None, guidance_scale: float,
+                        dtype: torch.dtype = torch.float32, guide=None) -> torch.Tensor:
+    """Guided model output, combined in fp32: weak + s * (strong - weak).
+
+    Without `guide`: classifier-free guidance (Ho & Salimans 2022), weak = the "no class"
+    prediction, from ONE batched UNet call on [conditional; "no class"]. With `guide` (a weaker
+    model of the same kind, e.g. an earlier checkpoint): autoguidance (Karras et al. 2024), weak =
+    the guide's prediction with the same conditioning (class_labels None: an unconditional UNet).
+    The combination is made on the raw model output, whatever the prediction type: for a fixed t,
+    epsilon, v and x0 predictions are affine in each other given x_t, and an affine map commutes
+    with this weighted sum (the weights sum to 1), so guiding the output the scheduler consumes
+    equals guiding epsilon. guidance_scale 1: the conditional prediction alone (one call)."""
     net_dtype = next(unet.parameters()).dtype
     autocast = torch.autocast(sample.device.type, dtype=dtype, enabled=dtype != torch.float32)
-    if guidance_scale == 1.0:
-        with autocast:
-            return unet(sample.to(net_dtype), t, class_labels=class_labels).sample.float()
-    null = torch.full_like(class_labels, null_class(unet))
+    conditioning = {} if class_labels is None else {"class_labels": class_labels}
     with autocast:
-        output = unet(torch.cat([sample, sample]).to(net_dtype), t,
-                      class_labels=torch.cat([class_labels, null])).sample.float()
-    conditional, unconditional = output.chunk(2)
-    guided = unconditional + guidance_scale * (conditional - unconditional)
+        if guidance_scale == 1.0:
+            return unet(sample.to(net_dtype), t, **conditioning).sample.float()
+        if guide is not None:
+            strong = unet(sample.to(net_dtype), t, **conditioning).sample.float()
+            weak = guide(sample.to(next(guide.parameters()).dtype), t, **conditioning).sample.float()
+        else:
+            null = torch.full_like(class_labels, null_class(unet))
+            output = unet(torch.cat([sample, sample]).to(net_dtype), t,
+                          class_labels=torch.cat([class_labels, null])).sample.float()
+            strong, weak = output.chunk(2)
+    guided = weak + guidance_scale * (strong - weak)
     channels = sample.shape[1]
-    if output.shape[1] == 2 * channels:  # learned variance: guide the prediction, keep the conditional variance (GLIDE)
-        guided = torch.cat([guided[:, :channels], conditional[:, channels:]], dim=1)
+    if strong.shape[1] == 2 * channels:  # learned variance: guide the prediction, keep the conditional variance (GLIDE)
+        guided = torch.cat([guided[:, :channels], strong[:, channels:]], dim=1)
     return guided
+
+
+def noise_level(scheduler, t) -> float:
+    """sigma(t) = sqrt((1 - alpha_bar_t) / alpha_bar_t), EDM's noise level (inf at zero terminal SNR)."""
+    alpha_bar = float(scheduler.alphas_cumprod[int(t)])
+    return math.inf if alpha_bar <= 0 else math.sqrt((1 - alpha_bar) / alpha_bar)
+
+
+def in_guidance_interval(scheduler, t, guidance_interval) -> bool:
+    """Guidance interval (Kynkäänniemi et al. 2024): guide only where low < sigma(t) <= high (sigma as
+    noise_level); outside it one unguided UNet call. None: guide at every step."""
+    if guidance_interval is None:
+        return True
+    low, high = guidance_interval
+    return low < noise_level(scheduler, t) <= high
+
+
+def guided_step(scheduler, unet, sample: torch.Tensor, t, class_labels, guidance_scale: float, generator=None,
+                dtype: torch.dtype = torch.float32, guide=None, guidance_interval=None) -> torch.Tensor:
+    """One guided sampling step, x_t -> x_{t-1} (the pipeline's and the package's sampler share it)."""
+    scale = guidance_scale if in_guidance_interval(scheduler, t, guidance_interval) else 1.0
+    output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels, scale, dtype, guide)
+    return scheduler_step(scheduler, scheduler_model_output(scheduler, output, sample), t, sample, generator)
 
 
 def scheduler_model_output(scheduler, model_output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
@@ -75,14 +110,32 @@ def scheduler_model_output(scheduler, model_output: torch.Tensor, sample: torch.
     return model_output if learned else model_output[:, :channels]
 
 
+def scheduler_step(scheduler, model_output: torch.Tensor, t, sample: torch.Tensor, generator=None) -> torch.Tensor:
+    """x_{t-1} from `scheduler.step`, with DDIM's noise recomputed from its clipped x0 estimate.
+
+    Issue 35: a DDIMScheduler made with `from_config` of a DDPM config inherits clip_sample=True; it
+    then clips the guided x0 estimate but builds x_{t-1} from the unclipped, guidance-amplified noise,
+    which points at the other class (digits at guidance 3: 3% of samples of the requested class).
+    use_clipped_model_output=True makes DDIM's step consistent, as DDPM's posterior mean and
+    DPM-Solver's data prediction already are. Chosen over clip_sample=False in the exported config
+    because it holds for any scheduler swapped into any folder, those exported before the fix
+    included, and keeps the clip to the data range. The issue's measurement (digits, DDIM 50 steps,
+    guidance 2-4): both mechanisms give 1.00 class accuracy where the inherited trap gave 0.57-0.01."""
+    kwargs = {"generator": generator}
+    if "use_clipped_model_output" in inspect.signature(scheduler.step).parameters:
+        kwargs["use_clipped_model_output"] = True
+    return scheduler.step(model_output, t, sample, **kwargs).prev_sample
+
+
 class ClassConditionalPipeline(DiffusionPipeline):
     """Class-conditional image generation with a UNet2DModel and classifier-free guidance."""
 
     model_cpu_offload_seq = "unet"
+    _optional_components = ["guide"]  # autoguidance's weaker UNet, saved in guide/ when there is one
 
-    def __init__(self, unet: UNet2DModel, scheduler, id2label: dict | None = None):
+    def __init__(self, unet: UNet2DModel, scheduler, id2label: dict | None = None, guide: UNet2DModel | None = None):
         super().__init__()
-        self.register_modules(unet=unet, scheduler=scheduler)
+        self.register_modules(unet=unet, scheduler=scheduler, guide=guide)
         # JSON keys are strings: {"0": "zero", ...}; kept in the config so save_pretrained writes them
         id2label = {int(k): str(v) for k, v in (id2label or {}).items()}
         self.register_to_config(id2label={str(k): v for k, v in sorted(id2label.items())})
@@ -101,13 +154,15 @@ class ClassConditionalPipeline(DiffusionPipeline):
         folder = str(pretrained_model_name_or_path)
         if not os.path.isdir(folder):
             from huggingface_hub import snapshot_download
-            folder = snapshot_download(folder, allow_patterns=["model_index.json", "unet/*", "scheduler/*"])
+            folder = snapshot_download(folder, allow_patterns=["model_index.json", "unet/*", "guide/*", "scheduler/*"])
         with open(os.path.join(folder, "model_index.json")) as fh:
             index = json.load(fh)
         dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
         unet = UNet2DModel.from_pretrained(folder, subfolder="unet", torch_dtype=dtype)
         scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(folder, subfolder="scheduler")
-        return cls(unet=unet, scheduler=scheduler, id2label=index.get("id2label"))
+        guide = (UNet2DModel.from_pretrained(folder, subfolder="guide", torch_dtype=dtype)
+                 if (index.get("guide") or [None])[0] else None)
+        return cls(unet=unet, scheduler=scheduler, id2label=index.get("id2label"), guide=guide)
 
     def get_label_ids(self, label: str | list[str]) -> list[int]:
         """Class names -> class ids, as DiTPipeline.get_label_ids."""
@@ -118,13 +173,20 @@ class ClassConditionalPipeline(DiffusionPipeline):
         return [self.labels[name] for name in names]
 
     @torch.no_grad()
-    def __call__(self, class_labels: list[int], guidance_scale: float = 2.0,
+    def __call__(self, class_labels: list[int], guidance_scale: float = DEFAULT_GUIDANCE_SCALE,
                  generator: torch.Generator | list[torch.Generator] | None = None, num_inference_steps: int = 50,
-                 output_type: str = "pil", return_dict: bool = True):
+                 output_type: str = "pil", return_dict: bool = True,
+                 guidance_interval: tuple[float, float] | None = None, autoguidance: bool | None = None):
         """Images of `class_labels` (ids; see get_label_ids). guidance_scale 1: no guidance; more
-        pulls the samples towards their class. output_type: "pil", "np" (float [N, H, W, C] in
-        [0, 1]) or "pt"."""
+        pulls the samples towards their class. guidance_interval (low, high): guide only where the
+        noise level sigma = sqrt((1 - alpha_bar) / alpha_bar) is in (low, high], one UNet call
+        elsewhere (Kynkäänniemi et al. 2024); None: every step. autoguidance: guide with the saved
+        weaker UNet `self.guide` instead of the "no class" branch (Karras et al. 2024); None: when
+        the pipeline has one. output_type: "pil", "np" (float [N, H, W, C] in [0, 1]) or "pt"."""
         unet, device = self.unet, self._execution_device
+        guide = getattr(self, "guide", None) if autoguidance is not False else None
+        if autoguidance and guide is None:
+            raise ValueError("autoguidance=True needs a guide: set pipe.guide to a weaker UNet2DModel (and save it)")
         labels = torch.as_tensor(class_labels, dtype=torch.long).reshape(-1).to(device)
         num_classes = null_class(unet)
         if len(labels) == 0 or labels.min() < 0 or labels.max() >= num_classes:
@@ -133,12 +195,9 @@ class ClassConditionalPipeline(DiffusionPipeline):
         shape = (len(labels), unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
         sample = _randn(shape, generator, device) * self.scheduler.init_noise_sigma
         self.scheduler.set_timesteps(num_inference_steps, device=device)
-        for t in self.progress_bar(self.scheduler.timesteps):
-            model_input = self.scheduler.scale_model_input(sample, t)
-            model_output = scheduler_model_output(self.scheduler, guided_model_output(unet, model_input, t, labels,
-                                                                                      guidance_scale), sample)
-            # x_t stays fp32 whatever the UNet's dtype
-            sample = self.scheduler.step(model_output, t, sample, generator=generator).prev_sample
+        for t in self.progress_bar(self.scheduler.timesteps):  # x_t stays fp32 whatever the UNet's dtype
+            sample = guided_step(self.scheduler, unet, sample, t, labels, guidance_scale, generator,
+                                 guide=guide, guidance_interval=guidance_interval)
         images = (sample / 2 + 0.5).clamp(0, 1)
         if output_type != "pt":
             images = images.cpu().permute(0, 2, 3, 1).float().numpy()
@@ -156,5 +215,6 @@ def _randn(shape, generator, device) -> torch.Tensor:
     return torch.randn(shape, generator=generator, device=on).to(device)
 
 
-__all__ = ["ClassConditionalPipeline", "guided_model_output", "null_class", "scheduler_model_output",
+__all__ = ["DEFAULT_GUIDANCE_SCALE", "ClassConditionalPipeline", "guided_model_output", "guided_step",
+           "in_guidance_interval", "noise_level", "null_class", "scheduler_model_output", "scheduler_step",
            "unconditional_inputs"]

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from diffusion_extras.data.batch_order import mix_seed
 from diffusion_extras.evaluation.pipeline_class_conditional import (
-    guided_model_output,
+    guided_step,
     scheduler_model_output,
     unconditional_inputs,
 )
@@ -63,7 +63,7 @@ def _to_uint8(sample: torch.Tensor) -> np.ndarray:
 
 
 def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dtype, step_bar,
-                   class_labels=None, guidance_scale: float = 1.0):
+                   class_labels=None, guidance_scale: float = 1.0, guide=None, guidance_interval=None):
     shape = (len(generators),) + _image_shape(unet)
     sample = torch.cat([torch.randn((1,) + shape[1:], generator=g) for g in generators]).to(device)
     sample = sample * scheduler.init_noise_sigma
@@ -71,12 +71,12 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
     scheduler.set_timesteps(num_inference_steps, device=device)
     net_dtype = next(unet.parameters()).dtype
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    if guide is not None and class_labels is None:  # autoguidance of the unconditional model
+        class_labels = unconditional_inputs(unet, len(sample), device).get("class_labels")
     for t in scheduler.timesteps:
-        if class_labels is not None:  # the pipeline's guidance, one batched call (fp32 combination)
-            model_output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels,
-                                               guidance_scale, dtype)
-            model_output = scheduler_model_output(scheduler, model_output, sample)
-            sample = scheduler.step(model_output, t, sample, generator=generators).prev_sample
+        if class_labels is not None or guide is not None:  # the pipeline's guided step (fp32 combination)
+            sample = guided_step(scheduler, unet, sample, t, class_labels, guidance_scale, generators, dtype,
+                                 guide, guidance_interval)
             step_bar.update(len(generators))
             continue
         model_input = scheduler.scale_model_input(sample, t).to(net_dtype)
@@ -92,7 +92,8 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
 @torch.no_grad()
 def generate(unet, scheduler, num_images: int, num_inference_steps: int = 50, seed: int = 0,
              batch_size: int | None = None, device=None, dtype=torch.float32, progress: bool = False,
-             *, start_index: int = 0, class_labels=None, guidance_scale: float = 1.0) -> np.ndarray:
+             *, start_index: int = 0, class_labels=None, guidance_scale: float = 1.0, guide=None,
+             guidance_interval: tuple[float, float] | None = None) -> np.ndarray:
     """Sample `num_images` images as uint8 [N, H, W, C].
 
     `scheduler` is only read (a copy is stepped), so the training noise scheduler may be passed.
@@ -100,7 +101,9 @@ def generate(unet, scheduler, num_images: int, num_inference_steps: int = 50, se
     `start_index` offsets the image indices, so chunks of one long run reproduce that run.
     `class_labels` (one class id per image) samples a class-conditional UNet with classifier-free
     guidance at `guidance_scale` (the ClassConditionalPipeline's guidance); without them such a UNet
-    samples its unconditional ("no class") model.
+    samples its unconditional ("no class") model. `guide` (a weaker UNet of the same kind) replaces
+    the "no class" branch (autoguidance; also for unconditional UNets), and `guidance_interval`
+    (low, high] in noise level sigma limits guidance to those steps (ClassConditionalPipeline.__call__).
     The noise is the same whatever `batch_size`; the UNet's batched kernels are not bit-identical
     across batch sizes (~1e-7), which a long deterministic (DDIM) run can amplify: bit-exact
     reproduction needs the same seed, device and batch size.
@@ -115,8 +118,10 @@ def generate(unet, scheduler, num_images: int, num_inference_steps: int = 50, se
     parameter = next(unet.parameters())
     device = torch.device(device) if device is not None else parameter.device
     scheduler = type(scheduler).from_config(scheduler.config)
-    modes = {module: module.training for module in unet.modules()}
-    unet.eval()
+    modes = {module: module.training for net in (unet, guide) if net is not None for module in net.modules()}
+    for net in (unet, guide):
+        if net is not None:
+            net.eval()
     images = []
     try:
         with tqdm(total=num_images * num_inference_steps, disable=not progress,
@@ -127,7 +132,8 @@ def generate(unet, scheduler, num_images: int, num_inference_steps: int = 50, se
                 labels = (None if class_labels is None else
                           torch.as_tensor(class_labels[first:first + len(indices)], dtype=torch.long, device=device))
                 images.append(_denoise_batch(unet, scheduler, generators, num_inference_steps,
-                                             device, dtype, step_bar, labels, guidance_scale))
+                                             device, dtype, step_bar, labels, guidance_scale, guide,
+                                             guidance_interval))
     finally:
         for module, was_training in modes.items():
             module.training = was_training

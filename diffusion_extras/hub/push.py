@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from huggingface_hub import HfApi, ModelCard, ModelCardData, constants, get_token
 from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
 
-from diffusion_extras.evaluation.pipeline_class_conditional import PIPELINE_MODULE
+from diffusion_extras.evaluation.pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE, PIPELINE_MODULE
 from diffusion_extras.hub.secrets import redact_config  # the project's one secret-dropping rule
 
 # What a DDPMPipeline needs, plus its card; everything else in the output dir stays local.
@@ -205,8 +205,9 @@ def _usage(repo_id: str, class_names: list | None) -> list[str]:
             "```python", "import torch", "from diffusers import DiffusionPipeline", "",
             f'pipeline = DiffusionPipeline.from_pretrained("{repo_id}", trust_remote_code=True)',
             f"class_ids = pipeline.get_label_ids([{names}])  # pipeline.id2label lists the classes",
-            "images = pipeline(class_labels=class_ids, guidance_scale=2.0, num_inference_steps=50,",
-            "                  generator=torch.manual_seed(0)).images", 'images[0].save("sample.png")', "```", ""]
+            f"images = pipeline(class_labels=class_ids, guidance_scale={DEFAULT_GUIDANCE_SCALE},",
+            "                  num_inference_steps=50, generator=torch.manual_seed(0)).images",
+            'images[0].save("sample.png")', "```", ""]
 
 
 def _card_image(folder: str, path: str, key: str) -> str:

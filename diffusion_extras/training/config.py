@@ -20,6 +20,7 @@ from diffusion_extras.core.timesteps import TIMESTEP_SAMPLING
 from diffusion_extras.core.vlb import VARIANCE_TYPES
 from diffusion_extras.data.spec import DataSpec
 from diffusion_extras.evaluation.metrics import parse_metrics  # metric names are declared once, with their extractors
+from diffusion_extras.evaluation.pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE
 from diffusion_extras.hub.secrets import redact_config
 
 
@@ -155,7 +156,7 @@ class TrainConfig:
     save_images_steps: int = _f(500, "Save a sample grid (EMA weights, DDIM) every N optimizer steps and at the end.", resume=APPLY, group="evaluation")
     eval_batch_size: int = _f(64, "Images in each sample grid.", resume=APPLY, group="evaluation")
     ddpm_num_inference_steps: int = _f(50, "DDIM steps for sample grids.", resume=APPLY, group="evaluation")
-    guidance_scale: float = _f(2.0, "With --class_conditional: classifier-free guidance scale of the sample grids (one row per class, up to 10 classes); 1: no guidance.", resume=FREE, group="evaluation")
+    guidance_scale: float = _f(DEFAULT_GUIDANCE_SCALE, "With --class_conditional: classifier-free guidance scale of the sample grids and FID (one row per class, up to 10 classes); 1: no guidance. Default: the pipeline's DEFAULT_GUIDANCE_SCALE.", resume=FREE, group="evaluation")
     eval_steps: int | None = _f(None, "Every N optimizer steps (and at the end): FID/KID of EMA samples against the training data. None: off.", resume=APPLY, group="evaluation")
     eval_num_samples: int = _f(1000, "Samples per evaluation (and reference images, at most the dataset size).", resume=APPLY, group="evaluation")
     eval_metrics: str = _f("fid,kid", "Comma list of metrics at --eval_steps: fid, kid (in --feature_extractor features), fd_dinov2 (Frechet distance in DINOv2 features, --dinov2_model), cmmd (CLIP MMD, --clip_model). README: which to use and how many samples each needs.", resume=APPLY, group="evaluation")

@@ -1,0 +1,138 @@
+"""Guided sampling against an exact score: a fake UNet whose epsilon prediction is the analytic one
+of a two-class Gaussian mixture (class 0 dark, class 1 bright), so that which class a sample lands
+in is known without training. Guidance must strengthen the class with every scheduler a user swaps
+in from the pipeline's config (issue 35: DDIM's inherited clip_sample inverted it)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import ConfigMixin, DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, ModelMixin
+from diffusers.configuration_utils import register_to_config
+from diffusers.models.unets.unet_2d import UNet2DOutput
+
+from diffusion_extras.evaluation import sampling
+from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, noise_level
+
+MEANS = (-0.5, 0.5)  # per-pixel means of the two classes, in the [-1, 1] data range
+STD = 0.5  # per-pixel standard deviation within a class: wide enough that guided x0 estimates leave [-1, 1]
+
+
+class MixtureEpsilon(ModelMixin, ConfigMixin):
+    """The exact epsilon of x0 ~ N(MEANS[k], STD^2 I) for class k, and of their equal mixture for the
+    "no class" label 2: x_t ~ N(sqrt(a) mu_k, (a STD^2 + 1 - a) I), eps = sqrt(1-a) (x_t - sqrt(a) mu_k) / var,
+    mixed with the classes' posterior weights. `offset` shifts both means (a weaker guide)."""
+
+    @register_to_config
+    def __init__(self, sample_size: int = 4, in_channels: int = 1, out_channels: int = 1, num_class_embeds: int = 3,
+                 offset: float = 0.0):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(()))  # a dtype and a device for the pipeline to read
+        self.register_buffer("alphas_cumprod", DDPMScheduler().alphas_cumprod.double(), persistent=False)
+
+    def forward(self, sample, timestep, class_labels=None, return_dict=True):
+        a = self.alphas_cumprod[torch.as_tensor(timestep).long()].reshape(-1, 1, 1, 1)
+        x = sample.double()
+        variance = a * STD ** 2 + 1 - a
+        means = [m + self.config.offset for m in MEANS]
+        per_class = [(1 - a).sqrt() * (x - a.sqrt() * m) / variance for m in means]
+        log_likelihood = torch.stack([-((x - a.sqrt() * m) ** 2).flatten(1).sum(1) / (2 * variance.flatten())
+                                      for m in means], dim=1)
+        weights = log_likelihood.softmax(dim=1).reshape(-1, 2, 1, 1, 1)
+        mixture = weights[:, 0] * per_class[0] + weights[:, 1] * per_class[1]
+        labels = torch.full((len(x),), 2) if class_labels is None else class_labels.reshape(-1).cpu()
+        pick = labels.reshape(-1, 1, 1, 1)
+        eps = torch.where(pick == 0, per_class[0], torch.where(pick == 1, per_class[1], mixture))
+        output = eps.to(sample.dtype) + 0 * self.anchor
+        return UNet2DOutput(sample=output) if return_dict else (output,)
+
+
+def class_of(images: torch.Tensor) -> torch.Tensor:
+    """The class whose mean is nearer: bright images (mean above 0 in [-1, 1]) are class 1."""
+    return (images.flatten(1).mean(1) > 0).long()
+
+
+SWAPPED_IN = [DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler]
+LABELS = [0, 1] * 16
+
+
+def pipeline_accuracy(scheduler_class, guidance_scale: float, **call) -> float:
+    training = DDPMScheduler()  # clip_sample=True: what the trainer exports, and what from_config inherits
+    pipe = ClassConditionalPipeline(unet=MixtureEpsilon(), scheduler=training, id2label={0: "dark", 1: "bright"})
+    pipe.scheduler = scheduler_class.from_config(pipe.scheduler.config)  # as users swap schedulers
+    pipe.set_progress_bar_config(disable=True)
+    images = pipe(class_labels=LABELS, guidance_scale=guidance_scale, num_inference_steps=20,
+                  generator=torch.manual_seed(0), output_type="pt", **call).images
+    return float((class_of(images * 2 - 1) == torch.tensor(LABELS)).float().mean())
+
+
+@pytest.mark.parametrize("scheduler_class", SWAPPED_IN, ids=lambda c: c.__name__)
+def test_guidance_keeps_the_class_with_any_scheduler_swapped_into_the_pipeline(scheduler_class):
+    """Before the fix DDIM scored 1.0 at guidance 2 and 3 and 0.03 at 4: it clipped the guided x0 but
+    built x_{t-1} from the unclipped noise prediction, which points at the other class."""
+    accuracy = [pipeline_accuracy(scheduler_class, scale) for scale in (2.0, 3.0, 4.0)]
+    assert accuracy == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("name", sampling.SCHEDULERS)
+def test_generate_keeps_the_class_under_guidance(name):
+    """The sampler behind `python -m diffusion_extras.sample`, the in-training grids and FID."""
+    scheduler = sampling.make_scheduler(name, DDPMScheduler().config)
+    images = sampling.generate(MixtureEpsilon(), scheduler, len(LABELS), 20, seed=0, class_labels=LABELS,
+                               guidance_scale=4.0)
+    assert ((torch.from_numpy(images).float().flatten(1).mean(1) > 127.5).long() == torch.tensor(LABELS)).all()
+
+
+def sample_pipeline(pipe, guidance_scale=3.0, **call) -> torch.Tensor:
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(class_labels=LABELS[:4], guidance_scale=guidance_scale, num_inference_steps=10,
+                generator=torch.manual_seed(0), output_type="pt", **call).images
+
+
+def conditional_pipeline(**parts) -> ClassConditionalPipeline:
+    from conftest import tiny_unet
+    unet = tiny_unet(num_class_embeds=3)
+    return ClassConditionalPipeline(unet=unet, scheduler=DDIMScheduler.from_config(DDPMScheduler().config),
+                                    id2label={0: "dark", 1: "bright"}, **parts)
+
+
+def test_an_interval_covering_every_noise_level_is_cfg_bit_for_bit_and_outside_it_one_unguided_call():
+    pipe = conditional_pipeline()
+    everywhere = sample_pipeline(pipe, guidance_interval=(0.0, float("inf")))
+    assert torch.equal(everywhere, sample_pipeline(pipe))
+    assert torch.equal(sample_pipeline(pipe, guidance_interval=(1e9, 2e9)), sample_pipeline(pipe, guidance_scale=1.0))
+    batches = []
+    pipe.unet.register_forward_pre_hook(lambda module, args: batches.append(len(args[0])))
+    middle = (0.5, 5.0)  # Kynkäänniemi et al.'s kind of interval: neither the noisiest nor the cleanest steps
+    sample_pipeline(pipe, guidance_interval=middle)
+    sigmas = [noise_level(pipe.scheduler, t) for t in pipe.scheduler.timesteps]
+    assert batches == [8 if middle[0] < sigma <= middle[1] else 4 for sigma in sigmas] and 8 in batches and 4 in batches
+
+
+def test_a_guide_equal_to_the_model_is_no_guidance_bit_for_bit():
+    pipe = conditional_pipeline()
+    pipe.guide = pipe.unet
+    assert torch.equal(sample_pipeline(pipe, guidance_scale=3.0), sample_pipeline(pipe, guidance_scale=1.0))
+    assert not torch.equal(sample_pipeline(pipe, autoguidance=False), sample_pipeline(pipe, guidance_scale=1.0))
+
+
+def test_autoguidance_of_an_unconditional_model_through_generate():
+    """The same with the package's sampler and an unconditional UNet; a different guide does guide."""
+    from conftest import tiny_unet
+    unet, weaker = tiny_unet(seed=0), tiny_unet(seed=1)
+    scheduler = sampling.make_scheduler("ddim", DDPMScheduler().config)
+    plain = sampling.generate(unet, scheduler, 2, 5, seed=0)
+    assert (sampling.generate(unet, scheduler, 2, 5, seed=0, guide=unet, guidance_scale=3.0) == plain).all()
+    assert (sampling.generate(unet, scheduler, 2, 5, seed=0, guide=weaker, guidance_scale=3.0) != plain).any()
+
+
+def test_a_saved_guide_loads_with_the_pipeline(tmp_path):
+    from conftest import tiny_unet
+    pipe = conditional_pipeline(guide=tiny_unet(num_class_embeds=3, seed=1))
+    pipe.save_pretrained(tmp_path)
+    loaded = ClassConditionalPipeline.from_pretrained(tmp_path)
+    assert loaded.guide is not None and torch.equal(sample_pipeline(loaded), sample_pipeline(pipe))
+    without = conditional_pipeline()
+    without.save_pretrained(tmp_path / "plain")
+    assert ClassConditionalPipeline.from_pretrained(tmp_path / "plain").guide is None
+    with pytest.raises(ValueError, match="autoguidance=True needs a guide"):
+        sample_pipeline(without, autoguidance=True)
