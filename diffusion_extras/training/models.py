@@ -17,7 +17,7 @@ DIFFUSERS_DEFAULT_UNET = dict(
     down_block_types=["DownBlock2D", "DownBlock2D", "DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "DownBlock2D"],
     up_block_types=["UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D"],
 )
-COLOUR_NAMES = {1: "grayscale", 3: "RGB"}
+COLOUR_NAMES = {1: "grayscale", 3: "RGB", 4: "RGBA"}
 
 
 def unet_config(config: TrainConfig, model: dict | None = None) -> dict:
@@ -40,9 +40,10 @@ def unet_config(config: TrainConfig, model: dict | None = None) -> dict:
         values = dict(config.model if model is None else model)
     values["sample_size"] = config.resolution
     channels, outputs = values.get("in_channels", 3), values.get("out_channels", 3)
-    if channels not in (1, 3) or outputs not in (channels, 2 * channels):
-        raise ConfigError("the UNet must have in_channels 1 (grayscale) or 3 (RGB) and out_channels == in_channels "
-                          f"(2 x in_channels with --variance_type learned_range); got {channels} -> {outputs}")
+    if channels not in COLOUR_NAMES or outputs not in (channels, 2 * channels):
+        raise ConfigError("the UNet must have in_channels 1 (grayscale), 3 (RGB) or 4 (RGBA) and out_channels == "
+                          "in_channels (2 x in_channels with --variance_type learned_range); "
+                          f"got {channels} -> {outputs}")
     expected = vlb.output_channels(channels, config.variance_type)
     if outputs > expected:  # 2C outputs and a fixed variance: the extra channels would go untrained
         raise ConfigError(f"the UNet outputs {outputs} channels for {channels}-channel images: a learned-variance "
