@@ -111,6 +111,7 @@ class TrainConfig:
     shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY, group="data")
     # --- model ------------------------------------------------------------------------
     model_config_name_or_path: str | None = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE, group="model")
+    pretrained_model_name_or_path: str | None = _f(None, "Fine-tune a DDPMPipeline: a Hub id (e.g. google/ddpm-cifar10-32) or a local folder (diffusers' or this trainer's export, class-conditional included). The run starts from its UNet's weights (the EMA too) and shape and its scheduler's settings (--resolution defaults to its sample_size); where you set none, a fine-tuning recipe: --learning_rate 2e-4, --lr_warmup_steps 50, --max_train_steps 600 (README: Fine-tuning a pretrained pipeline).", resume=REFUSE, group="model")
     model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape), trained with that script's optimization where you set none (README: Coming from diffusers).", resume=REFUSE, cli=False, group="model")
     # --- objective --------------------------------------------------------------------
     prediction_type: str = _f("epsilon", "What the UNet predicts: the noise, v (Salimans & Ho 2022) or the clean image.", choices=PREDICTION_TYPES, resume=REFUSE, group="objective")
@@ -451,7 +452,10 @@ def validate(c: TrainConfig) -> None:
         import torch
         need(torch.cuda.is_available(),
              "--mixed_precision fp16 needs a CUDA GPU and none is visible; use --mixed_precision bf16 or no on CPU")
-    if c.model_config_name_or_path is None:  # a config file's UNet is checked when it is loaded
+    need(not (c.pretrained_model_name_or_path and c.model_config_name_or_path),
+         "--pretrained_model_name_or_path brings its UNet's shape: drop --model_config_name_or_path")
+    if c.model_config_name_or_path is None and c.pretrained_model_name_or_path is None:
+        # a config file's UNet is checked when it is loaded, a pretrained one is what it is
         validate_model_shape(c.model, c.resolution)
 
 

@@ -105,7 +105,7 @@ def model_for_data(config: TrainConfig, data_channels: int) -> Choice:
     settings = {name: value for name, value in DIFFUSERS_RECIPE.items() if name not in given}
     optimization = ""
     if settings:
-        taken = ", ".join(f"{name} {_shown(value)}" for name, value in settings.items() if name != "max_train_steps")
+        taken = ", ".join(f"{name} {shown(value)}" for name, value in settings.items() if name != "max_train_steps")
         # (given --num_epochs, max_train_steps counts as given and None: from_sources lets the epochs decide)
         kept = [f"--{name}" for name in DIFFUSERS_RECIPE if name in given and getattr(config, name) is not None]
         optimization = (f"diffusers' train_unconditional.py recipe ({taken}"
@@ -116,7 +116,7 @@ def model_for_data(config: TrainConfig, data_channels: int) -> Choice:
                   optimization)
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -148,7 +148,17 @@ def build_unet(config: TrainConfig, model: dict | None = None):
         raise ConfigError(f"the UNet config is invalid: {error}") from None
 
 
-def build_noise_scheduler(config: TrainConfig):
+def build_noise_scheduler(config: TrainConfig, base_scheduler: dict | None = None):
+    """The run's DDPMScheduler from the config; fine-tuning (`base_scheduler`: the pipeline's
+    scheduler config), that scheduler with the config's values for the fields the config names
+    (pretrained.resolve took them from it unless the user set them): its betas' range, clipping
+    and timestep spacing stay the pipeline's."""
+    if base_scheduler is not None:
+        from diffusers import DDPMScheduler
+        return DDPMScheduler.from_config(
+            base_scheduler, num_train_timesteps=config.ddpm_num_steps, beta_schedule=config.ddpm_beta_schedule,
+            prediction_type=config.prediction_type, variance_type=config.variance_type,
+            rescale_betas_zero_snr=config.rescale_betas_zero_snr)
     return losses.ddpm_scheduler(config.ddpm_num_steps, config.ddpm_beta_schedule, config.prediction_type,
                                  config.rescale_betas_zero_snr, config.variance_type)
 
