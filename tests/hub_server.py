@@ -41,6 +41,18 @@ _ROUTES = [  # (method, regex, handler name); first match wins
 ]
 
 
+def files_under(folder) -> dict[str, bytes]:
+    """{path relative to `folder`, with / separators: content} of every file under it."""
+    import os
+    found = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as fh:
+                found[os.path.relpath(path, folder).replace(os.sep, "/")] = fh.read()
+    return found
+
+
 class HubServer:
     """Threaded HTTP server on 127.0.0.1 (free port) with an in-memory Hub.
 
@@ -90,13 +102,7 @@ class HubServer:
     # -- helpers for tests ---------------------------------------------------------------------
     def add_repo(self, repo_id: str, folder: str) -> None:
         """A model repo holding `folder`'s files, as if pushed in one commit (for download tests)."""
-        import os
-        files = {}
-        for root, _, names in os.walk(folder):
-            for name in names:
-                path = os.path.join(root, name)
-                with open(path, "rb") as fh:
-                    files[os.path.relpath(path, folder).replace(os.sep, "/")] = fh.read()
+        files = files_under(folder)
         oid = hashlib.sha1(repo_id.encode()).hexdigest()
         with self.lock:
             self.repos[repo_id] = {"private": False, "visibility": "public", "files": files,

@@ -193,3 +193,20 @@ def test_the_command_line_trains_16_bit_and_transparent_images_as_stored(train, 
 def _tiny_model(overrides: dict) -> dict:
     from conftest import TINY_RECIPE
     return {**TINY_RECIPE["model"], **overrides}
+
+
+def test_a_16_bit_colour_png_is_named_as_read_at_8_bits(tmp_path):
+    import struct
+    import zlib
+
+    def chunk(kind, payload):
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+    samples = np.array([[[0, 1000, 65535], [30000, 256, 257]]], dtype=">u2")  # Pillow cannot write this
+    rows = b"".join(b"\x00" + row.tobytes() for row in samples)
+    path = tmp_path / "rgb16.png"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 2, 1, 16, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    with pytest.warns(UserWarning, match=r"rgb16\.png .*16-bit colour.*8-bit precision"):
+        assert data.stored_format([{"path": str(path), "bytes": None}]).dtype == "uint8"
+    with Image.open(path) as image:
+        assert np.asarray(image)[0, 0, 1] == 1000 >> 8  # Pillow's top byte: the picture, at 8 bits

@@ -9,6 +9,7 @@ import io
 import logging
 import os
 import re
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -209,13 +210,21 @@ def mode_dtype(mode: str) -> str:
 
 
 def _stored_modes(items) -> set:
-    modes = set()
+    """The PIL modes of the stored images; a colour file with 16-bit samples, which Pillow decodes to
+    8 bits per channel (its top byte), is named in one warning: it trains at 8-bit precision."""
+    modes, reduced = set(), []
     for item in items:
         try:
             with _decode(item) as image:
                 modes.add(image.mode)
+                if image.mode in ("RGB", "RGBA") and any(str(tile.args).endswith(";16B") for tile in image.tile):
+                    reduced.append(item.get("path") or "an image")
         except Exception:  # an unreadable file is named (and skipped) by the decoder later
             continue
+    if reduced:
+        warnings.warn(f"{reduced[0]} (and {len(reduced) - 1} more of the first images) holds 16-bit colour, which "
+                      "Pillow decodes to 8 bits per channel: it trains at 8-bit precision (16-bit grayscale keeps "
+                      "16 bits)", stacklevel=2)
     return modes
 
 
