@@ -35,8 +35,22 @@ _ROUTES = [  # (method, regex, handler name); first match wins
     ("GET", rf"/api/models/{_REPO}(?:/revision/(?P<rev>[^/]+))?", "repo_info"),
     ("POST", rf"/{_REPO}\.git/info/lfs/objects/batch", "lfs_batch"),
     ("PUT", r"/_lfs/(?P<oid>[0-9a-f]{64})", "lfs_put"),
+    ("HEAD", rf"/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
+    ("GET", rf"/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
     ("POST", r"/_lfs/verify/(?P<oid>[0-9a-f]{64})", "lfs_verify"),
 ]
+
+
+def files_under(folder) -> dict[str, bytes]:
+    """{path relative to `folder`, with / separators: content} of every file under it."""
+    import os
+    found = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as fh:
+                found[os.path.relpath(path, folder).replace(os.sep, "/")] = fh.read()
+    return found
 
 
 class HubServer:
@@ -86,6 +100,14 @@ class HubServer:
         self.stop()
 
     # -- helpers for tests ---------------------------------------------------------------------
+    def add_repo(self, repo_id: str, folder: str) -> None:
+        """A model repo holding `folder`'s files, as if pushed in one commit (for download tests)."""
+        files = files_under(folder)
+        oid = hashlib.sha1(repo_id.encode()).hexdigest()
+        with self.lock:
+            self.repos[repo_id] = {"private": False, "visibility": "public", "files": files,
+                                   "commits": [{"oid": oid, "message": "seeded", "files": sorted(files)}]}
+
     def commits(self, repo_id: str) -> list[dict]:
         return self.repos[repo_id]["commits"]
 
@@ -103,6 +125,9 @@ class _HubHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self._dispatch("GET")
+
+    def do_HEAD(self) -> None:
+        self._dispatch("HEAD")
 
     def do_POST(self) -> None:
         self._dispatch("POST")
@@ -167,7 +192,8 @@ class _HubHandler(BaseHTTPRequestHandler):
         for key, value in (headers or {}).items():
             self.send_header(key, value)
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":  # a HEAD answer has headers only
+            self.wfile.write(data)
 
     def _repo_or_404(self, repo: str) -> dict | None:
         if repo not in self.hub.repos:
@@ -200,6 +226,23 @@ class _HubHandler(BaseHTTPRequestHandler):
         except yaml.YAMLError as err:
             return self._send_json(400, {"errors": [{"message": str(err)}], "warnings": []})
         self._send_json(200, {"errors": [], "warnings": []})
+
+    def _resolve(self, body: bytes, repo: str, rev: str, path: str) -> None:
+        """A file download (hf_hub_download): HEAD gives the metadata huggingface_hub reads (commit,
+        etag, size), GET the bytes; a missing file is 404 EntryNotFound, as on the Hub."""
+        if (state := self._repo_or_404(repo)) is None:
+            return
+        if path not in state["files"]:
+            return self._send_json(404, {"error": f"{path} does not exist"}, {"X-Error-Code": "EntryNotFound"})
+        data = state["files"][path]
+        sha = state["commits"][-1]["oid"] if state["commits"] else "0" * 40
+        self.send_response(200)
+        for key, value in {"X-Repo-Commit": sha, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                           "Content-Length": str(len(data)), "Content-Type": "application/octet-stream"}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(data)
 
     def _repo_info(self, body: bytes, repo: str, rev: str | None) -> None:
         if (state := self._repo_or_404(repo)) is None:

@@ -16,7 +16,7 @@ import textwrap
 import numpy as np
 import pytest
 import yaml
-from hub_server import HubServer
+from hub_server import HubServer, files_under
 from huggingface_hub import ModelCard
 from PIL import Image
 from safetensors.numpy import save as safetensors_bytes
@@ -94,16 +94,6 @@ def run_client(hub: HubServer, code: str, tmp_path, **env_extra) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _files_under(folder) -> dict[str, bytes]:
-    found = {}
-    for root, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                found[os.path.relpath(path, folder).replace(os.sep, "/")] = f.read()
-    return found
-
-
 @pytest.mark.parametrize("private", [True, False])
 def test_repo_created_with_requested_privacy(hub, pipeline_dir, tmp_path, private):
     out = run_client(hub, f"""
@@ -122,7 +112,7 @@ def test_push_commits_exactly_the_pipeline_files(hub, pipeline_dir, tmp_path):
         print(json.dumps({{"url": pusher.wait()}}))
     """, tmp_path, HF_TOKEN=TOKEN)
     (commit,) = hub.commits("test-user/ddpm-tiny")
-    on_disk = _files_under(pipeline_dir)
+    on_disk = files_under(pipeline_dir)
     assert set(on_disk) == PIPELINE_FILES | LOCAL_ONLY_FILES  # the fixture is what the test thinks it is
     assert set(commit["files"]) == PIPELINE_FILES
     assert all(commit["files"][path] == on_disk[path] for path in PIPELINE_FILES)
@@ -140,7 +130,7 @@ def test_token_sent_as_bearer_but_never_written(hub, pipeline_dir, tmp_path):
     """, tmp_path)
     api_calls = [r for r in hub.requests if r["path"] != "/api/agent-harnesses"]  # anonymous registry probe
     assert {r["headers"].get("authorization") for r in api_calls} == {f"Bearer {TOKEN}"}
-    assert not [path for path, content in _files_under(pipeline_dir).items() if TOKEN.encode() in content]
+    assert not [path for path, content in files_under(pipeline_dir).items() if TOKEN.encode() in content]
     (commit,) = hub.commits("test-user/ddpm-tiny")
     assert not [path for path, content in commit["files"].items() if TOKEN.encode() in content]
     assert "hub_token" not in commit["files"]["README.md"].decode()

@@ -79,10 +79,11 @@ def test_two_nodes_decode_once_each_train_checkpoint_and_resume(tiny_recipe, tmp
     recipe = tiny_recipe(train_batch_size=4, checkpointing_steps=2, max_train_samples=None)
     flags = ["--config", recipe, "--train_data_files", f"{folder}/train-*.tar"]
     first = launch_two_nodes(tmp_path, tmp_path / "run", *flags, "--max_train_steps", 2)
-    assert [out.count("decoded 16 images once into") for out in first] == [1, 1]
+    assert [out.count("decoded 16 images once (uint8 samples) into") for out in first] == [1, 1]
     second = launch_two_nodes(tmp_path, tmp_path / "run", *flags, "--max_train_steps", 4,
                               "--resume_from_checkpoint", "latest")
-    assert [out.count("decoded 16 images once into") for out in second] == [0, 0]  # each node reuses its cache
+    # each node reuses its cache
+    assert [out.count("decoded 16 images once (uint8 samples) into") for out in second] == [0, 0]
     assert "resumed from" in second[0] and "step 2" in second[0]
     assert os.path.isdir(tmp_path / "run" / "checkpoint-4")
     for node in (0, 1):

@@ -53,7 +53,7 @@ class GlobalBatchOrder:
 
 
 class MicroBatches(torch.utils.data.Dataset):
-    """Item k = this rank's uint8 images [B, C, H, W] for micro-step k, or (images, int64 class
+    """Item k = this rank's images [B, C, H, W] (the cache's dtype) for micro-step k, or (images, int64 class
     labels [B]) when `labels` (one per image) is given. Use with DataLoader(batch_size=None,
     sampler=range(first, last)) so workers prefetch in order."""
 
@@ -67,7 +67,7 @@ class MicroBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, micro_step: int) -> torch.Tensor:
         rows = self.order.indices(micro_step)[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-        batch = np.empty((len(rows), self.resolution, self.resolution, self.images.channels), np.uint8)
+        batch = np.empty((len(rows), self.resolution, self.resolution, self.images.channels), self.images.dtype)
         for slot, row in enumerate(rows):
             batch[slot] = random_crop(self.images.image(int(row)), self.resolution, self.seed, int(row), micro_step)
         images = torch.from_numpy(batch).permute(0, 3, 1, 2)
@@ -75,16 +75,30 @@ class MicroBatches(torch.utils.data.Dataset):
 
 
 def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(uint8 images, int64 labels or None) of a data source's batch: images, or (images, labels)."""
+    """(images, int64 labels or None) of a data source's batch: images, or (images, labels)."""
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch, None)
 
 
+# the stored value that means white, by storage dtype (images.PixelFormat); 0 means black
+WHITE = {"uint8": 255.0, "uint16": 65535.0, "float32": 1.0}
+
+
 def to_model_input(batch: torch.Tensor, device, flip: torch.Tensor | None = None) -> torch.Tensor:
-    """uint8 [B, C, H, W] -> fp32 in [-1, 1] on the device; `flip` (bool [B]) mirrors images there."""
-    images = batch.to(device, non_blocking=True).float().div_(127.5).sub_(1.0)
+    """Stored pixels [B, C, H, W] (uint8, uint16 or float32 in [0, 1]) -> fp32 in [-1, 1] on the
+    device, scaled from the storage's range; `flip` (bool [B]) mirrors images there."""
+    white = WHITE[str(batch.dtype).removeprefix("torch.")]
+    images = batch.to(device, non_blocking=True).float().div_(white / 2).sub_(1.0)
     if flip is not None:
         images = torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
     return images
+
+
+def as_uint8(images: np.ndarray) -> np.ndarray:
+    """Stored pixels (uint8, uint16 or float32 in [0, 1]) as uint8, for what reads 8-bit images
+    (the FID/KID feature extractors)."""
+    if images.dtype == np.uint8:
+        return images
+    return np.round(images.astype(np.float64) * (255 / WHITE[images.dtype.name])).astype(np.uint8)
 
 
 VALIDATION_STREAM = 0x48E1D0  # seed stream of the held-out split (and of the held-out timesteps and noise)
@@ -95,6 +109,7 @@ class ImageSubset:
 
     def __init__(self, images, rows: np.ndarray):
         self.images, self.rows, self.channels = images, np.asarray(rows, dtype=np.int64), images.channels
+        self.dtype = images.dtype
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -11,19 +11,20 @@ import warnings
 
 import numpy as np
 
-from diffusion_extras.data.images import DataError, decode_image
+from diffusion_extras.data.images import EIGHT_BIT, DataError, PixelFormat, decode_image
 
 logger = logging.getLogger(__name__)
 
 
-CACHE_FORMAT = 2  # bump when the cached layout or preprocessing changes
+CACHE_FORMAT = 3  # bump when the cached layout or preprocessing changes
 
 
 # ----------------------------------------------------------------------------- decode once
 class DecodedImages:
-    """Every training image decoded, converted and resized once, kept as uint8 (memory-mapped
-    from the cache when one exists). Without center crop the shorter side equals the resolution
-    and the random crop happens per batch; with it every image is already resolution^2."""
+    """Every training image decoded, converted and resized once, kept in its PixelFormat's dtype
+    (uint8, uint16 or float32; memory-mapped from the cache when one exists). Without center crop
+    the shorter side equals the resolution and the random crop happens per batch; with it every
+    image is already resolution^2."""
 
     def __init__(self, pixels: np.ndarray, shapes: np.ndarray, offsets: np.ndarray, channels: int):
         self.pixels, self.shapes, self.offsets, self.channels = pixels, shapes, offsets, channels
@@ -37,14 +38,18 @@ class DecodedImages:
         return self.pixels[start:start + height * width * self.channels].reshape(height, width, self.channels)
 
     def as_array(self) -> np.ndarray:
-        """All images [N, H, W, C] uint8; only when all share one shape (center crop)."""
+        """All images [N, H, W, C]; only when all share one shape (center crop)."""
         height, width = self.shapes[0]
         return np.asarray(self.pixels).reshape(len(self), height, width, self.channels)
 
+    @property
+    def dtype(self) -> np.dtype:
+        return self.pixels.dtype
+
     @classmethod
-    def load(cls, directory: str, channels: int) -> DecodedImages:
+    def load(cls, directory: str, channels: int, dtype: str = "uint8") -> DecodedImages:
         shapes = np.load(os.path.join(directory, "shapes.npy"))
-        pixels = np.memmap(os.path.join(directory, "pixels.bin"), dtype=np.uint8, mode="r")
+        pixels = np.memmap(os.path.join(directory, "pixels.bin"), dtype=dtype, mode="r")
         return cls(pixels, shapes, _offsets(shapes, channels), channels)
 
 
@@ -57,7 +62,7 @@ DECODE_CHUNK = 512  # rows per decoding task
 
 
 def _decode_rows(bounds: tuple[int, int], dataset, image_column: str, resolution: int, center_crop: bool,
-                 channels: int) -> tuple[list, list]:
+                 channels: int, pixels: PixelFormat = EIGHT_BIT) -> tuple[list, list]:
     """Decode rows [start, stop) from their stored bytes: (arrays, [(name, error)]). Runs in worker
     processes too; the arrow format hands over bytes and paths without decoding."""
     start, stop = bounds
@@ -65,7 +70,7 @@ def _decode_rows(bounds: tuple[int, int], dataset, image_column: str, resolution
     arrays, problems = [], []
     for offset, item in enumerate(items):
         try:
-            arrays.append(decode_image(item, resolution, center_crop, channels))
+            arrays.append(decode_image(item, resolution, center_crop, channels, pixels))
         except Exception as error:  # PIL raises several types for truncated or non-image files
             problems.append((item.get("path") or f"row {start + offset}", f"{type(error).__name__}: {error}"))
     return arrays, problems
@@ -77,8 +82,8 @@ def decode_workers(num_rows: int) -> int:
 
 
 def iter_decoded(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
-                 workers: int = 1, progress: bool = False):
-    """Every decodable image, in row order, as uint8 [H, W, C]; unreadable files are skipped with a
+                 workers: int = 1, progress: bool = False, pixels: PixelFormat = EIGHT_BIT):
+    """Every decodable image, in row order, as [H, W, C] of pixels.dtype; unreadable files are skipped with a
     warning that names them. Raises DataError if none can be decoded."""
     import functools
     from concurrent.futures import ProcessPoolExecutor
@@ -87,7 +92,7 @@ def iter_decoded(dataset, image_column: str, resolution: int, center_crop: bool,
 
     bounds = [(a, min(a + DECODE_CHUNK, len(dataset))) for a in range(0, len(dataset), DECODE_CHUNK)]
     task = functools.partial(_decode_rows, dataset=dataset, image_column=image_column, resolution=resolution,
-                             center_crop=center_crop, channels=channels)
+                             center_crop=center_crop, channels=channels, pixels=pixels)
     pool = ProcessPoolExecutor(workers) if workers > 1 else None
     decoded, skipped = 0, []
     with tqdm(total=len(dataset), desc="decoding images once", disable=not progress) as bar:
@@ -105,50 +110,55 @@ def iter_decoded(dataset, image_column: str, resolution: int, center_crop: bool,
 
 
 def decode_dataset(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
-                   progress: bool = False) -> DecodedImages:
+                   progress: bool = False, pixels: PixelFormat = EIGHT_BIT) -> DecodedImages:
     """Decode every image once, in memory (small datasets: the digits)."""
-    arrays = list(iter_decoded(dataset, image_column, resolution, center_crop, channels, progress=progress))
+    arrays = list(iter_decoded(dataset, image_column, resolution, center_crop, channels, progress=progress,
+                               pixels=pixels))
     shapes = np.array([a.shape[:2] for a in arrays], dtype=np.int64)
     pixels = np.concatenate([a.reshape(-1) for a in arrays])
     return DecodedImages(pixels, shapes, _offsets(shapes, channels), channels)
 
 
 def cached_decode(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
-                  cache_dir: str | None, progress: bool = False) -> DecodedImages:
+                  cache_dir: str | None, progress: bool = False,
+                  pixels: PixelFormat = EIGHT_BIT) -> DecodedImages:
     """Decoded images stored on disk, keyed by the dataset's fingerprint and the preprocessing, so
     later runs (and the other local ranks, which wait for the node's main one) only memory-map
     them. Images are written to the file as they are decoded (memory stays flat whatever the
     dataset size), by a process pool for large datasets. In-memory datasets (the digits) have no
     stable fingerprint and are decoded each time (under a second)."""
     if not dataset.cache_files:
-        return decode_dataset(dataset, image_column, resolution, center_crop, channels, progress)
+        return decode_dataset(dataset, image_column, resolution, center_crop, channels, progress, pixels)
     import datasets
 
     key = hashlib.sha256(repr((CACHE_FORMAT, dataset._fingerprint, image_column, resolution,
-                               center_crop, channels)).encode()).hexdigest()[:20]
+                               center_crop, channels, tuple(pixels))).encode()).hexdigest()[:20]
     root = str(cache_dir or datasets.config.HF_DATASETS_CACHE)
     directory = os.path.join(root, "ddpm_decoded", key)
     if not os.path.isdir(directory):  # published whole by one rename: present means complete
-        check_cache_space(root, len(dataset), resolution, channels)
+        check_cache_space(root, len(dataset), resolution, channels, np.dtype(pixels.dtype).itemsize)
         start = time.perf_counter()
         images = iter_decoded(dataset, image_column, resolution, center_crop, channels,
-                              decode_workers(len(dataset)), progress)
+                              decode_workers(len(dataset)), progress, pixels)
         _write_cache(directory, images)
         # one line per decode: how often a node decoded is visible in its log (and tested)
-        print(f"decoded {len(dataset)} images once into {directory} in {time.perf_counter() - start:.1f} s", flush=True)
-    return DecodedImages.load(directory, channels)
+        print(f"decoded {len(dataset)} images once ({pixels.dtype} samples) into {directory} in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+    return DecodedImages.load(directory, channels, pixels.dtype)
 
 
-def check_cache_space(root: str, rows: int, resolution: int, channels: int) -> None:
-    """Refuse before decoding when the cache's disk cannot hold rows x resolution^2 x channels
-    bytes (a lower bound: without --center_crop the stored images are larger)."""
+def check_cache_space(root: str, rows: int, resolution: int, channels: int, bytes_per_sample: int = 1) -> None:
+    """Refuse before decoding when the cache's disk cannot hold rows x resolution^2 x channels x
+    bytes per sample (2 for 16-bit images, 4 for 32-bit ones: precision is kept, so the cache grows;
+    a lower bound: without --center_crop the stored images are larger)."""
     import shutil
 
     os.makedirs(root, exist_ok=True)
-    needed, free = rows * resolution * resolution * channels, shutil.disk_usage(root).free
+    needed, free = rows * resolution * resolution * channels * bytes_per_sample, shutil.disk_usage(root).free
     if needed > free:
         raise DataError(f"the decoded-image cache needs at least {needed / 1e9:.2f} GB ({rows} images of "
-                        f"{resolution}x{resolution}x{channels} bytes) but {root} has {free / 1e9:.2f} GB free: "
+                        f"{resolution}x{resolution}x{channels} samples of {bytes_per_sample} byte(s)) but {root} "
+                        f"has {free / 1e9:.2f} GB free: "
                         "use --streaming (decodes on the fly, no cache) or a --cache_dir on a larger disk")
 
 

@@ -9,9 +9,11 @@ import io
 import logging
 import os
 import re
+import warnings
+from typing import NamedTuple
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from diffusion_extras.data.spec import DataSpec
 
@@ -174,50 +176,154 @@ def find_image_column(dataset, image_column: str | None = None) -> str:
     return found[0]
 
 
-# ----------------------------------------------------------------------------- channels
+# ----------------------------------------------------------------------------- channels and depth
 GRAYSCALE_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")  # PIL modes with one colour
+# PIL modes whose samples numpy reads at more than 8 bits, with the range that maps to [0, 1]:
+# unsigned 16-bit (PNG, TIFF), signed 32-bit integer (the int32 range), 32-bit float (0 black, 1 white)
+DEEP_MODES = {"I;16": (0, 65535), "I;16B": (0, 65535), "I;16L": (0, 65535), "I;16N": (0, 65535),
+              "I": (-2 ** 31, 2 ** 31 - 1), "F": (0.0, 1.0)}
+PIXEL_DTYPES = ("uint8", "uint16", "float32")  # how decoded images are stored (cache, stream), by depth
+BACKGROUNDS = {"white": (255, 255, 255), "black": (0, 0, 0)}
+
+
+class PixelFormat(NamedTuple):
+    """How decoded images are stored and how transparency is resolved (decode_cache, streaming)."""
+    dtype: str = "uint8"                        # one of PIXEL_DTYPES: the deepest image of the data decides
+    background: tuple = BACKGROUNDS["white"]    # RGB that transparent pixels are composited on (< 4 channels)
+
+
+EIGHT_BIT = PixelFormat()  # 8-bit storage, transparency on white: the default
+
+
+def parse_background(value: str) -> tuple:
+    """--background: white, black or #rrggbb, as an RGB tuple."""
+    if value in BACKGROUNDS:
+        return BACKGROUNDS[value]
+    if re.fullmatch(r"#[0-9a-fA-F]{6}", value or ""):
+        return tuple(int(value[i:i + 2], 16) for i in (1, 3, 5))
+    raise DataError(f"--background {value!r}: give white, black or a colour #rrggbb")
+
+
+def mode_dtype(mode: str) -> str:
+    """The storage a PIL mode needs to keep its precision."""
+    return "float32" if mode in ("I", "F") else "uint16" if mode.startswith("I;16") else "uint8"
+
+
+def _stored_modes(items) -> set:
+    """The PIL modes of the stored images; a colour file with 16-bit samples, which Pillow decodes to
+    8 bits per channel (its top byte), is named in one warning: it trains at 8-bit precision."""
+    modes, reduced = set(), []
+    for item in items:
+        try:
+            with _decode(item) as image:
+                modes.add(image.mode)
+                if image.mode in ("RGB", "RGBA") and any(str(tile.args).endswith(";16B") for tile in image.tile):
+                    reduced.append(item.get("path") or "an image")
+        except Exception:  # an unreadable file is named (and skipped) by the decoder later
+            continue
+    if reduced:
+        warnings.warn(f"{reduced[0]} (and {len(reduced) - 1} more of the first images) holds 16-bit colour, which "
+                      "Pillow decodes to 8 bits per channel: it trains at 8-bit precision (16-bit grayscale keeps "
+                      "16 bits)", stacklevel=2)
+    return modes
 
 
 def stored_channels(items) -> int | None:
     """3 if any of the stored images ({"bytes", "path"}) is in colour (RGB, RGBA, P, CMYK, ...), 1 if
     all are grayscale, None if none opens. Only the headers are read (PIL opens lazily)."""
-    modes = set()
-    for item in items:
-        try:
-            with _decode(item) as image:
-                modes.add(image.mode)
-        except Exception:  # an unreadable file is named (and skipped) by the decoder later
-            continue
+    modes = _stored_modes(items)
     return (1 if modes <= set(GRAYSCALE_MODES) else 3) if modes else None
+
+
+def stored_format(items, background: str = "white") -> PixelFormat:
+    """The PixelFormat of the stored images: the deepest of their modes (headers only)."""
+    dtypes = {mode_dtype(mode) for mode in _stored_modes(items)}
+    return PixelFormat(max(dtypes, key=PIXEL_DTYPES.index, default="uint8"), parse_background(background))
 
 
 def dataset_channels(dataset, image_column: str, count: int = 16) -> int:
     """Colour channels of the training images, judged by the first `count` rows."""
-    items = dataset.with_format("arrow")[:count].column(image_column).to_pylist()
-    return stored_channels(items) or 3
+    return stored_channels(_first_items(dataset, image_column, count)) or 3
 
 
-def preprocess_image(image: Image.Image, resolution: int, center_crop: bool, channels: int) -> np.ndarray:
-    """Mode by the model's channels, shorter side to `resolution` (bicubic, antialiased when
-    shrinking), then the centre square if asked. Returns uint8 [H, W, C]."""
-    image = image.convert("L" if channels == 1 else "RGB")
+def dataset_format(dataset, image_column: str, background: str = "white", count: int = 16) -> PixelFormat:
+    """The PixelFormat of the training images, judged by the first `count` rows."""
+    return stored_format(_first_items(dataset, image_column, count), background)
+
+
+def _first_items(dataset, image_column: str, count: int) -> list:
+    return dataset.with_format("arrow")[:count].column(image_column).to_pylist()
+
+
+def _has_alpha(image: Image.Image) -> bool:
+    return image.mode in ("RGBA", "LA", "La", "RGBa", "PA") or (image.mode == "P" and "transparency" in image.info)
+
+
+def _as_8bit(image: Image.Image, channels: int, background: tuple) -> Image.Image:
+    """An 8-bit image in L, RGB or RGBA (by `channels`): palettes and CMYK through Pillow's own
+    conversions, transparency composited on `background` (kept as the 4th channel when channels == 4)."""
+    if channels == 4:
+        return image.convert("RGBA")
+    if _has_alpha(image):
+        backdrop = Image.new("RGBA", image.size, (*background, 255))
+        image = Image.alpha_composite(backdrop, image.convert("RGBA"))
+    return image.convert("L" if channels == 1 else "RGB")
+
+
+def _as_unit_float(image: Image.Image, channels: int, background: tuple) -> np.ndarray:
+    """float32 [H, W, channels] in [0, 1]: a deep image scaled from its mode's range (DEEP_MODES;
+    a float image outside [0, 1] is refused: there is no range to scale it from), any other
+    through _as_8bit / 255. Deep modes are grayscale with no alpha: copies make colour, 1 the alpha."""
+    if image.mode not in DEEP_MODES:
+        array = np.asarray(_as_8bit(image, channels, background), dtype=np.float32) / 255
+        return array[:, :, None] if array.ndim == 2 else array
+    low, high = DEEP_MODES[image.mode]
+    plane = (np.asarray(image).astype(np.float64) - low) / (high - low)
+    if image.mode == "F" and plane.size and (plane.min() < 0 or plane.max() > 1):
+        raise DataError(f"a float image holds values in [{plane.min():g}, {plane.max():g}]; float images are "
+                        "read as 0 = black, 1 = white: rescale it to [0, 1]")
+    planes = [plane] * min(channels, 3) + [np.ones_like(plane)] * (channels == 4)
+    return np.stack(planes, axis=-1).astype(np.float32)
+
+
+def preprocess_image(image: Image.Image, resolution: int, center_crop: bool, channels: int,
+                     pixels: PixelFormat = EIGHT_BIT) -> np.ndarray:
+    """EXIF orientation applied, mode by the model's channels (4: RGBA), shorter side to
+    `resolution` (bicubic, antialiased when shrinking), then the centre square if asked. Returns
+    [H, W, C] of pixels.dtype: uint8 through Pillow's 8-bit path; uint16 (x 65535) and float32
+    (in [0, 1]) resized per channel in Pillow's float mode F, so no sample passes through 8 bits."""
+    image = ImageOps.exif_transpose(image)
     width, height = image.size
     scale = resolution / min(width, height)
     size = (max(resolution, round(width * scale)), max(resolution, round(height * scale)))
-    if size != image.size:
-        image = image.resize(size, Image.BICUBIC)
+    box = None
     if center_crop:
         left, top = (size[0] - resolution) // 2, (size[1] - resolution) // 2
-        image = image.crop((left, top, left + resolution, top + resolution))
-    array = np.asarray(image, dtype=np.uint8)
-    return array[:, :, None] if array.ndim == 2 else array
+        box = (left, top, left + resolution, top + resolution)
+    if pixels.dtype == "uint8":
+        if image.mode in DEEP_MODES:  # 8-bit storage of a deep image (the data's first images were 8-bit)
+            unit = _as_unit_float(image, 1, pixels.background)[:, :, 0]
+            image = Image.fromarray(np.round(unit * 255).astype(np.uint8))
+        array = np.asarray(_resize_crop(_as_8bit(image, channels, pixels.background), size, box), dtype=np.uint8)
+        return array[:, :, None] if array.ndim == 2 else array
+    unit = _as_unit_float(image, channels, pixels.background)
+    planes = [np.asarray(_resize_crop(Image.fromarray(unit[:, :, c], mode="F"), size, box)) for c in range(channels)]
+    array = np.clip(np.stack(planes, axis=-1), 0.0, 1.0)  # bicubic overshoot, clamped as Pillow clamps 8-bit
+    return np.round(array * 65535).astype(np.uint16) if pixels.dtype == "uint16" else array.astype(np.float32)
 
 
-def decode_image(item: dict, resolution: int, center_crop: bool, channels: int) -> np.ndarray:
+def _resize_crop(image: Image.Image, size: tuple, box: tuple | None) -> Image.Image:
+    if size != image.size:
+        image = image.resize(size, Image.BICUBIC)
+    return image.crop(box) if box else image
+
+
+def decode_image(item: dict, resolution: int, center_crop: bool, channels: int,
+                 pixels: PixelFormat = EIGHT_BIT) -> np.ndarray:
     """A stored image ({"bytes", "path"}) decoded and preprocessed; raises on unreadable files."""
     with _decode(item) as image:
         image.load()
-        return preprocess_image(image, resolution, center_crop, channels)
+        return preprocess_image(image, resolution, center_crop, channels, pixels)
 
 
 def _decode(item: dict) -> Image.Image:

@@ -2,12 +2,13 @@
 artifacts (sigma_data, FID references) see a data source and never ask which kind it is.
 
     source = build_source(spec, processes, channels, dataset, validation_split, classes)
-    batches = source.batches(first, last)   # this rank's uint8 [B, C, H, W] micro-batches, first..last-1;
+    batches = source.batches(first, last)   # this rank's [B, C, H, W] micro-batches, first..last-1 (uint8,
+                                            # or uint16 / float32 for deeper images: images.PixelFormat);
                                             # (images, int64 labels [B]) pairs when class_names is set
     source.class_names                      # class names by id (--class_conditional), or None
     source.position(micro_step)             # {"epoch", "batch_in_epoch"} for the train state
     source.state_dict() / load_state_dict() # this rank's position, when the micro-step alone cannot say it
-    source.reference_sample(count)          # uint8 NCHW training images, the run's position untouched
+    source.reference_sample(count)          # NCHW training images as batches hold them, the run's position untouched
     source.held_out_images                  # images kept out of training (--validation_split), or None
 
 Two kinds: `CachedImages` (decoded once, a (seed, micro-step) order: the position is a function of
@@ -52,8 +53,9 @@ class CachedImages:
         with processes.local_main_process_first():
             dataset = dataset if dataset is not None else data.load_image_dataset(spec)
             image_column = data.find_image_column(dataset, spec.image_column)
+            pixels = data.dataset_format(dataset, image_column, spec.background)  # 16/32-bit images keep their depth
             self.images = decode_cache.cached_decode(dataset, image_column, spec.resolution, spec.center_crop,
-                                             channels, spec.cache_dir, processes.is_local_main_process)
+                                             channels, spec.cache_dir, processes.is_local_main_process, pixels)
         if classes is None and spec.class_conditional:  # a caller that opened nothing (open_training_data reads them)
             classes = labels.read_classes(dataset, spec.label_column)
         self.labels = classes.row_labels if classes else None
@@ -95,24 +97,26 @@ class CachedImages:
         pass
 
     def reference_sample(self, count: int) -> np.ndarray:
-        """Up to `count` training images as uint8 NCHW, a seeded random subset with the run's crops."""
+        """Up to `count` training images NCHW (as batches hold them), a seeded random subset with the run's crops."""
         count = min(len(self.images), count)
         order = batch_order.GlobalBatchOrder(len(self.images), count, self.spec.seed)
         return batch_order.MicroBatches(self.images, order, 0, count, self.spec.resolution, self.spec.seed)[0].numpy()
 
 
 def open_training_data(spec: DataSpec, processes: Processes) -> tuple:
-    """(the opened dataset or None, the images' colour channels: 1 or 3, the classes or None),
+    """(the opened dataset or None, the images' colour channels: 1 or 3, or 4 with --keep_alpha; the
+    classes or None),
     judged from the first images' modes and the labels before any model exists, so that a model
     can follow the data. The opened dataset and the classes are handed to build_source (a stream
     is reopened there, lazily, per rank)."""
     if spec.streaming:
         shard, column = load_stream(spec, processes.process_index, processes.num_processes)
-        channels = data.stored_channels(item[column] for item in shard.take(16)) or 3
+        channels = 4 if spec.keep_alpha else data.stored_channels(item[column] for item in shard.take(16)) or 3
         return None, channels, read_stream_classes(spec) if spec.class_conditional else None
     with processes.local_main_process_first():  # the node's first rank downloads, the others reuse it
         dataset = data.load_image_dataset(spec)
-    channels = data.dataset_channels(dataset, data.find_image_column(dataset, spec.image_column))
+    column = data.find_image_column(dataset, spec.image_column)
+    channels = 4 if spec.keep_alpha else data.dataset_channels(dataset, column)
     return dataset, channels, labels.read_classes(dataset, spec.label_column) if spec.class_conditional else None
 
 

@@ -27,6 +27,8 @@ class DataSpec:
     max_train_samples: int | None = None     # keep this many images (a seeded subset)
     resolution: int = 16                     # pixels, square
     center_crop: bool = True                 # else a (seed, image) random crop
+    background: str = "white"                # transparent pixels composited on it: white, black or #rrggbb
+    keep_alpha: bool = False                 # keep transparency as a 4th channel instead (RGBA)
     streaming: bool = False                  # decode on the fly instead of once
     shuffle_buffer_size: int = 1000          # examples; streaming only, 0: no shuffle
     dataloader_num_workers: int = 0          # loader worker processes (a stream's decoders)

@@ -22,7 +22,15 @@ import numpy as np
 import torch
 
 from diffusion_extras.data.batch_order import random_crop
-from diffusion_extras.data.images import DataError, decode_image, find_image_column, open_dataset
+from diffusion_extras.data.images import (
+    EIGHT_BIT,
+    DataError,
+    PixelFormat,
+    decode_image,
+    find_image_column,
+    open_dataset,
+    stored_format,
+)
 from diffusion_extras.data.labels import Classes, LabelReader, stream_classes
 from diffusion_extras.data.spec import DataSpec, Processes
 
@@ -58,7 +66,7 @@ def load_stream(spec: DataSpec, rank: int, world_size: int, label_column: str | 
 
 
 class DecodedStream(torch.utils.data.IterableDataset):
-    """This rank's shard of the stream as decoded uint8 [C, H, W] images, endlessly, epoch after
+    """This rank's shard of the stream as decoded [C, H, W] images (of `pixels`' dtype), endlessly, epoch after
     epoch; in a DataLoader worker, over the worker's share of the shards. Its state (epoch, examples
     consumed in it, examples seen in all) is what StatefulDataLoader saves for each worker.
 
@@ -73,8 +81,8 @@ class DecodedStream(torch.utils.data.IterableDataset):
     (read, not decoded), which also replays the shuffle buffer exactly."""
 
     def __init__(self, stream, column: str, resolution: int, center_crop: bool, channels: int, seed: int,
-                 label: LabelReader | None = None):
-        self.stream, self.column, self.label = stream, column, label  # label: (image, class id) pairs
+                 label: LabelReader | None = None, pixels: PixelFormat = EIGHT_BIT):
+        self.stream, self.column, self.label, self.pixels = stream, column, label, pixels  # label: (image, class id)
         self.resolution, self.center_crop, self.channels, self.seed = resolution, center_crop, channels, seed
         self.epoch, self.consumed, self.examples_seen = 0, 0, 0  # consumed: examples read in this epoch
 
@@ -104,7 +112,7 @@ class DecodedStream(torch.utils.data.IterableDataset):
 
     def _decode(self, image: dict):
         try:
-            return decode_image(image, self.resolution, self.center_crop, self.channels)
+            return decode_image(image, self.resolution, self.center_crop, self.channels, self.pixels)
         except Exception as error:  # a corrupt file in a stream: skip it, name it, go on
             name = image.get("path") or f"#{self.examples_seen}"
             warnings.warn(f"skipping unreadable image {name}: {type(error).__name__}: {error}", stacklevel=2)
@@ -118,7 +126,7 @@ class DecodedStream(torch.utils.data.IterableDataset):
 
 
 class StreamingBatches:
-    """Iterator of this rank's uint8 micro-batches [B, C, H, W] (with `label`: [images, int64 class
+    """Iterator of this rank's micro-batches [B, C, H, W] (of `pixels`' dtype) (with `label`: [images, int64 class
     ids [B]]), decoded by `num_workers` worker
     processes (0: on this thread), with a resumable position. torchdata's StatefulDataLoader is
     used instead of torch's DataLoader because it saves and restores each worker's dataset state
@@ -126,12 +134,13 @@ class StreamingBatches:
 
     def __init__(self, stream, column: str, batch_size: int, resolution: int, center_crop: bool,
                  channels: int, seed: int, num_workers: int = 0, pin_memory: bool = False,
-                 label: LabelReader | None = None):
+                 label: LabelReader | None = None, pixels: PixelFormat = EIGHT_BIT):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         self.num_workers = num_workers
         self.loader = StatefulDataLoader(
-            DecodedStream(stream, column, resolution, center_crop, channels, seed, label), batch_size=batch_size,
+            DecodedStream(stream, column, resolution, center_crop, channels, seed, label, pixels),
+            batch_size=batch_size,
             num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=4 if num_workers else None,
             generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
         self._iterator = None
@@ -183,14 +192,15 @@ def worker_states(loader_state: dict) -> list[dict]:
     return [w["dataset_state"] for w in workers.values() if w.get("dataset_state")]
 
 
-def stream_reference_images(spec: DataSpec, count: int, channels: int) -> np.ndarray:
+def stream_reference_images(spec: DataSpec, count: int, channels: int,
+                            pixels: PixelFormat = EIGHT_BIT) -> np.ndarray:
     """Up to `count` centre-cropped images [N, C, H, W] from the start of an independent copy of the
     stream, for sigma_data and FID references; the training position is not touched."""
     stream, column = load_stream(spec, 0, 1)
     images = []
     for item in stream.take(count):
         try:
-            images.append(decode_image(item[column], spec.resolution, True, channels))
+            images.append(decode_image(item[column], spec.resolution, True, channels, pixels))
         except Exception:  # unreadable: the training stream warns about it; references just skip it
             continue
     if not images:
@@ -208,10 +218,11 @@ class StreamSource:
     def __init__(self, spec: DataSpec, processes: Processes, channels: int, classes: Classes | None = None):
         shard, column = load_stream(spec, processes.process_index, processes.num_processes,
                                     classes.column if classes else None)
+        self.pixels = stored_format((item[column] for item in shard.take(16)), spec.background)
         self.stream = StreamingBatches(shard, column, spec.train_batch_size, spec.resolution, spec.center_crop,
                                        channels, spec.seed + processes.process_index,
                                        spec.dataloader_num_workers, processes.device.type == "cuda",
-                                       classes.reader() if classes else None)
+                                       classes.reader() if classes else None, self.pixels)
         self.class_names = classes.names if classes else None  # labels come with each example
         self.spec, self.channels, self.rank = spec, channels, processes.process_index
         self.description = f"stream:{spec.dataset_name or spec.train_data_dir or spec.train_data_files}"
@@ -232,4 +243,4 @@ class StreamSource:
         self.stream.load_state_dict(state)
 
     def reference_sample(self, count: int) -> np.ndarray:
-        return stream_reference_images(self.spec, count, self.channels)
+        return stream_reference_images(self.spec, count, self.channels, self.pixels)

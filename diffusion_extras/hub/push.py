@@ -139,7 +139,8 @@ def write_model_card(folder: str, info: dict) -> str:
     """Writes folder/README.md for a DDPM pipeline and returns its path. `info` keys: repo_id,
     config (dict), global_step, images_seen, metrics (dict), sample_grid and loss_plot (paths under
     folder/images/), dataset_name, license, title, class_names (a class-conditional pipeline), _redact
-    (secrets to keep out of the card)."""
+    (secrets to keep out of the card), base_model (the pipeline a fine-tune started from: named in
+    the text, and in the metadata's `base_model` when it is a Hub id)."""
     secrets = [s for s in info.get("_redact") or [] if s]
     config = redact_config(info.get("config") or {}, secrets)
     repo_id = info.get("repo_id") or default_repo_id(folder, None)
@@ -148,7 +149,8 @@ def write_model_card(folder: str, info: dict) -> str:
         library_name="diffusers",
         pipeline_tag="unconditional-image-generation",
         tags=CARD_TAGS + (["class-conditional"] if info.get("class_names") else []),
-        datasets=[dataset] if _is_hub_dataset_id(dataset) else None,
+        datasets=[dataset] if _is_hub_id(dataset) else None,
+        base_model=info.get("base_model") if _is_hub_id(info.get("base_model")) else None,
         license=info.get("license") or "apache-2.0",
     )
     body = _card_body(folder, info, config, repo_id, dataset)
@@ -160,9 +162,9 @@ def write_model_card(folder: str, info: dict) -> str:
     return path
 
 
-def _is_hub_dataset_id(name: str | None) -> bool:
+def _is_hub_id(name: str | None) -> bool:
     if not name or os.path.exists(name):
-        return False  # a local folder, not a Hub dataset
+        return False  # a local folder, not a Hub repo
     try:
         validate_repo_id(name)
     except HFValidationError:
@@ -179,6 +181,8 @@ def _card_body(folder: str, info: dict, config: dict, repo_id: str, dataset: str
         f"model ([Ho et al., 2020](https://arxiv.org/abs/2006.11239)){trained_on} with `train_ddpm.py`.", "",
         "## Training recipe", "",
     ]
+    if info.get("base_model"):
+        lines += [f"Fine-tuned from `{info['base_model']}`.", ""]
     if "global_step" in info or "images_seen" in info:
         lines += [f"Trained for {info.get('global_step', '?')} optimizer steps "
                   f"({info.get('images_seen', '?')} training images seen).", ""]

@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator
 from PIL import Image
 
+from diffusion_extras.data import batch_order
 from diffusion_extras.evaluation import distributed, sampling
 from diffusion_extras.evaluation import metrics as evaluation
 from diffusion_extras.hub import push as hub
@@ -259,7 +260,9 @@ def prepare_evaluation(config, source, device, with_reference: bool = True):
     `source`: the run's data source (its reference sample). None without --eval_steps."""
     if config.eval_steps is None:
         return None
-    reference = source.reference_sample(config.eval_num_samples).transpose(0, 2, 3, 1) if with_reference else ()
+    # FID/KID extractors read 8-bit images: 16- and 32-bit training images are rounded to 8 bits here only
+    reference = (batch_order.as_uint8(source.reference_sample(config.eval_num_samples)).transpose(0, 2, 3, 1)
+                 if with_reference else ())
     fingerprint = f"{source.description}-{config.resolution}-{len(reference)}-{config.seed}"
     groups = evaluation.extractors_for(evaluation.parse_metrics(config.eval_metrics), config.feature_extractor)
     suites = []

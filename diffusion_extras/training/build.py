@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 
@@ -16,7 +17,7 @@ from diffusion_extras.data import batch_order, sources
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
-from diffusion_extras.training import artifacts, checkpointing, compat, models, run_state, tracking
+from diffusion_extras.training import artifacts, checkpointing, compat, models, pretrained, run_state, tracking
 from diffusion_extras.training.config import ConfigError, TrainConfig
 from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.periodic import write_reference_bins
@@ -75,6 +76,7 @@ def setup(config: TrainConfig, hooks: Hooks | None = None) -> Run:
         raise ConfigError(f"--output_dir {config.output_dir} already holds {os.path.basename(checkpoints[-1])}: "
                           "pass --resume_from_checkpoint latest to continue it, or choose a new --output_dir")
     run = build_run(config, accelerator, hooks=hooks)
+    config = run.config  # fine-tuning: with the pretrained pipeline's settings (pretrained.resolve)
     if config.resume_from_checkpoint:  # refuse an incompatible resume before any remote side effect
         resume(run)
     run.hub_pusher, run.secrets = artifacts.connect_hub(config, accelerator.is_main_process)
@@ -99,12 +101,13 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     schedule; `max_train_steps` replaces the run length (the LR range test's sweep); `hooks`: the
     extension points (hooks.py), defaults when None."""
     hooks = hooks or Hooks()
-    noise_scheduler = models.build_noise_scheduler(config)
+    config, base = pretrained.resolve(config)  # None unless fine-tuning
+    noise_scheduler = models.build_noise_scheduler(config, base.scheduler_config if base else None)
     spec = config.data_spec()
     switches = run_state.extras_switches(config, spec.uses_embedded_digits)
     # the data is opened before the model: with no model chosen, the model follows the images
     dataset, data_channels, classes = sources.open_training_data(spec, accelerator)  # labels read once, here
-    choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None)
+    choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None, base)
     training_data, held_out_images = build_data(config, accelerator, unet.config.in_channels, dataset,
                                                 switches["validation_split"], classes, hooks.data_source)
     plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
@@ -129,13 +132,22 @@ def refuse_sharded_training(accelerator) -> None:
             "with --gradient_checkpointing and --mixed_precision bf16 to save memory")
 
 
-def build_model(config: TrainConfig, accelerator, data_channels: int,
-                class_names: list | None = None) -> tuple[models.Choice, torch.nn.Module]:
+def build_model(config: TrainConfig, accelerator, data_channels: int, class_names: list | None = None,
+                base: pretrained.Pretrained | None = None) -> tuple[models.Choice, torch.nn.Module]:
     """(the choice, the UNet): the recipe's UNet, or one that follows the images with its
-    optimization, with a class embedding for `class_names` (--class_conditional); announced in one
-    line with its size."""
-    choice = models.follow_data(config, data_channels, class_names)
-    unet = models.build_unet(config, choice.model)
+    optimization, with a class embedding for `class_names` (--class_conditional), or the `base`
+    pipeline's UNet with its weights (fine-tuning; a resume takes the checkpoint's instead);
+    announced in one line with its size."""
+    if base is not None:
+        choice = base.choice(config, data_channels, class_names)
+        with warnings.catch_warnings():  # resume() names the incomplete checkpoints it passes over
+            warnings.simplefilter("ignore")
+            resuming = bool(config.resume_from_checkpoint and
+                            checkpointing.resume_candidates(config.output_dir, config.resume_from_checkpoint))
+        unet = base.load_unet(with_weights=not resuming)  # the checkpoint's weights, not re-read pretrained ones
+    else:
+        choice = models.follow_data(config, data_channels, class_names)
+        unet = models.build_unet(config, choice.model)
     for line in models.describe(unet, choice.description, data_channels, choice.optimization):
         accelerator.print(line)
     return choice, unet

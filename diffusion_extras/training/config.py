@@ -18,6 +18,7 @@ from diffusion_extras.core.losses import BETA_SCHEDULES, LOSS_TYPES, PREDICTION_
 from diffusion_extras.core.optimization import LR_SCHEDULERS
 from diffusion_extras.core.timesteps import TIMESTEP_SAMPLING
 from diffusion_extras.core.vlb import VARIANCE_TYPES
+from diffusion_extras.data.images import parse_background
 from diffusion_extras.data.spec import DataSpec
 from diffusion_extras.evaluation.metrics import parse_metrics  # metric names are declared once, with their extractors
 from diffusion_extras.evaluation.pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE
@@ -102,6 +103,8 @@ class TrainConfig:
     max_train_samples: int | None = _f(None, "Keep only this many training images (for debugging or quick runs).", resume=APPLY, group="data")
     resolution: int = _f(16, "Training image size in pixels (square).", resume=REFUSE, group="data")
     center_crop: bool = _f(True, "Center-crop to the square resolution; --no-center_crop crops at a random place.", resume=APPLY, group="data")
+    background: str = _f("white", "What transparent pixels (RGBA, LA, palette transparency) are composited on: white (as most image tools show transparency), black or #rrggbb.", resume=APPLY, group="data")
+    keep_alpha: bool = _f(False, "Keep transparency as a 4th channel instead of compositing it: the UNet then has 4 channels (RGBA) and the samples are RGBA PNGs. FID/KID need RGB: not with --eval_steps.", resume=REFUSE, group="data")
     random_flip: bool = _f(False, "Flip images horizontally at random (off for digits: flipped digits are not digits).", resume=APPLY, group="data")
     streaming: bool = _f(False, "Stream the dataset (load_dataset(streaming=True)) instead of downloading and caching it; needs --max_train_steps.", resume=REFUSE, group="data")
     class_conditional: bool = _f(False, "Train a class-conditional UNet (a class embedding with one extra 'no class' entry for classifier-free guidance); the classes and their names come from the data and are saved with the pipeline.", resume=REFUSE, group="data")
@@ -109,6 +112,7 @@ class TrainConfig:
     shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY, group="data")
     # --- model ------------------------------------------------------------------------
     model_config_name_or_path: str | None = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE, group="model")
+    pretrained_model_name_or_path: str | None = _f(None, "Fine-tune a DDPMPipeline: a Hub id (e.g. google/ddpm-cifar10-32) or a local folder (diffusers' or this trainer's export, class-conditional included). The run starts from its UNet's weights (the EMA too) and shape and its scheduler's settings (--resolution defaults to its sample_size); where you set none, a fine-tuning recipe: --learning_rate 2e-4, --lr_warmup_steps 50, --max_train_steps 600 (README: Fine-tuning a pretrained pipeline).", resume=REFUSE, group="model")
     model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape), trained with that script's optimization where you set none (README: Coming from diffusers).", resume=REFUSE, cli=False, group="model")
     # --- objective --------------------------------------------------------------------
     prediction_type: str = _f("epsilon", "What the UNet predicts: the noise, v (Salimans & Ho 2022) or the clean image.", choices=PREDICTION_TYPES, resume=REFUSE, group="objective")
@@ -196,7 +200,7 @@ class TrainConfig:
     overwrite_output_dir: bool = _f(False, "Start afresh in an --output_dir that holds an earlier run: the earlier run is renamed to <output_dir>.previous-<time> first (nothing is deleted).", resume=FREE, group="diffusers compatibility")
     enable_xformers_memory_efficient_attention: bool = _f(False, "diffusers' flag, accepted: attention already uses PyTorch's scaled_dot_product_attention (diffusers' default, memory-efficient kernels included); xformers is not needed.", resume=FREE, group="diffusers compatibility")
     local_rank: int = _f(-1, "diffusers' flag, accepted and unused as there: accelerate launch sets each process's rank.", resume=FREE, group="diffusers compatibility")
-    preserve_input_precision: bool = _f(False, "diffusers' flag (keep 16-bit images' precision): not supported, images are cached as 8-bit.", resume=FREE, group="diffusers compatibility")
+    preserve_input_precision: bool = _f(False, "diffusers' flag (keep 16-bit images' precision), accepted: 16-bit and 32-bit images always keep their precision into training (README: Your images).", resume=FREE, group="diffusers compatibility")
 
     # ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -424,9 +428,13 @@ def validate(c: TrainConfig) -> None:
         need(getattr(c, name) is None or getattr(c, name) >= 1, f"--{name} must be at least 1 (got {getattr(c, name)})")
     need(not (c.overwrite_output_dir and c.resume_from_checkpoint),
          "--overwrite_output_dir starts afresh and --resume_from_checkpoint continues: give one of them")
-    need(not c.preserve_input_precision,
-         "--preserve_input_precision is not supported: images are decoded once into an 8-bit cache "
-         "(as diffusers does without the flag); drop it")
+    try:
+        parse_background(c.background)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    need(not (c.keep_alpha and c.eval_steps),
+         "--keep_alpha trains RGBA images and FID/KID score RGB ones: drop --eval_steps, or --keep_alpha "
+         "(transparency is then composited on --background)")
     sources = [f"--{name}" for name in ("dataset_name", "train_data_dir", "train_data_files") if getattr(c, name)]
     need(len(sources) <= 1, f"give one data source, not both {' and '.join(sources[:2])}")
     if c.train_data_dir is not None:
@@ -445,7 +453,10 @@ def validate(c: TrainConfig) -> None:
         import torch
         need(torch.cuda.is_available(),
              "--mixed_precision fp16 needs a CUDA GPU and none is visible; use --mixed_precision bf16 or no on CPU")
-    if c.model_config_name_or_path is None:  # a config file's UNet is checked when it is loaded
+    need(not (c.pretrained_model_name_or_path and c.model_config_name_or_path),
+         "--pretrained_model_name_or_path brings its UNet's shape: drop --model_config_name_or_path")
+    if c.model_config_name_or_path is None and c.pretrained_model_name_or_path is None:
+        # a config file's UNet is checked when it is loaded, a pretrained one is what it is
         validate_model_shape(c.model, c.resolution)
 
 

@@ -17,7 +17,7 @@ DIFFUSERS_DEFAULT_UNET = dict(
     down_block_types=["DownBlock2D", "DownBlock2D", "DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "DownBlock2D"],
     up_block_types=["UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D"],
 )
-COLOUR_NAMES = {1: "grayscale", 3: "RGB"}
+COLOUR_NAMES = {1: "grayscale", 3: "RGB", 4: "RGBA"}
 
 
 def unet_config(config: TrainConfig, model: dict | None = None) -> dict:
@@ -40,9 +40,10 @@ def unet_config(config: TrainConfig, model: dict | None = None) -> dict:
         values = dict(config.model if model is None else model)
     values["sample_size"] = config.resolution
     channels, outputs = values.get("in_channels", 3), values.get("out_channels", 3)
-    if channels not in (1, 3) or outputs not in (channels, 2 * channels):
-        raise ConfigError("the UNet must have in_channels 1 (grayscale) or 3 (RGB) and out_channels == in_channels "
-                          f"(2 x in_channels with --variance_type learned_range); got {channels} -> {outputs}")
+    if channels not in COLOUR_NAMES or outputs not in (channels, 2 * channels):
+        raise ConfigError("the UNet must have in_channels 1 (grayscale), 3 (RGB) or 4 (RGBA) and out_channels == "
+                          "in_channels (2 x in_channels with --variance_type learned_range); "
+                          f"got {channels} -> {outputs}")
     expected = vlb.output_channels(channels, config.variance_type)
     if outputs > expected:  # 2C outputs and a fixed variance: the extra channels would go untrained
         raise ConfigError(f"the UNet outputs {outputs} channels for {channels}-channel images: a learned-variance "
@@ -104,7 +105,7 @@ def model_for_data(config: TrainConfig, data_channels: int) -> Choice:
     settings = {name: value for name, value in DIFFUSERS_RECIPE.items() if name not in given}
     optimization = ""
     if settings:
-        taken = ", ".join(f"{name} {_shown(value)}" for name, value in settings.items() if name != "max_train_steps")
+        taken = ", ".join(f"{name} {shown(value)}" for name, value in settings.items() if name != "max_train_steps")
         # (given --num_epochs, max_train_steps counts as given and None: from_sources lets the epochs decide)
         kept = [f"--{name}" for name in DIFFUSERS_RECIPE if name in given and getattr(config, name) is not None]
         optimization = (f"diffusers' train_unconditional.py recipe ({taken}"
@@ -115,7 +116,7 @@ def model_for_data(config: TrainConfig, data_channels: int) -> Choice:
                   optimization)
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -147,7 +148,17 @@ def build_unet(config: TrainConfig, model: dict | None = None):
         raise ConfigError(f"the UNet config is invalid: {error}") from None
 
 
-def build_noise_scheduler(config: TrainConfig):
+def build_noise_scheduler(config: TrainConfig, base_scheduler: dict | None = None):
+    """The run's DDPMScheduler from the config; fine-tuning (`base_scheduler`: the pipeline's
+    scheduler config), that scheduler with the config's values for the fields the config names
+    (pretrained.resolve took them from it unless the user set them): its betas' range, clipping
+    and timestep spacing stay the pipeline's."""
+    if base_scheduler is not None:
+        from diffusers import DDPMScheduler
+        return DDPMScheduler.from_config(
+            base_scheduler, num_train_timesteps=config.ddpm_num_steps, beta_schedule=config.ddpm_beta_schedule,
+            prediction_type=config.prediction_type, variance_type=config.variance_type,
+            rescale_betas_zero_snr=config.rescale_betas_zero_snr)
     return losses.ddpm_scheduler(config.ddpm_num_steps, config.ddpm_beta_schedule, config.prediction_type,
                                  config.rescale_betas_zero_snr, config.variance_type)
 

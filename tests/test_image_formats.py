@@ -1,0 +1,212 @@
+"""Images as stored (data/images.py): 16- and 32-bit samples keep their precision into the [-1, 1]
+tensor, transparency is composited on --background or kept (--keep_alpha), EXIF orientation is
+applied, palette / CMYK / LA convert as Pillow defines them. Each case is a real file written by
+Pillow, compared with the training tensor."""
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from diffusion_extras.data import batch_order, decode_cache, sources
+from diffusion_extras.data import images as data
+from diffusion_extras.data.spec import DataSpec
+
+
+class OneProcess:
+    process_index, num_processes, is_local_main_process = 0, 1, True
+    device = torch.device("cpu")
+
+    def local_main_process_first(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+SIXTEEN_BIT = np.array([[0, 1000, 30000, 65535]] * 4, dtype=np.uint16)  # the issue's values
+
+
+def training_tensor(folder, channels=None, streaming=False, **spec) -> torch.Tensor:
+    """The first micro-batch as the model sees it, through the real data path (open_training_data,
+    build_source, to_model_input), for a folder of images at their own size (no resize)."""
+    spec = DataSpec(train_data_dir=str(folder), resolution=4, train_batch_size=1, streaming=streaming,
+                    shuffle_buffer_size=0, cache_dir=str(folder) + "-cache", **spec)
+    dataset, found, _ = sources.open_training_data(spec, OneProcess())
+    source = sources.build_source(spec, OneProcess(), channels or found, dataset)
+    batch = next(iter(source.batches(0, 1)))
+    return batch_order.to_model_input(batch, "cpu")[0]
+
+
+def one_image_folder(tmp_path, image: Image.Image, name="a.png", **save) -> str:
+    folder = tmp_path / "images"
+    folder.mkdir()
+    image.save(folder / name, **save)
+    return folder
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_16_bit_png_trains_its_16_bit_values(tmp_path, streaming):
+    folder = one_image_folder(tmp_path, Image.fromarray(SIXTEEN_BIT))
+    assert Image.open(folder / "a.png").mode == "I;16"  # what Pillow hands over
+    tensor = training_tensor(folder, streaming=streaming)
+    expected = torch.from_numpy(SIXTEEN_BIT.astype(np.float32) / 32767.5 - 1)
+    assert tensor.shape == (1, 4, 4)
+    assert torch.allclose(tensor[0], expected, atol=1e-6)  # 1000 stays 1000/65535, not 255/255
+    assert len(torch.unique(tensor)) == 4
+
+
+def test_16_bit_precision_survives_a_resize_and_the_cache(tmp_path):
+    ramp = (np.arange(64, dtype=np.float64).reshape(8, 8) * 7 + 20000).astype(np.uint16)  # steps of 7/65535
+    folder = one_image_folder(tmp_path, Image.fromarray(ramp))
+    spec = DataSpec(train_data_dir=str(folder), resolution=4, train_batch_size=1, cache_dir=str(tmp_path / "c"))
+    dataset, channels, _ = sources.open_training_data(spec, OneProcess())
+    source = sources.build_source(spec, OneProcess(), channels, dataset)
+    images = source.images
+    assert images.dtype == np.uint16
+    # far finer than 8 bits could say: the 16 samples take 16 distinct values 2x2-averaged from the ramp
+    values = images.image(0)[:, :, 0].astype(np.int64)
+    assert len(np.unique(values)) == 16 and values.max() - values.min() < 65535 // 255 * 2
+    again = sources.build_source(spec, OneProcess(), channels, dataset).images  # from the cache file
+    assert isinstance(again.pixels, np.memmap) and np.array_equal(again.image(0), images.image(0))
+
+
+def test_32_bit_integer_and_float_images_follow_the_stated_rules(tmp_path):
+    integers = np.array([[-2 ** 31, 0, 2 ** 30, 2 ** 31 - 1]] * 4, dtype=np.int32)
+    folder = one_image_folder(tmp_path, Image.fromarray(integers), "i.tiff")
+    assert Image.open(folder / "i.tiff").mode == "I"
+    expected = (integers.astype(np.float64) + 2 ** 31) / (2 ** 32 - 1) * 2 - 1  # the int32 range to [-1, 1]
+    assert torch.allclose(training_tensor(folder)[0].double(), torch.from_numpy(expected), atol=1e-6)
+
+    floats = np.array([[0.0, 0.25, 0.123456, 1.0]] * 4, dtype=np.float32)
+    folder = tmp_path / "floats"
+    folder.mkdir()
+    Image.fromarray(floats).save(folder / "f.tiff")
+    assert Image.open(folder / "f.tiff").mode == "F"
+    assert torch.allclose(training_tensor(folder)[0], torch.from_numpy(floats * 2 - 1), atol=1e-6)  # 0 black, 1 white
+
+
+def test_a_float_image_outside_0_1_is_named_not_clipped(tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(np.full((4, 4), 0.5, np.float32)).save(folder / "good.tiff")
+    Image.fromarray(np.full((4, 4), 300.0, np.float32)).save(folder / "hdr.tiff")
+    dataset = data.load_image_dataset(DataSpec(train_data_dir=str(folder)))
+    with pytest.warns(UserWarning, match=r"hdr\.tiff.*values in \[300, 300\].*rescale it to \[0, 1\]"):
+        decoded = decode_cache.decode_dataset(dataset, "image", 4, True, 1, pixels=data.PixelFormat("float32"))
+    assert len(decoded) == 1
+
+
+RGBA = np.array([[[200, 100, 0, 255], [200, 100, 0, 0], [200, 100, 0, 128], [0, 0, 0, 0]]] * 4, np.uint8)
+
+
+@pytest.mark.parametrize("background, rgb", [("white", (255, 255, 255)), ("black", (0, 0, 0)),
+                                             ("#336699", (0x33, 0x66, 0x99))])
+def test_transparency_is_composited_on_the_background(tmp_path, background, rgb):
+    folder = one_image_folder(tmp_path, Image.fromarray(RGBA, "RGBA"))
+    tensor = training_tensor(folder, background=background)
+    alpha = RGBA[..., 3:].astype(np.float64) / 255
+    expected = RGBA[..., :3] * alpha + np.array(rgb) * (1 - alpha)  # 'over' onto an opaque background
+    got = (tensor.permute(1, 2, 0).double() + 1) * 127.5
+    assert np.abs(got.numpy() - expected).max() <= 1.0  # Pillow's 8-bit compositing rounds
+    assert tuple(got[0, 1].round().int().tolist()) == rgb  # a fully transparent pixel is the background
+
+
+def test_keep_alpha_trains_four_channels(tmp_path):
+    folder = one_image_folder(tmp_path, Image.fromarray(RGBA, "RGBA"))
+    spec = DataSpec(train_data_dir=str(folder), keep_alpha=True)
+    assert sources.open_training_data(spec, OneProcess())[1] == 4
+    tensor = training_tensor(folder, keep_alpha=True)
+    assert torch.equal(tensor, torch.from_numpy(RGBA).permute(2, 0, 1).float() / 127.5 - 1)
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    pixels = np.zeros((4, 8), np.uint8)
+    pixels[:, :4] = 255  # left half white as stored
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    folder = one_image_folder(tmp_path, Image.fromarray(pixels), "phone.jpg", exif=exif, quality=100)
+    with Image.open(folder / "phone.jpg") as stored:
+        shown = np.asarray(data.preprocess_image(stored, 4, False, 1))[:, :, 0]
+    assert shown.shape == (8, 4)  # upright: taller than wide
+    assert shown[:4].mean() > 200 and shown[4:].mean() < 50  # stored left is displayed top
+
+
+def test_palette_cmyk_and_la_convert_as_pillow_defines_them(tmp_path):
+    rgb = np.array([[[255, 0, 0], [0, 255, 0], [0, 0, 255], [10, 20, 30]]] * 4, np.uint8)
+    palette = Image.fromarray(rgb).quantize(4)
+    palette.info["transparency"] = 0  # the palette entry of pixel (0, 0) is transparent
+    cases = {"p.png": palette, "cmyk.jpg": Image.fromarray(rgb).convert("CMYK"),
+             "la.png": Image.fromarray(np.stack([rgb[..., 0], RGBA[..., 3]], -1), "LA")}
+    for name, image in cases.items():
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        image.save(folder / name, **({"quality": 100} if name.endswith("jpg") else {}))
+        with Image.open(folder / name) as stored:
+            stored.load()
+            expected = np.asarray(Image.alpha_composite(Image.new("RGBA", stored.size, (255, 255, 255, 255)),
+                                                        stored.convert("RGBA")).convert("RGB"))
+            expected_gray = np.asarray(Image.fromarray(expected).convert("L"))
+        channels = 1 if name.startswith("la") else 3
+        got = np.round((training_tensor(folder).permute(1, 2, 0).numpy() + 1) * 127.5).astype(np.uint8)
+        assert np.array_equal(got, expected if channels == 3 else expected_gray[..., None]), name
+    p = np.round((training_tensor(tmp_path / "p_png").permute(1, 2, 0).numpy() + 1) * 127.5)
+    transparent = np.asarray(palette) == 0  # the pixels of the transparent palette entry
+    assert transparent.any() and (p[transparent] == 255).all() and (p[~transparent] < 255).any()
+
+
+def test_the_cache_size_check_counts_the_bytes_per_sample(tmp_path):
+    decode_cache.check_cache_space(str(tmp_path), 10, 8, 1, 4)
+    with pytest.raises(data.DataError, match=r"samples of 2 byte\(s\)"):
+        decode_cache.check_cache_space(str(tmp_path), 10 ** 12, 64, 3, 2)
+
+
+def test_stored_format_is_the_deepest_mode(tmp_path):
+    for name, image in {"a.png": Image.fromarray(np.zeros((2, 2), np.uint8)),
+                        "b.png": Image.fromarray(SIXTEEN_BIT)}.items():
+        image.save(tmp_path / name)
+    items = [{"path": str(tmp_path / n), "bytes": None} for n in ("a.png", "b.png")]
+    assert data.stored_format(items[:1]).dtype == "uint8"
+    assert data.stored_format(items).dtype == "uint16"
+    with pytest.raises(data.DataError, match="--background 'grey'"):
+        data.parse_background("grey")
+
+
+def test_the_command_line_trains_16_bit_and_transparent_images_as_stored(train, tiny_recipe, tmp_path):
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    for index in range(4):
+        Image.fromarray(np.roll(SIXTEEN_BIT, index, axis=1)).resize((8, 8)).save(folder / f"depth{index}.png")
+        Image.fromarray(np.roll(RGBA, index, axis=1)).resize((8, 8)).save(folder / f"sprite{index}.png")
+    model = {"in_channels": 3, "out_channels": 3}
+    recipe = tiny_recipe(max_train_samples=None, train_batch_size=4, model=_tiny_model(model))
+    result = train(recipe, tmp_path / "run", "--train_data_dir", folder, "--max_train_steps", 2,
+                   "--preserve_input_precision", "--background", "black")
+    assert "decoded 8 images once (uint16 samples)" in result.stdout
+    kept = train(tiny_recipe(max_train_samples=None, train_batch_size=4, model=_tiny_model({"in_channels": 4,
+                                                                                         "out_channels": 4})),
+                 tmp_path / "rgba", "--train_data_dir", folder, "--max_train_steps", 2, "--keep_alpha")
+    assert "4 channel(s) (RGBA)" in kept.stdout
+    with open(tmp_path / "rgba" / "unet" / "config.json") as fh:
+        assert '"in_channels": 4' in fh.read()
+    bad = train(recipe, tmp_path / "bad", "--train_data_dir", folder, "--background", "grey", check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --background 'grey'")
+
+
+def _tiny_model(overrides: dict) -> dict:
+    from conftest import TINY_RECIPE
+    return {**TINY_RECIPE["model"], **overrides}
+
+
+def test_a_16_bit_colour_png_is_named_as_read_at_8_bits(tmp_path):
+    import struct
+    import zlib
+
+    def chunk(kind, payload):
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+    samples = np.array([[[0, 1000, 65535], [30000, 256, 257]]], dtype=">u2")  # Pillow cannot write this
+    rows = b"".join(b"\x00" + row.tobytes() for row in samples)
+    path = tmp_path / "rgb16.png"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 2, 1, 16, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    with pytest.warns(UserWarning, match=r"rgb16\.png .*16-bit colour.*8-bit precision"):
+        assert data.stored_format([{"path": str(path), "bytes": None}]).dtype == "uint8"
+    with Image.open(path) as image:
+        assert np.asarray(image)[0, 0, 1] == 1000 >> 8  # Pillow's top byte: the picture, at 8 bits

@@ -1,0 +1,125 @@
+"""Fine-tuning a saved pipeline (diffusion_extras/training/pretrained.py): from a folder and from the
+loopback Hub (safetensors and an older .bin), the UNet's weights and the EMA start from it, the
+scheduler's settings are taken, data that does not fit is one line, the recipe applies where
+unset, the card names the base, and a resume is exact without reading the base's weights again."""
+import os
+import shutil
+
+import pytest
+import torch
+import yaml
+from conftest import TINY_RECIPE, load_unet_weights, save_tiny_pipeline, tiny_run, tiny_unet
+from hub_server import HubServer
+
+from diffusion_extras.training import models
+from diffusion_extras.training.config import ConfigError
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
+
+
+def save_base(path, channels: int = 1) -> str:
+    """save_tiny_pipeline with weights no fresh initialisation gives (a seed-0 init equals tiny_unet's)."""
+    from diffusers import UNet2DModel
+    folder = save_tiny_pipeline(path, channels=channels)
+    unet = UNet2DModel.from_pretrained(folder, subfolder="unet")
+    with torch.no_grad():
+        for parameter in unet.parameters():
+            parameter.add_(0.01)
+    unet.save_pretrained(os.path.join(folder, "unet"))
+    return folder
+
+
+def test_a_run_starts_from_the_pipelines_weights_and_scheduler(tmp_path, capsys):
+    base = save_base(tmp_path / "base")  # DDPMScheduler(num_train_timesteps=100), 8 px, 1 channel
+    run = tiny_run(tmp_path, "--pretrained_model_name_or_path", base)
+    expected = load_unet_weights(base)
+    unet = run.accelerator.unwrap_model(run.learner.unet)
+    assert all(torch.equal(value, expected[name]) for name, value in unet.state_dict().items())
+    # the EMA starts there too
+    assert all(torch.equal(a, b) for a, b in zip(run.extras.ema.shadow_params, unet.parameters()))
+    assert run.config.ddpm_num_steps == 100 and run.objective.noise_scheduler.config.num_train_timesteps == 100
+    # the recipe sets learning_rate and lr_warmup_steps (kept); the run length is the fine-tuning recipe's
+    assert (run.plan.max_train_steps, run.plan.learning_rate, run.plan.lr_warmup_steps) == (600, 1e-3, 2)
+    line = [li for li in capsys.readouterr().out.splitlines() if li.startswith("model: ")][0]
+    assert f"pretrained UNet of {base}" in line
+    assert "fine-tuning recipe (max_train_steps 600); yours kept: --learning_rate, --lr_warmup_steps" in line
+
+
+def test_the_fine_tuning_recipe_fills_what_the_user_left_unset(tmp_path):
+    base = save_base(tmp_path / "base")
+    recipe = {k: v for k, v in TINY_RECIPE.items() if k not in ("learning_rate", "lr_warmup_steps", "resolution")}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    from diffusion_extras.training import build
+    from diffusion_extras.training.config import parse_config
+    run = build.setup(parse_config(["--config", str(path), "--output_dir", str(tmp_path / "run"),
+                                    "--pretrained_model_name_or_path", base]))
+    assert (run.plan.learning_rate, run.plan.lr_warmup_steps, run.plan.max_train_steps) == (2e-4, 50, 600)
+    assert run.config.resolution == 8  # the pipeline's sample_size
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--resolution", 16], "its UNet samples at 8 px and --resolution is 16: train at --resolution 8"),
+    (["--class_conditional"], "its UNet has no class embedding and the data has 10 classes"),
+])
+def test_data_that_does_not_fit_is_one_line_naming_both(tmp_path, flags, message):
+    base = save_base(tmp_path / "base")
+    with pytest.raises(ConfigError, match=message):
+        tiny_run(tmp_path, "--pretrained_model_name_or_path", base, *flags)
+
+
+def test_channels_that_do_not_fit_are_refused(tmp_path):
+    base = save_base(tmp_path / "base", channels=3)
+    with pytest.raises(ConfigError, match=r"its UNet has 3 channel\(s\) \(RGB\) and the images have 1 \(grayscale\)"):
+        tiny_run(tmp_path, "--pretrained_model_name_or_path", base)
+    with pytest.raises(ConfigError, match="not a DDPMPipeline folder or Hub id"):
+        tiny_run(tmp_path, "--pretrained_model_name_or_path", str(tmp_path))
+
+
+def test_this_trainers_class_conditional_export_fine_tunes(tmp_path):
+    from diffusers import DDPMScheduler
+    unet = tiny_unet(num_class_embeds=11)
+    models.save_class_conditional(unet, DDPMScheduler(num_train_timesteps=100), [str(i) for i in range(10)],
+                                  str(tmp_path / "conditional"))
+    run = tiny_run(tmp_path, "--pretrained_model_name_or_path", tmp_path / "conditional", "--class_conditional")
+    loaded = run.accelerator.unwrap_model(run.learner.unet)
+    assert loaded.config.num_class_embeds == 11
+    assert torch.equal(loaded.class_embedding.weight, unet.class_embedding.weight)
+    with pytest.raises(ConfigError, match=r"class-conditional \(10 classes\): add --class_conditional"):
+        tiny_run(tmp_path, "--pretrained_model_name_or_path", tmp_path / "conditional", output_dir=tmp_path / "b")
+
+
+def test_fine_tuning_resumes_exactly_without_reading_the_base_weights(train, tiny_recipe, tmp_path):
+    base = save_base(tmp_path / "base")
+    recipe = tiny_recipe(checkpointing_steps=2)
+    flags = ["--pretrained_model_name_or_path", base]
+    train(recipe, tmp_path / "straight", *flags, "--max_train_steps", 4)
+    train(recipe, tmp_path / "resumed", *flags, "--max_train_steps", 2)
+    os.remove(os.path.join(base, "unet", "diffusion_pytorch_model.safetensors"))  # a resume must not need it
+    result = train(recipe, tmp_path / "resumed", *flags, "--max_train_steps", 4, "--resume_from_checkpoint", "latest")
+    assert "resumed from" in result.stdout
+    straight, resumed = (load_unet_weights(tmp_path / name) for name in ("straight", "resumed"))
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_fine_tuning_from_the_hub_exports_and_pushes_with_the_base_named(train, tiny_recipe, tmp_path, weights):
+    from diffusers import UNet2DModel
+    base = save_base(tmp_path / "base")
+    if weights == "bin":  # an older upload: unet/diffusion_pytorch_model.bin
+        unet = UNet2DModel.from_pretrained(base, subfolder="unet")
+        shutil.rmtree(os.path.join(base, "unet"))
+        unet.save_pretrained(os.path.join(base, "unet"), safe_serialization=False)
+    assert os.path.isfile(os.path.join(base, "unet", f"diffusion_pytorch_model.{weights}"))
+    with HubServer() as server:
+        server.add_repo("someone/ddpm-tiny", base)
+        env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
+               "HF_HUB_DISABLE_XET": "1"}
+        result = train(tiny_recipe(), tmp_path / "tuned", "--pretrained_model_name_or_path", "someone/ddpm-tiny",
+                       "--max_train_steps", 2, "--push_to_hub", "--hub_token", "hf_test", env=env)
+        card = server.repos["test-user/tuned"]["files"]["README.md"].decode()
+    assert "pretrained UNet of someone/ddpm-tiny" in result.stdout
+    assert yaml.safe_load(card.split("---")[1])["base_model"] == "someone/ddpm-tiny"
+    assert "Fine-tuned from `someone/ddpm-tiny`." in card
+    with open(tmp_path / "tuned" / "scheduler" / "scheduler_config.json") as fh:
+        assert '"num_train_timesteps": 100' in fh.read()  # the base's schedule, exported
