@@ -117,11 +117,13 @@ def train(run: Run) -> None:
         os.makedirs(config.output_dir, exist_ok=True)
         save_config(plan.resolved_config(config), os.path.join(config.output_dir, "training_config.yaml"),
                     secrets=[config.hub_token])
+    # before the loader's workers are forked: until they ignore the stop signals (data/workers.py)
+    # they run this handler, which only sets a flag, instead of dying of the default action
+    preemption_watch = preemption.PreemptionWatch(accelerator)  # SIGTERM/SIGUSR1/SIGINT: save and stop (exit 4)
     batches = make_batches(run)
     progress_bar = tqdm(total=plan.max_train_steps, initial=run.progress.global_step,
                         disable=not accelerator.is_local_main_process, desc="optimizer steps")
     loss_sum, window_steps, window_start = torch.zeros((), device=accelerator.device), 0, time.perf_counter()
-    preemption_watch = preemption.PreemptionWatch(accelerator)  # SIGTERM/SIGUSR1: save and stop (exit 4)
     try:
         while run.progress.global_step < plan.max_train_steps:
             loss_sum += optimizer_step(run, batches)

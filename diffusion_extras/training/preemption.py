@@ -1,5 +1,6 @@
-"""Preemption (issue 21): SIGTERM, or SIGUSR1 (what Slurm's `--signal` sends), stops the run at the
-end of the current optimizer step with a checkpoint at that step, one line, and exit code 4.
+"""Preemption (issues 21, 33): SIGTERM, SIGUSR1 (what Slurm's `--signal` sends) or SIGINT (Ctrl-C,
+which a terminal sends to the whole process group) stops the run at the end of the current optimizer
+step with a checkpoint at that step, one line, and exit code 4.
 
 The handler only records the signal; the loop asks `requested()` once per step, after the step.
 With several ranks (torch.distributed.run forwards SIGTERM to each, but not at the same instant,
@@ -21,13 +22,14 @@ import time
 
 import torch
 
+from diffusion_extras.data.workers import STOP_SIGNALS
 from diffusion_extras.training.stops import Preempted
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = STOP_SIGNALS  # the loader workers ignore the same ones (data/workers.py): a job signals them all
 
 
 class PreemptionWatch:
-    """Records SIGTERM/SIGUSR1 from construction until `close()` (the loop's lifetime): the
+    """Records SIGTERM/SIGUSR1/SIGINT from construction until `close()` (the loop's lifetime): the
     end-of-run work after the last step runs with the previous handlers."""
 
     def __init__(self, accelerator):
