@@ -6,6 +6,7 @@ import os
 import re
 
 import pytest
+import torch
 from conftest import HOOKED_TRAIN, run_training, write_tiny_recipe
 from test_resume import assert_same_state, torchrun
 
@@ -180,3 +181,42 @@ def test_a_process_group_signal_to_a_streamed_run_with_two_loader_workers(train,
              "--dataloader_num_workers", 2]
     result = signal_a_running_command(recipe, out, tmp_path, flags, signal_name="SIGUSR1", group=True)
     assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, "SIGUSR1", flags)
+
+
+def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_resume_does_the_end_work(
+        train, tiny_recipe, tmp_path):
+    """The signal lands in the end-of-run sample grid (1000 DDIM steps): the grid gives up between
+    denoising steps (core/stop_flag.py), checkpoint-3 is written within 10 s, nothing of the grid
+    or the export is left; the resume at the last step does the end-of-run work (grid, export),
+    and the exported weights and losses equal those of an uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, cli_env, load_unet_weights, read_history
+    recipe = tiny_recipe(max_train_steps=3, checkpointing_steps=2, ddpm_num_inference_steps=1000)
+    out = tmp_path / "run"
+    env = {**cli_env(tmp_path), **CPU, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen([sys.executable, "train_ddpm.py", "--config", recipe, "--output_dir", str(out)], cwd=ROOT,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
+        for line in process.stdout:
+            if line.startswith("final sample grid"):
+                break
+        signalled = time.monotonic()
+        os.killpg(process.pid, signal.SIGUSR1)
+        stdout, stderr = process.communicate(timeout=120)
+        seconds = time.monotonic() - signalled
+    assert process.returncode == 4 and "Traceback" not in stderr, stderr[-3000:]
+    assert STOP_LINE.findall(stderr) == [("SIGUSR1", "3", str(out / "checkpoint-3"))]
+    assert seconds < 10, f"{seconds:.1f} s from the signal to the exit"
+    assert verify_checkpoint(str(out / "checkpoint-3")) is None
+    assert not os.path.exists(out / "samples") and not os.path.exists(out / "unet")  # nothing half-written
+    resumed = train(recipe, out, "--resume_from_checkpoint", "latest", env=CPU)
+    assert "resumed at the last step (3)" in resumed.stdout
+    assert os.path.exists(out / "samples" / "step_000003.png") and os.path.exists(out / "unet")
+    train(recipe, tmp_path / "straight", env=CPU)
+    assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
+    exported, straight = load_unet_weights(out), load_unet_weights(tmp_path / "straight")
+    assert all(torch.equal(exported[k], straight[k]) for k in straight)

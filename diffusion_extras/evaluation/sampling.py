@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from diffusion_extras.core import stop_flag
 from diffusion_extras.data.batch_order import mix_seed
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     guided_model_output,
@@ -72,6 +73,7 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
     net_dtype = next(unet.parameters()).dtype
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     for t in scheduler.timesteps:
+        stop_flag.check()  # a preempted run gives the grid up between denoising steps
         if class_labels is not None:  # the pipeline's guidance, one batched call (fp32 combination)
             model_output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels,
                                                guidance_scale, dtype)

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from diffusion_extras.core import stop_flag
 from diffusion_extras.data.workers import STOP_SIGNALS
 from diffusion_extras.training.stops import Preempted
 
@@ -52,6 +53,8 @@ class PreemptionWatch:
     def _record(self, number, frame) -> None:
         if self.received is None:
             self.received, self.received_at = signal.Signals(number).name, time.monotonic()
+            if self.group is None:  # one process: grids and evaluations give up (core/stop_flag.py)
+                stop_flag.request()
 
     def requested(self) -> bool:
         """True on every rank at the same step once any rank has received a signal."""
@@ -70,6 +73,7 @@ class PreemptionWatch:
                          announce=self.accelerator.is_main_process)
 
     def close(self) -> None:
+        stop_flag.clear()
         for number, handler in self.previous.items():
             signal.signal(number, handler)
         self.previous = {}
