@@ -9,9 +9,33 @@ when the loop ends. Work that gives up raises `StopRequested` before it writes a
 """
 from __future__ import annotations
 
+import signal
 import threading
+import time
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # what schedulers and Ctrl-C send
 _requested = threading.Event()
+_early: tuple[str, float] | None = None  # the first stop signal before the loop: (name, time.monotonic())
+
+
+def record_early_signals() -> None:
+    """From the first line of the command on, a stop signal is recorded instead of killing the
+    process: Slurm may signal a job while it imports torch or builds its data (seen here with
+    `--time=1 --signal=USR1@40`: the signal came 20 s in). The loop's watch (training/preemption.py)
+    takes it over and stops after the first step with a checkpoint."""
+    if threading.current_thread() is threading.main_thread():
+        for number in STOP_SIGNALS:
+            signal.signal(number, _record_early)
+
+
+def _record_early(number, frame) -> None:
+    global _early
+    if _early is None:
+        _early = (signal.Signals(number).name, time.monotonic())
+
+
+def early_signal() -> tuple[str, float] | None:
+    return _early
 
 
 class StopRequested(Exception):

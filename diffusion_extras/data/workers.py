@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+from diffusion_extras.core.stop_flag import STOP_SIGNALS
 
 
 def ignore_stop_signals(worker_id: int) -> None:

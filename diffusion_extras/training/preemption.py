@@ -23,7 +23,7 @@ import time
 import torch
 
 from diffusion_extras.core import stop_flag
-from diffusion_extras.data.workers import STOP_SIGNALS
+from diffusion_extras.core.stop_flag import STOP_SIGNALS
 from diffusion_extras.training.stops import Preempted
 
 SIGNALS = STOP_SIGNALS  # the loader workers ignore the same ones (data/workers.py): a job signals them all
@@ -40,6 +40,9 @@ class PreemptionWatch:
         self.group = None
         if accelerator.num_processes > 1 and torch.distributed.is_initialized():
             self.group = torch.distributed.new_group(backend="gloo")  # collective: every rank makes it
+        if stop_flag.early_signal() is not None:  # came during start-up: stop after the first step
+            self._record(signal.Signals[stop_flag.early_signal()[0]], None)
+            self.received_at = stop_flag.early_signal()[1]
         self.previous = {}
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             self.previous = {number: signal.signal(number, self._record) for number in SIGNALS}
