@@ -18,7 +18,10 @@ Exit codes: 0 done; 2 bad input (one line, before training); 3 stopped on non-fi
 """
 import sys
 
-from diffusion_extras.training.main import main
+from diffusion_extras.core import stop_flag
+
+stop_flag.record_early_signals()  # before torch is imported (seconds): a preemption signal then is kept
+from diffusion_extras.training.main import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,6 +6,7 @@ import os
 import re
 
 import pytest
+import torch
 from conftest import HOOKED_TRAIN, run_training, write_tiny_recipe
 from test_resume import assert_same_state, torchrun
 
@@ -96,42 +97,126 @@ def test_streamed_data_preempted_and_resumed_exactly(hooked_train, tiny_recipe, 
     assert_same_state(reference, out, STEPS)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_scheduler_sigterm_to_the_launched_command_saves_and_resumes_bit_identical(train, tiny_recipe, tmp_path,
-                                                                                       ranks):
-    """The signal from outside, as a job scheduler sends it: to `python train_ddpm.py`, or to the
-    torch.distributed.run launcher, which forwards it to every rank. The run is signalled once
-    checkpoint-2 is saved, stops at whatever step it has reached with a checkpoint there, and its
-    resume to a later checkpoint step equals a straight run to that step (constant LR: the length does
-    not shape the schedule)."""
+def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, signal_name="SIGTERM", group=False):
+    """Start the training command line in a session of its own, wait for checkpoint-2 (training is
+    under way), then send `signal_name` to the command (`group=False`: as a scheduler that signals
+    the launched process) or to its whole process group (`group=True`: the launcher, the ranks and
+    every loader worker, as Slurm and a terminal's Ctrl-C do). Returns (returncode, stdout, stderr,
+    seconds from the signal to the exit)."""
     import signal
     import subprocess
     import sys
     import time
 
     from conftest import ROOT, cli_env
-    recipe = tiny_recipe(train_batch_size=4, max_train_steps=100_000, checkpointing_steps=2,
-                         lr_scheduler="constant_with_warmup", lr_warmup_steps=2)
-    out = tmp_path / "run"
-    launcher = torchrun() if ranks == 2 else [sys.executable]
     env = {**cli_env(tmp_path), **CPU, "PYTHONUNBUFFERED": "1"}  # its lines as they are printed
-    with subprocess.Popen([*launcher, "train_ddpm.py", "--config", recipe, "--output_dir", str(out)], cwd=ROOT,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+    command = [*(launcher or [sys.executable]), "train_ddpm.py", "--config", recipe, "--output_dir", str(out),
+               *map(str, flags)]
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
         for line in process.stdout:  # checkpoint-2 saved: training is under way
             if "saved" in line and line.rstrip().endswith("checkpoint-2"):
                 break
         signalled = time.monotonic()
-        process.send_signal(signal.SIGTERM)
+        number = getattr(signal, signal_name)
+        if group:
+            os.killpg(process.pid, number)
+        else:
+            process.send_signal(number)
         stdout, stderr = process.communicate(timeout=120)
-        seconds = time.monotonic() - signalled
+        return process.returncode, stdout, stderr, time.monotonic() - signalled
+
+
+def assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, signal_name, flags=(),
+                                              launcher=None):
+    """One stop line naming the signal, a whole checkpoint at the stop step within a 30-s grace
+    period, no traceback; resumed to a later checkpoint step, the run equals a straight run to it
+    (constant LR: the length does not shape the schedule), bit for bit."""
+    returncode, _, stderr, seconds = result
     stops = STOP_LINE.findall(stderr)
     assert len(stops) == 1, stderr[-3000:]
     [(name, step, path)] = stops
-    assert name == "SIGTERM" and int(step) >= 2 and path == str(out / f"checkpoint-{step}"), stderr[-2000:]
-    assert (process.returncode == 4) if ranks == 1 else (process.returncode != 0), stderr[-2000:]
+    assert name == signal_name and int(step) >= 2 and path == str(out / f"checkpoint-{step}"), stderr[-2000:]
+    assert (returncode == 4) if launcher is None else (returncode != 0), stderr[-2000:]
+    if launcher is None:  # torch.distributed.run reports its ranks' exit codes with a traceback of its own
+        assert "Traceback" not in stderr and "killed by signal" not in stderr, stderr[-3000:]
     assert verify_checkpoint(path) is None and seconds < 30  # well inside a 30-second grace period
     end = (int(step) // 2 + 2) * 2  # a later checkpoint step (every 2): both runs save their state there
-    launch = torchrun() if ranks == 2 else None
-    train(recipe, out, "--resume_from_checkpoint", "latest", "--max_train_steps", end, launcher=launch, env=CPU)
-    train(recipe, tmp_path / "straight", "--max_train_steps", end, launcher=launch, env=CPU)
+    train(recipe, out, *flags, "--resume_from_checkpoint", "latest", "--max_train_steps", end, launcher=launcher,
+          env=CPU)
+    train(recipe, tmp_path / "straight", *flags, "--max_train_steps", end, launcher=launcher, env=CPU)
     assert_same_state(tmp_path / "straight", out, end)
+
+
+def endless_recipe(tiny_recipe, **overrides):
+    return tiny_recipe(train_batch_size=4, max_train_steps=100_000, checkpointing_steps=2,
+                       lr_scheduler="constant_with_warmup", lr_warmup_steps=2, **overrides)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_scheduler_sigterm_to_the_launched_command_saves_and_resumes_bit_identical(train, tiny_recipe, tmp_path,
+                                                                                       ranks):
+    """The signal from outside, as a job scheduler sends it: to `python train_ddpm.py`, or to the
+    torch.distributed.run launcher, which forwards it to every rank. The run is signalled once
+    checkpoint-2 is saved and stops at whatever step it has reached with a checkpoint there."""
+    recipe, out, launcher = endless_recipe(tiny_recipe), tmp_path / "run", torchrun() if ranks == 2 else None
+    result = signal_a_running_command(recipe, out, tmp_path, launcher=launcher)
+    assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, "SIGTERM", launcher=launcher)
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1", "SIGINT"])
+def test_a_signal_to_the_process_group_with_two_loader_workers(train, tiny_recipe, tmp_path, signal_name):
+    """Slurm and Ctrl-C signal every process, the DataLoader workers included (issue 33): the
+    workers ignore it (data/workers.py), the trainer saves at the step, exits 4 with one line and no
+    traceback, and the resume equals the straight run."""
+    recipe, out = endless_recipe(tiny_recipe, dataloader_num_workers=2), tmp_path / "run"
+    result = signal_a_running_command(recipe, out, tmp_path, signal_name=signal_name, group=True)
+    assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, signal_name)
+
+
+def test_a_process_group_signal_to_a_streamed_run_with_two_loader_workers(train, tiny_recipe, tmp_path,
+                                                                          parquet_images):
+    recipe, out = endless_recipe(tiny_recipe, max_train_samples=None), tmp_path / "run"
+    flags = ["--streaming", "--dataset_name", parquet_images, "--shuffle_buffer_size", 0,
+             "--dataloader_num_workers", 2]
+    result = signal_a_running_command(recipe, out, tmp_path, flags, signal_name="SIGUSR1", group=True)
+    assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, "SIGUSR1", flags)
+
+
+def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_resume_does_the_end_work(
+        train, tiny_recipe, tmp_path):
+    """The signal lands in the end-of-run sample grid (1000 DDIM steps): the grid gives up between
+    denoising steps (core/stop_flag.py), checkpoint-3 is written within 10 s, nothing of the grid
+    or the export is left; the resume at the last step does the end-of-run work (grid, export),
+    and the exported weights and losses equal those of an uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, cli_env, load_unet_weights, read_history
+    recipe = tiny_recipe(max_train_steps=3, checkpointing_steps=2, ddpm_num_inference_steps=1000)
+    out = tmp_path / "run"
+    env = {**cli_env(tmp_path), **CPU, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen([sys.executable, "train_ddpm.py", "--config", recipe, "--output_dir", str(out)], cwd=ROOT,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
+        for line in process.stdout:
+            if line.startswith("final sample grid"):
+                break
+        signalled = time.monotonic()
+        os.killpg(process.pid, signal.SIGUSR1)
+        stdout, stderr = process.communicate(timeout=120)
+        seconds = time.monotonic() - signalled
+    assert process.returncode == 4 and "Traceback" not in stderr, stderr[-3000:]
+    assert STOP_LINE.findall(stderr) == [("SIGUSR1", "3", str(out / "checkpoint-3"))]
+    assert seconds < 10, f"{seconds:.1f} s from the signal to the exit"
+    assert verify_checkpoint(str(out / "checkpoint-3")) is None
+    assert not os.path.exists(out / "samples") and not os.path.exists(out / "unet")  # nothing half-written
+    resumed = train(recipe, out, "--resume_from_checkpoint", "latest", env=CPU)
+    assert "resumed at the last step (3)" in resumed.stdout
+    assert os.path.exists(out / "samples" / "step_000003.png") and os.path.exists(out / "unet")
+    train(recipe, tmp_path / "straight", env=CPU)
+    assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
+    exported, straight = load_unet_weights(out), load_unet_weights(tmp_path / "straight")
+    assert all(torch.equal(exported[k], straight[k]) for k in straight)

@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from diffusion_extras.data import batch_order, decode_cache, labels
+from diffusion_extras.data import batch_order, decode_cache, labels, workers
 from diffusion_extras.data import images as data
 from diffusion_extras.data.spec import DataSpec, Processes
 from diffusion_extras.data.streaming import StreamSource, load_stream, read_stream_classes
@@ -82,7 +82,7 @@ class CachedImages:
             batch_order.MicroBatches(self.images, self.order, self.rank, spec.train_batch_size, spec.resolution,
                                      spec.seed, self.labels),
             batch_size=None, sampler=range(first, last), num_workers=spec.dataloader_num_workers,
-            pin_memory=self.pin_memory,
+            pin_memory=self.pin_memory, worker_init_fn=workers.ignore_stop_signals,
             generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
         return iter(loader)
 

@@ -33,6 +33,7 @@ from diffusion_extras.data.images import (
 )
 from diffusion_extras.data.labels import Classes, LabelReader, stream_classes
 from diffusion_extras.data.spec import DataSpec, Processes
+from diffusion_extras.data.workers import ignore_stop_signals
 
 
 def open_stream(spec: DataSpec):
@@ -142,6 +143,7 @@ class StreamingBatches:
             DecodedStream(stream, column, resolution, center_crop, channels, seed, label, pixels),
             batch_size=batch_size,
             num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=4 if num_workers else None,
+            worker_init_fn=ignore_stop_signals,  # a scheduler signals the workers too (data/workers.py)
             generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
         self._iterator = None
 

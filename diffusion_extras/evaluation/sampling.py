@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from diffusion_extras.core import stop_flag
 from diffusion_extras.data.batch_order import mix_seed
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     guided_step,
@@ -74,6 +75,7 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
     if guide is not None and class_labels is None:  # autoguidance of the unconditional model
         class_labels = unconditional_inputs(unet, len(sample), device).get("class_labels")
     for t in scheduler.timesteps:
+        stop_flag.check()  # a preempted run gives the grid up between denoising steps
         if class_labels is not None or guide is not None:  # the pipeline's guided step (fp32 combination)
             sample = guided_step(scheduler, unet, sample, t, class_labels, guidance_scale, generators, dtype,
                                  guide, guidance_interval)

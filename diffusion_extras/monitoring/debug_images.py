@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from diffusion_extras.core import stop_flag
 from diffusion_extras.evaluation.pipeline_class_conditional import scheduler_model_output, unconditional_inputs
 from diffusion_extras.evaluation.sampling import _image_shape, _to_uint8, image_grid, image_seed
 
@@ -46,6 +47,7 @@ def denoising_strip(unet, scheduler, num_seeds: int, num_inference_steps: int, s
     unet.eval()
     try:
         for index, t in enumerate(scheduler.timesteps):
+            stop_flag.check()  # a preempted run gives the strip up between denoising steps
             labels = unconditional_inputs(unet, len(sample), device)  # a class-conditional UNet: "no class"
             model_output = unet(scheduler.scale_model_input(sample, t), t, **labels).sample.float()
             model_output = scheduler_model_output(scheduler, model_output, sample)  # 2C: DDIM takes the mean part

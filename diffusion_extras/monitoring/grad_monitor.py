@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffusion_extras.core import losses, vlb
+from diffusion_extras.core import losses, stop_flag, vlb
 from diffusion_extras.data.batch_order import mix_seed, to_model_input
 from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs
 from diffusion_extras.monitoring.diagnostics import loss_bin_key, timestep_bin_edges
@@ -68,6 +68,7 @@ class GradientMonitor:
             total = [torch.zeros_like(p, dtype=torch.float32) for p in parameters]
             norms = []
             for index in range(self.num_bins):
+                stop_flag.check()  # a preempted run gives the measurement up between bins
                 grads = gradient(index)
                 norms.append(torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt())
                 for accumulated, g in zip(total, grads):

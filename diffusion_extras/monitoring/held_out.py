@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffusion_extras.core import losses, vlb
+from diffusion_extras.core import losses, stop_flag, vlb
 from diffusion_extras.data.batch_order import VALIDATION_STREAM, ImageSubset, mix_seed, random_crop, to_model_input
 from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs
 from diffusion_extras.monitoring.diagnostics import loss_bin_key, timestep_bin_edges
@@ -41,6 +41,7 @@ class HeldOutLoss:
         unet.eval()
         try:
             for chunk, first in enumerate(range(0, pairs, self.batch_size)):
+                stop_flag.check()  # a preempted run gives the evaluation up between batches
                 index = torch.arange(first, min(first + self.batch_size, pairs))
                 rows, bins = index // self.num_bins, index % self.num_bins
                 clean = to_model_input(self.images[rows], device)

@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from diffusion_extras.core import stop_flag
 from diffusion_extras.training import checkpointing, disk_space, preemption
 from diffusion_extras.training.config import save_config
 from diffusion_extras.training.hooks import hook
@@ -117,11 +118,14 @@ def train(run: Run) -> None:
         os.makedirs(config.output_dir, exist_ok=True)
         save_config(plan.resolved_config(config), os.path.join(config.output_dir, "training_config.yaml"),
                     secrets=[config.hub_token])
+    # before the loader's workers are forked: until they ignore the stop signals (data/workers.py)
+    # they run this handler, which only sets a flag, instead of dying of the default action
+    preemption_watch = preemption.PreemptionWatch(accelerator)  # SIGTERM/SIGUSR1/SIGINT: save and stop (exit 4)
     batches = make_batches(run)
+    resumed_at_end = run.progress.global_step == plan.max_train_steps
     progress_bar = tqdm(total=plan.max_train_steps, initial=run.progress.global_step,
                         disable=not accelerator.is_local_main_process, desc="optimizer steps")
     loss_sum, window_steps, window_start = torch.zeros((), device=accelerator.device), 0, time.perf_counter()
-    preemption_watch = preemption.PreemptionWatch(accelerator)  # SIGTERM/SIGUSR1: save and stop (exit 4)
     try:
         while run.progress.global_step < plan.max_train_steps:
             loss_sum += optimizer_step(run, batches)
@@ -145,10 +149,14 @@ def train(run: Run) -> None:
                 raise preemption_watch.stopped(step, path)
             if last:
                 progress_bar.close()  # the bar ends at the last step; the end-of-run work announces itself
-            evaluate_on_every_rank(run, step, last)  # collectives when it is time
-            sample_grid_on_every_rank(run, step, last)
-            if accelerator.is_main_process:  # the other ranks go on and meet it at the next collective
-                run_main_process_extras(run, step, last)
+            if not run_extras(run, step, last):  # a signal during them: they gave up; save at this step
+                path = path if checkpoint_now else save_checkpoint(run)
+                raise preemption_watch.stopped(step, path)
+        if resumed_at_end:  # a run preempted at its last step saved before its end-of-run work: do it now
+            accelerator.print(f"resumed at the last step ({plan.max_train_steps}): the end-of-run work")
+            if not run_extras(run, plan.max_train_steps, True):
+                raise preemption_watch.stopped(plan.max_train_steps, os.path.join(
+                    config.output_dir, f"checkpoint-{plan.max_train_steps}"))  # the one it resumed from
     finally:
         preemption_watch.close()  # the end-of-run work runs with the usual handlers
         progress_bar.close()  # before any stop line
@@ -160,6 +168,19 @@ def train(run: Run) -> None:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     accelerator.print(f"done: {run.progress.global_step} optimizer steps; pipeline in {config.output_dir}")
+
+
+def run_extras(run: Run, step: int, last: bool) -> bool:
+    """Evaluation, grids and export due at `step`; False when a stop signal made them give up
+    (core/stop_flag.py: one process only) before they wrote anything."""
+    try:
+        evaluate_on_every_rank(run, step, last)  # collectives when it is time
+        sample_grid_on_every_rank(run, step, last)
+        if run.accelerator.is_main_process:  # the other ranks go on and meet it at the next collective
+            run_main_process_extras(run, step, last)
+    except stop_flag.StopRequested:
+        return False
+    return True
 
 
 def verify_replicas(run: Run) -> None:

@@ -15,6 +15,7 @@ import logging
 import re
 import sys
 
+from diffusion_extras.core import stop_flag
 from diffusion_extras.data.images import DataError
 from diffusion_extras.hub.secrets import redact_argv
 from diffusion_extras.training import disk_space
@@ -31,6 +32,7 @@ __all__ = ["Hooks", "main"]
 
 def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
     """Train as `train_ddpm.py argv...` would; `hooks` replaces the extension points (hooks.py)."""
+    stop_flag.record_early_signals()  # a scheduler's signal during start-up is kept, not fatal
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = parse_config(argv)

@@ -1,5 +1,6 @@
-"""Preemption (issue 21): SIGTERM, or SIGUSR1 (what Slurm's `--signal` sends), stops the run at the
-end of the current optimizer step with a checkpoint at that step, one line, and exit code 4.
+"""Preemption (issues 21, 33): SIGTERM, SIGUSR1 (what Slurm's `--signal` sends) or SIGINT (Ctrl-C,
+which a terminal sends to the whole process group) stops the run at the end of the current optimizer
+step with a checkpoint at that step, one line, and exit code 4.
 
 The handler only records the signal; the loop asks `requested()` once per step, after the step.
 With several ranks (torch.distributed.run forwards SIGTERM to each, but not at the same instant,
@@ -21,13 +22,15 @@ import time
 
 import torch
 
+from diffusion_extras.core import stop_flag
+from diffusion_extras.core.stop_flag import STOP_SIGNALS
 from diffusion_extras.training.stops import Preempted
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = STOP_SIGNALS  # the loader workers ignore the same ones (data/workers.py): a job signals them all
 
 
 class PreemptionWatch:
-    """Records SIGTERM/SIGUSR1 from construction until `close()` (the loop's lifetime): the
+    """Records SIGTERM/SIGUSR1/SIGINT from construction until `close()` (the loop's lifetime): the
     end-of-run work after the last step runs with the previous handlers."""
 
     def __init__(self, accelerator):
@@ -37,6 +40,9 @@ class PreemptionWatch:
         self.group = None
         if accelerator.num_processes > 1 and torch.distributed.is_initialized():
             self.group = torch.distributed.new_group(backend="gloo")  # collective: every rank makes it
+        if stop_flag.early_signal() is not None:  # came during start-up: stop after the first step
+            self._record(signal.Signals[stop_flag.early_signal()[0]], None)
+            self.received_at = stop_flag.early_signal()[1]
         self.previous = {}
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
             self.previous = {number: signal.signal(number, self._record) for number in SIGNALS}
@@ -50,6 +56,8 @@ class PreemptionWatch:
     def _record(self, number, frame) -> None:
         if self.received is None:
             self.received, self.received_at = signal.Signals(number).name, time.monotonic()
+            if self.group is None:  # one process: grids and evaluations give up (core/stop_flag.py)
+                stop_flag.request()
 
     def requested(self) -> bool:
         """True on every rank at the same step once any rank has received a signal."""
@@ -68,6 +76,7 @@ class PreemptionWatch:
                          announce=self.accelerator.is_main_process)
 
     def close(self) -> None:
+        stop_flag.clear()
         for number, handler in self.previous.items():
             signal.signal(number, handler)
         self.previous = {}
