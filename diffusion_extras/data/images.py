@@ -209,9 +209,10 @@ def mode_dtype(mode: str) -> str:
     return "float32" if mode in ("I", "F") else "uint16" if mode.startswith("I;16") else "uint8"
 
 
-def _stored_modes(items) -> set:
-    """The PIL modes of the stored images; a colour file with 16-bit samples, which Pillow decodes to
-    8 bits per channel (its top byte), is named in one warning: it trains at 8-bit precision."""
+def _stored_modes(items, warn_reduced: bool = False) -> set:
+    """The PIL modes of the stored images; with `warn_reduced`, a colour file with 16-bit samples,
+    which Pillow decodes to 8 bits per channel (its top byte), is named in one warning: it trains at
+    8-bit precision."""
     modes, reduced = set(), []
     for item in items:
         try:
@@ -221,7 +222,7 @@ def _stored_modes(items) -> set:
                     reduced.append(item.get("path") or "an image")
         except Exception:  # an unreadable file is named (and skipped) by the decoder later
             continue
-    if reduced:
+    if reduced and warn_reduced:
         warnings.warn(f"{reduced[0]} (and {len(reduced) - 1} more of the first images) holds 16-bit colour, which "
                       "Pillow decodes to 8 bits per channel: it trains at 8-bit precision (16-bit grayscale keeps "
                       "16 bits)", stacklevel=2)
@@ -237,7 +238,7 @@ def stored_channels(items) -> int | None:
 
 def stored_format(items, background: str = "white") -> PixelFormat:
     """The PixelFormat of the stored images: the deepest of their modes (headers only)."""
-    dtypes = {mode_dtype(mode) for mode in _stored_modes(items)}
+    dtypes = {mode_dtype(mode) for mode in _stored_modes(items, warn_reduced=True)}
     return PixelFormat(max(dtypes, key=PIXEL_DTYPES.index, default="uint8"), parse_background(background))
 
 
