@@ -189,7 +189,7 @@ def run_child(request: dict, read_in: dict, set_by_imports: dict, unbuffered: bo
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        for name in ("SIGTERM", "SIGUSR1", "SIGHUP", "SIGPIPE"):
+        for name in ("SIGTERM", "SIGUSR1", "SIGHUP"):  # (SIGPIPE stays ignored, as CPython sets it at start-up)
             signal.signal(getattr(signal, name), signal.SIG_DFL)
         os.chdir(request["cwd"])
         os.environ.clear()

@@ -8,9 +8,10 @@ import pytest
 from conftest import ROOT, ForkServer, cli_env, run_command
 
 PROBE = """
-import json, os, sys
+import json, os, signal, sys
 import huggingface_hub.constants
-report = {"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "hf_home": huggingface_hub.constants.HF_HOME,
+report = {"sigpipe": str(signal.getsignal(signal.SIGPIPE)),
+          "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "hf_home": huggingface_hub.constants.HF_HOME,
           "offline": huggingface_hub.constants.HF_HUB_OFFLINE, "marker": os.environ.get("PROBE_MARKER"),
           "stdin": sys.stdin.read()}
 print(json.dumps(report))
