@@ -14,7 +14,7 @@ resume.py the resume, lr_range.py the LR range test, main.py the exit codes, and
 extension points. `python train_ddpm.py --help` lists the flags by group.
 
 Exit codes: 0 done; 2 bad input (one line, before training); 3 stopped on non-finite steps;
-4 preempted (SIGTERM/SIGUSR1: checkpoint saved, resume latest); 5 disk full (free space, resume latest).
+4 preempted (SIGTERM/SIGUSR1/SIGINT: checkpoint saved, resume latest); 5 disk full (free space, resume latest).
 """
 import sys
 
