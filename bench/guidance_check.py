@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--per_class", type=int, default=10)
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "digits-conditional.yaml"))
     args = parser.parse_args()
+    args.run_dir = os.path.abspath(args.run_dir)
     scorer = DigitScorer.for_recipe(args.config, [], 10 * args.per_class)
     print("| path | " + " | ".join(f"guidance {s}" for s in args.guidance_scales.split(",")) + " |")
     print("|---|" + "---|" * len(args.guidance_scales.split(",")))
