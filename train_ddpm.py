@@ -16,12 +16,10 @@ extension points. `python train_ddpm.py --help` lists the flags by group.
 Exit codes: 0 done; 2 bad input (one line, before training); 3 stopped on non-finite steps;
 4 preempted (SIGTERM/SIGUSR1/SIGINT: checkpoint saved, resume latest); 5 disk full (free space, resume latest).
 """
-import sys
-
 from diffusion_extras.core import stop_flag
 
 stop_flag.record_early_signals()  # before torch is imported (seconds): a preemption signal then is kept
-from diffusion_extras.training.main import main  # noqa: E402
+from diffusion_extras.training.main import cli  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

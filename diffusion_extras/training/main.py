@@ -27,7 +27,7 @@ from diffusion_extras.training.loop import train
 from diffusion_extras.training.lr_range import find_lr, setup_lr_range_test
 from diffusion_extras.training.stops import DiskFull, RunStopped
 
-__all__ = ["Hooks", "main"]
+__all__ = ["Hooks", "cli", "main"]
 
 
 def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
@@ -62,6 +62,13 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
               file=sys.stderr, flush=True)
         return DiskFull.exit_code
     return 0
+
+
+def cli() -> None:
+    """The process entry (train_ddpm.py, `ddpm-train`): main(), then exit with its code."""
+    code = main()
+    stop_flag.ignore_at_exit()
+    sys.exit(code)
 
 
 def data_error_line(error: DataError) -> str:
