@@ -36,5 +36,9 @@ def ignore_stop_signals(worker_id: int) -> None:
 def _exit_when_the_parent_asks(parent: int) -> None:
     while True:
         received = signal.sigwaitinfo(STOP_SIGNALS)
-        if received.si_pid == parent:  # the loader's or multiprocessing's shutdown: go as SIGTERM would
-            os._exit(128 + received.si_signo)
+        if received.si_pid == parent:  # the loader's or multiprocessing's shutdown
+            # Exit 0, as torch's own worker SIGTERM handler does when its parent sends it: the main
+            # process's SIGCHLD check (torch's _error_if_any_worker_fails) takes any other exit code
+            # as a failed worker and raises at interpreter exit (seen: "exited unexpectedly with
+            # exit code 143" after "done" on the local Slurm, where 143 was 128 + SIGTERM).
+            os._exit(0)
