@@ -21,6 +21,7 @@ from diffusion_extras.data.batch_order import mix_seed
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     guided_step,
     scheduler_model_output,
+    scheduler_step,
     unconditional_inputs,
 )
 
@@ -86,7 +87,8 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
             model_output = unet(model_input, t, **unconditional_inputs(unet, len(sample), device)).sample
         # x_t stays fp32 whatever the network precision: rounding it each step accumulates error.
         model_output = scheduler_model_output(scheduler, model_output.float(), sample)  # 2C: DDPM's variance
-        sample = scheduler.step(model_output, t, sample, generator=generators).prev_sample
+        # the guided path's step function: an unguided sample equals one guided by the model itself
+        sample = scheduler_step(scheduler, model_output, t, sample, generators)
         step_bar.update(len(generators))
     return _to_uint8(sample)
 
