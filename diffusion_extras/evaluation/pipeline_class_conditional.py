@@ -111,7 +111,12 @@ def scheduler_model_output(scheduler, model_output: torch.Tensor, sample: torch.
 
 
 def scheduler_step(scheduler, model_output: torch.Tensor, t, sample: torch.Tensor, generator=None) -> torch.Tensor:
-    """x_{t-1} from `scheduler.step`, with DDIM's noise recomputed from its clipped x0 estimate.
+    """x_{t-1} of `scheduler_step_output`."""
+    return scheduler_step_output(scheduler, model_output, t, sample, generator).prev_sample
+
+
+def scheduler_step_output(scheduler, model_output: torch.Tensor, t, sample: torch.Tensor, generator=None):
+    """`scheduler.step`'s whole output (x_{t-1}, and x0 where the scheduler gives it), with DDIM's noise recomputed from its clipped x0 estimate.
 
     Issue 35: a DDIMScheduler made with `from_config` of a DDPM config inherits clip_sample=True; it
     then clips the guided x0 estimate but builds x_{t-1} from the unclipped, guidance-amplified noise,
@@ -124,7 +129,7 @@ def scheduler_step(scheduler, model_output: torch.Tensor, t, sample: torch.Tenso
     kwargs = {"generator": generator}
     if "use_clipped_model_output" in inspect.signature(scheduler.step).parameters:
         kwargs["use_clipped_model_output"] = True
-    return scheduler.step(model_output, t, sample, **kwargs).prev_sample
+    return scheduler.step(model_output, t, sample, **kwargs)
 
 
 class ClassConditionalPipeline(DiffusionPipeline):

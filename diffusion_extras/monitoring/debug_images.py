@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 
 from diffusion_extras.core import stop_flag
-from diffusion_extras.evaluation.pipeline_class_conditional import scheduler_model_output, unconditional_inputs
+from diffusion_extras.evaluation.pipeline_class_conditional import (scheduler_model_output, scheduler_step_output,
+                                                                         unconditional_inputs)
 from diffusion_extras.evaluation.sampling import _image_shape, _to_uint8, image_grid, image_seed
 
 
@@ -51,7 +52,7 @@ def denoising_strip(unet, scheduler, num_seeds: int, num_inference_steps: int, s
             labels = unconditional_inputs(unet, len(sample), device)  # a class-conditional UNet: "no class"
             model_output = unet(scheduler.scale_model_input(sample, t), t, **labels).sample.float()
             model_output = scheduler_model_output(scheduler, model_output, sample)  # 2C: DDIM takes the mean part
-            output = scheduler.step(model_output, t, sample, generator=generators)
+            output = scheduler_step_output(scheduler, model_output, t, sample, generators)  # as the grid steps
             if index in keep:
                 columns.append((_to_uint8(sample), _to_uint8(output.pred_original_sample)))
                 timesteps.append(int(t))
