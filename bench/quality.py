@@ -254,10 +254,12 @@ def guidance_variants(args, extra: list[str], run_dir: str, scorer: DigitScorer,
     image across variants and scales)."""
     guide = (export_checkpoint(args.config, extra, args.guide_checkpoint, args.guide_checkpoint.rstrip("/") + "-ema")
              if args.guide_checkpoint else None)
-    variants = {"cfg": {}}
+    # autoguidance=False: with a guide set, the pipeline guides with it by default (a saved guide/ is
+    # used unless the call says otherwise), which made these rows autoguidance rows.
+    variants = {"cfg": {"autoguidance": False}}
     if args.guidance_interval:
         low, high = (float(part) for part in args.guidance_interval.split(","))
-        variants[f"cfg+interval({low},{high}]"] = {"guidance_interval": (low, high)}
+        variants[f"cfg+interval({low},{high}]"] = {"guidance_interval": (low, high), "autoguidance": False}
     if guide:
         variants["autoguidance"] = {"autoguidance": True}
     report = {}
