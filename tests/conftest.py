@@ -401,4 +401,4 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run them with `pytest -m cuda`")
     config.addinivalue_line("markers", "cli: starts a command (set at collection: conftest.starts_a_command); "
-                                       ".ci/run runs these again with DDPM_TEST_FRESH_INTERPRETERS=1")
+                                       "DDPM_TEST_FRESH_INTERPRETERS=1 runs each command in a fresh Python")
