@@ -16,7 +16,6 @@ import time
 import pytest
 from conftest import ROOT, cli_env, load_unet_weights, read_history, write_tiny_recipe
 
-
 TORCHRUN_TWO_RANKS = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 

@@ -116,7 +116,8 @@ def scheduler_step(scheduler, model_output: torch.Tensor, t, sample: torch.Tenso
 
 
 def scheduler_step_output(scheduler, model_output: torch.Tensor, t, sample: torch.Tensor, generator=None):
-    """`scheduler.step`'s whole output (x_{t-1}, and x0 where the scheduler gives it), with DDIM's noise recomputed from its clipped x0 estimate.
+    """`scheduler.step`'s whole output (x_{t-1}, and x0 where the scheduler gives it), with DDIM's
+    noise recomputed from its clipped x0 estimate.
 
     Issue 35: a DDIMScheduler made with `from_config` of a DDPM config inherits clip_sample=True; it
     then clips the guided x0 estimate but builds x_{t-1} from the unclipped, guidance-amplified noise,

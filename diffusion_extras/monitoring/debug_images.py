@@ -12,8 +12,11 @@ import torch
 from PIL import Image
 
 from diffusion_extras.core import stop_flag
-from diffusion_extras.evaluation.pipeline_class_conditional import (scheduler_model_output, scheduler_step_output,
-                                                                         unconditional_inputs)
+from diffusion_extras.evaluation.pipeline_class_conditional import (
+    scheduler_model_output,
+    scheduler_step_output,
+    unconditional_inputs,
+)
 from diffusion_extras.evaluation.sampling import _image_shape, _to_uint8, image_grid, image_seed
 
 
