@@ -317,6 +317,7 @@ def test_conditional_model_card_shows_a_call_that_runs_as_written(tmp_path, monk
     assert f'DiffusionPipeline.from_pretrained("{folder}", trust_remote_code=True)' in code
     assert 'pipeline.get_label_ids(["cat", "dog"])' in code
     assert "pipeline(class_labels=class_ids, guidance_scale=2.0," in code
+    assert "`guidance_interval=(low, high)`" in text and "`pipeline.guide`" in text  # the other guidance rows
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "model card", "exec"), {})
     with Image.open(tmp_path / "sample.png") as image:

@@ -211,7 +211,11 @@ def _usage(repo_id: str, class_names: list | None) -> list[str]:
             f"class_ids = pipeline.get_label_ids([{names}])  # pipeline.id2label lists the classes",
             f"images = pipeline(class_labels=class_ids, guidance_scale={DEFAULT_GUIDANCE_SCALE},",
             "                  num_inference_steps=50, generator=torch.manual_seed(0)).images",
-            'images[0].save("sample.png")', "```", ""]
+            'images[0].save("sample.png")', "```", "",
+            "`guidance_interval=(low, high)` guides only at noise levels sigma in (low, high] (Kynkäänniemi et al. "
+            "2024; one UNet call elsewhere), and a weaker UNet set as `pipeline.guide` guides in place of the "
+            "no-class branch (autoguidance, Karras et al. 2024; saved in `guide/`, off with `autoguidance=False`).",
+            ""]
 
 
 def _card_image(folder: str, path: str, key: str) -> str:
