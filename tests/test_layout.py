@@ -33,3 +33,16 @@ def test_the_entry_script_is_thin():
         tree = ast.parse(fh.read())
     kinds = [type(node).__name__ for node in tree.body]
     assert set(kinds) <= {"Expr", "Import", "ImportFrom", "If"} and kinds.count("If") == 1, kinds
+
+
+def test_usage_lines_name_the_command_as_the_user_typed_it():
+    """`ddpm-sample --help` says `usage: ddpm-sample`, `python -m diffusion_extras.sample --help` says
+    that (argparse alone would print `__main__.py` for the second; a fixed prog, the module form for
+    the first)."""
+    scripts = os.path.dirname(sys.executable)
+    for command in (["ddpm-sample"], ["ddpm-report"], [sys.executable, "-m", "diffusion_extras.sample"]):
+        if len(command) == 1:
+            command = [os.path.join(scripts, command[0])]
+        typed = os.path.basename(command[0]) if len(command) == 1 else "python -m diffusion_extras.sample"
+        result = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and result.stdout.startswith(f"usage: {typed} "), result.stdout[:200]

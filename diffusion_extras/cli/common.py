@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from diffusion_extras.core.commands import prog_name
 from diffusion_extras.data.images import preprocess_image
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
 from diffusion_extras.evaluation.pipeline_class_conditional import (
@@ -37,7 +38,7 @@ def positive_int(text: str) -> int:
 
 def pipeline_parser(command: str, description: str) -> argparse.ArgumentParser:
     """The parser of `python -m diffusion_extras.COMMAND PIPELINE ...`; `description`: the module docstring."""
-    parser = argparse.ArgumentParser(prog=f"python -m diffusion_extras.{command}", description=description,
+    parser = argparse.ArgumentParser(prog=prog_name(command), description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("pipeline", help="folder saved by train_ddpm.py (save_pretrained) or a Hub id")
     return parser

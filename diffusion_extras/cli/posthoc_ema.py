@@ -23,13 +23,14 @@ from diffusion_extras.cli.common import (
     positive_int,
     resolve_device,
 )
+from diffusion_extras.core.commands import prog_name
 from diffusion_extras.core.phema import reconstruct, require_snapshots, sigma_rel_to_gamma, solve_weights
 from diffusion_extras.evaluation import metrics as evaluation
 
 
 def _parse_args(argv):
     parser = argparse.ArgumentParser(
-        prog="python -m diffusion_extras.posthoc_ema",
+        prog=prog_name("posthoc_ema"),
         description="Reconstruct post-hoc EMA weights of a training run, optionally score each "
                     "width with FID/KID, and export the best as a DDPMPipeline.")
     parser.add_argument("output_dir", help="training output dir: a saved DDPMPipeline plus the "

@@ -14,6 +14,7 @@ from dataclasses import asdict
 import numpy as np
 import yaml
 
+from diffusion_extras.core.commands import prog_name
 from diffusion_extras.report import checks, class_balance
 from diffusion_extras.report import dynamics as report_dynamics
 from diffusion_extras.report.checks import SEVERITY_ORDER, Finding, RunLog, median
@@ -198,7 +199,7 @@ def write_report(output_dir: str, history=None, config=None, bayes_optimal_bins=
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m diffusion_extras.report",
+    parser = argparse.ArgumentParser(prog=prog_name("report"),
                                      description="Write and print the health report of a training run.")
     parser.add_argument("run_dir", help="the training output_dir, or a checkpoint folder inside it")
     args = parser.parse_args(argv)
