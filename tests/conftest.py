@@ -2,8 +2,10 @@
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import fork_server
@@ -52,54 +54,41 @@ def save_random_images(folder, count: int, height: int, width: int, seed: int = 
 
 
 # Variables of the caller's shell that change what the libraries do (offline mode, endpoint, cache
-# folders, the tracker's mode): no test may depend on them, so each test starts without them.
+# folders, the tracker's mode): no test may depend on them.
 CALLER_VARIABLES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_OFFLINE", "WANDB_")
-# Modules that read those variables once, at import, into module constants.
-ENVIRONMENT_CONSTANTS = ("huggingface_hub.constants", "datasets.config")
+READ_AT_IMPORT = ("huggingface_hub", "datasets", "diffusers", "transformers", "accelerate", "wandb")
 
 
-@functools.cache
-def _fresh_constants(module_name: str, hf_home: str) -> dict:
-    """The UPPER_CASE values `module_name` would hold if imported now, in a clean environment (no
-    CALLER_VARIABLES, HF_HOME=hf_home): its source run again in a scratch module."""
-    import importlib.util
-    from unittest import mock
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(CALLER_VARIABLES)} | {"HF_HOME": hf_home}
-    spec = importlib.util.find_spec(module_name)
-    scratch = importlib.util.module_from_spec(spec)
-    with mock.patch.dict(os.environ, clean, clear=True):
-        spec.loader.exec_module(scratch)
-    return {name: value for name, value in vars(scratch).items() if name.isupper()}
-
-
-@pytest.fixture(scope="session")
-def session_hf_home(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("hf_home"))
-
-
-@pytest.fixture(autouse=True)
-def clean_environment(monkeypatch, session_hf_home):
+def pytest_configure(config):
     """Every test runs as in a clean shell, whatever the caller exported (HF_HUB_OFFLINE=1, a custom
-    HF_HOME or HF_ENDPOINT, WANDB_MODE, ...): those variables are removed, HF_HOME is a folder of
-    this session, and the constants huggingface_hub and datasets read at import are reset to what a
-    clean import gives. A test that needs offline mode or an endpoint sets it itself; subprocesses
-    get cli_env."""
+    HF_HOME or HF_ENDPOINT, WANDB_MODE, ...): those variables are removed before any library reads
+    them (huggingface_hub and datasets read them once, at import), and HF_HOME is a folder of this
+    session. A test that needs offline mode or an endpoint sets it itself."""
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run them with `pytest -m cuda`")
+    config.addinivalue_line("markers", "cli: starts a command (set at collection: conftest.starts_a_command)")
+    config.addinivalue_line("markers", "contract: a cli test that asserts an exit code or what a command printed; "
+                                       ".ci/run runs these again with DDPM_TEST_FRESH_INTERPRETERS=1")
+    imported = sorted(name for name in sys.modules if name.split(".")[0] in READ_AT_IMPORT)
+    if imported:
+        raise pytest.UsageError(f"{imported[0]} was imported before the tests cleared the caller's HF_*/WANDB_* "
+                                "variables (by a pytest plugin?); run pytest with -p no:<that plugin>")
     for name in list(os.environ):
         if name.startswith(CALLER_VARIABLES):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("HF_HOME", session_hf_home)
-    for module_name in ENVIRONMENT_CONSTANTS:
-        module = sys.modules.get(module_name)  # one not imported yet reads the clean environment itself
-        if module is None:
-            continue
-        for name, value in _fresh_constants(module_name, session_hf_home).items():
-            if getattr(module, name, None) != value:
-                monkeypatch.setattr(module, name, value)
+            del os.environ[name]
+    config.hf_home = os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="ddpm-tests-hf-home-")
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "hf_home", None):
+        shutil.rmtree(config.hf_home, ignore_errors=True)
 
 
 def cli_env(tmp_path) -> dict:
+    """The environment of a command a test runs: the test's, without what selects an accelerate
+    config, offline, wandb offline, the session's HF_HOME (as in-process code has) and a datasets
+    cache of the test's own (the decode cache lives there), fixed hash seed and one thread."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "WANDB_", "ACCELERATE_"))}
-    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", HF_HOME=str(tmp_path / "hf_home"),
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", HF_HOME=os.environ["HF_HOME"],
                HF_DATASETS_CACHE=str(tmp_path / "hf_datasets"), PYTHONHASHSEED="0", OMP_NUM_THREADS="1",
                TOKENIZERS_PARALLELISM="false")
     return env
@@ -115,27 +104,32 @@ class ForkServer:
     def __init__(self, env: dict):
         import tempfile
         import threading
-        self.start_up_key = fork_server.start_up_key(env)
+        self.start_up = {name: env.get(name) for name in fork_server.START_UP_VARIABLES}
         self.lock = threading.Lock()
         self.outputs = tempfile.mkdtemp(prefix="fork_server_")
         self.process = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "fork_server.py")], cwd=ROOT,
                                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.pending = b""
-        ready = self._reply(180)
-        if ready.get("ready") is not True:
+        self.ready = self._reply(180)
+        if self.ready.get("ready") is not True:
             raise RuntimeError("the fork server did not start")
-        # variables read at import that a forked command must not change, but for the values the
-        # imports set themselves (which a test process that made those imports passes on)
-        self.fixed, self.set_by_imports = ready["fixed"], ready["set_by_imports"]
+
+    def forks(self, env: dict) -> bool:
+        """Whether a command in `env` starts as it would in a fresh interpreter: the preloaded imports
+        printed nothing and started no thread, and every variable they or the interpreter read has
+        the server's value (or the value the imports set themselves, which a test process that made
+        those imports passes on)."""
+        if self.ready["printed"] or self.ready["threads"] != 1:
+            return False
+        if any(env.get(name) != value for name, value in self.start_up.items()):
+            return False
+        return all(env.get(name) in (value, self.ready["set"].get(name, value))
+                   for name, value in self.ready["read"].items())
 
     @classmethod
     def for_command(cls, launcher, args, env):
-        """The server if it can run this command as a fresh interpreter would, else None. Launched
-        by torch.distributed.run, the launcher and its workers are forks of the server."""
-        torch_distributed_run = [sys.executable, "-m", fork_server.LAUNCHER]
-        if launcher is not None and [str(part) for part in launcher[:3]] != torch_distributed_run:
-            return None
-        if env.get("DDPM_TEST_FRESH_INTERPRETERS") == "1" or not args:
+        """The server if it can run this command as a fresh interpreter would, else None."""
+        if launcher is not None or env.get("DDPM_TEST_FRESH_INTERPRETERS") == "1" or not args:
             return None
         if not (str(args[0]).endswith(".py") or (str(args[0]) == "-m" and len(args) > 1)):
             return None
@@ -146,13 +140,7 @@ class ForkServer:
             cls._instance = cls(env)
             import atexit
             atexit.register(cls._instance.close)
-        server = cls._instance
-        if server.start_up_key != fork_server.start_up_key(env):
-            return None
-        if any(env.get(key) not in (value, server.set_by_imports.get(key, value))
-               for key, value in server.fixed.items()):
-            return None
-        return server
+        return cls._instance if cls._instance.forks(env) else None
 
     def _reply(self, timeout):
         import select
@@ -188,7 +176,6 @@ class ForkServer:
 
     def close(self):
         self.process.kill()
-        import shutil
         shutil.rmtree(self.outputs, ignore_errors=True)
 
 
@@ -198,6 +185,8 @@ def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False
     `python SCRIPT ...` and `python -m MODULE ...` run as forks of the suite's ForkServer."""
     command = (launcher or [sys.executable]) + [str(arg) for arg in args]
     merged = {k: v for k, v in {**cli_env(env_dir), **(env or {})}.items() if v is not None}  # None unsets
+    if merged.get("HF_HUB_OFFLINE") != "1" and "HF_HOME" not in (env or {}):
+        merged["HF_HOME"] = str(env_dir / "hf_home")  # what a command downloads stays in its test
     server = ForkServer.for_command(launcher, args, merged)
     if server is not None:
         result = server.run(command, command[1:], merged, timeout)
@@ -365,6 +354,14 @@ def load_bench_module(name: str):
 COMMAND_FIXTURES = {"run_cli", "train", "hooked_train", "tiny_reference_run"}  # they run the command line
 
 
+def test_source(item) -> str:
+    import inspect
+    try:
+        return inspect.getsource(item.function)
+    except (AttributeError, OSError, TypeError):
+        return ""
+
+
 def starts_a_command(item) -> bool:
     """The test runs a command (run_command, directly or through a fixture, or a fixture of its module
     that trains through the command line): it is a test of the command-line contract (marker `cli`)."""
@@ -383,22 +380,19 @@ def starts_a_command(item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks (pyproject: --dist loadgroup)
 def pytest_collection_modifyitems(config, items):
-    """Tests that start a command are marked `cli` (.ci/run runs them again in fresh interpreters).
+    """Tests that start a command are marked `cli`; those of them that read its exit code or what it
+    printed are also marked `contract` (.ci/run runs them again in fresh interpreters).
     Tests that read one module-scoped fixture of their module (most are a training run made once
     and read by several tests) run on one xdist worker, so it is made once, not once per worker.
     Module-scoped fixtures of this file (a setting such as one_cpu_thread) group nothing."""
     for item in items:
         if starts_a_command(item):
             item.add_marker(pytest.mark.cli)
+            if any(word in test_source(item) for word in ("returncode", "stderr", "stdout")):
+                item.add_marker(pytest.mark.contract)
         for name in item.fixturenames:
             definitions = item._fixtureinfo.name2fixturedefs.get(name)
             if (definitions and definitions[-1].scope == "module"
                     and definitions[-1].func.__module__ == item.module.__name__):
                 item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))
                 break
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run them with `pytest -m cuda`")
-    config.addinivalue_line("markers", "cli: starts a command (set at collection: conftest.starts_a_command); "
-                                       "DDPM_TEST_FRESH_INTERPRETERS=1 runs each command in a fresh Python")

@@ -1,31 +1,40 @@
-"""The suite's fork server (tests/fork_server.py): a command run through it behaves as the same
-command in a fresh interpreter, in everything the tests read."""
+"""The suite's fork server (tests/fork_server.py): a command it runs behaves as the same command in
+a fresh interpreter, in everything a test can read, and a command it cannot run so runs fresh."""
 import json
-import subprocess
+import re
 import sys
 
 import pytest
 from conftest import ROOT, ForkServer, cli_env, run_command
 
 PROBE = """
-import json, os, signal, sys
+import atexit, json, os, random, signal, sys, threading, time
+import numpy, torch
 import huggingface_hub.constants
-report = {"sigpipe": str(signal.getsignal(signal.SIGPIPE)),
+report = {"sigpipe": str(signal.getsignal(signal.SIGPIPE)), "sigint": str(signal.getsignal(signal.SIGINT)),
           "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "hf_home": huggingface_hub.constants.HF_HOME,
           "offline": huggingface_hub.constants.HF_HUB_OFFLINE, "marker": os.environ.get("PROBE_MARKER"),
-          "stdin": sys.stdin.read()}
+          "stdin": sys.stdin.read(), "main": __name__,
+          "random": [random.random(), float(numpy.random.random()), torch.initial_seed()]}
 print(json.dumps(report))
 print("to stderr", file=sys.stderr)
+atexit.register(print, "atexit ran", file=sys.stderr)
+def late():
+    time.sleep(0.3)
+    print("thread joined", file=sys.stderr)
+threading.Thread(target=late).start()
 how = sys.argv[1]
 if how == "exit":
     sys.exit(int(sys.argv[2]))
+if how == "message":
+    sys.exit("a message")
 if how == "raise":
     raise ValueError("probe failure")
+if how == "interrupt":
+    raise KeyboardInterrupt
 if how == "kill":
-    import signal
     os.kill(os.getpid(), signal.SIGKILL)
 if how == "sleep":
-    import time
     time.sleep(60)
 """
 
@@ -46,46 +55,80 @@ def probe(tmp_path):
 
 def run_both(tmp_path, args, env=None, timeout=60):
     """(through the fork server, in a fresh interpreter) for the same command."""
+    assert ForkServer.for_command(None, args, {**cli_env(tmp_path), **(env or {})}) is not None
     forked = run_command(args, tmp_path, env=env, timeout=timeout)
     fresh = run_command(args, tmp_path, env={**(env or {}), "DDPM_TEST_FRESH_INTERPRETERS": "1"}, timeout=timeout)
     return forked, fresh
 
 
-def test_commands_go_through_the_server_unless_told_or_launched(tmp_path, probe):
+def test_the_preloaded_imports_print_nothing_start_no_thread_and_read_the_hf_variables(tmp_path):
+    """A warning printed by a preloaded import would be missing from every child's stderr, and a
+    thread would not survive the fork: either one would send every command to a fresh interpreter."""
+    server = ForkServer.for_command(None, ["x.py"], cli_env(tmp_path))
+    assert server is not None
+    assert server.ready["printed"] == "" and server.ready["threads"] == 1
+    assert {"HF_HOME", "HF_HUB_OFFLINE", "HF_ENDPOINT"} <= set(server.ready["read"])  # so they must match
+
+
+def test_commands_go_through_the_server_unless_it_cannot_start_them_as_python_would(tmp_path, probe):
     env = cli_env(tmp_path)
     assert ForkServer.for_command(None, [probe, "exit", "0"], env) is not None
     assert ForkServer.for_command(None, ["-m", "diffusion_extras.sample", "--help"], env) is not None
-    assert ForkServer.for_command([sys.executable, "-m", "torch.distributed.run"], [probe], env) is not None
+    assert ForkServer.for_command([sys.executable, "-m", "torch.distributed.run"], [probe], env) is None
     assert ForkServer.for_command(["accelerate", "launch"], [probe], env) is None
     assert ForkServer.for_command(None, ["-c", "pass"], env) is None
-    assert ForkServer.for_command(None, [probe], {**env, "OMP_NUM_THREADS": "2"}) is None  # fixed at start-up
+    assert ForkServer.for_command(None, [probe], {**env, "OMP_NUM_THREADS": "2"}) is None  # read at start-up
+    assert ForkServer.for_command(None, [probe], {**env, "HF_HOME": str(tmp_path / "other")}) is None  # at import
+    assert ForkServer.for_command(None, [probe], {**env, "HF_ENDPOINT": "http://127.0.0.1:9"}) is None
     assert ForkServer.for_command(None, [probe], {**env, "DDPM_TEST_FRESH_INTERPRETERS": "1"}) is None
 
 
-@pytest.mark.parametrize("how,expected", [("exit", 3), ("exit", 0), ("raise", 1), ("kill", -9)])
+def without_runpy_frames(stderr: str) -> str:
+    """A traceback without the frames of runpy and of tests/fork_server.py (a fork runs the script
+    from there; `python -m` shows runpy's frames too)."""
+    return re.sub(r'  File "(<frozen runpy>|[^"]*fork_server\.py)", line \d+, in \S+\n(    .*\n)*', "", stderr)
+
+
+@pytest.mark.parametrize("how,expected", [("end", 0), ("exit", 3), ("exit", 0), ("message", 1), ("raise", 1),
+                                          ("interrupt", -2), ("kill", -9)])
 def test_a_forked_command_is_a_fresh_interpreter_to_the_tests(tmp_path, probe, how, expected):
     args = [probe, how, expected] if how == "exit" else [probe, how]
-    env = {"PROBE_MARKER": f"m-{how}", "HF_HUB_OFFLINE": "0"}
+    env = {"PROBE_MARKER": f"m-{how}"}
     forked, fresh = run_both(tmp_path, args, env=env)
     assert forked.returncode == fresh.returncode == expected
-    assert json.loads(forked.stdout) == json.loads(fresh.stdout)
-    report = json.loads(forked.stdout)
+    reports = [json.loads(run.stdout) for run in (forked, fresh)]
+    assert [{**report, "random": None} for report in reports] == [{**reports[1], "random": None}] * 2
+    report = reports[0]
     assert report["argv"] == [str(probe), *map(str, args[1:])] and report["cwd"] == ROOT
+    assert report["main"] == "__main__"
     assert report["path0"] == str(probe.parent) and report["marker"] == f"m-{how}" and report["stdin"] == ""
-    # huggingface_hub is imported by the child, so it reads the child's variables
-    assert report["hf_home"] == str(tmp_path / "hf_home") and report["offline"] is False
-    assert forked.stderr.startswith("to stderr")
+    assert report["hf_home"] == cli_env(tmp_path)["HF_HOME"] and report["offline"] is True
+    # stderr as a fresh interpreter writes it: warnings, the exit's message or traceback, the
+    # non-daemon thread joined and atexit run (but after a SIGKILL)
+    assert without_runpy_frames(forked.stderr) == fresh.stderr
+    assert forked.stderr.startswith("to stderr") and (how == "kill") != ("atexit ran" in forked.stderr)
     if how == "raise":
-        assert "ValueError: probe failure" in forked.stderr and "Traceback" in forked.stderr
+        assert "Traceback" in forked.stderr and "ValueError: probe failure" in forked.stderr
 
 
-def test_a_module_command_runs_with_the_working_directory_first_on_the_path(tmp_path):
+def test_each_fork_draws_its_own_random_numbers(tmp_path, probe):
+    """random, numpy's global generator and torch's default one are seeded from the OS in each
+    fork, as a fresh interpreter seeds them (shared with the server, every fork would draw the same)."""
+    draws = [json.loads(run_command([probe, "exit", "0"], tmp_path).stdout)["random"] for _ in range(2)]
+    assert all(first != second for first, second in zip(*draws, strict=True))
+
+
+def test_a_module_command_and_a_one_line_error_are_those_of_a_fresh_interpreter(tmp_path):
     forked, fresh = run_both(tmp_path, ["-m", "diffusion_extras.sample", "--help"])
     assert forked.returncode == fresh.returncode == 0
-    assert forked.stdout == fresh.stdout and "usage:" in forked.stdout
+    assert forked.stdout == fresh.stdout and "usage:" in forked.stdout and forked.stderr == fresh.stderr
+    forked, fresh = run_both(tmp_path, ["train_ddpm.py", "--config", tmp_path / "missing.yaml"])
+    assert forked.returncode == fresh.returncode == 2
+    assert forked.stderr == fresh.stderr and len(forked.stderr.splitlines()) == 1 and "missing.yaml" in forked.stderr
 
 
 def test_a_command_past_its_timeout_is_killed_and_the_server_serves_the_next(tmp_path, probe):
+    import subprocess
     with pytest.raises(subprocess.TimeoutExpired):
         run_command([probe, "sleep"], tmp_path, timeout=3)
     after = run_command([probe, "exit", "5"], tmp_path)
@@ -97,16 +140,21 @@ import importlib, json, os, sys, types
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 import fork_server
 for name in fork_server.PRELOADED:
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-from fork_server import plain
+    importlib.import_module(name)
+def plain(value, depth=0):
+    if type(value) in (str, int, float, bool, type(None)) or isinstance(value, os.PathLike):
+        return True
+    if depth < 2 and type(value) in (tuple, list, set, frozenset):
+        return all(plain(item, depth + 1) for item in value)
+    if depth < 2 and type(value) is dict:
+        return all(plain(k, depth + 1) and plain(v, depth + 1) for k, v in value.items())
+    return False
 def defaults(function):
     return [function.__defaults__, function.__kwdefaults__]
-values = {"sys.path": repr(sys.path[1:])}
+values = {"sys.path": repr(sys.path[1:]),
+          "environ": sorted(item for item in os.environ.items() if item[0] != "DDPM_TEST_FRESH_INTERPRETERS")}
 for module_name in sorted(sys.modules):
-    if not module_name.startswith(("huggingface_hub", "datasets", "diffusers", "transformers", "accelerate")):
+    if not module_name.startswith(("huggingface_hub", "diffusers", "transformers", "accelerate", "torch")):
         continue
     for key, value in list(vars(sys.modules[module_name]).items()):
         where = f"{module_name}.{key}"
@@ -114,75 +162,23 @@ for module_name in sorted(sys.modules):
             continue
         if plain(value):
             values[where] = repr(value)
-        elif isinstance(value, types.FunctionType) and plain(defaults(value)):
+        elif type(value) is types.FunctionType and plain(defaults(value)):
             values[where + "()"] = repr(defaults(value))
-        elif isinstance(value, type) and value.__module__ == module_name:
-            for attribute, member in list(vars(value).items()):
-                if isinstance(member, types.FunctionType) and plain(defaults(member)):
-                    values[f"{where}.{attribute}()"] = repr(defaults(member))
-                elif not attribute.startswith("__") and plain(member):
-                    values[f"{where}.{attribute}"] = repr(member)
 print(json.dumps(values))
 """
 
 
-def test_a_forked_child_holds_the_module_values_of_a_fresh_interpreter_under_its_own_hf_variables(tmp_path):
-    """Every plain value (str, number, path, container of them) held by a module of huggingface_hub,
-    datasets, diffusers, transformers or accelerate, as a module attribute, class attribute or
-    default argument, is the same in a forked child and in a fresh interpreter, under HF_* values
-    other than the server's (fork_server.reread_environment_values). Ignored: what differs between
-    two fresh interpreters too (random session ids, pids), and fsspec's instance caches, which are
-    keyed by that pid and emptied by fsspec itself in a child."""
+def test_a_forked_child_holds_the_module_values_and_environment_of_a_fresh_interpreter(tmp_path):
+    """Every plain value (str, number, path, container of them) held by a module of torch,
+    huggingface_hub, diffusers, transformers or accelerate, as a module attribute or default
+    argument, and the whole environment, are the same in a fork and in a fresh interpreter.
+    Ignored: what differs between two fresh interpreters too (session ids, pids, fsspec's caches)."""
     script = tmp_path / "fingerprint.py"
     script.write_text(FINGERPRINT)
-    warm = run_command([script], tmp_path / "warm", env={"HF_ENDPOINT": "http://127.0.0.1:1"}, check=True)
-    assert ForkServer.for_command(None, [script], cli_env(tmp_path)) is not None  # it was forked
-    env = {"HF_HOME": str(tmp_path / "home"), "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
-           "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0", "HF_MODULES_CACHE": str(tmp_path / "modules")}
-    forked = json.loads(run_command([script], tmp_path, env=env, check=True).stdout)
-    fresh, again = (json.loads(run_command([script], tmp_path, env={**env, "DDPM_TEST_FRESH_INTERPRETERS": "1"},
-                                           check=True).stdout) for _ in range(2))
+    forked, fresh = (json.loads(run.stdout) for run in run_both(tmp_path, [script], timeout=120))
+    again = json.loads(run_command([script], tmp_path, env={"DDPM_TEST_FRESH_INTERPRETERS": "1"}).stdout)
     varies = {key for key in fresh.keys() | again.keys() if fresh.get(key) != again.get(key)}
-    varies |= {key[:-len("_pid")] + "_cache" for key in varies if key.endswith("._pid")}
     differ = {key: (forked.get(key), fresh.get(key)) for key in forked.keys() | fresh.keys()
               if key not in varies and forked.get(key) != fresh.get(key)}
     assert not differ, differ
-    # the test sees a stale value: the server's differ, and the values compared are the child's
-    assert json.loads(warm.stdout)["huggingface_hub.constants.ENDPOINT"] == repr("http://127.0.0.1:1")
-    assert forked["huggingface_hub.constants.ENDPOINT"] == repr("http://127.0.0.1:9")
-    assert forked["datasets.config.HF_DATASETS_CACHE"] == repr(tmp_path / "datasets")
-    assert forked["diffusers.utils.constants.HF_MODULES_CACHE"] == repr(str(tmp_path / "modules"))
-
-
-RANK_PROBE = """
-import json, os, sys
-import huggingface_hub.constants
-report = json.dumps({"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "argv": sys.argv[1:],
-                     "path0": sys.path[0], "endpoint": huggingface_hub.constants.ENDPOINT,
-                     "pgid_is_pid": os.getpgid(0) == os.getpid()})
-# one write per line: torchrun runs its workers with `python -u`, where print() writes the text
-# and its newline in two system calls, so two ranks printing at once can put both reports on one line
-os.write(1, (report + "\\n").encode())
-if sys.argv[1] == "fail" and os.environ["RANK"] == "1":
-    sys.exit(7)
-"""
-
-
-@pytest.mark.parametrize("how", ["ok", "fail"])
-def test_a_launched_command_and_its_ranks_behave_as_fresh_interpreters(tmp_path, how):
-    """torch.distributed.run through the server: each rank is a fork in its own session with its
-    own variables, argv and stdout, and a failing rank fails the launch as it does with fresh ones."""
-    from test_resume import torchrun
-    script = tmp_path / "rank_probe.py"
-    script.write_text(RANK_PROBE)
-    env = {"HF_ENDPOINT": "http://127.0.0.1:7"}
-    assert ForkServer.for_command(torchrun(), [script, how], cli_env(tmp_path)) is not None
-    forked = run_command([script, how], tmp_path, launcher=torchrun(), env=env)
-    fresh = run_command([script, how], tmp_path, launcher=torchrun(), env={**env, "DDPM_TEST_FRESH_INTERPRETERS": "1"})
-    assert forked.returncode == fresh.returncode == (0 if how == "ok" else 1), forked.stderr[-3000:]
-    reports = [sorted((json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")),
-                      key=lambda report: report["rank"]) for run in (forked, fresh)]
-    assert reports[0] == reports[1] and [report["rank"] for report in reports[0]] == ["0", "1"]
-    assert all(report["endpoint"] == "http://127.0.0.1:7" and report["pgid_is_pid"] for report in reports[0])
-    if how == "fail":
-        assert "exitcode  : 7" in forked.stderr and "exitcode  : 7" in fresh.stderr
+    assert len(forked) > 1000  # it did read the modules
