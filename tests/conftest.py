@@ -85,12 +85,12 @@ def pytest_unconfigure(config):
 
 def cli_env(tmp_path) -> dict:
     """The environment of a command a test runs: the test's, without what selects an accelerate
-    config, offline, wandb offline, the session's HF_HOME (as in-process code has) and a datasets
-    cache of the test's own (the decode cache lives there), fixed hash seed and one thread."""
+    config; offline, wandb offline, and the session's HF_HOME, as in-process code has (its datasets
+    and decode caches are keyed by the data files' paths, which are the test's own); a fixed hash
+    seed and one thread."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "WANDB_", "ACCELERATE_"))}
-    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", HF_HOME=os.environ["HF_HOME"],
-               HF_DATASETS_CACHE=str(tmp_path / "hf_datasets"), PYTHONHASHSEED="0", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", HF_HOME=os.environ["HF_HOME"], PYTHONHASHSEED="0",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return env
 
 
@@ -188,6 +188,8 @@ def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False
     if merged.get("HF_HUB_OFFLINE") != "1" and "HF_HOME" not in (env or {}):
         merged["HF_HOME"] = str(env_dir / "hf_home")  # what a command downloads stays in its test
     server = ForkServer.for_command(launcher, args, merged)
+    with open("/tmp/forklog.txt", "a") as fh:  # TEMP
+        fh.write(f"{server is not None}\t{launcher is not None}\t{' '.join(command)[:200]}\n")
     if server is not None:
         result = server.run(command, command[1:], merged, timeout)
     else:

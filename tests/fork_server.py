@@ -37,12 +37,13 @@ import threading
 START_UP_VARIABLES = ("PYTHONHASHSEED", "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE",
                       "PYTHONOPTIMIZE", "PYTHONWARNINGS", "PYTHONUTF8", "PYTHONIOENCODING", "OMP_NUM_THREADS",
                       "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH")
-# The libraries a training, sampling or evaluation run imports. Not datasets: it reads
-# HF_DATASETS_CACHE at import, which each test sets to a folder of its own (the decode cache lives there).
+# The libraries a training, sampling or evaluation run imports.
 PRELOADED = ("numpy", "torch", "torch.nn.functional", "torch._dynamo", "sympy", "scipy.linalg", "scipy.stats",
              "sklearn.datasets", "sklearn.linear_model", "matplotlib.figure", "matplotlib.backends.backend_agg",
              "pandas", "pyarrow", "pyarrow.compute", "pyarrow.dataset", "PIL.Image", "yaml", "safetensors.torch",
-             "tqdm", "requests", "huggingface_hub", "accelerate", "torchdata.stateful_dataloader",
+             "tqdm", "requests", "huggingface_hub", "datasets", "datasets.packaged_modules.imagefolder",
+             "datasets.packaged_modules.parquet", "datasets.packaged_modules.webdataset", "accelerate",
+             "torchdata.stateful_dataloader",
              "diffusers.models.unets.unet_2d", "diffusers.schedulers.scheduling_ddpm",
              "diffusers.schedulers.scheduling_ddim", "diffusers.schedulers.scheduling_dpmsolver_multistep",
              "diffusers.pipelines.ddpm.pipeline_ddpm", "diffusers.pipelines.pipeline_utils", "diffusers.optimization",
@@ -109,7 +110,12 @@ def run(request: dict, set_by_imports: dict) -> None:
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     sys.stdout = sys.__stdout__
-    random.seed()  # a fresh interpreter seeds these from the OS (torch too, at import)
+    # a fresh interpreter seeds its generators from the OS: random's, numpy's global one, torch's
+    # default one, and the random.Random objects libraries make at import (datasets' fingerprints)
+    for module in list(sys.modules.values()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            if type(value) is random.Random:
+                value.seed()
     sys.modules["numpy"].random.seed()
     sys.modules["torch"].seed()
     argv = request["argv"]

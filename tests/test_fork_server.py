@@ -10,12 +10,13 @@ from conftest import ROOT, ForkServer, cli_env, run_command
 PROBE = """
 import atexit, json, os, random, signal, sys, threading, time
 import numpy, torch
-import huggingface_hub.constants
+import datasets.fingerprint, huggingface_hub.constants
 report = {"sigpipe": str(signal.getsignal(signal.SIGPIPE)), "sigint": str(signal.getsignal(signal.SIGINT)),
           "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "hf_home": huggingface_hub.constants.HF_HOME,
           "offline": huggingface_hub.constants.HF_HUB_OFFLINE, "marker": os.environ.get("PROBE_MARKER"),
           "stdin": sys.stdin.read(), "main": __name__,
-          "random": [random.random(), float(numpy.random.random()), torch.initial_seed()]}
+          "random": [random.random(), float(numpy.random.random()), torch.initial_seed(),
+                     datasets.fingerprint.generate_random_fingerprint()]}
 print(json.dumps(report))
 print("to stderr", file=sys.stderr)
 atexit.register(print, "atexit ran", file=sys.stderr)
@@ -112,8 +113,9 @@ def test_a_forked_command_is_a_fresh_interpreter_to_the_tests(tmp_path, probe, h
 
 
 def test_each_fork_draws_its_own_random_numbers(tmp_path, probe):
-    """random, numpy's global generator and torch's default one are seeded from the OS in each
-    fork, as a fresh interpreter seeds them (shared with the server, every fork would draw the same)."""
+    """random, numpy's global generator, torch's default one and datasets' fingerprint generator
+    are seeded from the OS in each fork, as a fresh interpreter seeds them (shared with the server,
+    every fork would draw the same)."""
     draws = [json.loads(run_command([probe, "exit", "0"], tmp_path).stdout)["random"] for _ in range(2)]
     assert all(first != second for first, second in zip(*draws, strict=True))
 
@@ -154,7 +156,8 @@ def defaults(function):
 values = {"sys.path": repr(sys.path[1:]),
           "environ": sorted(item for item in os.environ.items() if item[0] != "DDPM_TEST_FRESH_INTERPRETERS")}
 for module_name in sorted(sys.modules):
-    if not module_name.startswith(("huggingface_hub", "diffusers", "transformers", "accelerate", "torch")):
+    if not module_name.startswith(("huggingface_hub", "datasets", "diffusers", "transformers", "accelerate",
+                                   "torch")):
         continue
     for key, value in list(vars(sys.modules[module_name]).items()):
         where = f"{module_name}.{key}"
@@ -170,7 +173,7 @@ print(json.dumps(values))
 
 def test_a_forked_child_holds_the_module_values_and_environment_of_a_fresh_interpreter(tmp_path):
     """Every plain value (str, number, path, container of them) held by a module of torch,
-    huggingface_hub, diffusers, transformers or accelerate, as a module attribute or default
+    huggingface_hub, datasets, diffusers, transformers or accelerate, as a module attribute or default
     argument, and the whole environment, are the same in a fork and in a fresh interpreter.
     Ignored: what differs between two fresh interpreters too (session ids, pids, fsspec's caches)."""
     script = tmp_path / "fingerprint.py"
