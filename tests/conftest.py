@@ -128,8 +128,13 @@ class ForkServer:
 
     @classmethod
     def for_command(cls, launcher, args, env):
-        """The server if it can run this command as a fresh interpreter would, else None."""
-        if launcher is not None or env.get("DDPM_TEST_FRESH_INTERPRETERS") == "1" or not args:
+        """The server if it can run this command as a fresh interpreter would, else None. A launcher
+    such as torch.distributed.run may be forked; the processes it starts are fresh interpreters."""
+        if launcher is not None:
+            if [str(part) for part in launcher[:2]] != [sys.executable, "-m"]:
+                return None
+            args = [*launcher[1:], *args]
+        if env.get("DDPM_TEST_FRESH_INTERPRETERS") == "1" or not args:
             return None
         if not (str(args[0]).endswith(".py") or (str(args[0]) == "-m" and len(args) > 1)):
             return None
@@ -188,8 +193,6 @@ def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False
     if merged.get("HF_HUB_OFFLINE") != "1" and "HF_HOME" not in (env or {}):
         merged["HF_HOME"] = str(env_dir / "hf_home")  # what a command downloads stays in its test
     server = ForkServer.for_command(launcher, args, merged)
-    with open("/tmp/forklog.txt", "a") as fh:  # TEMP
-        fh.write(f"{server is not None}\t{launcher is not None}\t{' '.join(command)[:200]}\n")
     if server is not None:
         result = server.run(command, command[1:], merged, timeout)
     else:

@@ -75,7 +75,7 @@ def test_commands_go_through_the_server_unless_it_cannot_start_them_as_python_wo
     env = cli_env(tmp_path)
     assert ForkServer.for_command(None, [probe, "exit", "0"], env) is not None
     assert ForkServer.for_command(None, ["-m", "diffusion_extras.sample", "--help"], env) is not None
-    assert ForkServer.for_command([sys.executable, "-m", "torch.distributed.run"], [probe], env) is None
+    assert ForkServer.for_command([sys.executable, "-m", "torch.distributed.run"], [probe], env) is not None
     assert ForkServer.for_command(["accelerate", "launch"], [probe], env) is None
     assert ForkServer.for_command(None, ["-c", "pass"], env) is None
     assert ForkServer.for_command(None, [probe], {**env, "OMP_NUM_THREADS": "2"}) is None  # read at start-up
@@ -185,3 +185,32 @@ def test_a_forked_child_holds_the_module_values_and_environment_of_a_fresh_inter
               if key not in varies and forked.get(key) != fresh.get(key)}
     assert not differ, differ
     assert len(forked) > 1000  # it did read the modules
+
+
+RANK_PROBE = """
+import json, os, sys
+report = json.dumps({"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "argv": sys.argv[1:],
+                     "path0": sys.path[0], "fresh": "torch" not in sys.modules, "marker": os.environ["PROBE_MARKER"],
+                     "pgid_is_pid": os.getpgid(0) == os.getpid()})
+os.write(1, (report + "\\n").encode())  # one write: two ranks print at once
+if sys.argv[1] == "fail" and os.environ["RANK"] == "1":
+    sys.exit(7)
+"""
+
+
+@pytest.mark.parametrize("how", ["ok", "fail"])
+def test_a_forked_launcher_starts_fresh_ranks(tmp_path, how):
+    """torch.distributed.run may be forked from the server; the ranks it starts are fresh
+    interpreters (nothing imported yet), each in its own session, and a failing rank fails the
+    launch, as with a fresh launcher."""
+    from test_resume import torchrun
+    script = tmp_path / "rank_probe.py"
+    script.write_text(RANK_PROBE)
+    forked, fresh = run_both(tmp_path, [*torchrun()[1:], script, how], env={"PROBE_MARKER": "m"}, timeout=120)
+    assert forked.returncode == fresh.returncode == (0 if how == "ok" else 1), forked.stderr[-3000:]
+    reports = [sorted((json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")),
+                      key=lambda report: report["rank"]) for run in (forked, fresh)]
+    assert reports[0] == reports[1] and [report["rank"] for report in reports[0]] == ["0", "1"]
+    assert all(report["fresh"] and report["pgid_is_pid"] and report["marker"] == "m" for report in reports[0])
+    if how == "fail":
+        assert "exitcode  : 7" in forked.stderr and "exitcode  : 7" in fresh.stderr
