@@ -24,6 +24,7 @@ client sends {"argv": [...], "cwd": ..., "env": {...}, "stdout": path, "stderr":
 forks, replies {"pid": ...}, waits, and replies {"returncode": ...} (negative: the ending signal).
 tests/test_fork_server.py runs commands both ways and compares what the tests read.
 """
+import gc
 import importlib
 import json
 import os
@@ -132,6 +133,13 @@ def run(request: dict, set_by_imports: dict) -> None:
 
 def serve() -> None:
     ready = preload()
+    # The gc module's recipe for a process that forks without exec: what the imports left is
+    # collected, and the rest moved out of the collector's sight, so a child neither copies those
+    # pages by touching them nor spends ~2 s at exit collecting them (measured: 2.2 s -> 0.45 s).
+    # What a child skips is collecting cycles among the server's import-time objects when it
+    # exits, whose finalizers CPython does not promise to run at exit anyway.
+    gc.collect()
+    gc.freeze()
     replies = sys.stdout
     sys.stdout = sys.stderr  # nothing but replies on the protocol pipe
     print(json.dumps(ready), file=replies, flush=True)
