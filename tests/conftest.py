@@ -66,8 +66,8 @@ def pytest_configure(config):
     session. A test that needs offline mode or an endpoint sets it itself."""
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run them with `pytest -m cuda`")
     config.addinivalue_line("markers", "cli: starts a command (set at collection: conftest.starts_a_command)")
-    config.addinivalue_line("markers", "contract: a cli test that asserts an exit code or what a command printed; "
-                                       ".ci/run runs these again with DDPM_TEST_FRESH_INTERPRETERS=1")
+    config.addinivalue_line("markers", "contract: a cli test that reads a command's exit code or what it printed "
+                                       "(run them with DDPM_TEST_FRESH_INTERPRETERS=1 to check them unforked)")
     imported = sorted(name for name in sys.modules if name.split(".")[0] in READ_AT_IMPORT)
     if imported:
         raise pytest.UsageError(f"{imported[0]} was imported before the tests cleared the caller's HF_*/WANDB_* "
@@ -386,7 +386,7 @@ def starts_a_command(item) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks (pyproject: --dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     """Tests that start a command are marked `cli`; those of them that read its exit code or what it
-    printed are also marked `contract` (.ci/run runs them again in fresh interpreters).
+    printed are also marked `contract`.
     Tests that read one module-scoped fixture of their module (most are a training run made once
     and read by several tests) run on one xdist worker, so it is made once, not once per worker.
     Module-scoped fixtures of this file (a setting such as one_cpu_thread) group nothing."""
