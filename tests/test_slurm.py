@@ -42,12 +42,15 @@ def slurm():
 def wait_for_job(job_id: str, timeout: float) -> str:
     """The job's final state once it has left the queue (requeues included). Slurm holds a requeued
     job 2 minutes before it may start again (Reason=BeginTime); the test releases the hold as an
-    admin would (`scontrol update StartTime=now`), so each requeue costs seconds, not minutes."""
-    deadline = time.monotonic() + timeout
+    admin would (`scontrol update StartTime=now`), so each requeue costs seconds, not minutes. Not at
+    once: slurmd revokes the ended run's job credential with one-second resolution, and a restart in
+    that same second is refused ("Job credential revoked": the job fails; seen once in a CI-like run)."""
+    deadline, held_since = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True,
                                 text=True).stdout.strip()
-        if queued == "PENDING BeginTime":
+        held_since = (held_since or time.monotonic()) if queued == "PENDING BeginTime" else None
+        if held_since is not None and time.monotonic() - held_since >= 3:
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
         if not queued:
             state = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
