@@ -83,7 +83,7 @@ def pytest_unconfigure(config):
         shutil.rmtree(config.hf_home, ignore_errors=True)
 
 
-def cli_env(tmp_path) -> dict:
+def cli_env() -> dict:
     """The environment of a command a test runs: the test's, without what selects an accelerate
     config; offline, wandb offline, and the session's HF_HOME, as in-process code has (its datasets
     and decode caches are keyed by the data files' paths, which are the test's own); a fixed hash
@@ -102,7 +102,6 @@ class ForkServer:
     _started_for = None
 
     def __init__(self, env: dict):
-        import tempfile
         import threading
         self.start_up = {name: env.get(name) for name in fork_server.START_UP_VARIABLES}
         self.lock = threading.Lock()
@@ -129,7 +128,7 @@ class ForkServer:
     @classmethod
     def for_command(cls, launcher, args, env):
         """The server if it can run this command as a fresh interpreter would, else None. A launcher
-    such as torch.distributed.run may be forked; the processes it starts are fresh interpreters."""
+        such as torch.distributed.run may be forked; the processes it starts are fresh interpreters."""
         if launcher is not None:
             if [str(part) for part in launcher[:2]] != [sys.executable, "-m"]:
                 return None
@@ -186,10 +185,10 @@ class ForkServer:
 
 def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False):
     """Run `launcher + args` (default launcher: this interpreter) from the project root in a fresh
-    process with cli_env(env_dir) updated by `env` (a None value unsets); returns CompletedProcess.
+    process with cli_env() updated by `env` (a None value unsets); returns CompletedProcess.
     `python SCRIPT ...` and `python -m MODULE ...` run as forks of the suite's ForkServer."""
     command = (launcher or [sys.executable]) + [str(arg) for arg in args]
-    merged = {k: v for k, v in {**cli_env(env_dir), **(env or {})}.items() if v is not None}  # None unsets
+    merged = {k: v for k, v in {**cli_env(), **(env or {})}.items() if v is not None}  # None unsets
     if merged.get("HF_HUB_OFFLINE") != "1" and "HF_HOME" not in (env or {}):
         merged["HF_HOME"] = str(env_dir / "hf_home")  # what a command downloads stays in its test
     server = ForkServer.for_command(launcher, args, merged)
@@ -359,28 +358,24 @@ def load_bench_module(name: str):
 COMMAND_FIXTURES = {"run_cli", "train", "hooked_train", "tiny_reference_run"}  # they run the command line
 
 
-def test_source(item) -> str:
+def source_of(function) -> str:
+    """The source text of a test or fixture function ("" where there is none)."""
     import inspect
     try:
-        return inspect.getsource(item.function)
-    except (AttributeError, OSError, TypeError):
+        return inspect.getsource(function)
+    except (OSError, TypeError):
         return ""
 
 
 def starts_a_command(item) -> bool:
     """The test runs a command (run_command, directly or through a fixture, or a fixture of its module
     that trains through the command line): it is a test of the command-line contract (marker `cli`)."""
-    import inspect
     if COMMAND_FIXTURES & set(item.fixturenames):
         return True
-    sources = [getattr(item, "function", None)] + [
+    functions = [getattr(item, "function", None)] + [
         definitions[-1].func for definitions in item._fixtureinfo.name2fixturedefs.values()
         if definitions and definitions[-1].func.__module__ == item.module.__name__]
-    try:
-        return any(("run_command(" in text or "run_training(" in text)
-                   for text in (inspect.getsource(source) for source in sources if source is not None))
-    except (OSError, TypeError):
-        return False
+    return any("run_command(" in text or "run_training(" in text for text in map(source_of, functions))
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks (pyproject: --dist loadgroup)
@@ -393,7 +388,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if starts_a_command(item):
             item.add_marker(pytest.mark.cli)
-            if any(word in test_source(item) for word in ("returncode", "stderr", "stdout")):
+            if any(word in source_of(getattr(item, "function", None)) for word in ("returncode", "stderr", "stdout")):
                 item.add_marker(pytest.mark.contract)
         for name in item.fixturenames:
             definitions = item._fixtureinfo.name2fixturedefs.get(name)

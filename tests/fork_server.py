@@ -13,10 +13,11 @@ It is sound by refusal, never by repair. While it imports, the server records wh
 variables the imports read, and whether they printed anything or started a thread. The client
 (conftest.ForkServer) forks a command only when its values of those variables and of what the
 interpreter reads at start-up (START_UP_VARIABLES) equal the server's, and when the imports were
-silent and single-threaded; any other command runs in a real subprocess, as do launchers such as
-torch.distributed.run (whose ranks are then fresh interpreters) and every command under
-DDPM_TEST_FRESH_INTERPRETERS=1. The one thing a fork cannot give a fresh value is the string hash
-seed: conftest.cli_env fixes PYTHONHASHSEED for both kinds of run.
+silent and single-threaded; any other command runs in a real subprocess, as does every command
+under DDPM_TEST_FRESH_INTERPRETERS=1. `python -m torch.distributed.run` is a command like any
+other; the ranks it starts are real `python` processes, fresh interpreters. The one thing a fork
+cannot give a fresh value is the string hash seed: conftest.cli_env fixes PYTHONHASHSEED for both
+kinds of run.
 
 Protocol (JSON lines on stdin/stdout, one command at a time): the server replies {"ready": true,
 "read": {variable: value or null}, "set": {variable: value}, "printed": text, "threads": n}; the

@@ -56,7 +56,7 @@ def probe(tmp_path):
 
 def run_both(tmp_path, args, env=None, timeout=60):
     """(through the fork server, in a fresh interpreter) for the same command."""
-    assert ForkServer.for_command(None, args, {**cli_env(tmp_path), **(env or {})}) is not None
+    assert ForkServer.for_command(None, args, {**cli_env(), **(env or {})}) is not None
     forked = run_command(args, tmp_path, env=env, timeout=timeout)
     fresh = run_command(args, tmp_path, env={**(env or {}), "DDPM_TEST_FRESH_INTERPRETERS": "1"}, timeout=timeout)
     return forked, fresh
@@ -65,14 +65,14 @@ def run_both(tmp_path, args, env=None, timeout=60):
 def test_the_preloaded_imports_print_nothing_start_no_thread_and_read_the_hf_variables(tmp_path):
     """A warning printed by a preloaded import would be missing from every child's stderr, and a
     thread would not survive the fork: either one would send every command to a fresh interpreter."""
-    server = ForkServer.for_command(None, ["x.py"], cli_env(tmp_path))
+    server = ForkServer.for_command(None, ["x.py"], cli_env())
     assert server is not None
     assert server.ready["printed"] == "" and server.ready["threads"] == 1
     assert {"HF_HOME", "HF_HUB_OFFLINE", "HF_ENDPOINT"} <= set(server.ready["read"])  # so they must match
 
 
 def test_commands_go_through_the_server_unless_it_cannot_start_them_as_python_would(tmp_path, probe):
-    env = cli_env(tmp_path)
+    env = cli_env()
     assert ForkServer.for_command(None, [probe, "exit", "0"], env) is not None
     assert ForkServer.for_command(None, ["-m", "diffusion_extras.sample", "--help"], env) is not None
     assert ForkServer.for_command([sys.executable, "-m", "torch.distributed.run"], [probe], env) is not None
@@ -103,7 +103,7 @@ def test_a_forked_command_is_a_fresh_interpreter_to_the_tests(tmp_path, probe, h
     assert report["argv"] == [str(probe), *map(str, args[1:])] and report["cwd"] == ROOT
     assert report["main"] == "__main__"
     assert report["path0"] == str(probe.parent) and report["marker"] == f"m-{how}" and report["stdin"] == ""
-    assert report["hf_home"] == cli_env(tmp_path)["HF_HOME"] and report["offline"] is True
+    assert report["hf_home"] == cli_env()["HF_HOME"] and report["offline"] is True
     # stderr as a fresh interpreter writes it: warnings, the exit's message or traceback, the
     # non-daemon thread joined and atexit run (but after a SIGKILL)
     assert without_runpy_frames(forked.stderr) == fresh.stderr

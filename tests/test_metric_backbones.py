@@ -171,7 +171,7 @@ def test_evaluate_cli_offline_without_inception_weights_names_the_file_url_and_f
     error = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and error.startswith("error: offline (HF_HUB_OFFLINE=1)")
     assert "inception-2015-12-05.pt" in error and backbones.INCEPTION_URL in error and "--inception_weights" in error
-    assert os.path.join(cli_env(tmp_path)["HF_HOME"], "metrics") in error  # where to place it: the run's HF folder
+    assert os.path.join(cli_env()["HF_HOME"], "metrics") in error  # where to place it: the run's HF folder
 
 
 # ----------------------------------------------------------------------------- command lines

@@ -59,7 +59,7 @@ def launch_two_nodes(tmp_path, output_dir, *flags):
     port = free_port()
     procs = []
     for node in (0, 1):
-        env = {**cli_env(tmp_path), "ACCELERATE_USE_CPU": "1", "HF_DATASETS_CACHE": str(tmp_path / f"node{node}")}
+        env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "HF_DATASETS_CACHE": str(tmp_path / f"node{node}")}
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                    "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
                    HOOKED_TRAIN, "--output_dir", str(output_dir), *map(str, flags)]

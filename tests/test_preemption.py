@@ -109,7 +109,7 @@ def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, sig
     import time
 
     from conftest import ROOT, cli_env
-    env = {**cli_env(tmp_path), **CPU, "PYTHONUNBUFFERED": "1"}  # its lines as they are printed
+    env = {**cli_env(), **CPU, "PYTHONUNBUFFERED": "1"}  # its lines as they are printed
     command = [*(launcher or [sys.executable]), "train_ddpm.py", "--config", recipe, "--output_dir", str(out),
                *map(str, flags)]
     with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -197,7 +197,7 @@ def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_res
     from conftest import ROOT, cli_env, load_unet_weights, read_history
     recipe = tiny_recipe(max_train_steps=3, checkpointing_steps=2, ddpm_num_inference_steps=1000)
     out = tmp_path / "run"
-    env = {**cli_env(tmp_path), **CPU, "PYTHONUNBUFFERED": "1"}
+    env = {**cli_env(), **CPU, "PYTHONUNBUFFERED": "1"}
     with subprocess.Popen([sys.executable, "train_ddpm.py", "--config", recipe, "--output_dir", str(out)], cwd=ROOT,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as process:

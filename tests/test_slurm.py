@@ -79,7 +79,7 @@ def test_a_time_limited_job_requeues_itself_until_done_bit_identical(slurm, tmp_
     steps = steps_lasting(75, tmp_path, train, **shape)
     recipe = write_tiny_recipe(tmp_path, **shape, max_train_steps=steps)
     out, log = tmp_path / "run", tmp_path / "slurm.out"
-    env = {**cli_env(tmp_path), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT}
+    env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT}
     submitted = subprocess.run(["sbatch", "--parsable", "--time=1", "--signal=USR1@40", f"--output={log}",
                                 "examples/slurm/train_one_node.sbatch", "--config", recipe, "--output_dir", str(out)],
                                cwd=ROOT, env=env, capture_output=True, text=True, check=True)
@@ -102,7 +102,7 @@ def test_a_two_rank_job_cancelled_with_sigterm_requeues_and_ends_bit_identical(s
     recipe = write_tiny_recipe(tmp_path, train_batch_size=4, max_train_steps=1000, checkpointing_steps=50,
                                lr_scheduler="constant", dataloader_num_workers=2)
     out, log = tmp_path / "run", tmp_path / "slurm.out"
-    env = {**cli_env(tmp_path), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT}
+    env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT}
     submitted = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
                                 "--gpus-per-node=0", "--time=30", f"--output={log}",
                                 "examples/slurm/train_multi_node.sbatch", "--config", recipe, "--output_dir", str(out)],
