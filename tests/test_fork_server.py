@@ -193,8 +193,18 @@ report = json.dumps({"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE
                      "path0": sys.path[0], "fresh": "torch" not in sys.modules, "marker": os.environ["PROBE_MARKER"],
                      "pgid_is_pid": os.getpgid(0) == os.getpid()})
 os.write(1, (report + "\\n").encode())  # one write: two ranks print at once
-if sys.argv[1] == "fail" and os.environ["RANK"] == "1":
-    sys.exit(7)
+if sys.argv[1] == "fail":
+    # Rank 1 fails only once rank 0 has reported: the launcher stops the other ranks as soon as one
+    # fails, and rank 0 could otherwise be stopped before its report (seen in CI).
+    import pathlib, time
+    reported = pathlib.Path(__file__).parent / f"rank0-reported-by-{os.getppid()}"  # ranks share a launcher
+    if os.environ["RANK"] == "0":
+        reported.write_text("")
+    else:
+        deadline = time.monotonic() + 60
+        while not reported.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sys.exit(7)
 """
 
 
