@@ -3,6 +3,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -160,65 +161,126 @@ class ForkServer:
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, command, args, env, timeout):
-        """subprocess.run(command, cwd=ROOT, env=env, stdin=DEVNULL, capture_output=True, text=True,
-        timeout=timeout), in a fork of the server."""
+    def run(self, commands, envs, timeout):
+        """[subprocess.run(command, cwd=ROOT, env=env, stdin=DEVNULL, capture_output=True, text=True,
+        timeout=timeout) for command, env in zip(commands, envs)], the commands running together, each
+        in a fork of the server (if one fails, the server kills the others)."""
         with self.lock:
-            out, err = os.path.join(self.outputs, "stdout"), os.path.join(self.outputs, "stderr")
-            request = {"argv": [str(arg) for arg in args], "cwd": ROOT, "env": env, "stdout": out, "stderr": err}
+            outputs = [(os.path.join(self.outputs, f"{index}.stdout"), os.path.join(self.outputs, f"{index}.stderr"))
+                       for index in range(len(commands))]
+            request = {"commands": [{"argv": [str(arg) for arg in command[1:]], "cwd": ROOT, "env": env,
+                                     "stdout": out, "stderr": err}
+                                    for command, env, (out, err) in zip(commands, envs, outputs)]}
             self.process.stdin.write((json.dumps(request) + "\n").encode())
             self.process.stdin.flush()
-            pid = self._reply(60)["pid"]
+            pids = self._reply(60)["pids"]
             try:
-                returncode = self._reply(timeout)["returncode"]
+                returncodes = self._reply(timeout)["returncodes"]
             except subprocess.TimeoutExpired:
-                os.kill(pid, 9)
+                for pid in pids:
+                    try:
+                        os.kill(pid, 9)
+                    except ProcessLookupError:
+                        pass
                 self._reply(60)
-                raise subprocess.TimeoutExpired(command, timeout) from None
-            with open(out) as fh_out, open(err) as fh_err:
-                return subprocess.CompletedProcess(command, returncode, fh_out.read(), fh_err.read())
+                raise subprocess.TimeoutExpired(commands[0], timeout) from None
+            results = []
+            for command, returncode, (out, err) in zip(commands, returncodes, outputs):
+                with open(out) as fh_out, open(err) as fh_err:
+                    results.append(subprocess.CompletedProcess(command, returncode, fh_out.read(), fh_err.read()))
+            return results
 
     def close(self):
         self.process.kill()
         shutil.rmtree(self.outputs, ignore_errors=True)
 
 
-def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False):
+def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False, ranks=1):
     """Run `launcher + args` (default launcher: this interpreter) from the project root in a fresh
     process with cli_env() updated by `env` (a None value unsets); returns CompletedProcess.
-    `python SCRIPT ...` and `python -m MODULE ...` run as forks of the suite's ForkServer."""
+    `python SCRIPT ...` and `python -m MODULE ...` run as forks of the suite's ForkServer.
+
+    ranks > 1: `python ARGS` as that many processes of one process group on this machine (gloo with
+    ACCELERATE_USE_CPU=1), with the variables torch.distributed.run gives its workers (RANK,
+    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and the group's rendezvous store
+    hosted by this process, as torchrun's agent hosts it (TORCHELASTIC_USE_AGENT_STORE). For tests of
+    what the ranks compute; the launchers themselves (torchrun, Slurm) are tested through them
+    (test_multinode, test_preemption, test_slurm, test_fork_server). One CompletedProcess: the ranks'
+    stdout and stderr in rank order, and the failing rank's exit code (its peers are then killed)."""
     command = (launcher or [sys.executable]) + [str(arg) for arg in args]
     merged = {k: v for k, v in {**cli_env(), **(env or {})}.items() if v is not None}  # None unsets
     if merged.get("HF_HUB_OFFLINE") != "1" and "HF_HOME" not in (env or {}):
         merged["HF_HOME"] = str(env_dir / "hf_home")  # what a command downloads stays in its test
-    server = ForkServer.for_command(launcher, args, merged)
-    if server is not None:
-        result = server.run(command, command[1:], merged, timeout)
+    envs, store = [merged], None
+    if ranks > 1:
+        import torch.distributed
+        assert launcher is None, "ranks start as `python ARGS`"
+        # port 0: the OS picks a free port as it binds, so no other test can take it in between
+        store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        envs = [{**merged, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+                 "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"} for rank in range(ranks)]
+    servers = {ForkServer.for_command(launcher, args, rank_env) for rank_env in envs}
+    if None not in servers:
+        results = servers.pop().run([command] * ranks, envs, timeout)
     else:
-        result = subprocess.run(command, cwd=ROOT, env=merged, stdin=subprocess.DEVNULL, capture_output=True,
-                                text=True, timeout=timeout)
+        results = run_fresh([command] * ranks, envs, timeout)
+    del store
+    failed = [result.returncode for result in results if result.returncode != 0]
+    returncode = next((code for code in failed if code != -signal.SIGKILL), failed[0] if failed else 0)
+    result = subprocess.CompletedProcess(command, returncode, "".join(result.stdout for result in results),
+                                         "".join(result.stderr for result in results))
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return result
 
 
+def run_fresh(commands, envs, timeout):
+    """ForkServer.run in fresh interpreters: [subprocess.run(command, cwd=ROOT, env=env,
+    stdin=DEVNULL, capture_output=True, text=True, timeout=timeout)], the commands running together
+    (if one fails, the others are killed)."""
+    with tempfile.TemporaryDirectory() as folder:
+        outputs = [(open(os.path.join(folder, f"{index}.stdout"), "w+"),
+                    open(os.path.join(folder, f"{index}.stderr"), "w+")) for index in range(len(commands))]
+        processes = [subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                      text=True) for command, env, (out, err) in zip(commands, envs, outputs)]
+        deadline = time.monotonic() + timeout
+        while any(process.poll() is None for process in processes):
+            if time.monotonic() > deadline or any(process.poll() for process in processes):
+                for process in processes:
+                    if process.poll() is None:
+                        process.kill()
+                        process.wait()
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(commands[0], timeout)
+            time.sleep(0.05)
+        results = []
+        for command, process, (out, err) in zip(commands, processes, outputs):
+            out.seek(0), err.seek(0)
+            results.append(subprocess.CompletedProcess(command, process.returncode, out.read(), err.read()))
+            out.close(), err.close()
+        return results
+
+
 @pytest.fixture
 def run_cli(tmp_path):
-    """Run a command in a fresh interpreter from the project root; returns CompletedProcess."""
-    def run(args, launcher=None, env=None, timeout=300, check=False):
-        return run_command(args, tmp_path, launcher=launcher, env=env, timeout=timeout, check=check)
+    """run_command in this test's environment (a command in a fresh interpreter from the project
+    root); returns CompletedProcess."""
+    def run(args, launcher=None, env=None, timeout=300, check=False, ranks=1):
+        return run_command(args, tmp_path, launcher=launcher, env=env, timeout=timeout, check=check, ranks=ranks)
     return run
 
 
 def run_training(env_dir, recipe, output_dir, *flags, script="train_ddpm.py", launcher=None, env=None, timeout=300,
-                 check=True):
+                 check=True, ranks=1):
     """The training command line on a recipe, run by run_command; returns CompletedProcess.
 
     Flags may be numbers or paths. A non-zero exit fails the test unless check=False (for tests
     of a refusal). script: a test-only wrapper of train_ddpm.py (tests/*_train.py); launcher: e.g.
-    torch.distributed.run; env: variables set (None: unset) on top of the clean test environment."""
+    torch.distributed.run; env: variables set (None: unset) on top of the clean test environment;
+    ranks: run_command's (a process group of that many ranks on this machine, no launcher)."""
     return run_command([script, "--config", recipe, "--output_dir", output_dir, *flags], env_dir,
-                       launcher=launcher, env=env, timeout=timeout, check=check)
+                       launcher=launcher, env=env, timeout=timeout, check=check, ranks=ranks)
 
 
 @pytest.fixture

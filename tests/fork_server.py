@@ -19,11 +19,17 @@ other; the ranks it starts are real `python` processes, fresh interpreters. The 
 cannot give a fresh value is the string hash seed: conftest.cli_env fixes PYTHONHASHSEED for both
 kinds of run.
 
-Protocol (JSON lines on stdin/stdout, one command at a time): the server replies {"ready": true,
+Several commands may run together: the ranks of a process group (conftest.run_ranks), each a
+`python SCRIPT` with its RANK and the group's rendezvous in its environment, as a launcher would
+start them. If one ends with a non-zero code the others are killed, so a test sees the failing
+rank's error rather than its peers waiting for it.
+
+Protocol (JSON lines on stdin/stdout, one request at a time): the server replies {"ready": true,
 "read": {variable: value or null}, "set": {variable: value}, "printed": text, "threads": n}; the
-client sends {"argv": [...], "cwd": ..., "env": {...}, "stdout": path, "stderr": path}; the server
-forks, replies {"pid": ...}, waits, and replies {"returncode": ...} (negative: the ending signal).
-tests/test_fork_server.py runs commands both ways and compares what the tests read.
+client sends {"commands": [{"argv": [...], "cwd": ..., "env": {...}, "stdout": path, "stderr": path},
+...]}; the server forks one child per command, replies {"pids": [...]}, waits for them all, and
+replies {"returncodes": [...]} (negative: the ending signal). tests/test_fork_server.py runs
+commands both ways and compares what the tests read.
 """
 import gc
 import importlib
@@ -31,6 +37,7 @@ import json
 import os
 import random
 import runpy
+import signal
 import sys
 import tempfile
 import threading
@@ -145,13 +152,21 @@ def serve() -> None:
     sys.stdout = sys.stderr  # nothing but replies on the protocol pipe
     print(json.dumps(ready), file=replies, flush=True)
     for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            run(request, ready["set"])
-        print(json.dumps({"pid": pid}), file=replies, flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), file=replies, flush=True)
+        pids = []
+        for command in json.loads(line)["commands"]:
+            pid = os.fork()
+            if pid == 0:
+                run(command, ready["set"])
+            pids.append(pid)
+        print(json.dumps({"pids": pids}), file=replies, flush=True)
+        returncodes = {}
+        while len(returncodes) < len(pids):
+            pid, status = os.wait()
+            returncodes[pid] = os.waitstatus_to_exitcode(status)
+            if returncodes[pid] != 0:  # a failed rank: its peers would wait for it in a collective
+                for other in set(pids) - set(returncodes):
+                    os.kill(other, signal.SIGKILL)
+        print(json.dumps({"returncodes": [returncodes[pid] for pid in pids]}), file=replies, flush=True)
 
 
 if __name__ == "__main__":

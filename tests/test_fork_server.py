@@ -224,3 +224,35 @@ def test_a_forked_launcher_starts_fresh_ranks(tmp_path, how):
     assert all(report["fresh"] and report["pgid_is_pid"] and report["marker"] == "m" for report in reports[0])
     if how == "fail":
         assert "exitcode  : 7" in forked.stderr and "exitcode  : 7" in fresh.stderr
+
+
+GROUP_PROBE = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([dist.get_rank() + 1])
+dist.all_reduce(total)
+os.write(1, (json.dumps({"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": int(total),
+                         "local": os.environ["LOCAL_RANK"], "marker": os.environ["PROBE_MARKER"]}) + "\\n").encode())
+if sys.argv[1] == "fail":
+    if dist.get_rank() == 1:
+        sys.exit(7)
+    time.sleep(600)  # rank 0 waits on: the harness ends it once rank 1 has failed
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("how", ["ok", "fail"])
+def test_ranks_form_one_process_group_and_a_failed_rank_ends_the_run(tmp_path, how):
+    """run_command(ranks=2): two processes of one gloo group (each all-reduces its rank), set up as
+    torch.distributed.run sets up its workers; if one fails the other is ended and the run returns the
+    failing rank's code, forked and fresh alike."""
+    script = tmp_path / "group_probe.py"
+    script.write_text(GROUP_PROBE)
+    assert ForkServer.for_command(None, [script], {**cli_env(), "RANK": "0", "WORLD_SIZE": "2"}) is not None
+    runs = [run_command([script, how], tmp_path, env={"PROBE_MARKER": "m", **fresh}, timeout=120, ranks=2)
+            for fresh in ({}, {"DDPM_TEST_FRESH_INTERPRETERS": "1"})]
+    for run in runs:
+        assert run.returncode == (0 if how == "ok" else 7), run.stderr[-3000:]
+        reports = sorted((json.loads(line) for line in run.stdout.splitlines()), key=lambda report: report["rank"])
+        assert reports == [{"rank": rank, "world": 2, "sum": 3, "local": str(rank), "marker": "m"} for rank in (0, 1)]
