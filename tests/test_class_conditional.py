@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_unet_weights, read_history, save_random_images, tiny_unet
-from test_resume import assert_same_state, torchrun
+from test_resume import assert_same_state
 
 from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, guided_model_output
 
@@ -192,7 +192,7 @@ def test_class_conditional_and_the_number_of_classes_are_refused_on_resume(hooke
 def test_two_ranks_with_labels_equal_one_rank(hooked_train, tiny_recipe, tmp_path):
     two, single = tmp_path / "two", tmp_path / "single"
     hooked_train(tiny_recipe(train_batch_size=4, class_conditional=True), two, "--max_train_steps", 3,
-                 launcher=torchrun(), env={"ACCELERATE_USE_CPU": "1"})
+                 ranks=2, env={"ACCELERATE_USE_CPU": "1"})
     hooked_train(tiny_recipe(train_batch_size=8, class_conditional=True), single, "--max_train_steps", 3)
     w2, w1 = load_unet_weights(two), load_unet_weights(single)
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5

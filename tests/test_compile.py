@@ -16,7 +16,6 @@ import pytest
 import torch
 from conftest import TINY_RECIPE, dynamo_counts, read_history, tiny_run, write_tiny_recipe
 from hooked_train import read_shares
-from test_resume import torchrun
 
 from diffusion_extras.training import loop
 from diffusion_extras.training.hooks import Hooks
@@ -136,7 +135,7 @@ def test_two_ranks_stay_compiled_and_share_the_evaluation(hooked_train, tmp_path
     recipe = write_tiny_recipe(tmp_path, grad_diagnostics_steps=2, save_images_steps=2, checkpointing_steps=2)
     hooked_train(recipe, out, *CHEAP_COMPILE, "--use_ema", "--gradient_accumulation_steps", 2, "--max_train_steps", 4,
                  "--eval_steps", 2, "--feature_extractor", "tiny", "--eval_num_samples", 12,
-                 launcher=torchrun(), env={"ACCELERATE_USE_CPU": "1", "DDPM_TEST_DYNAMO_COUNTS": str(counts_folder),
+                 ranks=2, env={"ACCELERATE_USE_CPU": "1", "DDPM_TEST_DYNAMO_COUNTS": str(counts_folder),
                                            "DDPM_TEST_RECORD_SHARES": str(tmp_path / "shares")}, check=True)
     # at each of the 2 evaluations every rank sampled its own batches: rank 0 images 0-3 and 8-11, rank 1 4-7
     assert read_shares(tmp_path / "shares") == {0: [{"firsts": [0, 8], "images": 8}] * 2,

@@ -193,7 +193,6 @@ def test_cli_writes_metrics_json_and_caches_the_reference(run_cli, tmp_path):
 def test_cli_under_a_two_rank_launch_reports_the_one_rank_metrics(run_cli, tmp_path):
     """torchrun --nproc_per_node 2 -m diffusion_extras.evaluate: each rank samples its batches (10
     images in batches of 4), rank 0 scores and writes the report: bitwise the one-process report."""
-    from test_resume import torchrun
     pipeline_dir = save_tiny_pipeline(tmp_path / "run", channels=3)
     reference_dir = save_random_images(tmp_path / "reference", 12, 16, 12, seed=8)
     flags = [pipeline_dir, "--reference", str(reference_dir), "--num_samples", "10", "--feature_extractor", "tiny",
@@ -202,7 +201,7 @@ def test_cli_under_a_two_rank_launch_reports_the_one_rank_metrics(run_cli, tmp_p
     from diffusion_extras.cli import evaluate
     assert evaluate.main([*flags, "--output", str(tmp_path / "one.json")]) == 0  # one process: in this one
     shares = tmp_path / "shares"
-    run_cli(["tests/recording_evaluate.py", *flags, "--output", str(tmp_path / "two.json")], launcher=torchrun(),
+    run_cli(["tests/recording_evaluate.py", *flags, "--output", str(tmp_path / "two.json")], ranks=2,
             env={"ACCELERATE_USE_CPU": "1", "DDPM_TEST_RECORD_SHARES": str(shares)}, check=True)
     assert json.loads((tmp_path / "two.json").read_text()) == json.loads((tmp_path / "one.json").read_text())
     # each rank sampled its own batches, not all of them nor none: rank 0 images 0-3 and 8-9, rank 1 4-7

@@ -70,13 +70,13 @@ def test_two_ranks_agree_on_the_stop_step_when_one_rank_is_signalled(hooked_trai
     both stop after the same step; the resumed run equals an uninterrupted 2-rank run."""
     recipe = tiny_recipe(train_batch_size=4, max_train_steps=STEPS, checkpointing_steps=EVERY)
     reference, out = tmp_path / "straight", tmp_path / "run"
-    hooked_train(recipe, reference, launcher=torchrun(), env=CPU)
+    hooked_train(recipe, reference, ranks=2, env=CPU)
     result = hooked_train(recipe, out, launcher=torchrun(), env={**CPU, "DDPM_TEST_SIGNAL_AT_STEP": "2:SIGTERM:1"},
                           check=False)
     assert re.search(r"exitcode\s*:\s*4", result.stderr), result.stderr[-3000:]
     assert stop_lines(result) == [("a stop signal (on another rank)", "2", str(out / "checkpoint-2"))]  # rank 0 speaks
     assert verify_checkpoint(str(out / "checkpoint-2")) is None and not os.path.exists(out / ".checkpoint-2.tmp")
-    hooked_train(recipe, out, "--resume_from_checkpoint", "latest", launcher=torchrun(), env=CPU)
+    hooked_train(recipe, out, "--resume_from_checkpoint", "latest", ranks=2, env=CPU)
     assert_same_state(reference, out, STEPS)
 
 
@@ -88,12 +88,12 @@ def test_streamed_data_preempted_and_resumed_exactly(hooked_train, tiny_recipe, 
     flags = ["--streaming", "--dataset_name", parquet_images, "--shuffle_buffer_size", 0, "--max_train_steps", STEPS]
     launcher = torchrun() if ranks == 2 else None
     reference, out = tmp_path / "straight", tmp_path / "run"
-    hooked_train(recipe, reference, *flags, launcher=launcher, env=CPU)
+    hooked_train(recipe, reference, *flags, ranks=ranks, env=CPU)
     result = hooked_train(recipe, out, *flags, launcher=launcher, env={**CPU, "DDPM_TEST_SIGNAL_AT_STEP": "2"},
                           check=False)
     assert_preempted_at(result, out, 2, ranks=ranks)
     assert {f"rank_state_{rank}.json" for rank in range(ranks)} <= set(os.listdir(out / "checkpoint-2"))
-    hooked_train(recipe, out, *flags, "--resume_from_checkpoint", "latest", launcher=launcher, env=CPU)
+    hooked_train(recipe, out, *flags, "--resume_from_checkpoint", "latest", ranks=ranks, env=CPU)
     assert_same_state(reference, out, STEPS)
 
 
@@ -142,9 +142,9 @@ def assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, resu
         assert "Traceback" not in stderr and "killed by signal" not in stderr, stderr[-3000:]
     assert verify_checkpoint(path) is None and seconds < 30  # well inside a 30-second grace period
     end = (int(step) // 2 + 2) * 2  # a later checkpoint step (every 2): both runs save their state there
-    train(recipe, out, *flags, "--resume_from_checkpoint", "latest", "--max_train_steps", end, launcher=launcher,
-          env=CPU)
-    train(recipe, tmp_path / "straight", *flags, "--max_train_steps", end, launcher=launcher, env=CPU)
+    ranks = 1 if launcher is None else 2  # what is compared is the ranks' training: no launcher needed
+    train(recipe, out, *flags, "--resume_from_checkpoint", "latest", "--max_train_steps", end, ranks=ranks, env=CPU)
+    train(recipe, tmp_path / "straight", *flags, "--max_train_steps", end, ranks=ranks, env=CPU)
     assert_same_state(tmp_path / "straight", out, end)
 
 
@@ -213,10 +213,13 @@ def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_res
     assert seconds < 10, f"{seconds:.1f} s from the signal to the exit"
     assert verify_checkpoint(str(out / "checkpoint-3")) is None
     assert not os.path.exists(out / "samples") and not os.path.exists(out / "unet")  # nothing half-written
-    resumed = train(recipe, out, "--resume_from_checkpoint", "latest", env=CPU)
+    # The end-of-run grid's length shapes no weight: the resume and the reference draw theirs in 2
+    # steps (1000 CPU steps each would add a minute to the test and test nothing more).
+    short_grid = ("--ddpm_num_inference_steps", 2)
+    resumed = train(recipe, out, "--resume_from_checkpoint", "latest", *short_grid, env=CPU)
     assert "resumed at the last step (3)" in resumed.stdout
     assert os.path.exists(out / "samples" / "step_000003.png") and os.path.exists(out / "unet")
-    train(recipe, tmp_path / "straight", env=CPU)
+    train(recipe, tmp_path / "straight", *short_grid, env=CPU)
     assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
     exported, straight = load_unet_weights(out), load_unet_weights(tmp_path / "straight")
     assert all(torch.equal(exported[k], straight[k]) for k in straight)

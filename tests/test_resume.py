@@ -191,16 +191,15 @@ def two_rank_runs(tmp_path_factory):
     env = {"ACCELERATE_USE_CPU": "1"}
     runs = {name: folder / name for name in ("straight", "resumed", "two", "single")}
     train = functools.partial(run_training, folder, script=HOOKED_TRAIN)
-    runs["straight_stdout"] = train(recipe, runs["straight"], "--max_train_steps", 6, launcher=torchrun(),
-                                    env=env).stdout
-    train(recipe, runs["resumed"], "--max_train_steps", 6, launcher=torchrun(),
+    runs["straight_stdout"] = train(recipe, runs["straight"], "--max_train_steps", 6, ranks=2, env=env).stdout
+    train(recipe, runs["resumed"], "--max_train_steps", 6, ranks=2,
           env={**env, "DDPM_TEST_STOP_AFTER_STEP": "3"})
     runs["ranks_saved_at_3"] = set(os.listdir(runs["resumed"] / "checkpoint-3"))
-    train(recipe, runs["resumed"], "--max_train_steps", 6, "--resume_from_checkpoint", "latest", launcher=torchrun(),
+    train(recipe, runs["resumed"], "--max_train_steps", 6, "--resume_from_checkpoint", "latest", ranks=2,
           env=env)
     # one process with the same global batch of 8, dropout off in both for a like-for-like check
     train(write_tiny_recipe(folder, checkpointing_steps=3, train_batch_size=4), runs["two"], "--max_train_steps", 4,
-          launcher=torchrun(), env=env)
+          ranks=2, env=env)
     train(write_tiny_recipe(folder, checkpointing_steps=3, train_batch_size=8), runs["single"], "--max_train_steps", 4)
     return runs
 

@@ -10,13 +10,10 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
 from conftest import ROOT, cli_env, load_unet_weights, read_history, write_tiny_recipe
-
-TORCHRUN_TWO_RANKS = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
 def _cluster_unavailable() -> str | None:
@@ -119,7 +116,7 @@ def test_a_two_rank_job_cancelled_with_sigterm_requeues_and_ends_bit_identical(s
     assert text.count("preempted: SIGTERM received") == 1 and "Traceback" not in text, text[-3000:]
     stopped_at = int(text.split("stopped after optimizer step ")[1].split()[0])
     assert 100 <= stopped_at < 1000 and (out / f"checkpoint-{stopped_at}").is_dir()
-    train(recipe, tmp_path / "straight", launcher=TORCHRUN_TWO_RANKS, env={"ACCELERATE_USE_CPU": "1"})
+    train(recipe, tmp_path / "straight", ranks=2, env={"ACCELERATE_USE_CPU": "1"})
     assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
     exported, straight = load_unet_weights(out), load_unet_weights(tmp_path / "straight")
     import torch

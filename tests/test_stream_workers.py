@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import load_unet_weights, read_history, slow_set_epoch
 from test_data_files import write_tar_shards
-from test_resume import assert_same_state, torchrun
+from test_resume import assert_same_state
 
 from diffusion_extras.data import streaming
 from diffusion_extras.data.images import DataError
@@ -125,18 +125,17 @@ def test_cli_streamed_resume_is_bit_exact_across_epoch_boundaries(hooked_train, 
     """Killed after each checkpoint in `stops` (os._exit) and resumed while the workers race on
     datasets' shared epoch (DDPM_TEST_SLOW_SET_EPOCH): the same final weights as a straight run."""
     workers, shard_count, per_shard, buffer, stops, ranks = (*case, 1)[:6]
-    launch = dict(launcher=torchrun(), env={"ACCELERATE_USE_CPU": "1"}) if ranks == 2 else {}
+    env = {"ACCELERATE_USE_CPU": "1"} if ranks == 2 else {}
     folder = write_tar_shards(tmp_path / "shards", shards=shard_count, per_shard=per_shard, grey_step=GREY_STEP)
     recipe = tiny_recipe(train_batch_size=4, checkpointing_steps=math.gcd(*stops), max_train_samples=None)
     flags = ["--train_data_files", f"{folder}/train-*.tar", "--streaming", "--shuffle_buffer_size", buffer,
              "--dataloader_num_workers", workers, "--max_train_steps", 16, "--seed", 3]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    hooked_train(recipe, straight, *flags, **launch)
-    hooked_train(recipe, resumed, *flags, launcher=launch.get("launcher"),
-                 env={**launch.get("env", {}), "DDPM_TEST_STOP_AFTER_STEP": str(stops[0])})
+    hooked_train(recipe, straight, *flags, ranks=ranks, env=env)
+    hooked_train(recipe, resumed, *flags, ranks=ranks, env={**env, "DDPM_TEST_STOP_AFTER_STEP": str(stops[0])})
     for stop in stops[1:] + (None,):
-        hooked_train(recipe, resumed, *flags, "--resume_from_checkpoint", "latest", launcher=launch.get("launcher"),
-                     env={**launch.get("env", {}), "DDPM_TEST_STOP_AFTER_STEP": stop and str(stop),
+        hooked_train(recipe, resumed, *flags, "--resume_from_checkpoint", "latest", ranks=ranks,
+                     env={**env, "DDPM_TEST_STOP_AFTER_STEP": stop and str(stop),
                           "DDPM_TEST_SLOW_SET_EPOCH": "0.3"})
     a, b = load_unet_weights(straight), load_unet_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a), "final UNet weights differ"

@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 from PIL import Image
-from test_resume import assert_same_state, torchrun
+from test_resume import assert_same_state
 
 from diffusion_extras.data import streaming
 from diffusion_extras.training.config import TrainConfig
@@ -86,10 +86,10 @@ def test_streaming_two_ranks_train_checkpoint_and_resume_exactly(hooked_train, t
     # exact resume needs the buffer off (datasets does not save its content); shards still interleave
     flags = ["--streaming", "--dataset_name", parquet_images, "--shuffle_buffer_size", 0, "--max_train_steps", 6]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    hooked_train(recipe, straight, *flags, launcher=torchrun(), env=env)
-    hooked_train(recipe, resumed, *flags, launcher=torchrun(), env={**env, "DDPM_TEST_STOP_AFTER_STEP": "3"})
+    hooked_train(recipe, straight, *flags, ranks=2, env=env)
+    hooked_train(recipe, resumed, *flags, ranks=2, env={**env, "DDPM_TEST_STOP_AFTER_STEP": "3"})
     assert {"rank_state_0.json", "rank_state_1.json"} <= set(os.listdir(resumed / "checkpoint-3"))
-    hooked_train(recipe, resumed, *flags, "--resume_from_checkpoint", "latest", launcher=torchrun(), env=env)
+    hooked_train(recipe, resumed, *flags, "--resume_from_checkpoint", "latest", ranks=2, env=env)
     assert_same_state(straight, resumed, 6)
 
 
