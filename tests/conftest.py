@@ -68,7 +68,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run them with `pytest -m cuda`")
     config.addinivalue_line("markers", "cli: starts a command (set at collection: conftest.starts_a_command)")
     config.addinivalue_line("markers", "contract: a cli test that reads a command's exit code or what it printed "
-                                       "(run them with DDPM_TEST_FRESH_INTERPRETERS=1 to check them unforked)")
+                                       "(DDPM_TEST_FRESH_INTERPRETERS=contract runs their commands unforked)")
     imported = sorted(name for name in sys.modules if name.split(".")[0] in READ_AT_IMPORT)
     if imported:
         raise pytest.UsageError(f"{imported[0]} was imported before the tests cleared the caller's HF_*/WANDB_* "
@@ -93,6 +93,24 @@ def cli_env() -> dict:
     env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", HF_HOME=os.environ["HF_HOME"], PYTHONHASHSEED="0",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return env
+
+
+RUNNING = {"contract": False}  # whether the test being run is marked `contract` (pytest_runtest_protocol)
+
+
+def runs_fresh(env: dict) -> bool:
+    """Whether a command in `env` starts a fresh interpreter instead of a fork of the server:
+    DDPM_TEST_FRESH_INTERPRETERS=1 for every command, =contract for the commands of the tests marked
+    `contract` (what .ci/run does: each test once, those that read exit codes and messages unforked)."""
+    mode = env.get("DDPM_TEST_FRESH_INTERPRETERS")
+    return mode == "1" or (mode == "contract" and RUNNING["contract"])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    RUNNING["contract"] = item.get_closest_marker("contract") is not None
+    yield
+    RUNNING["contract"] = False
 
 
 class ForkServer:
@@ -134,7 +152,7 @@ class ForkServer:
             if [str(part) for part in launcher[:2]] != [sys.executable, "-m"]:
                 return None
             args = [*launcher[1:], *args]
-        if env.get("DDPM_TEST_FRESH_INTERPRETERS") == "1" or not args:
+        if runs_fresh(env) or not args:
             return None
         if not (str(args[0]).endswith(".py") or (str(args[0]) == "-m" and len(args) > 1)):
             return None

@@ -163,7 +163,11 @@ for module_name in sorted(sys.modules):
         where = f"{module_name}.{key}"
         if key.startswith("__"):
             continue
-        if plain(value):
+        if plain(value) and type(value) in (list, tuple, set, frozenset):
+            # in any order: a list made from a set of objects (ordered by their addresses, e.g. torch
+            # dynamo's banned_attrs) comes in a different order in each interpreter
+            values[where] = repr(sorted(map(repr, value)))
+        elif plain(value):
             values[where] = repr(value)
         elif type(value) is types.FunctionType and plain(defaults(value)):
             values[where + "()"] = repr(defaults(value))
@@ -256,3 +260,20 @@ def test_ranks_form_one_process_group_and_a_failed_rank_ends_the_run(tmp_path, h
         assert run.returncode == (0 if how == "ok" else 7), run.stderr[-3000:]
         reports = sorted((json.loads(line) for line in run.stdout.splitlines()), key=lambda report: report["rank"])
         assert reports == [{"rank": rank, "world": 2, "sum": 3, "local": str(rank), "marker": "m"} for rank in (0, 1)]
+
+
+def test_contract_mode_runs_the_commands_of_contract_tests_fresh(monkeypatch, probe):
+    """DDPM_TEST_FRESH_INTERPRETERS=contract (.ci/run): fresh interpreters for the commands of the
+    tests marked `contract`, forks for the others."""
+    from conftest import RUNNING
+    env = {**cli_env(), "DDPM_TEST_FRESH_INTERPRETERS": "contract"}
+    monkeypatch.setitem(RUNNING, "contract", True)
+    assert ForkServer.for_command(None, [probe], env) is None
+    monkeypatch.setitem(RUNNING, "contract", False)
+    assert ForkServer.for_command(None, [probe], env) is not None
+
+
+def test_a_test_that_reads_a_commands_exit_code_is_known_as_a_contract_test_while_it_runs(tmp_path, probe):
+    from conftest import RUNNING
+    assert RUNNING["contract"]
+    assert run_command([probe, "exit", "0"], tmp_path).returncode == 0
