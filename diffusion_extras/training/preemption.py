@@ -45,7 +45,7 @@ class PreemptionWatch:
         self.group = None
         if accelerator.num_processes > 1 and torch.distributed.is_initialized():
             self.group = torch.distributed.new_group(backend="gloo")  # collective: every rank makes it
-            store = torch.distributed.PrefixStore(f"ddpm_stop/{next(_watches)}/",
+            store = torch.distributed.PrefixStore(f"ddpm_stop/{next(_watches)}",
                                                   torch.distributed.distributed_c10d._get_default_store())
             stop_flag.share(stop_flag.Shared(store, accelerator.process_index, accelerator.num_processes))
         if stop_flag.early_signal() is not None:  # came during start-up: stop after the first step
