@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import HOOKED_TRAIN, run_training, write_tiny_recipe
+from conftest import HOOKED_TRAIN, read_history, run_training, write_tiny_recipe
 from test_resume import assert_same_state, torchrun
 
 from diffusion_extras.training.checkpointing import verify_checkpoint
@@ -97,34 +97,76 @@ def test_streamed_data_preempted_and_resumed_exactly(hooked_train, tiny_recipe, 
     assert_same_state(reference, out, STEPS)
 
 
-def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, signal_name="SIGTERM", group=False):
-    """Start the training command line in a session of its own, wait for checkpoint-2 (training is
-    under way), then send `signal_name` to the command (`group=False`: as a scheduler that signals
-    the launched process) or to its whole process group (`group=True`: the launcher, the ranks and
-    every loader worker, as Slurm and a terminal's Ctrl-C do). Returns (returncode, stdout, stderr,
-    seconds from the signal to the exit)."""
+def processes() -> dict[int, tuple[int, list[bytes]]]:
+    """{pid: (parent pid, environment)} of this user's processes (from /proc)."""
+    found = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/environ", "rb") as fh:
+                found[int(name)] = parent, fh.read().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    table, found = processes(), [pid]
+    for parent in found:
+        found += [child for child, (its_parent, _) in table.items() if its_parent == parent]
+    return found[1:]
+
+
+def rank_pids(launcher_pid: int, rank: int) -> list[int]:
+    """`rank` among the launcher's children (RANK in its environment), then its loader workers."""
+    table = processes()
+    ranks = [pid for pid, (parent, environ) in table.items()
+             if parent == launcher_pid and f"RANK={rank}".encode() in environ]
+    assert len(ranks) == 1, f"rank {rank} under launcher {launcher_pid}: {ranks}"
+    return ranks + [pid for pid, (parent, _) in table.items() if parent == ranks[0]]
+
+
+def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, signal_name="SIGTERM", group=False,
+                             script="train_ddpm.py", env=None, ready=None):
+    """Start the training command line (`script`, with `env` added) in a session of its own, wait for
+    checkpoint-2 (training is under way), then send `signal_name` to the command (`group=False`: as
+    a scheduler that signals the launched process) or to its whole process group (`group=True`: the
+    launcher, the ranks and every loader worker, as Slurm and a terminal's Ctrl-C do). `ready(process,
+    read_stdout)`, when given, waits for the moment after checkpoint-2 and returns the pids to signal
+    (group=False). The output goes to files, so a command that prints while the test waits never
+    blocks on a full pipe. Returns (returncode, stdout, stderr, seconds from the signal to the exit)."""
     import signal
     import subprocess
     import sys
     import time
 
     from conftest import ROOT, cli_env
-    env = {**cli_env(), **CPU, "PYTHONUNBUFFERED": "1"}  # its lines as they are printed
-    command = [*(launcher or [sys.executable]), "train_ddpm.py", "--config", recipe, "--output_dir", str(out),
-               *map(str, flags)]
-    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:
-        for line in process.stdout:  # checkpoint-2 saved: training is under way
-            if "saved" in line and line.rstrip().endswith("checkpoint-2"):
-                break
-        signalled = time.monotonic()
-        number = getattr(signal, signal_name)
-        if group:
-            os.killpg(process.pid, number)
-        else:
-            process.send_signal(number)
-        stdout, stderr = process.communicate(timeout=120)
-        return process.returncode, stdout, stderr, time.monotonic() - signalled
+    env = {**cli_env(), **CPU, "PYTHONUNBUFFERED": "1", **(env or {})}  # its lines as they are printed
+    command = [*(launcher or [sys.executable]), script, "--config", recipe, "--output_dir", str(out), *map(str, flags)]
+    stdout_path, stderr_path = tmp_path / "command.stdout", tmp_path / "command.stderr"
+    read_stdout = stdout_path.read_text
+    with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr, \
+            subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True,
+                             start_new_session=True) as process:
+        try:
+            saved = f"saved {out / 'checkpoint-2'}\n"  # training is under way
+            while saved not in read_stdout():
+                assert process.poll() is None, stderr_path.read_text()[-3000:]
+                time.sleep(0.05)
+            pids = ready(process, read_stdout) if ready else [process.pid]
+            signalled = time.monotonic()
+            number = getattr(signal, signal_name)
+            if group:
+                os.killpg(process.pid, number)
+            for pid in [] if group else pids:
+                os.kill(pid, number)
+            process.wait(timeout=120)
+        finally:  # a failed test leaves nothing running (torch.distributed.run gives each rank a session)
+            if process.poll() is None:
+                for pid in [process.pid, *descendants(process.pid)]:
+                    os.kill(pid, signal.SIGKILL)
+        return process.returncode, read_stdout(), stderr_path.read_text(), time.monotonic() - signalled
 
 
 def assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, signal_name, flags=(),
@@ -164,23 +206,27 @@ def test_a_scheduler_sigterm_to_the_launched_command_saves_and_resumes_bit_ident
     assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, "SIGTERM", launcher=launcher)
 
 
-@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1", "SIGINT"])
-def test_a_signal_to_the_process_group_with_two_loader_workers(train, tiny_recipe, tmp_path, signal_name):
+# 1 to 3 loader workers, each signal once, cached and streamed (issue 33): a run per pair, not per product
+@pytest.mark.parametrize("workers, signal_name", [(1, "SIGTERM"), (2, "SIGUSR1"), (3, "SIGINT")])
+def test_a_signal_to_the_process_group_with_loader_workers(train, tiny_recipe, tmp_path, workers, signal_name):
     """Slurm and Ctrl-C signal every process, the DataLoader workers included (issue 33): the
     workers ignore it (data/workers.py), the trainer saves at the step, exits 4 with one line and no
     traceback, and the resume equals the straight run."""
-    recipe, out = endless_recipe(tiny_recipe, dataloader_num_workers=2), tmp_path / "run"
+    recipe, out = endless_recipe(tiny_recipe, dataloader_num_workers=workers), tmp_path / "run"
     result = signal_a_running_command(recipe, out, tmp_path, signal_name=signal_name, group=True)
     assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, signal_name)
 
 
-def test_a_process_group_signal_to_a_streamed_run_with_two_loader_workers(train, tiny_recipe, tmp_path,
-                                                                          parquet_images):
+@pytest.mark.parametrize("workers, signal_name", [(1, "SIGUSR1"), (2, "SIGTERM"), (3, "SIGUSR1")])
+def test_a_process_group_signal_to_a_streamed_run_with_loader_workers(train, tiny_recipe, tmp_path, parquet_images,
+                                                                      workers, signal_name):
+    """As above with streamed data: 4 parquet shards over 1, 2 or 3 workers (3: two workers read one
+    shard each, one reads two), every worker's place in the stream saved at the stop."""
     recipe, out = endless_recipe(tiny_recipe, max_train_samples=None), tmp_path / "run"
     flags = ["--streaming", "--dataset_name", parquet_images, "--shuffle_buffer_size", 0,
-             "--dataloader_num_workers", 2]
-    result = signal_a_running_command(recipe, out, tmp_path, flags, signal_name="SIGUSR1", group=True)
-    assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, "SIGUSR1", flags)
+             "--dataloader_num_workers", workers]
+    result = signal_a_running_command(recipe, out, tmp_path, flags, signal_name=signal_name, group=True)
+    assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, signal_name, flags)
 
 
 def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_resume_does_the_end_work(
@@ -194,7 +240,7 @@ def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_res
     import sys
     import time
 
-    from conftest import ROOT, cli_env, load_unet_weights, read_history
+    from conftest import ROOT, cli_env, load_unet_weights
     recipe = tiny_recipe(max_train_steps=3, checkpointing_steps=2, ddpm_num_inference_steps=1000)
     out = tmp_path / "run"
     env = {**cli_env(), **CPU, "PYTHONUNBUFFERED": "1"}
@@ -223,3 +269,80 @@ def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_res
     assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
     exported, straight = load_unet_weights(out), load_unet_weights(tmp_path / "straight")
     assert all(torch.equal(exported[k], straight[k]) for k in straight)
+
+
+# Two ranks (one loader worker each), the signal during the work between steps (core/stop_flag.py):
+# FID/KID with shares of 48 and 4 images (batch k to rank k mod 2), a 48-image grid of rows on both
+# ranks, then the held-out loss and gradient monitor on rank 0 alone, all at step 2 with 1000 DDIM
+# steps (minutes on CPU). The stop must come within seconds at step 2 on both ranks; the resume, and
+# the uninterrupted run it is compared with, sample with 2 DDIM steps (sampling never touches the
+# training state).
+IN_WORK = dict(train_batch_size=4, dataloader_num_workers=1, max_train_steps=4, checkpointing_steps=2,
+               save_images_steps=2, eval_steps=2, eval_num_samples=52, eval_batch_size=48, feature_extractor="tiny",
+               ddpm_num_inference_steps=1000, validation_split=0.1, validation_steps=2, grad_diagnostics_steps=2)
+QUICK_SAMPLING = ("--ddpm_num_inference_steps", 2)
+
+
+@pytest.fixture(scope="module")
+def straight_two_ranks_with_work(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("straight_with_work")
+    run_training(folder, write_tiny_recipe(folder, **IN_WORK), folder / "run", *QUICK_SAMPLING, launcher=torchrun(),
+                 env=CPU)
+    return folder / "run"
+
+
+def assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straight, result, signal_name):
+    """Stopped at step 2 within 10 s (the work at step 2 alone takes minutes), one stop line, exit
+    code 4 on the ranks, checkpoint-2 whole and nothing of the step-2 grid or export written;
+    the resumed run's losses, weights and checkpoint-4 equal the uninterrupted run's, bit for bit."""
+    returncode, _, stderr, seconds = result
+    assert returncode != 0 and re.search(r"exitcode\s*:\s*4", stderr), stderr[-3000:]
+    assert STOP_LINE.findall(stderr) == [(signal_name, "2", str(out / "checkpoint-2"))], stderr[-3000:]
+    assert seconds < 10, f"{seconds:.1f} s from the signal to the exit"
+    assert verify_checkpoint(str(out / "checkpoint-2")) is None
+    assert not os.path.exists(out / "samples") and not os.path.exists(out / "unet")
+    assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
+    train(recipe, out, *QUICK_SAMPLING, "--resume_from_checkpoint", "latest", launcher=torchrun(), env=CPU)
+    assert_same_state(straight, out, IN_WORK["max_train_steps"])
+
+
+def test_two_ranks_sigterm_to_every_rank_and_worker_during_the_sample_grid_stops_both_within_seconds(
+        train, straight_two_ranks_with_work, tmp_path):
+    """SIGTERM to both ranks and their loader workers at once, as srun delivers it to the tasks of
+    examples/slurm/train_multi_node.sbatch, once the FID at step 2 is scored, while the grid's rows
+    are sampled on both ranks: each gives up between denoising steps and they agree before the
+    gather. (Not the launcher: torch.distributed.run, signalled itself, exits with a traceback of
+    its own and does not report its ranks' exit codes.)"""
+    recipe, out = write_tiny_recipe(tmp_path, **IN_WORK), tmp_path / "run"
+
+    def after_the_fid(process, read_stdout):
+        import time
+        while "step 2: fid" not in read_stdout():
+            assert process.poll() is None
+            time.sleep(0.05)
+        return rank_pids(process.pid, 0) + rank_pids(process.pid, 1)
+    result = signal_a_running_command(recipe, out, tmp_path, launcher=torchrun(), ready=after_the_fid)
+    assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straight_two_ranks_with_work, result,
+                                                      "SIGTERM")
+
+
+def test_two_ranks_a_sigusr1_to_rank_1_alone_waiting_for_rank_0s_fid_share_stops_both(
+        train, straight_two_ranks_with_work, tmp_path):
+    """SIGUSR1 to rank 1 alone once it has sampled its 4 FID images and waits for rank 0's 48: rank 1
+    publishes the stop while it waits, rank 0 gives its share up, and rank 0's share is never done."""
+    recipe, out, shares = write_tiny_recipe(tmp_path, **IN_WORK), tmp_path / "run", tmp_path / "shares"
+
+    def when_rank_1_waits(process, read_stdout):
+        import time
+        while not os.path.exists(shares / "rank1.jsonl"):
+            assert process.poll() is None
+            time.sleep(0.05)
+        assert not os.path.exists(shares / "rank0.jsonl")  # rank 0 is still sampling
+        return rank_pids(process.pid, 1)[:1]
+    result = signal_a_running_command(recipe, out, tmp_path, launcher=torchrun(), signal_name="SIGUSR1",
+                                      script=HOOKED_TRAIN, env={"DDPM_TEST_RECORD_SHARES": str(shares)},
+                                      ready=when_rank_1_waits)
+    assert not os.path.exists(shares / "rank0.jsonl")  # gave up, not finished
+    assert not [h for h in read_history(out) if any(key.startswith("eval/") for key in h)]  # no FID logged
+    assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straight_two_ranks_with_work, result,
+                                                      "a stop signal (on another rank)")

@@ -84,7 +84,7 @@ class CachedImages:
             batch_size=None, sampler=range(first, last), num_workers=spec.dataloader_num_workers,
             pin_memory=self.pin_memory, worker_init_fn=workers.ignore_stop_signals,
             generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
-        return iter(loader)
+        return workers.start_workers(loader)
 
     def position(self, micro_step: int) -> dict:
         epoch, batch = self.order.position(micro_step)

@@ -33,7 +33,7 @@ from diffusion_extras.data.images import (
 )
 from diffusion_extras.data.labels import Classes, LabelReader, stream_classes
 from diffusion_extras.data.spec import DataSpec, Processes
-from diffusion_extras.data.workers import ignore_stop_signals
+from diffusion_extras.data.workers import ignore_stop_signals, start_workers
 
 
 def open_stream(spec: DataSpec):
@@ -152,7 +152,7 @@ class StreamingBatches:
 
     def __next__(self) -> torch.Tensor:
         if self._iterator is None:
-            self._iterator = iter(self.loader)
+            self._iterator = start_workers(self.loader)
         try:
             return next(self._iterator)
         except StopIteration:

@@ -11,9 +11,9 @@ records them (training/preemption.py), stops the run at a step boundary and ends
 Why not SIG_IGN: the parent ends its workers with SIGTERM too (multiprocessing's exit handler
 terminates daemonic children and joins them; torch's loader does so when a worker does not leave
 in time), and a worker that ignores that never exits: the run hangs after "done". A Python handler
-cannot see who sent a signal, so the worker blocks the signals and a thread of its own takes them
-with sigwaitinfo, which names the sender (written by hand: neither torch nor multiprocessing
-offers a worker that tells a scheduler's signal from its parent's).
+cannot see who sent a signal, so the worker blocks the signals (from its fork on: start_workers)
+and a thread of its own takes them with sigwaitinfo, which names the sender (written by hand:
+neither torch nor multiprocessing offers a worker that tells a scheduler's signal from its parent's).
 """
 from __future__ import annotations
 
@@ -22,6 +22,21 @@ import signal
 import threading
 
 from diffusion_extras.core.stop_flag import STOP_SIGNALS
+
+
+def start_workers(loader):
+    """`iter(loader)` with the stop signals blocked in this thread while it forks the workers, so
+    each worker starts with them blocked and every thread it makes inherits that; the thread that
+    ignore_stop_signals starts takes them. Blocking them in worker_init_fn alone came too late:
+    threads a worker made before it kept them unblocked, torch's worker SIGTERM handler ran in one
+    of them and the worker died of a scheduler's SIGTERM (seen on a two-node local Slurm with
+    OMP_NUM_THREADS unset). Meanwhile a signal to this process waits, or goes to another of its
+    threads, where Python's handler still records it."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def ignore_stop_signals(worker_id: int) -> None:

@@ -21,6 +21,7 @@ import scipy.linalg
 import torch
 import torch.nn.functional as F
 
+from diffusion_extras.core import stop_flag
 from diffusion_extras.evaluation import backbones, distributed
 from diffusion_extras.evaluation.sampling import generate
 
@@ -286,9 +287,10 @@ def evaluate_unet_metrics(unet, scheduler, suites, num_samples: int, num_inferen
     None and need only the extractors in `suites`."""
     if rank == 0:
         check_suites(suites)
-    features = sample_features(unet, scheduler, [extractor for extractor, _, _ in suites], num_samples,
-                               num_inference_steps, seed, batch_size, device, num_classes, guidance_scale,
-                               rank, num_ranks, guide=guide, guidance_interval=guidance_interval)
+    with stop_flag.interruptible():  # a stop gives up on every rank before the gather (core/stop_flag.py)
+        features = sample_features(unet, scheduler, [extractor for extractor, _, _ in suites], num_samples,
+                                   num_inference_steps, seed, batch_size, device, num_classes, guidance_scale,
+                                   rank, num_ranks, guide=guide, guidance_interval=guidance_interval)
     if num_ranks > 1:
         features = distributed.gather_to_main(features, rank, num_ranks)
         if rank != 0:

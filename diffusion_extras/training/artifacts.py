@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator
 from PIL import Image
 
+from diffusion_extras.core import stop_flag
 from diffusion_extras.data import batch_order
 from diffusion_extras.evaluation import distributed, sampling
 from diffusion_extras.evaluation import metrics as evaluation
@@ -109,7 +110,8 @@ def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int
     else:
         per_row = sampling.grid_columns(num_images)
     rows = {}
-    with (sampling_copy or SamplingCopy())(unet, ema) as copy:
+    # a stop gives up on every rank before the gather (core/stop_flag.py)
+    with stop_flag.interruptible(), (sampling_copy or SamplingCopy())(unet, ema) as copy:
         for first in range(rank * per_row, num_images, num_ranks * per_row):
             count = min(per_row, num_images - first)
             rows[first] = sampling.generate(copy, scheduler, count, num_inference_steps, seed=seed,

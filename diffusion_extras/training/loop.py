@@ -172,12 +172,11 @@ def train(run: Run) -> None:
 
 def run_extras(run: Run, step: int, last: bool) -> bool:
     """Evaluation, grids and export due at `step`; False when a stop signal made them give up
-    (core/stop_flag.py: one process only) before they wrote anything."""
-    try:
-        evaluate_on_every_rank(run, step, last)  # collectives when it is time
+    (core/stop_flag.py: on every rank at once) before they wrote anything."""
+    try:  # each a section every rank enters, with one agreement at its end when it is due
+        evaluate_on_every_rank(run, step, last)
         sample_grid_on_every_rank(run, step, last)
-        if run.accelerator.is_main_process:  # the other ranks go on and meet it at the next collective
-            run_main_process_extras(run, step, last)
+        run_main_process_extras(run, step, last)  # the other ranks wait for the main process
     except stop_flag.StopRequested:
         return False
     return True

@@ -7,6 +7,7 @@ import contextlib
 import os
 import time
 
+from diffusion_extras.core import stop_flag
 from diffusion_extras.hub.secrets import redact_config
 from diffusion_extras.training import artifacts, disk_space, models
 from diffusion_extras.training.hooks import hook
@@ -26,33 +27,57 @@ def end_of_run_work(run: Run, what: str, show: bool = True):
     run.accelerator.print(f"{what}: done in {time.perf_counter() - start_time:.1f} s", flush=True)
 
 
-def run_main_process_extras(run: Run, step: int, last: bool) -> None:
-    """Grids, plots, probes, snapshots and export at their intervals (main process)."""
+def main_process_work(run: Run, step: int, last: bool) -> list:
+    """Grids, plots, probes, snapshots and export due at `step`, as calls for the main process.
+    Every rank makes the same list (the schedule is the config's), so the others know to wait for
+    the main process there (training/loop.py run_extras)."""
     config, plan, learner, objective, extras = run.config, run.plan, run.learner, run.objective, run.extras
     unet = run.accelerator.unwrap_model(learner.unet)
     target = artifacts.Target(config.output_dir, step, run.accelerator, run.history)
     sampling_settings = dict(num_images=config.eval_batch_size, num_inference_steps=config.ddpm_num_inference_steps,
                              seed=config.seed, sampling_copy=extras.sampling_copy)
-    if extras.posthoc_ema is not None and (step % config.posthoc_ema_snapshot_steps == 0 or last):
-        with end_of_run_work(run, "final post-hoc EMA snapshot", last):
-            artifacts.posthoc_snapshot(unet, extras.posthoc_ema, target)
+    work = []
+    if config.posthoc_ema and (step % config.posthoc_ema_snapshot_steps == 0 or last):
+        def snapshot():
+            with end_of_run_work(run, "final post-hoc EMA snapshot", last):
+                artifacts.posthoc_snapshot(unet, extras.posthoc_ema, target)
+        work.append(snapshot)
     if step % plan.save_images_steps == 0 or last:
-        with end_of_run_work(run, "final debug images and loss plot", last), \
-                guarded_write(run, "sample grid", artifacts.debug_image_paths(config.output_dir, step)):
-            artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings)
-            artifacts.save_loss_plot(extras.diagnostics, objective.schedule.alphas_cumprod.cpu(), run.data.sigma_data,
-                                     config.prediction_type, target)
-    if extras.grad_monitor is not None and step % plan.grad_diagnostics_steps == 0:
-        artifacts.gradient_diagnostics(extras.grad_monitor, unet, objective.schedule, config,
-                                       extras.diagnostics.bin_centers(), target)
+        def debug_images():
+            with end_of_run_work(run, "final debug images and loss plot", last), \
+                    guarded_write(run, "sample grid", artifacts.debug_image_paths(config.output_dir, step)):
+                artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings)
+                artifacts.save_loss_plot(extras.diagnostics, objective.schedule.alphas_cumprod.cpu(),
+                                         run.data.sigma_data, config.prediction_type, target)
+        work.append(debug_images)
+    if plan.grad_diagnostics_steps and step % plan.grad_diagnostics_steps == 0:  # the monitor: main process only
+        work.append(lambda: artifacts.gradient_diagnostics(extras.grad_monitor, unet, objective.schedule, config,
+                                                           extras.diagnostics.bin_centers(), target))
     if extras.held_out is not None and (step % config.validation_steps == 0 or last):
-        artifacts.held_out_loss(unet, extras.ema, extras.held_out, extras.diagnostics, objective.schedule,
-                                run.data.sigma_data, config.prediction_type, target, extras.sampling_copy)
+        work.append(lambda: artifacts.held_out_loss(unet, extras.ema, extras.held_out, extras.diagnostics,
+                                                    objective.schedule, run.data.sigma_data, config.prediction_type,
+                                                    target, extras.sampling_copy))
     if step % plan.save_model_steps == 0 or last:
-        with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last), \
-                guarded_write(run, "pipeline export", [os.path.join(config.output_dir, models.EXPORT_STAGING)]):
-            artifacts.export(unet, extras.ema, objective.noise_scheduler, target, run.hub_pusher, model_card(run), last,
-                             run.data.class_names)
+        def export():
+            with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last), \
+                    guarded_write(run, "pipeline export", [os.path.join(config.output_dir, models.EXPORT_STAGING)]):
+                artifacts.export(unet, extras.ema, objective.noise_scheduler, target, run.hub_pusher, model_card(run),
+                                 last, run.data.class_names)
+        work.append(export)
+    return work
+
+
+def run_main_process_extras(run: Run, step: int, last: bool) -> None:
+    """The main process's work due at `step` (main_process_work). Every rank calls it: the others
+    wait there for the main process, in the one agreement that makes a stop during the work give up
+    on every rank (core/stop_flag.py), instead of meeting it at the next step's gradient all-reduce."""
+    work = main_process_work(run, step, last)
+    if not work:
+        return
+    with stop_flag.interruptible():
+        if run.accelerator.is_main_process:
+            for piece in work:
+                piece()
 
 
 def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:

@@ -11,11 +11,15 @@ and a job may signal only some) they must agree on the stop step, so `requested(
 - gloo on CPU: no CUDA stream is touched, so the GPU queue is not drained; the cost is one
   loopback round trip per step (~0.1 ms on one node, a network round trip across nodes), while
   the ranks already meet at every step's gradient all-reduce. One rank alone needs no collective.
+Work between steps (grids, FID/KID, held-out loss, the gradient monitor) gives up at its next batch
+or denoising step through core/stop_flag.py, which the handler sets; with several ranks that flag
+is shared through the default process group's store (its docstring says how the ranks agree).
 A second signal (while the checkpoint is written) only finds the flag already set: it is ignored,
 so the save finishes; the atomic save would keep `checkpoint-N` whole even if it did not.
 """
 from __future__ import annotations
 
+import itertools
 import signal
 import threading
 import time
@@ -27,6 +31,7 @@ from diffusion_extras.core.stop_flag import STOP_SIGNALS
 from diffusion_extras.training.stops import Preempted
 
 SIGNALS = STOP_SIGNALS  # the loader workers ignore the same ones (data/workers.py): a job signals them all
+_watches = itertools.count()  # a store prefix per watch: every rank makes its watches in the same order
 
 
 class PreemptionWatch:
@@ -40,6 +45,9 @@ class PreemptionWatch:
         self.group = None
         if accelerator.num_processes > 1 and torch.distributed.is_initialized():
             self.group = torch.distributed.new_group(backend="gloo")  # collective: every rank makes it
+            store = torch.distributed.PrefixStore(f"ddpm_stop/{next(_watches)}",
+                                                  torch.distributed.distributed_c10d._get_default_store())
+            stop_flag.share(stop_flag.Shared(store, accelerator.process_index, accelerator.num_processes))
         if stop_flag.early_signal() is not None:  # came during start-up: stop after the first step
             self._record(signal.Signals[stop_flag.early_signal()[0]], None)
             self.received_at = stop_flag.early_signal()[1]
@@ -56,8 +64,7 @@ class PreemptionWatch:
     def _record(self, number, frame) -> None:
         if self.received is None:
             self.received, self.received_at = signal.Signals(number).name, time.monotonic()
-            if self.group is None:  # one process: grids and evaluations give up (core/stop_flag.py)
-                stop_flag.request()
+            stop_flag.request()  # grids and evaluations give up, on every rank (core/stop_flag.py)
 
     def requested(self) -> bool:
         """True on every rank at the same step once any rank has received a signal."""
@@ -76,7 +83,7 @@ class PreemptionWatch:
                          announce=self.accelerator.is_main_process)
 
     def close(self) -> None:
-        stop_flag.clear()
+        stop_flag.clear()  # and no longer shared
         for number, handler in self.previous.items():
             signal.signal(number, handler)
         self.previous = {}
