@@ -286,8 +286,7 @@ QUICK_SAMPLING = ("--ddpm_num_inference_steps", 2)
 @pytest.fixture(scope="module")
 def straight_two_ranks_with_work(tmp_path_factory):
     folder = tmp_path_factory.mktemp("straight_with_work")
-    run_training(folder, write_tiny_recipe(folder, **IN_WORK), folder / "run", *QUICK_SAMPLING, launcher=torchrun(),
-                 env=CPU)
+    run_training(folder, write_tiny_recipe(folder, **IN_WORK), folder / "run", *QUICK_SAMPLING, ranks=2, env=CPU)
     return folder / "run"
 
 
@@ -302,7 +301,7 @@ def assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straig
     assert verify_checkpoint(str(out / "checkpoint-2")) is None
     assert not os.path.exists(out / "samples") and not os.path.exists(out / "unet")
     assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
-    train(recipe, out, *QUICK_SAMPLING, "--resume_from_checkpoint", "latest", launcher=torchrun(), env=CPU)
+    train(recipe, out, *QUICK_SAMPLING, "--resume_from_checkpoint", "latest", ranks=2, env=CPU)
     assert_same_state(straight, out, IN_WORK["max_train_steps"])
 
 
