@@ -1,4 +1,5 @@
 """Shared fixtures: a tiny UNet recipe and model, and runners for the real command line."""
+import contextlib
 import functools
 import json
 import os
@@ -101,7 +102,7 @@ RUNNING = {"contract": False}  # whether the test being run is marked `contract`
 def runs_fresh(env: dict) -> bool:
     """Whether a command in `env` starts a fresh interpreter instead of a fork of the server:
     DDPM_TEST_FRESH_INTERPRETERS=1 for every command, =contract for the commands of the tests marked
-    `contract` (what .ci/run does: each test once, those that read exit codes and messages unforked)."""
+    `contract` (one run of the suite in which the tests of exit codes and messages run unforked)."""
     mode = env.get("DDPM_TEST_FRESH_INTERPRETERS")
     return mode == "1" or (mode == "contract" and RUNNING["contract"])
 
@@ -257,9 +258,9 @@ def run_fresh(commands, envs, timeout):
     """ForkServer.run in fresh interpreters: [subprocess.run(command, cwd=ROOT, env=env,
     stdin=DEVNULL, capture_output=True, text=True, timeout=timeout)], the commands running together
     (if one fails, the others are killed)."""
-    with tempfile.TemporaryDirectory() as folder:
-        outputs = [(open(os.path.join(folder, f"{index}.stdout"), "w+"),
-                    open(os.path.join(folder, f"{index}.stderr"), "w+")) for index in range(len(commands))]
+    with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as files:  # closed also on a timeout
+        outputs = [tuple(files.enter_context(open(os.path.join(folder, f"{index}.{stream}"), "w+"))
+                         for stream in ("stdout", "stderr")) for index in range(len(commands))]
         processes = [subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                       text=True) for command, env, (out, err) in zip(commands, envs, outputs)]
         deadline = time.monotonic() + timeout
@@ -276,7 +277,6 @@ def run_fresh(commands, envs, timeout):
         for command, process, (out, err) in zip(commands, processes, outputs):
             out.seek(0), err.seek(0)
             results.append(subprocess.CompletedProcess(command, process.returncode, out.read(), err.read()))
-            out.close(), err.close()
         return results
 
 

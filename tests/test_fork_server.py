@@ -263,7 +263,7 @@ def test_ranks_form_one_process_group_and_a_failed_rank_ends_the_run(tmp_path, h
 
 
 def test_contract_mode_runs_the_commands_of_contract_tests_fresh(monkeypatch, probe):
-    """DDPM_TEST_FRESH_INTERPRETERS=contract (.ci/run): fresh interpreters for the commands of the
+    """DDPM_TEST_FRESH_INTERPRETERS=contract: fresh interpreters for the commands of the
     tests marked `contract`, forks for the others."""
     from conftest import RUNNING
     env = {**cli_env(), "DDPM_TEST_FRESH_INTERPRETERS": "contract"}

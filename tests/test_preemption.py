@@ -127,6 +127,15 @@ def rank_pids(launcher_pid: int, rank: int) -> list[int]:
     return ranks + [pid for pid, (parent, _) in table.items() if parent == ranks[0]]
 
 
+def wait_while_running(process, done, read_stderr=str) -> None:
+    """Poll `done()` every 50 ms until it holds; the command must not end meanwhile (if it does, the
+    failure shows `read_stderr()`)."""
+    import time
+    while not done():
+        assert process.poll() is None, read_stderr()[-3000:]
+        time.sleep(0.05)
+
+
 def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, signal_name="SIGTERM", group=False,
                              script="train_ddpm.py", env=None, ready=None):
     """Start the training command line (`script`, with `env` added) in a session of its own, wait for
@@ -151,9 +160,7 @@ def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, sig
                              start_new_session=True) as process:
         try:
             saved = f"saved {out / 'checkpoint-2'}\n"  # training is under way
-            while saved not in read_stdout():
-                assert process.poll() is None, stderr_path.read_text()[-3000:]
-                time.sleep(0.05)
+            wait_while_running(process, lambda: saved in read_stdout(), stderr_path.read_text)
             pids = ready(process, read_stdout) if ready else [process.pid]
             signalled = time.monotonic()
             number = getattr(signal, signal_name)
@@ -235,26 +242,15 @@ def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_res
     denoising steps (core/stop_flag.py), checkpoint-3 is written within 10 s, nothing of the grid
     or the export is left; the resume at the last step does the end-of-run work (grid, export),
     and the exported weights and losses equal those of an uninterrupted run."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from conftest import ROOT, cli_env, load_unet_weights
+    from conftest import load_unet_weights
     recipe = tiny_recipe(max_train_steps=3, checkpointing_steps=2, ddpm_num_inference_steps=1000)
     out = tmp_path / "run"
-    env = {**cli_env(), **CPU, "PYTHONUNBUFFERED": "1"}
-    with subprocess.Popen([sys.executable, "train_ddpm.py", "--config", recipe, "--output_dir", str(out)], cwd=ROOT,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as process:
-        for line in process.stdout:
-            if line.startswith("final sample grid"):
-                break
-        signalled = time.monotonic()
-        os.killpg(process.pid, signal.SIGUSR1)
-        stdout, stderr = process.communicate(timeout=120)
-        seconds = time.monotonic() - signalled
-    assert process.returncode == 4 and "Traceback" not in stderr, stderr[-3000:]
+
+    def in_the_final_grid(process, read_stdout):
+        wait_while_running(process, lambda: re.search(r"^final sample grid", read_stdout(), re.MULTILINE))
+    returncode, _, stderr, seconds = signal_a_running_command(recipe, out, tmp_path, signal_name="SIGUSR1", group=True,
+                                                              ready=in_the_final_grid)
+    assert returncode == 4 and "Traceback" not in stderr, stderr[-3000:]
     assert STOP_LINE.findall(stderr) == [("SIGUSR1", "3", str(out / "checkpoint-3"))]
     assert seconds < 10, f"{seconds:.1f} s from the signal to the exit"
     assert verify_checkpoint(str(out / "checkpoint-3")) is None
@@ -315,10 +311,7 @@ def test_two_ranks_sigterm_to_every_rank_and_worker_during_the_sample_grid_stops
     recipe, out = write_tiny_recipe(tmp_path, **IN_WORK), tmp_path / "run"
 
     def after_the_fid(process, read_stdout):
-        import time
-        while "step 2: fid" not in read_stdout():
-            assert process.poll() is None
-            time.sleep(0.05)
+        wait_while_running(process, lambda: "step 2: fid" in read_stdout())
         return rank_pids(process.pid, 0) + rank_pids(process.pid, 1)
     result = signal_a_running_command(recipe, out, tmp_path, launcher=torchrun(), ready=after_the_fid)
     assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straight_two_ranks_with_work, result,
@@ -332,10 +325,7 @@ def test_two_ranks_a_sigusr1_to_rank_1_alone_waiting_for_rank_0s_fid_share_stops
     recipe, out, shares = write_tiny_recipe(tmp_path, **IN_WORK), tmp_path / "run", tmp_path / "shares"
 
     def when_rank_1_waits(process, read_stdout):
-        import time
-        while not os.path.exists(shares / "rank1.jsonl"):
-            assert process.poll() is None
-            time.sleep(0.05)
+        wait_while_running(process, lambda: os.path.exists(shares / "rank1.jsonl"))
         assert not os.path.exists(shares / "rank0.jsonl")  # rank 0 is still sampling
         return rank_pids(process.pid, 1)[:1]
     result = signal_a_running_command(recipe, out, tmp_path, launcher=torchrun(), signal_name="SIGUSR1",
