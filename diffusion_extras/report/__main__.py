@@ -1,4 +1,4 @@
 """python -m diffusion_extras.report RUN_DIR"""
-from diffusion_extras.report.health import main
+from diffusion_extras.report.health import cli
 
-main()
+cli()

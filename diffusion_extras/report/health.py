@@ -14,6 +14,7 @@ from dataclasses import asdict
 import numpy as np
 import yaml
 
+from diffusion_extras.core import commands
 from diffusion_extras.core.commands import prog_name
 from diffusion_extras.report import checks, class_balance
 from diffusion_extras.report import dynamics as report_dynamics
@@ -212,5 +213,10 @@ def main(argv=None) -> None:
         print(fh.read(), end="")
 
 
+def cli():
+    """The process entry (`python -m diffusion_extras.report`, `ddpm-report`)."""
+    commands.exit_with(main())
+
+
 if __name__ == "__main__":
-    main()
+    cli()

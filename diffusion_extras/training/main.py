@@ -15,7 +15,7 @@ import logging
 import re
 import sys
 
-from diffusion_extras.core import stop_flag
+from diffusion_extras.core import commands, stop_flag
 from diffusion_extras.data.images import DataError
 from diffusion_extras.hub.secrets import redact_argv
 from diffusion_extras.training import disk_space
@@ -68,7 +68,7 @@ def cli() -> None:
     """The process entry (train_ddpm.py, `ddpm-train`): main(), then exit with its code."""
     code = main()
     stop_flag.ignore_at_exit()
-    sys.exit(code)
+    commands.exit_with(code)
 
 
 def data_error_line(error: DataError) -> str:
