@@ -37,7 +37,7 @@ class DataSource(Protocol):
     held_out_images: object           # batch_order.ImageSubset, or None
     class_names: list | None       # names by class id with --class_conditional (batches carry labels), else None
 
-    def batches(self, first: int, last: int) -> Iterator[torch.Tensor]: ...
+    def batches(self, first: int, last: int) -> Iterator[torch.Tensor]: ...  # closed by the loop if it has close()
     def position(self, micro_step: int) -> dict: ...
     def state_dict(self) -> dict | None: ...
     def load_state_dict(self, state: dict | None) -> None: ...
@@ -76,7 +76,8 @@ class CachedImages:
         self.description = str(len(self.images))  # names the data in the FID reference fingerprint
 
     def batches(self, first: int, last: int):
-        """Micro-batches first..last-1, prefetched in order by the DataLoader workers."""
+        """Micro-batches first..last-1, prefetched in order by the DataLoader workers, which start at
+        the first batch and end when the iterator is closed (or exhausted)."""
         spec = self.spec
         loader = torch.utils.data.DataLoader(
             batch_order.MicroBatches(self.images, self.order, self.rank, spec.train_batch_size, spec.resolution,
@@ -84,7 +85,11 @@ class CachedImages:
             batch_size=None, sampler=range(first, last), num_workers=spec.dataloader_num_workers,
             pin_memory=self.pin_memory, worker_init_fn=workers.ignore_stop_signals,
             generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
-        return workers.start_workers(loader)
+        prefetched = workers.start_workers(loader)
+        try:
+            yield from prefetched
+        finally:  # this frame holds the only reference: freeing it is torch's way to end the workers
+            del prefetched
 
     def position(self, micro_step: int) -> dict:
         epoch, batch = self.order.position(micro_step)

@@ -145,21 +145,34 @@ class StreamingBatches:
             num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=4 if num_workers else None,
             worker_init_fn=ignore_stop_signals,  # a scheduler signals the workers too (data/workers.py)
             generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
-        self._iterator = None
+        self._iterator, self._closed_at = None, None
 
     def __iter__(self):
         return self
 
     def __next__(self) -> torch.Tensor:
         if self._iterator is None:
-            self._iterator = start_workers(self.loader)
+            self._iterator, self._closed_at = start_workers(self.loader), None
         try:
             return next(self._iterator)
         except StopIteration:
             raise DataError("this rank's shard of the stream is empty; use fewer processes or more data") from None
 
+    def close(self) -> None:
+        """End the loader's worker processes now, keeping the position (state_dict). The loader takes
+        its own state back (StatefulDataLoader.load_state_dict), which drops its iterator: torch ends
+        the workers when it frees that. A next batch would start new workers at the same position."""
+        if self._iterator is not None:
+            self._closed_at = self.loader.state_dict()
+            self.loader.load_state_dict(self._closed_at)
+            self._iterator = None
+
+    def _loader_state(self) -> dict:
+        # once closed, the loader would start workers to answer state_dict(): the position at close is it
+        return self._closed_at if self._iterator is None and self._closed_at is not None else self.loader.state_dict()
+
     def _worker_states(self) -> list[dict]:
-        return worker_states(self.loader.state_dict())
+        return worker_states(self._loader_state())
 
     @property
     def epoch(self) -> int:
@@ -170,7 +183,7 @@ class StreamingBatches:
         return sum(s["examples_seen"] for s in self._worker_states())
 
     def state_dict(self) -> dict:
-        return {"num_workers": self.num_workers, "loader": self.loader.state_dict()}
+        return {"num_workers": self.num_workers, "loader": self._loader_state()}
 
     def load_state_dict(self, state: dict) -> None:
         if "loader" not in state:
@@ -183,7 +196,7 @@ class StreamingBatches:
             raise DataError("the checkpoint's stream position was saved from datasets' shared epoch, which DataLoader "
                             "workers race on (issue 21), and may be wrong; start a new --output_dir")
         self.loader.load_state_dict(state["loader"])
-        self._iterator = None
+        self._iterator, self._closed_at = None, None
 
 
 def worker_states(loader_state: dict) -> list[dict]:

@@ -160,6 +160,7 @@ def train(run: Run) -> None:
     finally:
         preemption_watch.close()  # the end-of-run work runs with the usual handlers
         progress_bar.close()  # before any stop line
+        end_loader_workers(batches)
     verify_replicas(run)
     if accelerator.is_main_process:
         start_time = time.perf_counter()
@@ -168,6 +169,16 @@ def train(run: Run) -> None:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     accelerator.print(f"done: {run.progress.global_step} optimizer steps; pipeline in {config.output_dir}")
+
+
+def end_loader_workers(batches) -> None:
+    """Close the batches' iterator (a generator, or a stream with close()), which ends its DataLoader
+    workers now. Left to the garbage collector, they were ended late: a cycle through a kept frame held
+    the iterator (seen: matplotlib's layout code), and a clean shutdown from a collection that also
+    finalized its queues waited 5 s per worker for a reply that never came."""
+    close = getattr(batches, "close", None)
+    if close is not None:
+        close()
 
 
 def run_extras(run: Run, step: int, last: bool) -> bool:
