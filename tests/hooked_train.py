@@ -27,14 +27,19 @@ DDPM_TEST_RECORD_SHARES=DIR   each call of evaluation.metrics.sample_features (t
                               every call through). Not a fault.
 DDPM_TEST_DYNAMO_COUNTS=DIR   after each optimizer step and at the end, this process's torch.compile tallies
                               (conftest.dynamo_counts) as a line of DIR/rank<i>.jsonl.
+DDPM_TEST_STEP_SECONDS=S      in a run that starts from step 0, after each optimizer step the process sleeps
+                              S seconds: it lasts until a scheduler stops it, on little CPU, as a slow job
+                              does (test_slurm); its resumption is not slowed. Not a fault: the numbers
+                              are those of an unslowed run.
 """
 import errno
 import json
 import os
 import signal
 import sys
+import time
 
-from diffusion_extras.training.main import Hooks, main
+from diffusion_extras.training.main import Hooks, finish, main
 
 
 def hooks_from_environment(environ) -> Hooks:
@@ -64,6 +69,15 @@ def hooks_from_environment(environ) -> Hooks:
             optimizer_step = micro_step // run.config.gradient_accumulation_steps + 1
             return clean * float("nan") if optimizer_step in poisoned else clean
         hooks.model_input = poison
+    step_seconds = environ.get("DDPM_TEST_STEP_SECONDS")
+    if step_seconds:
+        first_step = []
+
+        def slow_down(run):
+            first_step.append(run.progress.global_step)
+            if first_step[0] == 1:  # not a resumed run
+                time.sleep(float(step_seconds))
+        hooks.after_step = chain(hooks.after_step, slow_down)
     counts_folder = environ.get("DDPM_TEST_DYNAMO_COUNTS")
     if counts_folder:
         hooks.after_step = chain(hooks.after_step, lambda run: write_dynamo_counts(counts_folder,
@@ -207,4 +221,4 @@ if __name__ == "__main__":
     status = main(hooks=hooks_from_environment(os.environ))
     if os.environ.get("DDPM_TEST_DYNAMO_COUNTS"):
         write_dynamo_counts(os.environ["DDPM_TEST_DYNAMO_COUNTS"], "end")
-    sys.exit(status)
+    finish(status)

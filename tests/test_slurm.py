@@ -4,9 +4,10 @@ else the tests are skipped with the reason. A job under --time=1 (Slurm's smalle
 minute) with --signal=USR1@40 stops with a checkpoint, requeues itself (exit 4 ->
 `scontrol requeue`, examples/slurm/train_one_node.sbatch) and continues until done; its weights
 equal an uninterrupted run's, bit for bit. A 2-rank job (examples/slurm/train_multi_node.sbatch,
-ranks started by srun) cancelled with `scancel --signal=TERM` does the same. Slurm checks time
-limits every ~30 s, so the time-limited test takes a few minutes."""
-import math
+ranks started by srun) cancelled with `scancel --signal=TERM` does the same. The jobs run the
+examples with tests/hooked_train.py for train_ddpm.py, whose steps sleep until the first stop
+(DDPM_TEST_STEP_SECONDS): the first segment lasts as long as the scheduler needs, at little CPU, and
+the requeued one finishes in seconds."""
 import os
 import shutil
 import subprocess
@@ -57,33 +58,35 @@ def wait_for_job(job_id: str, timeout: float) -> str:
     raise AssertionError(f"job {job_id} still queued after {timeout:.0f} s")
 
 
-def steps_lasting(seconds: float, tmp_path, train, **recipe) -> int:
-    """Optimizer steps of `recipe` that take about `seconds` of training on this machine now, from a
-    100-step probe's images_per_second (start-up excluded), in whole checkpoint intervals."""
-    train(write_tiny_recipe(tmp_path, **recipe, max_train_steps=100), tmp_path / "probe",
-          env={"ACCELERATE_USE_CPU": "1"})
-    rates = sorted(h["images_per_second"] for h in read_history(tmp_path / "probe")[50:])
-    steps_per_second = rates[len(rates) // 2] / recipe["train_batch_size"]
-    return max(300, 50 * math.ceil(seconds * steps_per_second / 50))
+def slurm_script(tmp_path, example: str) -> str:
+    """examples/slurm/EXAMPLE with `python tests/hooked_train.py` (the trainer with the test hooks, here
+    DDPM_TEST_STEP_SECONDS) in place of `python train_ddpm.py`, in tmp_path; the rest is the example's."""
+    with open(os.path.join(ROOT, "examples", "slurm", example)) as fh:
+        text = fh.read()
+    assert text.count("python train_ddpm.py") == 1, example
+    path = tmp_path / example
+    path.write_text(text.replace("python train_ddpm.py", "python tests/hooked_train.py"))
+    return str(path)
 
 
 def test_a_time_limited_job_requeues_itself_until_done_bit_identical(slurm, tmp_path, train):
-    # The job must not fit in one segment on any machine: Slurm sends USR1@40 of --time=1 at its
-    # first time-limit check at least 20 s into the job, up to ~30 s later (CI's machine did 300 steps
-    # in 7 s and finished before it); ~75 s of training outlasts that with a 1.5x margin on the rate,
-    # and the requeues (Slurm holds a requeued job 2 minutes) stay at one to three.
-    shape = dict(train_batch_size=4, checkpointing_steps=50, lr_scheduler="constant", dataloader_num_workers=2)
-    steps = steps_lasting(75, tmp_path, train, **shape)
-    recipe = write_tiny_recipe(tmp_path, **shape, max_train_steps=steps)
+    # The job must not fit in one segment: Slurm sends USR1@40 of --time=1 at its first time-limit
+    # check at least 20 s into the job, up to ~30 s later. Until then each step sleeps 0.3 s
+    # (DDPM_TEST_STEP_SECONDS), so the 200 steps would last over 60 s on any machine (plus the start-up)
+    # at little CPU, as a slow job does; the requeued job resumes unslowed and finishes in seconds. The
+    # reference run takes the same steps unslowed (the sleep changes no number).
+    recipe = write_tiny_recipe(tmp_path, train_batch_size=4, max_train_steps=200, checkpointing_steps=50,
+                               lr_scheduler="constant", dataloader_num_workers=2)
     out, log = tmp_path / "run", tmp_path / "slurm.out"
-    env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT}
+    env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT, "DDPM_TEST_STEP_SECONDS": "0.3"}
     submitted = subprocess.run(["sbatch", "--parsable", "--time=1", "--signal=USR1@40", f"--output={log}",
-                                "examples/slurm/train_one_node.sbatch", "--config", recipe, "--output_dir", str(out)],
+                                slurm_script(tmp_path, "train_one_node.sbatch"), "--config", recipe,
+                                "--output_dir", str(out)],
                                cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     job_id = submitted.stdout.strip().split(";")[0]
-    state = wait_for_job(job_id, timeout=1500)
+    state = wait_for_job(job_id, timeout=900)
     text = log.read_text(errors="replace")  # tqdm bars cut mid-character by a stop
-    assert state == "COMPLETED" and f"done: {steps} optimizer steps" in text, text[-3000:]
+    assert state == "COMPLETED" and "done: 200 optimizer steps" in text, text[-3000:]
     assert text.count("preempted: SIGUSR1 received") >= 1 and "Traceback" not in text, text[-3000:]
     train(recipe, tmp_path / "straight", env={"ACCELERATE_USE_CPU": "1"})
     assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
@@ -96,26 +99,28 @@ def test_a_two_rank_job_cancelled_with_sigterm_requeues_and_ends_bit_identical(s
     """`scancel --signal=TERM JOB` signals every process of the job's steps at once: both ranks and
     their loader workers. The ranks agree on a stop step, write checkpoint-N, exit 4, srun exits 4,
     the script requeues the job, and the requeued job finishes the run."""
-    recipe = write_tiny_recipe(tmp_path, train_batch_size=4, max_train_steps=500, checkpointing_steps=50,
+    recipe = write_tiny_recipe(tmp_path, train_batch_size=4, max_train_steps=200, checkpointing_steps=50,
                                lr_scheduler="constant", dataloader_num_workers=2)
     out, log = tmp_path / "run", tmp_path / "slurm.out"
-    env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT}
+    # 0.1 s of sleep per step until the stop (DDPM_TEST_STEP_SECONDS): the signal reaches the ranks mid-run
+    env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT, "DDPM_TEST_STEP_SECONDS": "0.1"}
     submitted = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
                                 "--gpus-per-node=0", "--time=30", f"--output={log}",
-                                "examples/slurm/train_multi_node.sbatch", "--config", recipe, "--output_dir", str(out)],
+                                slurm_script(tmp_path, "train_multi_node.sbatch"), "--config", recipe,
+                                "--output_dir", str(out)],
                                cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     job_id = submitted.stdout.strip().split(";")[0]
     deadline = time.monotonic() + 300
-    while not (out / "checkpoint-100").is_dir():  # training, past start-up, before the end
+    while not (out / "checkpoint-50").is_dir():  # training, past start-up, before the end
         assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:] if log.exists() else "no log"
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
     state = wait_for_job(job_id, timeout=900)
     text = log.read_text(errors="replace")
-    assert state == "COMPLETED" and "done: 500 optimizer steps" in text, text[-3000:]
+    assert state == "COMPLETED" and "done: 200 optimizer steps" in text, text[-3000:]
     assert text.count("preempted: SIGTERM received") == 1 and "Traceback" not in text, text[-3000:]
     stopped_at = int(text.split("stopped after optimizer step ")[1].split()[0])
-    assert 100 <= stopped_at < 500 and (out / f"checkpoint-{stopped_at}").is_dir()
+    assert 50 <= stopped_at < 200 and (out / f"checkpoint-{stopped_at}").is_dir()
     train(recipe, tmp_path / "straight", ranks=2, env={"ACCELERATE_USE_CPU": "1"})
     assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
     exported, straight = load_unet_weights(out), load_unet_weights(tmp_path / "straight")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from typing import NoReturn
 
 from diffusion_extras.core import commands, stop_flag
 from diffusion_extras.data.images import DataError
@@ -27,7 +28,7 @@ from diffusion_extras.training.loop import train
 from diffusion_extras.training.lr_range import find_lr, setup_lr_range_test
 from diffusion_extras.training.stops import DiskFull, RunStopped
 
-__all__ = ["Hooks", "cli", "main"]
+__all__ = ["Hooks", "cli", "finish", "main"]
 
 
 def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
@@ -66,7 +67,11 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
 
 def cli() -> None:
     """The process entry (train_ddpm.py, `ddpm-train`): main(), then exit with its code."""
-    code = main()
+    finish(main())
+
+
+def finish(code: int) -> NoReturn:
+    """End the training process with `code` once main() has returned (its state is on disk)."""
     stop_flag.ignore_at_exit()
     commands.exit_with(code)
 
