@@ -76,8 +76,8 @@ class CachedImages:
         self.description = str(len(self.images))  # names the data in the FID reference fingerprint
 
     def batches(self, first: int, last: int):
-        """Micro-batches first..last-1, prefetched in order by the DataLoader workers, which start at
-        the first batch and end when the iterator is closed (or exhausted)."""
+        """Micro-batches first..last-1, prefetched in order by the DataLoader workers, which start now
+        and end when the iterator is closed (or exhausted)."""
         spec = self.spec
         loader = torch.utils.data.DataLoader(
             batch_order.MicroBatches(self.images, self.order, self.rank, spec.train_batch_size, spec.resolution,
@@ -85,11 +85,7 @@ class CachedImages:
             batch_size=None, sampler=range(first, last), num_workers=spec.dataloader_num_workers,
             pin_memory=self.pin_memory, worker_init_fn=workers.ignore_stop_signals,
             generator=torch.Generator())  # its own generator: creating the iterator must not touch the global RNG
-        prefetched = workers.start_workers(loader)
-        try:
-            yield from prefetched
-        finally:  # this frame holds the only reference: freeing it is torch's way to end the workers
-            del prefetched
+        return workers.closable(workers.start_workers(loader))  # started here, outside any training step
 
     def position(self, micro_step: int) -> dict:
         epoch, batch = self.order.position(micro_step)

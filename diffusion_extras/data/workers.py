@@ -39,6 +39,15 @@ def start_workers(loader):
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def closable(iterator):
+    """`iterator` (a DataLoader's, started) as a generator whose close() drops it: torch ends the
+    workers when it frees their iterator, and this generator holds the only reference."""
+    try:
+        yield from iterator
+    finally:
+        del iterator
+
+
 def ignore_stop_signals(worker_id: int) -> None:
     """`worker_init_fn` of every loader of training data: the worker ignores the stop signals
     unless its parent sends them. (Forked workers run the main process's handler, which only sets
