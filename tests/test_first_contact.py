@@ -105,6 +105,51 @@ def test_unreadable_config_is_reported_even_as_root(tmp_path, monkeypatch):
         config.load_yaml(str(path))
 
 
+# ------------------------------------------------------------------ answers before torch loads
+# What --help and a config error must not import: the trainer's stack (seconds on a laptop). The
+# config validates against core/choices.py and evaluation/choices.py; main.py imports the trainer
+# once the config is good.
+HEAVY = ("torch", "diffusers", "datasets", "transformers", "accelerate", "scipy", "sklearn", "matplotlib", "pandas")
+IMPORT_TIME = [sys.executable, "-X", "importtime"]  # a fresh interpreter listing each module it imports on stderr
+
+
+def _bad_recipe(tmp_path, text):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+LIGHT_CASES = [  # (flags, the one line's words; None: --help)
+    (lambda tmp: ["--help"], None),
+    (lambda tmp: ["--prediction_type", "nonsense"], "--prediction_type 'nonsense' is not one of: epsilon"),
+    (lambda tmp: ["--lr_scheduler", "cosine_annealing"], "--lr_scheduler 'cosine_annealing' is not one of"),
+    (lambda tmp: ["--eval_metrics", "fid,is"], "--eval_metrics 'fid,is': choose a comma list of fid"),
+    (lambda tmp: ["--background", "grey"], "--background 'grey': give white, black or a colour #rrggbb"),
+    (lambda tmp: ["--resolution", "18"], "--resolution 18 cannot be halved 2 times"),
+    (lambda tmp: ["--learning_rate", "fast"], "argument --learning_rate: invalid float value: 'fast'"),
+    (lambda tmp: ["--config", _bad_recipe(tmp, "seed: [1\n")], "not valid YAML at line 2"),
+    (lambda tmp: ["--config", _bad_recipe(tmp, "learning_rat: 1e-4\n")],
+     "unknown setting(s) in the recipe: learning_rat"),
+]
+
+
+@pytest.mark.parametrize("flags,words", LIGHT_CASES, ids=lambda v: None if callable(v) else str(v)[:30])
+def test_help_and_config_errors_answer_without_importing_the_training_stack(run_cli, tmp_path, flags, words):
+    result = run_cli(["train_ddpm.py", *flags(tmp_path), "--output_dir", str(tmp_path / "out")], launcher=IMPORT_TIME,
+                     timeout=120)
+    stderr = result.stderr.splitlines()
+    imported = {line.rsplit("|", 1)[1].strip() for line in stderr if line.startswith("import time:")}
+    assert "diffusion_extras.training.config" in imported  # a fresh interpreter listed its imports
+    assert sorted(name for name in imported if name.split(".")[0] in HEAVY) == []
+    lines = [line for line in stderr if line.strip() and not line.startswith("import time:")]
+    if words is None:
+        assert result.returncode == 0 and lines == [] and "--prediction_type" in result.stdout
+    else:
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+        assert words in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------ the model follows the images
 def _image_folder(folder, mode, count=12, size=20):
     rng = np.random.default_rng(0)

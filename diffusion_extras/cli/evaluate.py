@@ -33,12 +33,8 @@ from diffusion_extras.cli.common import (
 )
 from diffusion_extras.evaluation import distributed, likelihood
 from diffusion_extras.evaluation.backbones import CLIP_DEFAULT, DINOV2_DEFAULT
-from diffusion_extras.evaluation.metrics import (
-    build_feature_extractor,
-    evaluate_unet_metrics,
-    extractors_for,
-    parse_metrics,
-)
+from diffusion_extras.evaluation.choices import parse_metrics
+from diffusion_extras.evaluation.metrics import build_feature_extractor, evaluate_unet_metrics, extractors_for
 from diffusion_extras.evaluation.sampling import SCHEDULERS, make_scheduler
 
 

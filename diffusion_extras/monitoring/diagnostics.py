@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffusion_extras.core.losses import PREDICTION_TYPES
+from diffusion_extras.core.choices import PREDICTION_TYPES
 
 # Per logging window: the plotted curve follows about the last two windows, i.e. the current model.
 # (0.9 kept the first windows' high losses visible through the whole of a 20-window run.)
