@@ -39,3 +39,13 @@ def test_the_guidance_default_is_read_from_the_pipeline_file():
     assert evaluation_choices.DEFAULT_GUIDANCE_SCALE == pipeline_class_conditional.DEFAULT_GUIDANCE_SCALE
     with pytest.raises(LookupError, match="assigns no NO_SUCH_NAME"):
         evaluation_choices._pipeline_constant("NO_SUCH_NAME")
+
+
+def test_sampling_choices_are_the_samplers_and_precisions():
+    from diffusion_extras.evaluation import backbones, sampling
+    assert evaluation_choices.SAMPLING_DTYPES == tuple(sampling.DTYPES)
+    for name in evaluation_choices.SCHEDULERS:
+        sampling.make_scheduler(name, DDPMScheduler().config)
+    with pytest.raises(ValueError, match="unknown scheduler 'euler'"):
+        sampling.make_scheduler("euler", DDPMScheduler().config)
+    assert backbones.Dinov2Features.__init__.__defaults__[0] == evaluation_choices.DINOV2_DEFAULT

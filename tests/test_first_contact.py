@@ -106,11 +106,22 @@ def test_unreadable_config_is_reported_even_as_root(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ answers before torch loads
-# What --help and a config error must not import: the trainer's stack (seconds on a laptop). The
-# config validates against core/choices.py and evaluation/choices.py; main.py imports the trainer
-# once the config is good.
+# What --help and a bad flag must not import: the commands' stack (seconds on a laptop). The training
+# config validates against core/choices.py and evaluation/choices.py, the sample and evaluate flags
+# come from cli/arguments.py and evaluation/choices.py; each command imports its work once its flags
+# are good.
 HEAVY = ("torch", "diffusers", "datasets", "transformers", "accelerate", "scipy", "sklearn", "matplotlib", "pandas")
 IMPORT_TIME = [sys.executable, "-X", "importtime"]  # a fresh interpreter listing each module it imports on stderr
+
+
+def _run_listing_imports(run_cli, args, module):
+    """(the result, the HEAVY modules the command imported, its stderr lines but the import list)."""
+    result = run_cli(args, launcher=IMPORT_TIME, timeout=120)
+    stderr = result.stderr.splitlines()
+    imported = {line.rsplit("|", 1)[1].strip() for line in stderr if line.startswith("import time:")}
+    assert module in imported  # a fresh interpreter listed its imports (a forked one lists none)
+    heavy = sorted(name for name in imported if name.split(".")[0] in HEAVY)
+    return result, heavy, [line for line in stderr if line.strip() and not line.startswith("import time:")]
 
 
 def _bad_recipe(tmp_path, text):
@@ -135,19 +146,28 @@ LIGHT_CASES = [  # (flags, the one line's words; None: --help)
 
 @pytest.mark.parametrize("flags,words", LIGHT_CASES, ids=lambda v: None if callable(v) else str(v)[:30])
 def test_help_and_config_errors_answer_without_importing_the_training_stack(run_cli, tmp_path, flags, words):
-    result = run_cli(["train_ddpm.py", *flags(tmp_path), "--output_dir", str(tmp_path / "out")], launcher=IMPORT_TIME,
-                     timeout=120)
-    stderr = result.stderr.splitlines()
-    imported = {line.rsplit("|", 1)[1].strip() for line in stderr if line.startswith("import time:")}
-    assert "diffusion_extras.training.config" in imported  # a fresh interpreter listed its imports
-    assert sorted(name for name in imported if name.split(".")[0] in HEAVY) == []
-    lines = [line for line in stderr if line.strip() and not line.startswith("import time:")]
+    result, heavy, lines = _run_listing_imports(
+        run_cli, ["train_ddpm.py", *flags(tmp_path), "--output_dir", str(tmp_path / "out")],
+        "diffusion_extras.training.config")
+    assert heavy == []
     if words is None:
         assert result.returncode == 0 and lines == [] and "--prediction_type" in result.stdout
     else:
         assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
         assert words in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["sample", "evaluate"])
+def test_sample_and_evaluate_help_and_a_bad_flag_answer_without_importing_torch(run_cli, tmp_path, command):
+    module, parser = f"diffusion_extras.{command}", f"diffusion_extras.cli.{command}"
+    result, heavy, _ = _run_listing_imports(run_cli, ["-m", module, "--help"], parser)
+    assert result.returncode == 0 and "--scheduler" in result.stdout and heavy == []
+    result, heavy, lines = _run_listing_imports(
+        run_cli, ["-m", module, str(tmp_path), "--reference", str(tmp_path), "--output", str(tmp_path / "out"),
+                  "--scheduler", "euler"], parser)
+    assert result.returncode == 2 and "argument --scheduler: invalid choice: 'euler'" in lines[-1], lines
+    assert heavy == []
 
 
 # ------------------------------------------------------------------ the model follows the images

@@ -13,14 +13,12 @@ import os
 
 import torch
 
+from diffusion_extras.cli.arguments import add_device_argument, one_line_errors, positive_int
 from diffusion_extras.cli.common import (
-    add_device_argument,
     check_pipeline_folder,
     load_pipeline,
     load_reference,
-    one_line_errors,
     pipeline_resolution,
-    positive_int,
     resolve_device,
 )
 from diffusion_extras.core.commands import prog_name

@@ -1,6 +1,8 @@
 """The evaluation's named options, importable without torch: the metric names and the guidance
-default, which the training config validates against and declares as its default (so `--help` and a
-bad flag answer before torch loads). metrics.py computes the metrics named here."""
+default, which the training config validates against and declares as its default, and the sampling
+schedulers, precisions and metric backbones that the sample and evaluate commands offer (so `--help`
+and a bad flag answer before torch loads). tests/test_choices.py checks them against the modules
+that implement them (metrics.py, sampling.py, backbones.py)."""
 from __future__ import annotations
 
 import ast
@@ -8,6 +10,10 @@ from pathlib import Path
 
 # Metric -> the extractor it is computed in; None: the one --feature_extractor names (inception/tiny).
 METRIC_EXTRACTORS = {"fid": None, "kid": None, "fd_dinov2": "dinov2", "cmmd": "clip"}
+DINOV2_DEFAULT = "facebook/dinov2-large"  # fd_dinov2's backbone (Stein et al. 2023)
+CLIP_DEFAULT = "openai/clip-vit-large-patch14-336"  # cmmd's backbone (Jayasumana et al. 2024)
+SCHEDULERS = ("ddpm", "ddim", "dpm")  # sampling.make_scheduler's: ancestral, DDIM (eta 0), DPM-Solver++ (2M)
+SAMPLING_DTYPES = ("fp32", "fp16", "bf16")  # sampling.DTYPES: the UNet's precision while sampling
 
 
 def parse_metrics(text: str) -> list[str]:
