@@ -158,15 +158,15 @@ def test_help_and_config_errors_answer_without_importing_the_training_stack(run_
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("command", ["sample", "evaluate"])
-def test_sample_and_evaluate_help_and_a_bad_flag_answer_without_importing_torch(run_cli, tmp_path, command):
+@pytest.mark.parametrize("command,flag,needed", [
+    ("sample", "--scheduler", ["--output", "out"]), ("evaluate", "--scheduler", ["--reference", "images"]),
+    ("posthoc_ema", "--feature_extractor", ["--sigma_rels", "0.1"])])
+def test_command_help_and_a_bad_flag_answer_without_importing_torch(run_cli, tmp_path, command, flag, needed):
     module, parser = f"diffusion_extras.{command}", f"diffusion_extras.cli.{command}"
     result, heavy, _ = _run_listing_imports(run_cli, ["-m", module, "--help"], parser)
-    assert result.returncode == 0 and "--scheduler" in result.stdout and heavy == []
-    result, heavy, lines = _run_listing_imports(
-        run_cli, ["-m", module, str(tmp_path), "--reference", str(tmp_path), "--output", str(tmp_path / "out"),
-                  "--scheduler", "euler"], parser)
-    assert result.returncode == 2 and "argument --scheduler: invalid choice: 'euler'" in lines[-1], lines
+    assert result.returncode == 0 and flag in result.stdout and heavy == []
+    result, heavy, lines = _run_listing_imports(run_cli, ["-m", module, str(tmp_path), *needed, flag, "euler"], parser)
+    assert result.returncode == 2 and f"argument {flag}: invalid choice: 'euler'" in lines[-1], lines
     assert heavy == []
 
 
