@@ -10,7 +10,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:  # the training config builds a DataSpec: it imports without torch (tests/test_choices.py)
+if TYPE_CHECKING:  # the training config builds a DataSpec: it imports without torch (tests/test_first_contact.py)
     import torch
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 import yaml
 
 # Only modules that import without torch, diffusers or datasets: `--help` and every error raised
-# here come back in a fraction of a second (tests/test_choices.py runs them in a fresh interpreter).
+# here come back in a fraction of a second (tests/test_first_contact.py runs them in a fresh interpreter).
 from diffusion_extras.core.choices import (
     BETA_SCHEDULES,
     LOSS_TYPES,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # main.py exports Hooks, and main.py imports without torch (tests/test_choices.py)
+if TYPE_CHECKING:  # main.py exports Hooks, and main.py imports without torch (tests/test_first_contact.py)
     import torch
 
     from diffusion_extras.training.run_state import Run

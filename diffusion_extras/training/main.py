@@ -17,7 +17,7 @@ import sys
 
 # What the config parse and the exit codes need, all of it without torch: the trainer itself (torch,
 # diffusers, accelerate: seconds) is imported in main() once the config is good, so `--help` and a
-# config error answer at once (tests/test_choices.py holds this).
+# config error answer at once (tests/test_first_contact.py holds this).
 from diffusion_extras.core import commands, stop_flag
 from diffusion_extras.data.images import DataError
 from diffusion_extras.hub.secrets import redact_argv
