@@ -109,7 +109,7 @@ def test_unreadable_config_is_reported_even_as_root(tmp_path, monkeypatch):
 # What --help and a bad flag must not import: the commands' stack (seconds on a laptop). The training
 # config validates against core/choices.py and evaluation/choices.py, the sample and evaluate flags
 # come from cli/arguments.py and evaluation/choices.py; each command imports its work once its flags
-# are good.
+# are good (the report's checks, once they rebuild the noise schedule).
 HEAVY = ("torch", "diffusers", "datasets", "transformers", "accelerate", "scipy", "sklearn", "matplotlib", "pandas")
 IMPORT_TIME = [sys.executable, "-X", "importtime"]  # a fresh interpreter listing each module it imports on stderr
 
@@ -167,6 +167,16 @@ def test_command_help_and_a_bad_flag_answer_without_importing_torch(run_cli, tmp
     assert result.returncode == 0 and flag in result.stdout and heavy == []
     result, heavy, lines = _run_listing_imports(run_cli, ["-m", module, str(tmp_path), *needed, flag, "euler"], parser)
     assert result.returncode == 2 and f"argument {flag}: invalid choice: 'euler'" in lines[-1], lines
+    assert heavy == []
+
+
+def test_report_help_and_a_missing_run_answer_without_importing_torch(run_cli, tmp_path):
+    module, marker = "diffusion_extras.report", "diffusion_extras.report.health"
+    result, heavy, _ = _run_listing_imports(run_cli, ["-m", module, "--help"], marker)
+    assert result.returncode == 0 and "run_dir" in result.stdout and heavy == []
+    result, heavy, lines = _run_listing_imports(run_cli, ["-m", module, str(tmp_path / "no_run")], marker)
+    assert result.returncode == 2 and lines == [f"error: {tmp_path / 'no_run'}: no such directory; pass a training "
+                                                "output_dir or a checkpoint in it"], lines
     assert heavy == []
 
 
