@@ -8,13 +8,8 @@ import torch
 from conftest import save_tiny_pipeline
 from diffusers import UNet2DModel
 
-from diffusion_extras.cli.common import (
-    load_pipeline,
-    one_line_errors,
-    pipeline_resolution,
-    positive_int,
-    resolve_device,
-)
+from diffusion_extras.cli.arguments import one_line_errors, positive_int
+from diffusion_extras.cli.common import load_pipeline, pipeline_resolution, resolve_device
 
 
 def test_positive_int_refuses_zero_and_negatives():

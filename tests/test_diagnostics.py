@@ -6,12 +6,8 @@ import pytest
 import torch
 from PIL import Image
 
-from diffusion_extras.monitoring.diagnostics import (
-    TimestepDiagnostics,
-    bayes_optimal_loss,
-    per_dimension_variance,
-    timestep_bin_edges,
-)
+from diffusion_extras.monitoring.bins import timestep_bin_edges
+from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics, bayes_optimal_loss, per_dimension_variance
 from diffusion_extras.monitoring.plots import plot_loss_per_timestep
 
 T = 1000

@@ -105,6 +105,81 @@ def test_unreadable_config_is_reported_even_as_root(tmp_path, monkeypatch):
         config.load_yaml(str(path))
 
 
+# ------------------------------------------------------------------ answers before torch loads
+# What --help and a bad flag must not import: the commands' stack (seconds on a laptop). The training
+# config validates against core/choices.py and evaluation/choices.py, the sample and evaluate flags
+# come from cli/arguments.py and evaluation/choices.py; each command imports its work once its flags
+# are good (the report's checks, once they rebuild the noise schedule).
+HEAVY = ("torch", "diffusers", "datasets", "transformers", "accelerate", "scipy", "sklearn", "matplotlib", "pandas")
+IMPORT_TIME = [sys.executable, "-X", "importtime"]  # a fresh interpreter listing each module it imports on stderr
+
+
+def _run_listing_imports(run_cli, args, module):
+    """(the result, the HEAVY modules the command imported, its stderr lines but the import list)."""
+    result = run_cli(args, launcher=IMPORT_TIME, timeout=120)
+    stderr = result.stderr.splitlines()
+    imported = {line.rsplit("|", 1)[1].strip() for line in stderr if line.startswith("import time:")}
+    assert module in imported  # a fresh interpreter listed its imports (a forked one lists none)
+    heavy = sorted(name for name in imported if name.split(".")[0] in HEAVY)
+    return result, heavy, [line for line in stderr if line.strip() and not line.startswith("import time:")]
+
+
+def _bad_recipe(tmp_path, text):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+LIGHT_CASES = [  # (flags, the one line's words; None: --help)
+    (lambda tmp: ["--help"], None),
+    (lambda tmp: ["--prediction_type", "nonsense"], "--prediction_type 'nonsense' is not one of: epsilon"),
+    (lambda tmp: ["--lr_scheduler", "cosine_annealing"], "--lr_scheduler 'cosine_annealing' is not one of"),
+    (lambda tmp: ["--eval_metrics", "fid,is"], "--eval_metrics 'fid,is': choose a comma list of fid"),
+    (lambda tmp: ["--background", "grey"], "--background 'grey': give white, black or a colour #rrggbb"),
+    (lambda tmp: ["--resolution", "18"], "--resolution 18 cannot be halved 2 times"),
+    (lambda tmp: ["--learning_rate", "fast"], "argument --learning_rate: invalid float value: 'fast'"),
+    (lambda tmp: ["--config", _bad_recipe(tmp, "seed: [1\n")], "not valid YAML at line 2"),
+    (lambda tmp: ["--config", _bad_recipe(tmp, "learning_rat: 1e-4\n")],
+     "unknown setting(s) in the recipe: learning_rat"),
+]
+
+
+@pytest.mark.parametrize("flags,words", LIGHT_CASES, ids=lambda v: None if callable(v) else str(v)[:30])
+def test_help_and_config_errors_answer_without_importing_the_training_stack(run_cli, tmp_path, flags, words):
+    result, heavy, lines = _run_listing_imports(
+        run_cli, ["train_ddpm.py", *flags(tmp_path), "--output_dir", str(tmp_path / "out")],
+        "diffusion_extras.training.config")
+    assert heavy == []
+    if words is None:
+        assert result.returncode == 0 and lines == [] and "--prediction_type" in result.stdout
+    else:
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+        assert words in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command,flag,needed", [
+    ("sample", "--scheduler", ["--output", "out"]), ("evaluate", "--scheduler", ["--reference", "images"]),
+    ("posthoc_ema", "--feature_extractor", ["--sigma_rels", "0.1"])])
+def test_command_help_and_a_bad_flag_answer_without_importing_torch(run_cli, tmp_path, command, flag, needed):
+    module, parser = f"diffusion_extras.{command}", f"diffusion_extras.cli.{command}"
+    result, heavy, _ = _run_listing_imports(run_cli, ["-m", module, "--help"], parser)
+    assert result.returncode == 0 and flag in result.stdout and heavy == []
+    result, heavy, lines = _run_listing_imports(run_cli, ["-m", module, str(tmp_path), *needed, flag, "euler"], parser)
+    assert result.returncode == 2 and f"argument {flag}: invalid choice: 'euler'" in lines[-1], lines
+    assert heavy == []
+
+
+def test_report_help_and_a_missing_run_answer_without_importing_torch(run_cli, tmp_path):
+    module, marker = "diffusion_extras.report", "diffusion_extras.report.health"
+    result, heavy, _ = _run_listing_imports(run_cli, ["-m", module, "--help"], marker)
+    assert result.returncode == 0 and "run_dir" in result.stdout and heavy == []
+    result, heavy, lines = _run_listing_imports(run_cli, ["-m", module, str(tmp_path / "no_run")], marker)
+    assert result.returncode == 2 and lines == [f"error: {tmp_path / 'no_run'}: no such directory; pass a training "
+                                                "output_dir or a checkpoint in it"], lines
+    assert heavy == []
+
+
 # ------------------------------------------------------------------ the model follows the images
 def _image_folder(folder, mode, count=12, size=20):
     rng = np.random.default_rng(0)

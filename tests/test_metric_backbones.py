@@ -14,7 +14,8 @@ from conftest import cli_env, read_history, save_random_images, save_tiny_pipeli
 from PIL import Image
 
 from diffusion_extras.evaluation import backbones
-from diffusion_extras.evaluation.metrics import build_feature_extractor, cmmd, extractors_for, parse_metrics
+from diffusion_extras.evaluation.choices import parse_metrics
+from diffusion_extras.evaluation.metrics import build_feature_extractor, cmmd, extractors_for
 
 IMAGENET_MEAN, IMAGENET_STD = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_unet
 
-from diffusion_extras.cli import posthoc_ema
+from diffusion_extras.cli import common
 from diffusion_extras.cli.posthoc_ema import main
 from diffusion_extras.core import phema
 from diffusion_extras.core.phema import (
@@ -20,6 +20,7 @@ from diffusion_extras.core.phema import (
     sigma_rel_to_gamma,
     solve_weights,
 )
+from diffusion_extras.evaluation import metrics
 
 FP16_UNIT_ROUNDOFF = 2.0 ** -11  # fp16 keeps 11 significant bits
 
@@ -206,8 +207,10 @@ def test_cli_evaluates_each_width_and_exports_the_lowest_fid(tmp_path, monkeypat
     fake_metrics = types.SimpleNamespace(
         build_feature_extractor=lambda name, weights, device: ("extractor", name),
         evaluate_unet=lambda *args, **kwargs: calls.append(kwargs) or {"fid": next(fids), "kid": 0.1})
-    monkeypatch.setattr(posthoc_ema, "evaluation", fake_metrics)  # the command's metrics module
-    monkeypatch.setattr(posthoc_ema, "load_reference", lambda *args: "reference")
+    # the command imports these when it runs
+    monkeypatch.setattr(metrics, "build_feature_extractor", fake_metrics.build_feature_extractor)
+    monkeypatch.setattr(metrics, "evaluate_unet", fake_metrics.evaluate_unet)
+    monkeypatch.setattr(common, "load_reference", lambda *args: "reference")
     main([str(output), "--sigma_rels", "0.05,0.1,0.15", "--evaluate", "--num_samples", "16",
           "--reference", "ref.npz", "--device", "cpu", "--export", str(tmp_path / "x")])
     assert [c["num_samples"] for c in calls] == [16, 16, 16]

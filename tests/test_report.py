@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import yaml
 
-from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics, loss_bin_key
+from diffusion_extras.monitoring.bins import loss_bin_key
+from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 from diffusion_extras.report import checks as report_checks
 from diffusion_extras.report import health as report
 

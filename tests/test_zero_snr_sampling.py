@@ -66,12 +66,12 @@ def test_sample_cli_samples_from_the_zero_snr_step(tmp_path, monkeypatch):
     config = parse_config([*ZERO_SNR, "--config", "configs/digits.yaml"])
     scheduler = DDPMScheduler(rescale_betas_zero_snr=True, prediction_type="v_prediction")  # an older export
     models.export_pipeline(models.build_unet(config), scheduler, str(tmp_path / "pipe"))
-    seen = []
+    seen, original = [], sampling.generate
 
     def generate(unet, scheduler, num_images, num_inference_steps, **kwargs):
         seen.append(first_timestep(scheduler, num_inference_steps))
-        return sampling.generate(unet, scheduler, num_images, 1, **kwargs)
-    monkeypatch.setattr(sample, "generate", generate)
+        return original(unet, scheduler, num_images, 1, **kwargs)
+    monkeypatch.setattr(sampling, "generate", generate)  # the command imports it when it runs
     # in process, not through run_cli: the test watches the scheduler handed to generate()
     assert sample.main([str(tmp_path / "pipe"), "--num_images", "1", "--num_inference_steps", "10",
                         "--device", "cpu", "--output", str(tmp_path / "images")]) == 0

@@ -1,22 +1,17 @@
-"""Helpers the command lines share (`python -m diffusion_extras.sample`, `.evaluate`, `.posthoc_ema`):
-argument types and the --device flag, loading a saved pipeline (a local folder or a Hub id), loading
-reference images or statistics for the metrics, and bad input reported as one `error: ...` line with
-exit status 2 instead of a traceback.
+"""Helpers the command lines share (`python -m diffusion_extras.sample`, `.evaluate`, `.posthoc_ema`)
+once their flags are parsed (the flags themselves: arguments.py): the --device, loading a saved
+pipeline (a local folder or a Hub id), loading reference images or statistics for the metrics.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
-import sys
-from contextlib import contextmanager
 
 import numpy as np
 import torch
 from PIL import Image
 
-from diffusion_extras.core.commands import prog_name
 from diffusion_extras.data.images import preprocess_image
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
 from diffusion_extras.evaluation.pipeline_class_conditional import (
@@ -28,26 +23,7 @@ from diffusion_extras.evaluation.pipeline_class_conditional import (
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
 
-# ----------------------------------------------------------------------------- arguments and errors
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def pipeline_parser(command: str, description: str) -> argparse.ArgumentParser:
-    """The parser of `python -m diffusion_extras.COMMAND PIPELINE ...`; `description`: the module docstring."""
-    parser = argparse.ArgumentParser(prog=prog_name(command), description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("pipeline", help="folder saved by train_ddpm.py (save_pretrained) or a Hub id")
-    return parser
-
-
-def add_device_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-
-
+# ----------------------------------------------------------------------------- the device
 def resolve_device(name: str) -> torch.device:
     """'auto' -> cuda when available else cpu; a clear error when cuda is asked for and absent."""
     if name == "auto":
@@ -58,17 +34,6 @@ def resolve_device(name: str) -> torch.device:
         return torch.device(name)
     except RuntimeError:
         raise ValueError(f"unknown device {name!r}; use cpu, cuda, cuda:N or auto") from None
-
-
-@contextmanager
-def one_line_errors():
-    """Bad input and missing or unreadable files (ValueError, OSError) end the command with
-    `error: ...` on stderr and exit status 2, as argparse does for a bad flag."""
-    try:
-        yield
-    except (ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 # ----------------------------------------------------------------------------- pipelines
@@ -154,31 +119,6 @@ def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
         if not isinstance(pipeline.unet, UNet2DModel):
             raise ValueError(f"{name_or_path} has a {type(pipeline.unet).__name__}; expected a UNet2DModel")
     return pipeline.to(device)
-
-
-def add_guidance_arguments(parser: argparse.ArgumentParser) -> None:
-    """--guidance_scale, --guidance_interval and --guide of the sample and evaluate commands."""
-    parser.add_argument("--guidance_scale", type=float, default=None,
-                        help=f"guidance scale of a class-conditional pipeline, or of any with --guide "
-                             f"(default {DEFAULT_GUIDANCE_SCALE}; 1: none)")
-    parser.add_argument("--guidance_interval", type=noise_interval, default=None, metavar="LOW,HIGH",
-                        help="guide only at noise levels sigma = sqrt((1 - alpha_bar) / alpha_bar) in (LOW, HIGH], "
-                             "one unguided UNet call elsewhere (Kynkaanniemi et al. 2024); default: every step")
-    parser.add_argument("--guide", default=None,
-                        help="autoguidance (Karras et al. 2024): a weaker UNet of the same kind (a UNet folder, or a "
-                             "pipeline folder with unet/) replaces the 'no class' branch; works for unconditional "
-                             "pipelines too. Default: the pipeline's saved guide/ if it has one; 'none': never")
-
-
-def noise_interval(text: str) -> tuple[float, float]:
-    """LOW,HIGH -> (low, high) with 0 <= low < high ('inf' allowed)."""
-    try:
-        low, high = (float(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give two noise levels LOW,HIGH, e.g. 0.3,5") from None
-    if not 0 <= low < high:
-        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= LOW < HIGH")
-    return low, high
 
 
 def load_guide(path: str, unet, device):

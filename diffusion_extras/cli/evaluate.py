@@ -18,28 +18,15 @@ import argparse
 import json
 import os
 
-from diffusion_extras.cli.common import (
+from diffusion_extras.cli.arguments import (
     add_device_argument,
     add_guidance_arguments,
-    guidance_for,
-    load_images,
-    load_pipeline,
-    load_reference,
     one_line_errors,
     pipeline_parser,
-    pipeline_resolution,
     positive_int,
-    resolve_device,
 )
-from diffusion_extras.evaluation import distributed, likelihood
-from diffusion_extras.evaluation.backbones import CLIP_DEFAULT, DINOV2_DEFAULT
-from diffusion_extras.evaluation.metrics import (
-    build_feature_extractor,
-    evaluate_unet_metrics,
-    extractors_for,
-    parse_metrics,
-)
-from diffusion_extras.evaluation.sampling import SCHEDULERS, make_scheduler
+from diffusion_extras.evaluation import distributed
+from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT, SCHEDULERS, parse_metrics
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,6 +60,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # torch, diffusers, scipy (seconds) once the flags are good: --help and a bad flag answer at once
+    from diffusion_extras.cli.common import guidance_for, load_images, load_pipeline, pipeline_resolution
+    from diffusion_extras.evaluation import likelihood
+    from diffusion_extras.evaluation.metrics import extractors_for
+
     rank, num_ranks = distributed.launched_ranks()
     with one_line_errors():
         device = launch_device(args.device, num_ranks)
@@ -109,6 +101,8 @@ def main(argv=None) -> int:
 def launch_device(name: str, num_ranks: int):
     """--device for one process; under a multi-process launch, this rank's device (its GPU, or the
     CPU) once the process group is up (accelerate's PartialState reads the launcher's variables)."""
+    from diffusion_extras.cli.common import resolve_device
+
     if num_ranks == 1:
         return resolve_device(name)
     from accelerate import PartialState
@@ -119,6 +113,10 @@ def sample_metrics(args, pipeline, groups: dict, resolution: int, device, rank: 
                    num_classes: int | None, guidance: dict) -> dict:
     """FID / KID / FD-DINOv2 / CMMD of sampled images against the reference, and how they were
     sampled; every rank samples its share, rank 0 scores (the others get {})."""
+    from diffusion_extras.cli.common import load_reference
+    from diffusion_extras.evaluation.metrics import build_feature_extractor, evaluate_unet_metrics
+    from diffusion_extras.evaluation.sampling import make_scheduler
+
     suites = []
     for kind, wanted in groups.items():
         extractor = build_feature_extractor(kind, args.inception_weights, device,

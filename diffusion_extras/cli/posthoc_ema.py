@@ -10,22 +10,13 @@ import argparse
 import copy
 import json
 import os
+from typing import TYPE_CHECKING
 
-import torch
-
-from diffusion_extras.cli.common import (
-    add_device_argument,
-    check_pipeline_folder,
-    load_pipeline,
-    load_reference,
-    one_line_errors,
-    pipeline_resolution,
-    positive_int,
-    resolve_device,
-)
+from diffusion_extras.cli.arguments import add_device_argument, one_line_errors, positive_int
 from diffusion_extras.core.commands import prog_name
-from diffusion_extras.core.phema import reconstruct, require_snapshots, sigma_rel_to_gamma, solve_weights
-from diffusion_extras.evaluation import metrics as evaluation
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _parse_args(argv):
@@ -49,6 +40,9 @@ def _parse_args(argv):
     add_device_argument(parser)
     parser.add_argument("--export", default=None, help="default: OUTPUT_DIR/posthoc-ema-best")
     args = parser.parse_args(argv)
+    # torch, scipy, diffusers (seconds) once the flags parse: --help and a bad flag answer at once
+    from diffusion_extras.core.phema import sigma_rel_to_gamma
+
     try:
         args.sigma_rels = [float(v) for v in args.sigma_rels.split(",") if v.strip()]
     except ValueError:
@@ -66,6 +60,8 @@ def _parse_args(argv):
 
 def _with_parameters(unet, state: dict[str, torch.Tensor]):
     """A copy of `unet` whose parameters are `state`; buffers and config stay the pipeline's."""
+    import torch
+
     unet = copy.deepcopy(unet)
     parameters = dict(unet.named_parameters())
     missing, unknown = parameters.keys() - state.keys(), state.keys() - parameters.keys()
@@ -80,6 +76,17 @@ def _with_parameters(unet, state: dict[str, torch.Tensor]):
 
 def _run(args) -> None:
     from diffusers import DDPMPipeline
+
+    from diffusion_extras.cli.common import (
+        check_pipeline_folder,
+        load_pipeline,
+        load_reference,
+        pipeline_resolution,
+        resolve_device,
+    )
+    from diffusion_extras.core.phema import reconstruct, require_snapshots, sigma_rel_to_gamma, solve_weights
+    from diffusion_extras.evaluation import metrics as evaluation
+
     check_pipeline_folder(args.output_dir)
     snapshot_dir = os.path.join(args.output_dir, "posthoc_ema")
     snapshots = require_snapshots(snapshot_dir)

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import argparse
 
-from diffusion_extras.cli.common import (
+from diffusion_extras.cli.arguments import (
     add_device_argument,
     add_guidance_arguments,
-    guidance_for,
-    load_pipeline,
     one_line_errors,
     pipeline_parser,
     positive_int,
-    resolve_device,
 )
-from diffusion_extras.evaluation.sampling import DTYPES, SCHEDULERS, generate, make_scheduler, save_images
+from diffusion_extras.evaluation.choices import SAMPLING_DTYPES, SCHEDULERS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,13 +32,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "class i mod the list's length); default: every class in turn")
     add_guidance_arguments(parser)
     add_device_argument(parser)
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+    parser.add_argument("--dtype", choices=SAMPLING_DTYPES, default="fp32",
                         help="UNet precision; the sampler state stays fp32")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # torch and diffusers (seconds) once the flags are good: --help and a bad flag answer at once
+    from diffusion_extras.cli.common import guidance_for, load_pipeline, resolve_device
+    from diffusion_extras.evaluation.sampling import DTYPES, generate, make_scheduler, save_images
+
     dtype = DTYPES[args.dtype]
     with one_line_errors():
         device = resolve_device(args.device)

@@ -13,10 +13,6 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler
 
-PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")  # what the UNet predicts (diffusers' names)
-BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid")  # DDPMScheduler's
-LOSS_TYPES = ("l2", "huber")  # per_sample_loss
-
 
 def ddpm_scheduler(num_train_timesteps: int = 1000, beta_schedule: str = "linear", prediction_type: str = "epsilon",
                    rescale_betas_zero_snr: bool = False, variance_type: str = "fixed_small") -> DDPMScheduler:

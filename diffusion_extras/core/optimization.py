@@ -7,9 +7,6 @@ from collections.abc import Iterable
 import torch
 from diffusers.optimization import get_scheduler
 
-# diffusers' get_scheduler names offered by --lr_scheduler
-LR_SCHEDULERS = ("cosine", "constant_with_warmup", "linear", "constant", "cosine_with_restarts", "polynomial")
-
 
 def make_optimizer(parameters: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999),
                    weight_decay: float = 0.0, eps: float = 1e-8, eight_bit: bool = False) -> torch.optim.Optimizer:

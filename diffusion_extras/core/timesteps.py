@@ -93,8 +93,7 @@ class LossAwareTimestepSampler:
         self.counts = state["counts"].to(self.counts.device, torch.float64)
 
 
-SAMPLERS = {"uniform": UniformTimesteps, "loss_aware": LossAwareTimestepSampler}
-TIMESTEP_SAMPLING = tuple(SAMPLERS)  # --timestep_sampling's choices
+SAMPLERS = {"uniform": UniformTimesteps, "loss_aware": LossAwareTimestepSampler}  # by choices.TIMESTEP_SAMPLING
 
 
 def make_timestep_sampler(kind: str, num_train_timesteps: int, device=None):

@@ -20,9 +20,9 @@ import math
 
 import torch
 
+from diffusion_extras.core.choices import VARIANCE_TYPES
 from diffusion_extras.core.losses import log_alphas_cumprod
 
-VARIANCE_TYPES = ("fixed_small", "fixed_large", "learned_range")  # DDPMScheduler's names
 LEARNED = "learned_range"
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # the training config builds a DataSpec: it imports without torch (tests/test_first_contact.py)
+    import torch
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import os
 import numpy as np
 import torch
 
-DINOV2_DEFAULT = "facebook/dinov2-large"
-CLIP_DEFAULT = "openai/clip-vit-large-patch14-336"
+from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT
+
 INCEPTION_FILE = "inception-2015-12-05.pt"
 INCEPTION_URL = f"https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/{INCEPTION_FILE}"
 # The publisher gives no checksum and this project was written offline, so none is pinned here:

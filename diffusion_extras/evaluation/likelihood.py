@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from diffusion_extras.core import losses, vlb
+from diffusion_extras.core.choices import VARIANCE_TYPES
 from diffusion_extras.data.batch_order import mix_seed
 from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs
 
@@ -37,8 +38,8 @@ def bits_per_dim(unet, scheduler, images: np.ndarray, batch_size: int = 64, devi
     `scheduler`: the pipeline's (its betas, prediction_type and variance_type)."""
     config = scheduler.config
     variance_type = config.get("variance_type", "fixed_small")
-    if variance_type not in vlb.VARIANCE_TYPES:
-        raise ValueError(f"the bound needs variance_type {', '.join(vlb.VARIANCE_TYPES)}; this scheduler has "
+    if variance_type not in VARIANCE_TYPES:
+        raise ValueError(f"the bound needs variance_type {', '.join(VARIANCE_TYPES)}; this scheduler has "
                          f"{variance_type!r}")
     if timestep_stride < 1:
         raise ValueError(f"timestep_stride must be at least 1 (got {timestep_stride})")

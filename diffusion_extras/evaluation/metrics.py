@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from diffusion_extras.core import stop_flag
 from diffusion_extras.evaluation import backbones, distributed
+from diffusion_extras.evaluation.choices import METRIC_EXTRACTORS
 from diffusion_extras.evaluation.sampling import generate
 
 
@@ -97,18 +98,7 @@ class InceptionTorchScriptFeatures:
         return features.double().cpu().numpy()
 
 
-# Metric -> the extractor it is computed in; None: the one --feature_extractor names (inception/tiny).
-METRIC_EXTRACTORS = {"fid": None, "kid": None, "fd_dinov2": "dinov2", "cmmd": "clip"}
 CMMD_SIGMA, CMMD_SCALE = 10.0, 1000.0  # the paper's kernel width and display scale (google-research/cmmd)
-
-
-def parse_metrics(text: str) -> list[str]:
-    """'fid,kid,cmmd' -> ['fid', 'kid', 'cmmd'], refusing unknown names."""
-    metrics = [m.strip() for m in str(text).split(",") if m.strip()]
-    unknown = [m for m in metrics if m not in METRIC_EXTRACTORS]
-    if not metrics or unknown:
-        raise ValueError(f"--eval_metrics {text!r}: choose a comma list of {', '.join(METRIC_EXTRACTORS)}")
-    return list(dict.fromkeys(metrics))
 
 
 def extractors_for(metrics: list[str], feature_extractor: str) -> dict[str, list[str]]:

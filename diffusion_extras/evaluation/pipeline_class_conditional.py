@@ -24,6 +24,7 @@ PIPELINE_MODULE = "pipeline_class_conditional"  # this file's name in an exporte
 PIPELINE_CLASS = "ClassConditionalPipeline"
 # The one guidance default: the pipeline's __call__, the sample and evaluate commands, the trainer's
 # grids, the model card and the README take it from here. Measured on the digits: docs/BENCHMARKS.md.
+# A literal: the training config reads it from this file's text without importing torch (evaluation/choices.py).
 DEFAULT_GUIDANCE_SCALE = 2.0
 
 

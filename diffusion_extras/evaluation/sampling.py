@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from diffusion_extras.core import stop_flag
 from diffusion_extras.data.batch_order import mix_seed
+from diffusion_extras.evaluation.choices import SCHEDULERS
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     guided_step,
     scheduler_model_output,
@@ -25,8 +26,7 @@ from diffusion_extras.evaluation.pipeline_class_conditional import (
     unconditional_inputs,
 )
 
-SCHEDULERS = ("ddpm", "ddim", "dpm")
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # by choices.SAMPLING_DTYPES
 
 
 def make_scheduler(name: str, config):

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from diffusion_extras.core.losses import PREDICTION_TYPES
+from diffusion_extras.core.choices import PREDICTION_TYPES
+from diffusion_extras.monitoring.bins import loss_bin_key, timestep_bin_edges
 
 # Per logging window: the plotted curve follows about the last two windows, i.e. the current model.
 # (0.9 kept the first windows' high losses visible through the whole of a 20-window run.)
@@ -26,16 +27,6 @@ RUNNING_DECAY = 0.5
 # Order of the step counters at the tail of the packed window buffer.
 _STEP_FIELDS = ("steps", "finite_steps", "clipped_steps", "nonfinite_steps", "grad_norm_sum",
                 "max_consecutive_nonfinite", "loss_scale", "loss_scale_known")
-
-
-def timestep_bin_edges(num_train_timesteps: int, num_bins: int) -> list[int]:
-    """Bin i holds the timesteps edges[i] <= t < edges[i+1] (equal widths up to rounding)."""
-    return [-(-i * num_train_timesteps // num_bins) for i in range(num_bins + 1)]
-
-
-def loss_bin_key(index: int, num_bins: int, prefix: str = "loss_bin") -> str:
-    """'loss_bin/03': zero-padded so that keys sort in timestep order in trackers."""
-    return f"{prefix}/{index:0{max(2, len(str(num_bins - 1)))}d}"
 
 
 class TimestepDiagnostics:

@@ -14,7 +14,7 @@ import torch
 from diffusion_extras.core import losses, stop_flag, vlb
 from diffusion_extras.data.batch_order import VALIDATION_STREAM, ImageSubset, mix_seed, random_crop, to_model_input
 from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs
-from diffusion_extras.monitoring.diagnostics import loss_bin_key, timestep_bin_edges
+from diffusion_extras.monitoring.bins import loss_bin_key, timestep_bin_edges
 from diffusion_extras.monitoring.plots import save_figure
 
 

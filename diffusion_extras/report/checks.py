@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from diffusion_extras.core import losses
-from diffusion_extras.core.losses import min_snr_weight
-from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics, loss_bin_key, timestep_bin_edges
+# The noise schedule's functions (torch, diffusers: seconds) are imported by the checks that rebuild
+# it, so `python -m diffusion_extras.report --help` answers at once (tests/test_first_contact.py).
+from diffusion_extras.monitoring.bins import loss_bin_key, timestep_bin_edges
 
 # --- thresholds (history records are logging windows; "last half" = the later half of them).
 # Changes between medians must also exceed 4 standard errors of the window noise (RunLog.significant).
@@ -236,6 +236,8 @@ def _recent_bins(run: RunLog) -> dict[int, float]:
 
 def _run_alphas_cumprod(config: dict, num_train_timesteps: int):
     """The run's own noise schedule, rebuilt from its saved config."""
+    from diffusion_extras.core import losses
+
     return losses.ddpm_scheduler(num_train_timesteps, config.get("ddpm_beta_schedule", "linear"),
                                  config.get("prediction_type", "epsilon"),
                                  config.get("rescale_betas_zero_snr", False)).alphas_cumprod
@@ -245,6 +247,7 @@ def _reference_from_config(config: dict, num_bins: int, num_train_timesteps: int
     """Bayes-optimal bin means when the config records sigma_data (the data's standard deviation)."""
     if config.get("sigma_data") is None:
         return None
+    from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 
     return TimestepDiagnostics(num_train_timesteps, num_bins).bayes_optimal_bins(
         _run_alphas_cumprod(config, num_train_timesteps), float(config["sigma_data"]),
@@ -256,6 +259,8 @@ def _objective_weights(config: dict, num_bins: int, num_train_timesteps: int) ->
 
     if not config.get("snr_gamma"):
         return np.ones(num_bins)
+    from diffusion_extras.core.losses import min_snr_weight
+
     abar = _run_alphas_cumprod(config, num_train_timesteps).double()
     weights = min_snr_weight(abar / (1 - abar).clamp_min(1e-20), float(config["snr_gamma"]),
                              config.get("prediction_type", "epsilon")).double().numpy()

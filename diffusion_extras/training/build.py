@@ -109,7 +109,8 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     dataset, data_channels, classes = sources.open_training_data(spec, accelerator)  # labels read once, here
     choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None, base)
     training_data, held_out_images = build_data(config, accelerator, unet.config.in_channels, dataset,
-                                                switches["validation_split"], classes, hooks.data_source)
+                                                switches["validation_split"], classes,
+                                                hooks.data_source or sources.build_source)
     plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
     learner = build_learner(config, accelerator, plan, unet, lr_schedule)
     objective = build_objective(config, accelerator, noise_scheduler)

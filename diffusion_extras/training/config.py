@@ -14,14 +14,19 @@ from dataclasses import dataclass, field, fields
 
 import yaml
 
-from diffusion_extras.core.losses import BETA_SCHEDULES, LOSS_TYPES, PREDICTION_TYPES
-from diffusion_extras.core.optimization import LR_SCHEDULERS
-from diffusion_extras.core.timesteps import TIMESTEP_SAMPLING
-from diffusion_extras.core.vlb import VARIANCE_TYPES
+# Only modules that import without torch, diffusers or datasets: `--help` and every error raised
+# here come back in a fraction of a second (tests/test_first_contact.py runs them in a fresh interpreter).
+from diffusion_extras.core.choices import (
+    BETA_SCHEDULES,
+    LOSS_TYPES,
+    LR_SCHEDULERS,
+    PREDICTION_TYPES,
+    TIMESTEP_SAMPLING,
+    VARIANCE_TYPES,
+)
 from diffusion_extras.data.images import parse_background
 from diffusion_extras.data.spec import DataSpec
-from diffusion_extras.evaluation.metrics import parse_metrics  # metric names are declared once, with their extractors
-from diffusion_extras.evaluation.pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE
+from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, parse_metrics
 from diffusion_extras.hub.secrets import redact_config
 
 

@@ -3,10 +3,10 @@
     from diffusion_extras.training.main import Hooks, main
     main(["--config", "recipe.yaml"], Hooks(data_source=MySource))
 
-Each field's default is what `train_ddpm.py` does. Tests use them to inject a third kind of data
-source (tests/custom_source_train.py) and faults (tests/hooked_train.py: a process that dies
-after checkpoint N, a SIGKILL inside the atomic save, NaN inputs at chosen steps, a SIGTERM after
-step N, a full disk at a chosen write).
+Each field's default is what `train_ddpm.py` does (None: the built-in, or nothing). Tests use them
+to inject a third kind of data source (tests/custom_source_train.py) and faults
+(tests/hooked_train.py: a process that dies after checkpoint N, a SIGKILL inside the atomic save,
+NaN inputs at chosen steps, a SIGTERM after step N, a full disk at a chosen write).
 """
 from __future__ import annotations
 
@@ -14,11 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # main.py exports Hooks, and main.py imports without torch (tests/test_first_contact.py)
+    import torch
 
-from diffusion_extras.data import sources
-
-if TYPE_CHECKING:
     from diffusion_extras.training.run_state import Run
 
 
@@ -27,8 +25,8 @@ class Hooks:
     # (DataSpec, Processes (the accelerator), channels, dataset, validation_split, classes (data.labels.Classes
     # with --class_conditional, else None)) -> an object with the data-source interface of data/sources.py
     # (batches, position, state_dict, load_state_dict, reference_sample, held_out_images, batches_per_epoch,
-    # description, class_names)
-    data_source: Callable = sources.build_source
+    # description, class_names); None: data.sources.build_source (the decode-once cache or a stream)
+    data_source: Callable | None = None
     # (run, checkpoint path): on every rank, after a checkpoint is complete (marker written)
     after_checkpoint: Callable[[Run, str], None] | None = None
     # (temporary checkpoint folder): inside the atomic save, after every file is written and

@@ -16,16 +16,16 @@ import re
 import sys
 from typing import NoReturn
 
+# What the config parse and the exit codes need, all of it without torch: the trainer itself (torch,
+# diffusers, accelerate: seconds) is imported in main() once the config is good, so `--help` and a
+# config error answer at once (tests/test_first_contact.py holds this).
 from diffusion_extras.core import commands, stop_flag
 from diffusion_extras.data.images import DataError
 from diffusion_extras.hub.secrets import redact_argv
 from diffusion_extras.training import disk_space
-from diffusion_extras.training.build import setup
 from diffusion_extras.training.checkpointing import CheckpointError
 from diffusion_extras.training.config import ConfigError, parse_config
 from diffusion_extras.training.hooks import Hooks
-from diffusion_extras.training.loop import train
-from diffusion_extras.training.lr_range import find_lr, setup_lr_range_test
 from diffusion_extras.training.stops import DiskFull, RunStopped
 
 __all__ = ["Hooks", "cli", "finish", "main"]
@@ -39,12 +39,15 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         config = parse_config(argv)
         redact_argv(sys.argv, [config.hub_token])  # trackers (wandb) record the command line
         if config.find_lr:
+            from diffusion_extras.training.lr_range import find_lr, setup_lr_range_test
             find_lr(setup_lr_range_test(config, hooks))
             return 0
+        from diffusion_extras.training.build import setup
         run = setup(config, hooks)
     except (ConfigError, DataError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    from diffusion_extras.training.loop import train
     try:
         train(run)
     except DataError as error:  # met in a stream while training (a label outside the declared classes)

@@ -1,0 +1,66 @@
+"""The flags the command lines share (`python -m diffusion_extras.sample`, `.evaluate`, `.posthoc_ema`)
+and bad input reported as one `error: ...` line with exit status 2 instead of a traceback. Nothing
+here imports torch: a command parses its flags (`--help`, a bad flag) before it loads its work."""
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import contextmanager
+
+from diffusion_extras.core.commands import prog_name
+from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def pipeline_parser(command: str, description: str) -> argparse.ArgumentParser:
+    """The parser of `python -m diffusion_extras.COMMAND PIPELINE ...`; `description`: the module docstring."""
+    parser = argparse.ArgumentParser(prog=prog_name(command), description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("pipeline", help="folder saved by train_ddpm.py (save_pretrained) or a Hub id")
+    return parser
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+
+
+def add_guidance_arguments(parser: argparse.ArgumentParser) -> None:
+    """--guidance_scale, --guidance_interval and --guide of the sample and evaluate commands."""
+    parser.add_argument("--guidance_scale", type=float, default=None,
+                        help=f"guidance scale of a class-conditional pipeline, or of any with --guide "
+                             f"(default {DEFAULT_GUIDANCE_SCALE}; 1: none)")
+    parser.add_argument("--guidance_interval", type=noise_interval, default=None, metavar="LOW,HIGH",
+                        help="guide only at noise levels sigma = sqrt((1 - alpha_bar) / alpha_bar) in (LOW, HIGH], "
+                             "one unguided UNet call elsewhere (Kynkaanniemi et al. 2024); default: every step")
+    parser.add_argument("--guide", default=None,
+                        help="autoguidance (Karras et al. 2024): a weaker UNet of the same kind (a UNet folder, or a "
+                             "pipeline folder with unet/) replaces the 'no class' branch; works for unconditional "
+                             "pipelines too. Default: the pipeline's saved guide/ if it has one; 'none': never")
+
+
+def noise_interval(text: str) -> tuple[float, float]:
+    """LOW,HIGH -> (low, high) with 0 <= low < high ('inf' allowed)."""
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give two noise levels LOW,HIGH, e.g. 0.3,5") from None
+    if not 0 <= low < high:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= LOW < HIGH")
+    return low, high
+
+
+@contextmanager
+def one_line_errors():
+    """Bad input and missing or unreadable files (ValueError, OSError) end the command with
+    `error: ...` on stderr and exit status 2, as argparse does for a bad flag."""
+    try:
+        yield
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

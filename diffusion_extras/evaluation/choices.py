@@ -1,0 +1,39 @@
+"""The evaluation's named options, importable without torch: the metric names and the guidance
+default, which the training config validates against and declares as its default, and the sampling
+schedulers, precisions and metric backbones that the sample and evaluate commands offer (so `--help`
+and a bad flag answer before torch loads). tests/test_choices.py checks them against the modules
+that implement them (metrics.py, sampling.py, backbones.py)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+# Metric -> the extractor it is computed in; None: the one --feature_extractor names (inception/tiny).
+METRIC_EXTRACTORS = {"fid": None, "kid": None, "fd_dinov2": "dinov2", "cmmd": "clip"}
+DINOV2_DEFAULT = "facebook/dinov2-large"  # fd_dinov2's backbone (Stein et al. 2023)
+CLIP_DEFAULT = "openai/clip-vit-large-patch14-336"  # cmmd's backbone (Jayasumana et al. 2024)
+SCHEDULERS = ("ddpm", "ddim", "dpm")  # sampling.make_scheduler's: ancestral, DDIM (eta 0), DPM-Solver++ (2M)
+SAMPLING_DTYPES = ("fp32", "fp16", "bf16")  # sampling.DTYPES: the UNet's precision while sampling
+
+
+def parse_metrics(text: str) -> list[str]:
+    """'fid,kid,cmmd' -> ['fid', 'kid', 'cmmd'], refusing unknown names."""
+    metrics = [m.strip() for m in str(text).split(",") if m.strip()]
+    unknown = [m for m in metrics if m not in METRIC_EXTRACTORS]
+    if not metrics or unknown:
+        raise ValueError(f"--eval_metrics {text!r}: choose a comma list of {', '.join(METRIC_EXTRACTORS)}")
+    return list(dict.fromkeys(metrics))
+
+
+def _pipeline_constant(name: str):
+    """A constant that pipeline_class_conditional.py assigns, read from its source: that file is
+    exported beside the pipelines and imports nothing of this package, so it declares the value, and
+    reading it here costs a parse (milliseconds) instead of importing torch and diffusers (seconds)."""
+    source = Path(__file__).with_name("pipeline_class_conditional.py").read_text(encoding="utf-8")
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and [getattr(target, "id", None) for target in node.targets] == [name]:
+            return ast.literal_eval(node.value)
+    raise LookupError(f"pipeline_class_conditional.py assigns no {name}")
+
+
+DEFAULT_GUIDANCE_SCALE = _pipeline_constant("DEFAULT_GUIDANCE_SCALE")
