@@ -67,10 +67,16 @@ def test_max_train_samples_is_seeded_subset():
     assert len(a) == 10 and a["label"] == b["label"]
 
 
-def test_hub_id_offline_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(data.DataError, match="--dataset_name someone/no-such-dataset: could not load it"):
-        data.load_image_dataset(config(dataset_name="someone/no-such-dataset"))
+def test_hub_id_offline_is_a_clear_error(run_cli, tmp_path):
+    """A Hub id under HF_HUB_OFFLINE=1 (the test commands' environment: conftest.cli_env), which the
+    libraries read at import, hence a command: one line naming the id and the variable, exit 2, before
+    anything is written. (In this process the libraries were imported online: a Hub id would wait on
+    the network instead.)"""
+    result = run_cli(["train_ddpm.py", "--dataset_name", "someone/no-such-dataset", "--output_dir", tmp_path / "run"])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-2000:]
+    assert result.stderr.startswith("error: --dataset_name someone/no-such-dataset: could not load it: ")
+    assert "(HF_HUB_OFFLINE is set: Hub ids cannot be downloaded; give a local folder)" in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("mode,channels", [("RGB", 1), ("L", 3), ("RGBA", 3), ("P", 3)])
