@@ -79,11 +79,9 @@ def test_a_time_limited_job_requeues_itself_until_done_bit_identical(slurm, tmp_
                                lr_scheduler="constant", dataloader_num_workers=2)
     out, log = tmp_path / "run", tmp_path / "slurm.out"
     env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT, "DDPM_TEST_STEP_SECONDS": "0.3"}
-    submitted = subprocess.run(["sbatch", "--parsable", "--time=1", "--signal=USR1@40", f"--output={log}",
-                                slurm_script(tmp_path, "train_one_node.sbatch"), "--config", recipe,
-                                "--output_dir", str(out)],
-                               cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    job_id = submitted.stdout.strip().split(";")[0]
+    job_id = subprocess.check_output(["sbatch", "--parsable", "--time=1", "--signal=USR1@40", f"--output={log}",
+                                      slurm_script(tmp_path, "train_one_node.sbatch"), "--config", recipe,
+                                      "--output_dir", str(out)], cwd=ROOT, env=env, text=True).strip().split(";")[0]
     state = wait_for_job(job_id, timeout=900)
     text = log.read_text(errors="replace")  # tqdm bars cut mid-character by a stop
     assert state == "COMPLETED" and "done: 200 optimizer steps" in text, text[-3000:]
@@ -104,12 +102,10 @@ def test_a_two_rank_job_cancelled_with_sigterm_requeues_and_ends_bit_identical(s
     out, log = tmp_path / "run", tmp_path / "slurm.out"
     # 0.1 s of sleep per step until the stop (DDPM_TEST_STEP_SECONDS): the signal reaches the ranks mid-run
     env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT, "DDPM_TEST_STEP_SECONDS": "0.1"}
-    submitted = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
-                                "--gpus-per-node=0", "--time=30", f"--output={log}",
-                                slurm_script(tmp_path, "train_multi_node.sbatch"), "--config", recipe,
-                                "--output_dir", str(out)],
-                               cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    job_id = submitted.stdout.strip().split(";")[0]
+    job_id = subprocess.check_output(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                                      "--gpus-per-node=0", "--time=30", f"--output={log}",
+                                      slurm_script(tmp_path, "train_multi_node.sbatch"), "--config", recipe,
+                                      "--output_dir", str(out)], cwd=ROOT, env=env, text=True).strip().split(";")[0]
     deadline = time.monotonic() + 300
     while not (out / "checkpoint-50").is_dir():  # training, past start-up, before the end
         assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:] if log.exists() else "no log"
