@@ -71,11 +71,11 @@ def hooks_from_environment(environ) -> Hooks:
         hooks.model_input = poison
     step_seconds = environ.get("DDPM_TEST_STEP_SECONDS")
     if step_seconds:
-        first_step = []
+        first_step = []  # the step this process began with: 1 unless it resumed
 
         def slow_down(run):
-            first_step.append(run.progress.global_step)
-            if first_step[0] == 1:  # not a resumed run
+            first_step[:] = first_step or [run.progress.global_step]
+            if first_step == [1]:
                 time.sleep(float(step_seconds))
         hooks.after_step = chain(hooks.after_step, slow_down)
     counts_folder = environ.get("DDPM_TEST_DYNAMO_COUNTS")

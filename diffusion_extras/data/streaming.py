@@ -169,7 +169,7 @@ class StreamingBatches:
 
     def _loader_state(self) -> dict:
         # once closed, the loader would start workers to answer state_dict(): the position at close is it
-        return self._closed_at if self._iterator is None and self._closed_at is not None else self.loader.state_dict()
+        return self._closed_at if self._closed_at is not None else self.loader.state_dict()
 
     def _worker_states(self) -> list[dict]:
         return worker_states(self._loader_state())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from diffusion_extras.monitoring.bins import timestep_bin_edges
 from diffusion_extras.report.checks import Finding, RunLog
 
 HELD_OUT_RISE = 1.05       # held-out loss 5 % above its best: the fixed noise and timesteps make
@@ -72,7 +73,7 @@ def check_gradient_dominance(run: RunLog) -> list[Finding]:
         return []
     num_bins, gamma = len(keys), run.config.get("snr_gamma")
     steps = int(run.config.get("ddpm_num_steps") or 1000)
-    edges = [-(-i * steps // num_bins) for i in (top, top + 1)]  # bins.timestep_bin_edges
+    edges = timestep_bin_edges(steps, num_bins)[top:top + 2]
     fix = ("turn on min-SNR weighting, --snr_gamma 5" if not gamma else
            f"lower --snr_gamma (now {gamma})" if top < num_bins // 2 else
            "check --prediction_type (v_prediction balances the noisy end) and --rescale_betas_zero_snr")
