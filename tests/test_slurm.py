@@ -1,7 +1,7 @@
 """Preemption on a real (one-node) Slurm cluster (issue 33): examples/slurm/local_cluster.sh brings
 it up when this machine allows (root, the slurm-wlm and munge packages; .ci/run installs them),
 else the tests are skipped with the reason. A job under --time=1 (Slurm's smallest limit: one
-minute) with --signal=USR1@40 stops with a checkpoint, requeues itself (exit 4 ->
+minute) with --signal=USR1@15 stops with a checkpoint, requeues itself (exit 4 ->
 `scontrol requeue`, examples/slurm/train_one_node.sbatch) and continues until done; its weights
 equal an uninterrupted run's, bit for bit. A 2-rank job (examples/slurm/train_multi_node.sbatch,
 ranks started by srun) cancelled with `scancel --signal=TERM` does the same. The jobs run the
@@ -70,16 +70,19 @@ def slurm_script(tmp_path, example: str) -> str:
 
 
 def test_a_time_limited_job_requeues_itself_until_done_bit_identical(slurm, tmp_path, train):
-    # The job must not fit in one segment: Slurm sends USR1@40 of --time=1 at its first time-limit
-    # check at least 20 s into the job, up to ~30 s later. Until then each step sleeps 0.3 s
-    # (DDPM_TEST_STEP_SECONDS), so the 200 steps would last over 60 s on any machine (plus the start-up)
-    # at little CPU, as a slow job does; the requeued job resumes unslowed and finishes in seconds. The
-    # reference run takes the same steps unslowed (the sleep changes no number).
+    # The job must not fit in one segment. slurmctld sends --signal=SIG@W at a periodic check (every 30 s)
+    # once now + W + 30 s >= the end (send_job_warn_signal in its job_mgr.c): with --time=1, W=15 puts it
+    # 15 to ~45 s into the job, before the limit at 60 s. (W=40 allowed it at once: a job started just
+    # before a check got USR1 0.2 s in, before the interpreter had a handler, and died of it.) Until
+    # the stop each step sleeps 0.3 s (DDPM_TEST_STEP_SECONDS), so the 200 steps would last over 60 s on
+    # any machine (plus the start-up) at little CPU, as a slow job does; the requeued job resumes
+    # unslowed and finishes in seconds. The reference run takes the same steps unslowed (the sleep
+    # changes no number).
     recipe = write_tiny_recipe(tmp_path, train_batch_size=4, max_train_steps=200, checkpointing_steps=50,
                                lr_scheduler="constant", dataloader_num_workers=2)
     out, log = tmp_path / "run", tmp_path / "slurm.out"
     env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT, "DDPM_TEST_STEP_SECONDS": "0.3"}
-    job_id = subprocess.check_output(["sbatch", "--parsable", "--time=1", "--signal=USR1@40", f"--output={log}",
+    job_id = subprocess.check_output(["sbatch", "--parsable", "--time=1", "--signal=USR1@15", f"--output={log}",
                                       slurm_script(tmp_path, "train_one_node.sbatch"), "--config", recipe,
                                       "--output_dir", str(out)], cwd=ROOT, env=env, text=True).strip().split(";")[0]
     state = wait_for_job(job_id, timeout=900)
