@@ -96,3 +96,37 @@ def test_streaming_two_ranks_train_checkpoint_and_resume_exactly(hooked_train, t
 def test_streaming_without_data_flag_is_refused(hooked_train, tiny_recipe, tmp_path):
     result = hooked_train(tiny_recipe(), tmp_path / "run", "--streaming", check=False)
     assert result.returncode == 2 and "--streaming needs --dataset_name or --train_data_dir" in result.stderr
+
+
+class RankOf2:
+    """accelerate's process-state fields the data sources read, for rank `process_index` of 2."""
+    num_processes, is_local_main_process = 2, True
+
+    def __init__(self, process_index):
+        import torch
+        self.process_index, self.device = process_index, torch.device("cpu")
+
+
+def test_every_rank_judges_the_streams_channels_and_depth_by_the_same_first_stored_images(tmp_path):
+    """A stream's colour channels and pixel depth come from its first 16 images in stored order (as
+    cached data's come from its first rows), on every rank: not from the rank's own shard, which
+    would give rank 0 (shards 0, 2: 16-bit grayscale) one model and rank 1 (shards 1, 3: 8-bit RGB)
+    another. Read unshuffled, that peek also skips the 5-s sleep that ends each iteration of a
+    shuffled parquet stream in datasets."""
+    import datasets
+
+    from diffusion_extras.data import sources
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    grey16 = [Image.fromarray(np.full((8, 8), 1000 * i, np.uint16)) for i in range(16)]
+    rgb8 = [Image.fromarray(np.full((8, 8, 3), i, np.uint8)) for i in range(16)]
+    for k, images in enumerate([grey16, rgb8, grey16, rgb8]):
+        datasets.Dataset.from_dict({"img": images}, features=datasets.Features({"img": datasets.Image()})) \
+            .to_parquet(str(folder / f"part-{k}.parquet"))
+    spec = TrainConfig(dataset_name=str(folder), streaming=True, shuffle_buffer_size=8, resolution=8,
+                       max_train_steps=1).data_spec()
+    for rank in (0, 1):
+        firsts, channels, _ = sources.open_training_data(spec, RankOf2(rank))
+        assert channels == 1, rank
+        assert sources.build_source(spec, RankOf2(rank), channels, firsts).pixels.dtype == "uint16", rank
+        assert sources.build_source(spec, RankOf2(rank), channels).pixels.dtype == "uint16", rank  # peeks itself

@@ -27,7 +27,7 @@ import torch
 from diffusion_extras.data import batch_order, decode_cache, labels, workers
 from diffusion_extras.data import images as data
 from diffusion_extras.data.spec import DataSpec, Processes
-from diffusion_extras.data.streaming import StreamSource, load_stream, read_stream_classes
+from diffusion_extras.data.streaming import StreamSource, first_stored_images, read_stream_classes
 
 
 class DataSource(Protocol):
@@ -105,15 +105,15 @@ class CachedImages:
 
 
 def open_training_data(spec: DataSpec, processes: Processes) -> tuple:
-    """(the opened dataset or None, the images' colour channels: 1 or 3, or 4 with --keep_alpha; the
-    classes or None),
+    """(the opened dataset, or a stream's first stored images; the images' colour channels: 1 or 3,
+    or 4 with --keep_alpha; the classes or None),
     judged from the first images' modes and the labels before any model exists, so that a model
-    can follow the data. The opened dataset and the classes are handed to build_source (a stream
-    is reopened there, lazily, per rank)."""
+    can follow the data. The first element and the classes are handed to build_source (a stream
+    is reopened there, lazily, per rank; its pixel format is judged by the same first images)."""
     if spec.streaming:
-        shard, column = load_stream(spec, processes.process_index, processes.num_processes)
-        channels = 4 if spec.keep_alpha else data.stored_channels(item[column] for item in shard.take(16)) or 3
-        return None, channels, read_stream_classes(spec) if spec.class_conditional else None
+        firsts = first_stored_images(spec)
+        channels = 4 if spec.keep_alpha else data.stored_channels(firsts) or 3
+        return firsts, channels, read_stream_classes(spec) if spec.class_conditional else None
     with processes.local_main_process_first():  # the node's first rank downloads, the others reuse it
         dataset = data.load_image_dataset(spec)
     column = data.find_image_column(dataset, spec.image_column)
@@ -126,7 +126,8 @@ def build_source(spec: DataSpec, processes: Processes, channels: int, dataset=No
     """The run's data source: a stream with --streaming, else the decode-once cache (of `dataset`,
     when open_training_data already opened it) less its held-out fraction (a stream has none:
     config.validate refuses --validation_split with --streaming). `classes` (--class_conditional):
-    the classes open_training_data read; the batches then carry labels."""
+    the classes open_training_data read; the batches then carry labels. For a stream, `dataset` is
+    what open_training_data returned in its place (the first stored images), or None."""
     if spec.streaming:
-        return StreamSource(spec, processes, channels, classes)
+        return StreamSource(spec, processes, channels, classes, dataset)
     return CachedImages(spec, processes, channels, dataset, validation_split, classes)

@@ -50,6 +50,19 @@ def read_stream_classes(spec: DataSpec) -> Classes:
     return stream_classes(open_stream(spec), spec.label_column)
 
 
+def first_stored_images(spec: DataSpec, count: int = 16) -> list:
+    """The stream's first `count` images in stored order, undecoded ({"bytes", "path"}): what the
+    colour channels and the pixel format are judged by, as cached data is judged by its first rows.
+    The same images on every rank, and read without the shuffle: an iteration of a shuffled parquet
+    stream ends with a 5-s sleep (datasets' workaround for Arrow issue 45214), which each start-up
+    peek at the shuffled shard used to pay."""
+    import datasets
+    stream = open_stream(spec)
+    column = find_image_column(stream, spec.image_column)
+    stream = stream.select_columns([column]).cast_column(column, datasets.Image(decode=False))
+    return [item[column] for item in stream.take(count)]
+
+
 def load_stream(spec: DataSpec, rank: int, world_size: int, label_column: str | None = None):
     """This rank's shard of the shuffled stream, and its image column; examples keep the column
     that `label_column` reads (a 'struct.field' keeps the struct) beside the image."""
@@ -230,10 +243,12 @@ class StreamSource:
     batches_per_epoch = None  # unknown for a stream: runs are counted in steps (--max_train_steps)
     held_out_images = None  # --validation_split needs a fixed set: cached data only (validate refuses it)
 
-    def __init__(self, spec: DataSpec, processes: Processes, channels: int, classes: Classes | None = None):
+    def __init__(self, spec: DataSpec, processes: Processes, channels: int, classes: Classes | None = None,
+                 firsts: list | None = None):
+        """`firsts`: first_stored_images(spec), when the caller has read them (open_training_data)."""
         shard, column = load_stream(spec, processes.process_index, processes.num_processes,
                                     classes.column if classes else None)
-        self.pixels = stored_format((item[column] for item in shard.take(16)), spec.background)
+        self.pixels = stored_format(first_stored_images(spec) if firsts is None else firsts, spec.background)
         self.stream = StreamingBatches(shard, column, spec.train_batch_size, spec.resolution, spec.center_crop,
                                        channels, spec.seed + processes.process_index,
                                        spec.dataloader_num_workers, processes.device.type == "cuda",
