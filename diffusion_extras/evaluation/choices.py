@@ -1,7 +1,8 @@
 """The evaluation's named options, importable without torch: the metric names and the guidance
 default, which the training config validates against and declares as its default, and the sampling
 schedulers, precisions and metric backbones that the sample and evaluate commands offer (so `--help`
-and a bad flag answer before torch loads). tests/test_choices.py checks them against the modules
+and a bad flag answer before torch loads), and the class-conditional pipeline's file name (so the
+Hub push, which names it in the card, loads without torch). tests/test_choices.py checks them against the modules
 that implement them (metrics.py, sampling.py, backbones.py)."""
 from __future__ import annotations
 
@@ -37,3 +38,4 @@ def _pipeline_constant(name: str):
 
 
 DEFAULT_GUIDANCE_SCALE = _pipeline_constant("DEFAULT_GUIDANCE_SCALE")
+PIPELINE_MODULE = _pipeline_constant("PIPELINE_MODULE")  # its file name in an exported folder (hub/push.py)

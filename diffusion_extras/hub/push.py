@@ -14,7 +14,8 @@ from concurrent.futures import Future
 from huggingface_hub import HfApi, ModelCard, ModelCardData, constants, get_token
 from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
 
-from diffusion_extras.evaluation.pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE, PIPELINE_MODULE
+# torch-free: the pipeline module itself would import torch and diffusers (seconds) for two constants
+from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, PIPELINE_MODULE
 from diffusion_extras.hub.secrets import redact_config  # the project's one secret-dropping rule
 
 # What a DDPMPipeline needs, plus its card; everything else in the output dir stays local.
