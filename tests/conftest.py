@@ -68,8 +68,9 @@ def pytest_configure(config):
     session. A test that needs offline mode or an endpoint sets it itself."""
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run them with `pytest -m cuda`")
     config.addinivalue_line("markers", "cli: starts a command (set at collection: conftest.starts_a_command)")
-    config.addinivalue_line("markers", "contract: a cli test that reads a command's exit code or what it printed "
-                                       "(DDPM_TEST_FRESH_INTERPRETERS=contract runs their commands unforked)")
+    config.addinivalue_line("markers", "contract: a cli test that reads a command's exit code or what it printed, "
+                                       "itself, through a helper or in a fixture of its module "
+                                       "(DDPM_TEST_FRESH_INTERPRETERS=contract runs those commands unforked)")
     imported = sorted(name for name in sys.modules if name.split(".")[0] in READ_AT_IMPORT)
     if imported:
         raise pytest.UsageError(f"{imported[0]} was imported before the tests cleared the caller's HF_*/WANDB_* "
@@ -96,20 +97,30 @@ def cli_env() -> dict:
     return env
 
 
-RUNNING = {"contract": False}  # whether the test being run is marked `contract` (pytest_runtest_protocol)
+RUNNING = {"contract": False}  # whether the code running now reads what its commands print (the hooks below)
 
 
 def runs_fresh(env: dict) -> bool:
     """Whether a command in `env` starts a fresh interpreter instead of a fork of the server:
-    DDPM_TEST_FRESH_INTERPRETERS=1 for every command, =contract for the commands of the tests marked
-    `contract` (one run of the suite in which the tests of exit codes and messages run unforked)."""
+    DDPM_TEST_FRESH_INTERPRETERS=1 for every command, =contract for the commands run by code that
+    reads a command's exit code or output (reads_what_a_command_printed): a test marked `contract`,
+    or a fixture of its that reads them. A fixture that only leaves a run's files for its tests (a
+    reference run, say) forks under =contract too."""
     mode = env.get("DDPM_TEST_FRESH_INTERPRETERS")
     return mode == "1" or (mode == "contract" and RUNNING["contract"])
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
+def pytest_runtest_call(item):
     RUNNING["contract"] = item.get_closest_marker("contract") is not None
+    yield
+    RUNNING["contract"] = False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """(A fixture's own fixtures are set up before this hook, each by its own call of it.)"""
+    RUNNING["contract"] = reads_what_a_command_printed(fixturedef.func)
     yield
     RUNNING["contract"] = False
 
@@ -447,28 +458,61 @@ def source_of(function) -> str:
         return ""
 
 
+def test_fixtures(item) -> list:
+    """The functions of the fixtures a test uses that are defined in its module."""
+    return [definitions[-1].func for definitions in item._fixtureinfo.name2fixturedefs.values()
+            if definitions and definitions[-1].func.__module__ == item.module.__name__]
+
+
 def starts_a_command(item) -> bool:
     """The test runs a command (run_command, directly or through a fixture, or a fixture of its module
     that trains through the command line): it is a test of the command-line contract (marker `cli`)."""
     if COMMAND_FIXTURES & set(item.fixturenames):
         return True
-    functions = [getattr(item, "function", None)] + [
-        definitions[-1].func for definitions in item._fixtureinfo.name2fixturedefs.values()
-        if definitions and definitions[-1].func.__module__ == item.module.__name__]
+    functions = [getattr(item, "function", None), *test_fixtures(item)]
     return any("run_command(" in text or "run_training(" in text for text in map(source_of, functions))
+
+
+CONTRACT_WORDS = ("returncode", "stderr", "stdout")  # what a command's exit code and messages are read as
+
+
+def reads_what_a_command_printed(function) -> bool:
+    """The test function's source names CONTRACT_WORDS, or the source of a helper it calls does: a
+    function of a tests/test_*.py file (its module's or imported from another), followed through the
+    helpers' own calls (test_preemption's assert_preempted_at reads the exit code for its tests).
+    This file's runners are not followed: they read the exit code for every test (check=True)."""
+    import inspect
+    seen, todo = set(), [function]
+    while todo:
+        function = todo.pop()
+        if function in seen:
+            continue
+        seen.add(function)
+        if any(word in source_of(function) for word in CONTRACT_WORDS):
+            return True
+        codes, names = [getattr(function, "__code__", None)], set()
+        for code in filter(None, codes):  # the function's own code and that of functions nested in it
+            names.update(code.co_names)
+            codes += [const for const in code.co_consts if inspect.iscode(const)]
+        for name in names:
+            helper = getattr(function, "__globals__", {}).get(name)
+            if inspect.isfunction(helper) and os.path.basename(inspect.getfile(helper)).startswith("test_"):
+                todo.append(helper)
+    return False
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks (pyproject: --dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     """Tests that start a command are marked `cli`; those of them that read its exit code or what it
-    printed are also marked `contract`.
+    printed, or use a fixture of their module that does (reads_what_a_command_printed), are also
+    marked `contract`.
     Tests that read one module-scoped fixture of their module (most are a training run made once
     and read by several tests) run on one xdist worker, so it is made once, not once per worker.
     Module-scoped fixtures of this file (a setting such as one_cpu_thread) group nothing."""
     for item in items:
         if starts_a_command(item):
             item.add_marker(pytest.mark.cli)
-            if any(word in source_of(getattr(item, "function", None)) for word in ("returncode", "stderr", "stdout")):
+            if any(map(reads_what_a_command_printed, [getattr(item, "function", None), *test_fixtures(item)])):
                 item.add_marker(pytest.mark.contract)
         for name in item.fixturenames:
             definitions = item._fixtureinfo.name2fixturedefs.get(name)

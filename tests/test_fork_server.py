@@ -277,3 +277,50 @@ def test_a_test_that_reads_a_commands_exit_code_is_known_as_a_contract_test_whil
     from conftest import RUNNING
     assert RUNNING["contract"]
     assert run_command([probe, "exit", "0"], tmp_path).returncode == 0
+
+
+def read_through_a_helper(result) -> int:
+    return result.returncode
+
+
+def test_reading_a_commands_output_is_found_in_the_test_its_helpers_and_its_fixtures():
+    """A test that reads the exit code only through a helper of the test files (test_preemption's
+    assert_preempted_at), or whose fixture reads it, is a contract test; conftest's runners, which
+    read it for every test (check=True), do not make one."""
+    import test_preemption
+    from conftest import reads_what_a_command_printed, run_training
+
+    def through_the_helper(tmp_path):
+        return read_through_a_helper(run_training(tmp_path, "recipe", tmp_path / "run", check=False)) == 4
+
+    def files_only(tmp_path):
+        run_training(tmp_path, "recipe", tmp_path / "run")
+        return (tmp_path / "run" / "unet").is_dir()
+
+    assert reads_what_a_command_printed(through_the_helper)
+    assert not reads_what_a_command_printed(files_only)
+    assert reads_what_a_command_printed(test_preemption.test_sigterm_saves_at_the_step_and_resumes_bit_identical)
+    assert not reads_what_a_command_printed(test_preemption.straight.__wrapped__)
+
+
+@pytest.fixture
+def contract_flag_while_a_quiet_fixture_is_set_up():
+    """Leaves files and reads no exit code or output: its commands fork under =contract."""
+    from conftest import RUNNING
+    return RUNNING["contract"]
+
+
+@pytest.fixture
+def contract_flag_while_a_reading_fixture_is_set_up():
+    from conftest import RUNNING
+    return RUNNING["contract"]  # as if it read a command's result.stderr
+
+
+def test_a_contract_tests_own_commands_and_its_reading_fixtures_run_fresh_under_contract(
+        contract_flag_while_a_quiet_fixture_is_set_up, contract_flag_while_a_reading_fixture_is_set_up, probe,
+        tmp_path):
+    from conftest import RUNNING
+    assert RUNNING["contract"]  # this test reads a command's returncode
+    assert not contract_flag_while_a_quiet_fixture_is_set_up
+    assert contract_flag_while_a_reading_fixture_is_set_up
+    assert run_command([probe, "exit", "0"], tmp_path).returncode == 0

@@ -23,9 +23,10 @@ if TYPE_CHECKING:  # main.py exports Hooks, and main.py imports without torch (t
 @dataclass
 class Hooks:
     # (DataSpec, Processes (the accelerator), channels, dataset (with --streaming: the stream's first stored
-    # images), validation_split, classes (data.labels.Classes with --class_conditional, else None)) -> an object with the data-source interface of data/sources.py
-    # (batches, position, state_dict, load_state_dict, reference_sample, held_out_images, batches_per_epoch,
-    # description, class_names); None: data.sources.build_source (the decode-once cache or a stream)
+    # images), validation_split, classes (data.labels.Classes with --class_conditional, else None)) -> an
+    # object with the data-source interface of data/sources.py (batches, position, state_dict,
+    # load_state_dict, reference_sample, held_out_images, batches_per_epoch, description, class_names);
+    # None: data.sources.build_source (the decode-once cache or a stream)
     data_source: Callable | None = None
     # (run, checkpoint path): on every rank, after a checkpoint is complete (marker written)
     after_checkpoint: Callable[[Run, str], None] | None = None
