@@ -119,10 +119,12 @@ def pytest_runtest_call(item):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_fixture_setup(fixturedef, request):
-    """(A fixture's own fixtures are set up before this hook, each by its own call of it.)"""
+    """(A fixture's own fixtures are set up before this hook, each by its own call of it; one asked
+    for while a test runs, request.getfixturevalue, gives the test its flag back after.)"""
+    during = RUNNING["contract"]
     RUNNING["contract"] = reads_what_a_command_printed(fixturedef.func)
     yield
-    RUNNING["contract"] = False
+    RUNNING["contract"] = during
 
 
 class ForkServer:

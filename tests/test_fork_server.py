@@ -324,3 +324,11 @@ def test_a_contract_tests_own_commands_and_its_reading_fixtures_run_fresh_under_
     assert not contract_flag_while_a_quiet_fixture_is_set_up
     assert contract_flag_while_a_reading_fixture_is_set_up
     assert run_command([probe, "exit", "0"], tmp_path).returncode == 0
+
+
+def test_a_fixture_asked_for_while_a_contract_test_runs_gives_the_test_its_flag_back(request, probe, tmp_path):
+    from conftest import RUNNING
+    assert RUNNING["contract"]
+    assert not request.getfixturevalue("contract_flag_while_a_quiet_fixture_is_set_up")
+    assert RUNNING["contract"]
+    assert run_command([probe, "exit", "0"], tmp_path).returncode == 0
