@@ -478,6 +478,7 @@ def starts_a_command(item) -> bool:
 CONTRACT_WORDS = ("returncode", "stderr", "stdout")  # what a command's exit code and messages are read as
 
 
+@functools.cache  # asked at collection for each test and at every fixture set-up
 def reads_what_a_command_printed(function) -> bool:
     """The test function's source names CONTRACT_WORDS, or the source of a helper it calls does: a
     function of a tests/test_*.py file (its module's or imported from another), followed through the

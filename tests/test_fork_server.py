@@ -305,7 +305,8 @@ def test_reading_a_commands_output_is_found_in_the_test_its_helpers_and_its_fixt
 
 @pytest.fixture
 def contract_flag_while_a_quiet_fixture_is_set_up():
-    """Leaves files and reads no exit code or output: its commands fork under =contract."""
+    """Reads no command's exit code or output, like a reference run that only leaves files: its
+    commands fork under =contract."""
     from conftest import RUNNING
     return RUNNING["contract"]
 
