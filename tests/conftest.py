@@ -183,8 +183,7 @@ class ForkServer:
         import select
         deadline = time.monotonic() + timeout
         while b"\n" not in self.pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.process.stdout], [], [], left)[0]:
+            if not select.select([self.process.stdout], [], [], max(0, deadline - time.monotonic()))[0]:
                 raise subprocess.TimeoutExpired("fork server reply", timeout)
             chunk = os.read(self.process.stdout.fileno(), 65536)
             if not chunk:
@@ -200,12 +199,7 @@ class ForkServer:
         with self.lock:
             outputs = [(os.path.join(self.outputs, f"{index}.stdout"), os.path.join(self.outputs, f"{index}.stderr"))
                        for index in range(len(commands))]
-            request = {"commands": [{"argv": [str(arg) for arg in command[1:]], "cwd": ROOT, "env": env,
-                                     "stdout": out, "stderr": err}
-                                    for command, env, (out, err) in zip(commands, envs, outputs)]}
-            self.process.stdin.write((json.dumps(request) + "\n").encode())
-            self.process.stdin.flush()
-            pids = self._reply(60)["pids"]
+            pids = self._send(commands, envs, outputs)
             try:
                 returncodes = self._reply(timeout)["returncodes"]
             except subprocess.TimeoutExpired:
@@ -222,9 +216,76 @@ class ForkServer:
                     results.append(subprocess.CompletedProcess(command, returncode, fh_out.read(), fh_err.read()))
             return results
 
+    def _send(self, commands, envs, outputs, session=False):
+        """Ask for the commands (their output to the files `outputs`); returns the children's pids."""
+        request = {"commands": [{"argv": [str(arg) for arg in command[1:]], "cwd": ROOT, "env": env,
+                                 "stdout": str(out), "stderr": str(err), "session": session}
+                                for command, env, (out, err) in zip(commands, envs, outputs)]}
+        self.process.stdin.write((json.dumps(request) + "\n").encode())
+        self.process.stdin.flush()
+        return self._reply(60)["pids"]
+
+    def start(self, command, env, stdout, stderr):
+        """`command` forked in a session of its own, its output to the files `stdout` and `stderr`;
+        returns a ForkedCommand. The server is this command's until it has ended."""
+        self.lock.acquire()
+        try:
+            [pid] = self._send([command], [env], [(stdout, stderr)], session=True)
+        except BaseException:
+            self.lock.release()
+            raise
+        return ForkedCommand(self, pid)
+
     def close(self):
         self.process.kill()
         shutil.rmtree(self.outputs, ignore_errors=True)
+
+
+class ForkedCommand:
+    """A command ForkServer.start runs, with what the tests use of subprocess.Popen: pid, poll(),
+    wait(timeout), returncode, and `with` (which kills it if it is still running, then waits)."""
+
+    def __init__(self, server, pid):
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            try:
+                [self.returncode] = self.server._reply(0)["returncodes"]
+            except subprocess.TimeoutExpired:
+                return None
+            self.server.lock.release()
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+            self.wait(60)
+
+
+def start_command(command, env, stdout, stderr):
+    """`command` (`python ...`, e.g. a launcher's `python -m torch.distributed.run ...`) started from
+    the project root in a session of its own, as a job scheduler starts a job, with `env` as its whole
+    environment and its output to the files `stdout` and `stderr`, for a test that signals it while
+    it runs: a fork of the ForkServer where run_command would fork it, else a subprocess.Popen. Either
+    way an object with Popen's pid, poll(), wait(timeout), returncode and `with`."""
+    server = ForkServer.for_command(None, command[1:], env) if str(command[0]) == sys.executable else None
+    with open(stdout, "w") as out, open(stderr, "w") as err:  # there (empty) from the start; a child has its own
+        if server is not None:
+            return server.start(command, env, stdout, stderr)
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                text=True, start_new_session=True)
 
 
 def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False, ranks=1):

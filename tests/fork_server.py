@@ -27,10 +27,11 @@ rank's error rather than its peers waiting for it.
 
 Protocol (JSON lines on stdin/stdout, one request at a time): the server replies {"ready": true,
 "read": {variable: value or null}, "set": {variable: value}, "printed": text, "threads": n}; the
-client sends {"commands": [{"argv": [...], "cwd": ..., "env": {...}, "stdout": path, "stderr": path},
-...]}; the server forks one child per command, replies {"pids": [...]}, waits for them all, and
-replies {"returncodes": [...]} (negative: the ending signal). tests/test_fork_server.py runs
-commands both ways and compares what the tests read.
+client sends {"commands": [{"argv": [...], "cwd": ..., "env": {...}, "stdout": path, "stderr": path,
+"session": bool}, ...]} (session: the child starts a session of its own, for a test that signals
+its process group, conftest.start_command); the server forks one child per command, replies
+{"pids": [...]}, waits for them all, and replies {"returncodes": [...]} (negative: the ending
+signal). tests/test_fork_server.py runs commands both ways and compares what the tests read.
 """
 import gc
 import importlib
@@ -113,6 +114,8 @@ def run(request: dict, set_by_imports: dict) -> None:
     """In the forked child: start as `python ARGV` would and run it. It never returns: the command's
     end is raised from here (SystemExit(0) when it simply finishes). The variables the preloaded
     imports set (torch sets some) are set as those imports would set them in a fresh interpreter."""
+    if request.get("session"):  # started as a job scheduler starts a job (subprocess's start_new_session)
+        os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({**set_by_imports, **request["env"]})
@@ -129,6 +132,9 @@ def run(request: dict, set_by_imports: dict) -> None:
     sys.modules["numpy"].random.seed()
     sys.modules["torch"].seed()
     argv = request["argv"]
+    if not (finds_module(argv[1]) if argv[0] == "-m" else os.path.exists(argv[0])):
+        # the interpreter's own refusal ("can't open file", "No module named"), exit code and all
+        os.execv(sys.executable, [sys.executable, *argv])
     if argv[0] == "-m":  # python -m MODULE ARGS: sys.path[0] is the working directory
         sys.argv = argv[1:]
         sys.path[0] = os.getcwd()
@@ -138,6 +144,14 @@ def run(request: dict, set_by_imports: dict) -> None:
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
     raise SystemExit(0)
+
+
+def finds_module(name: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # its package is missing
+        return False
 
 
 def serve() -> None:

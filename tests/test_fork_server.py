@@ -127,6 +127,10 @@ def test_a_module_command_and_a_one_line_error_are_those_of_a_fresh_interpreter(
     forked, fresh = run_both(tmp_path, ["train_ddpm.py", "--config", tmp_path / "missing.yaml"])
     assert forked.returncode == fresh.returncode == 2
     assert forked.stderr == fresh.stderr and len(forked.stderr.splitlines()) == 1 and "missing.yaml" in forked.stderr
+    for args, code in (([tmp_path / "missing.py"], 2), (["-m", "diffusion_extras.missing"], 1)):  # python's refusal
+        forked, fresh = run_both(tmp_path, args)
+        assert forked.returncode == fresh.returncode == code and forked.stderr == fresh.stderr
+        assert forked.stderr.startswith(f"{sys.executable}: ") and len(forked.stderr.splitlines()) == 1
 
 
 def test_a_command_past_its_timeout_is_killed_and_the_server_serves_the_next(tmp_path, probe):
@@ -260,6 +264,62 @@ def test_ranks_form_one_process_group_and_a_failed_rank_ends_the_run(tmp_path, h
         assert run.returncode == (0 if how == "ok" else 7), run.stderr[-3000:]
         reports = sorted((json.loads(line) for line in run.stdout.splitlines()), key=lambda report: report["rank"])
         assert reports == [{"rank": rank, "world": 2, "sum": 3, "local": str(rank), "marker": "m"} for rank in (0, 1)]
+
+
+SESSION_PROBE = """
+import json, os, signal, sys, time
+preloaded = "torch" in sys.modules
+worker = os.fork()
+if worker == 0:  # a loader worker's stand-in: the default SIGTERM ends it
+    time.sleep(600)
+    os._exit(0)
+def stop(number, frame):
+    print("stopped by", signal.Signals(number).name, file=sys.stderr)
+    sys.exit(4)
+signal.signal(signal.SIGTERM, stop)
+print(json.dumps({"preloaded": preloaded, "session_leader": os.getsid(0) == os.getpid(),
+                  "group_leader": os.getpgid(0) == os.getpid(), "sigpipe": str(signal.getsignal(signal.SIGPIPE)),
+                  "worker": worker}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_command_started_for_signalling_runs_in_its_own_session_forked_or_fresh(tmp_path):
+    """conftest.start_command (test_preemption signals the commands it starts): a session of its own
+    whose process group, a worker included, takes the signal, with the same exit and output forked
+    and fresh; leaving its `with` ends a command still running and frees the server for the next."""
+    import os
+    import signal
+    import time
+
+    from conftest import start_command
+    script = tmp_path / "session_probe.py"
+    script.write_text(SESSION_PROBE)
+    runs = []
+    for fresh in ({}, {"DDPM_TEST_FRESH_INTERPRETERS": "1"}):
+        out, err = tmp_path / f"out{len(runs)}", tmp_path / f"err{len(runs)}"
+        with start_command([sys.executable, script], {**cli_env(), **fresh}, out, err) as process:
+            deadline = time.monotonic() + 60
+            while not out.read_text().endswith("\n") and time.monotonic() < deadline:
+                assert process.poll() is None, err.read_text()
+                time.sleep(0.05)
+            os.killpg(process.pid, signal.SIGTERM)
+            assert process.wait(30) == 4
+        report = json.loads(out.read_text())
+        with pytest.raises(ProcessLookupError):  # the worker took the group's signal too (and was reaped)
+            for _ in range(600):
+                os.kill(report["worker"], 0)
+                time.sleep(0.05)
+        runs.append((report.pop("preloaded"), {**report, "worker": None}, err.read_text()))
+    assert [preloaded for preloaded, _, _ in runs] == [True, False]  # forked, then fresh
+    assert runs[0][1:] == runs[1][1:] and runs[0][2] == "stopped by SIGTERM\n"
+    assert runs[0][1]["session_leader"] and runs[0][1]["group_leader"]
+    with start_command([sys.executable, script], cli_env(), tmp_path / "out", tmp_path / "err") as process:
+        pass  # still running: killed here
+    assert process.returncode == -signal.SIGKILL
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    assert run_command([probe, "exit", "5"], tmp_path, timeout=60).returncode == 5  # the server serves the next
 
 
 def test_contract_mode_runs_the_commands_of_contract_tests_fresh(monkeypatch, probe):

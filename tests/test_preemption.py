@@ -146,18 +146,15 @@ def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, sig
     (group=False). The output goes to files, so a command that prints while the test waits never
     blocks on a full pipe. Returns (returncode, stdout, stderr, seconds from the signal to the exit)."""
     import signal
-    import subprocess
     import sys
     import time
 
-    from conftest import ROOT, cli_env
+    from conftest import cli_env, start_command
     env = {**cli_env(), **CPU, "PYTHONUNBUFFERED": "1", **(env or {})}  # its lines as they are printed
     command = [*(launcher or [sys.executable]), script, "--config", recipe, "--output_dir", str(out), *map(str, flags)]
     stdout_path, stderr_path = tmp_path / "command.stdout", tmp_path / "command.stderr"
     read_stdout = stdout_path.read_text
-    with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr, \
-            subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True,
-                             start_new_session=True) as process:
+    with start_command(command, env, stdout_path, stderr_path) as process:
         try:
             saved = f"saved {out / 'checkpoint-2'}\n"  # training is under way
             wait_while_running(process, lambda: saved in read_stdout(), stderr_path.read_text)
