@@ -104,10 +104,39 @@ def runs_fresh(env: dict) -> bool:
     """Whether a command in `env` starts a fresh interpreter instead of a fork of the server:
     DDPM_TEST_FRESH_INTERPRETERS=1 for every command, =contract for the commands run by code that
     reads a command's exit code or output (reads_what_a_command_printed): a test marked `contract`,
-    or a fixture of its that reads them. A fixture that only leaves a run's files for its tests (a
-    reference run, say) forks under =contract too."""
+    or a fixture of its that reads them. A command that only leaves files forks under =contract
+    too: one run by a fixture that reads no output (a reference run, say), or one whose result the
+    code running it drops (result_dropped)."""
     mode = env.get("DDPM_TEST_FRESH_INTERPRETERS")
-    return mode == "1" or (mode == "contract" and RUNNING["contract"])
+    return mode == "1" or (mode == "contract" and RUNNING["contract"] and not result_dropped())
+
+
+RUNNERS = ("run_command", "run_training", "run_cli", "train", "hooked_train")  # this file's, and its fixtures'
+
+
+@functools.cache
+def dropped_runner_lines(filename: str) -> frozenset:
+    """The lines of a test file's statements that are a runner call alone, `train(recipe, out, ...)`:
+    the command's result is dropped; it leaves files (its exit code is checked by the runner)."""
+    import ast
+    with open(filename) as fh:
+        tree = ast.parse(fh.read())
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            function = node.value.func
+            if getattr(function, "id", getattr(function, "attr", None)) in RUNNERS:
+                lines.update(range(node.lineno, node.end_lineno + 1))
+    return frozenset(lines)
+
+
+def result_dropped() -> bool:
+    """Whether the test file's code that is running a command now drops its result: its innermost
+    frame of a tests/test_*.py file is at one of dropped_runner_lines."""
+    frame = sys._getframe(1)
+    while frame is not None and not os.path.basename(frame.f_code.co_filename).startswith("test_"):
+        frame = frame.f_back
+    return frame is not None and frame.f_lineno in dropped_runner_lines(frame.f_code.co_filename)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -333,6 +333,22 @@ def test_contract_mode_runs_the_commands_of_contract_tests_fresh(monkeypatch, pr
     assert ForkServer.for_command(None, [probe], env) is not None
 
 
+def test_under_contract_a_command_whose_result_is_dropped_forks(monkeypatch, tmp_path):
+    """=contract, in a contract test: a command whose result the test drops (a runner call alone as
+    a statement; it leaves files) forks, one whose result it keeps runs fresh."""
+    from conftest import RUNNING
+    monkeypatch.setenv("DDPM_TEST_FRESH_INTERPRETERS", "contract")
+    assert RUNNING["contract"]
+    script = tmp_path / "preloaded.py"
+    script.write_text('import json, sys\nopen(sys.argv[1], "w").write(json.dumps("torch" in sys.modules))\n')
+    run_command([script, tmp_path / "dropped"], tmp_path,
+                check=True)
+    kept = run_command([script, tmp_path / "kept"], tmp_path, check=True)
+    assert kept.returncode == 0
+    assert json.loads((tmp_path / "dropped").read_text()) is True  # forked: the server had imported torch
+    assert json.loads((tmp_path / "kept").read_text()) is False
+
+
 def test_a_test_that_reads_a_commands_exit_code_is_known_as_a_contract_test_while_it_runs(tmp_path, probe):
     from conftest import RUNNING
     assert RUNNING["contract"]
