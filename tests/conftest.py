@@ -90,10 +90,11 @@ def cli_env() -> dict:
     """The environment of a command a test runs: the test's, without what selects an accelerate
     config; offline, wandb offline, and the session's HF_HOME, as in-process code has (its datasets
     and decode caches are keyed by the data files' paths, which are the test's own); a fixed hash
-    seed and one thread."""
+    seed, one thread, and output written as it is printed (PYTHONUNBUFFERED, whatever the caller's
+    shell says: a test that signals a running command watches its lines)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "WANDB_", "ACCELERATE_"))}
     env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", HF_HOME=os.environ["HF_HOME"], PYTHONHASHSEED="0",
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     return env
 
 

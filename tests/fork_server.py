@@ -46,7 +46,8 @@ import threading
 
 # Read by the interpreter or a preloaded library at start-up without passing through os.environ.
 START_UP_VARIABLES = ("PYTHONHASHSEED", "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE",
-                      "PYTHONOPTIMIZE", "PYTHONWARNINGS", "PYTHONUTF8", "PYTHONIOENCODING", "OMP_NUM_THREADS",
+                      "PYTHONOPTIMIZE", "PYTHONWARNINGS", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONUNBUFFERED",
+                      "OMP_NUM_THREADS",
                       "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH")
 # The libraries a training, sampling or evaluation run imports.
 PRELOADED = ("numpy", "torch", "torch.nn.functional", "torch._dynamo", "sympy", "scipy.linalg", "scipy.stats",

@@ -14,7 +14,7 @@ import datasets.fingerprint, huggingface_hub.constants
 report = {"sigpipe": str(signal.getsignal(signal.SIGPIPE)), "sigint": str(signal.getsignal(signal.SIGINT)),
           "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "hf_home": huggingface_hub.constants.HF_HOME,
           "offline": huggingface_hub.constants.HF_HUB_OFFLINE, "marker": os.environ.get("PROBE_MARKER"),
-          "stdin": sys.stdin.read(), "main": __name__,
+          "stdin": sys.stdin.read(), "main": __name__, "unbuffered": sys.stdout.write_through,
           "random": [random.random(), float(numpy.random.random()), torch.initial_seed(),
                      datasets.fingerprint.generate_random_fingerprint()]}
 print(json.dumps(report))
@@ -79,6 +79,8 @@ def test_commands_go_through_the_server_unless_it_cannot_start_them_as_python_wo
     assert ForkServer.for_command(["accelerate", "launch"], [probe], env) is None
     assert ForkServer.for_command(None, ["-c", "pass"], env) is None
     assert ForkServer.for_command(None, [probe], {**env, "OMP_NUM_THREADS": "2"}) is None  # read at start-up
+    buffered = {name: value for name, value in env.items() if name != "PYTHONUNBUFFERED"}
+    assert ForkServer.for_command(None, [probe], buffered) is None  # the interpreter sets up sys.stdout with it
     assert ForkServer.for_command(None, [probe], {**env, "HF_HOME": str(tmp_path / "other")}) is None  # at import
     assert ForkServer.for_command(None, [probe], {**env, "HF_ENDPOINT": "http://127.0.0.1:9"}) is None
     assert ForkServer.for_command(None, [probe], {**env, "DDPM_TEST_FRESH_INTERPRETERS": "1"}) is None
@@ -103,7 +105,7 @@ def test_a_forked_command_is_a_fresh_interpreter_to_the_tests(tmp_path, probe, h
     assert report["argv"] == [str(probe), *map(str, args[1:])] and report["cwd"] == ROOT
     assert report["main"] == "__main__"
     assert report["path0"] == str(probe.parent) and report["marker"] == f"m-{how}" and report["stdin"] == ""
-    assert report["hf_home"] == cli_env()["HF_HOME"] and report["offline"] is True
+    assert report["hf_home"] == cli_env()["HF_HOME"] and report["offline"] is True and report["unbuffered"]
     # stderr as a fresh interpreter writes it: warnings, the exit's message or traceback, the
     # non-daemon thread joined and atexit run (but after a SIGKILL)
     assert without_runpy_frames(forked.stderr) == fresh.stderr

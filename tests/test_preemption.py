@@ -150,7 +150,7 @@ def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, sig
     import time
 
     from conftest import cli_env, start_command
-    env = {**cli_env(), **CPU, "PYTHONUNBUFFERED": "1", **(env or {})}  # its lines as they are printed
+    env = {**cli_env(), **CPU, **(env or {})}  # cli_env: its lines written as they are printed
     command = [*(launcher or [sys.executable]), script, "--config", recipe, "--output_dir", str(out), *map(str, flags)]
     stdout_path, stderr_path = tmp_path / "command.stdout", tmp_path / "command.stderr"
     read_stdout = stdout_path.read_text
