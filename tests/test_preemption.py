@@ -127,12 +127,14 @@ def rank_pids(launcher_pid: int, rank: int) -> list[int]:
     return ranks + [pid for pid, (parent, _) in table.items() if parent == ranks[0]]
 
 
-def wait_while_running(process, done, read_stderr=str) -> None:
-    """Poll `done()` every 50 ms until it holds; the command must not end meanwhile (if it does, the
-    failure shows `read_stderr()`)."""
+def wait_while_running(process, done, read_stderr=str, seconds=300) -> None:
+    """Poll `done()` every 50 ms until it holds, for at most `seconds`; the command must not end
+    meanwhile (if it does, or the time runs out, the failure shows `read_stderr()`)."""
     import time
+    deadline = time.monotonic() + seconds
     while not done():
         assert process.poll() is None, read_stderr()[-3000:]
+        assert time.monotonic() < deadline, f"not there after {seconds} s:\n{read_stderr()[-3000:]}"
         time.sleep(0.05)
 
 
