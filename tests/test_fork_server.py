@@ -286,7 +286,7 @@ time.sleep(600)
 """
 
 
-def test_a_command_started_for_signalling_runs_in_its_own_session_forked_or_fresh(tmp_path):
+def test_a_command_started_for_signalling_runs_in_its_own_session_forked_or_fresh(tmp_path, probe):
     """conftest.start_command (test_preemption signals the commands it starts): a session of its own
     whose process group, a worker included, takes the signal, with the same exit and output forked
     and fresh; leaving its `with` ends a command still running and frees the server for the next."""
@@ -295,16 +295,14 @@ def test_a_command_started_for_signalling_runs_in_its_own_session_forked_or_fres
     import time
 
     from conftest import start_command
+    from test_preemption import wait_while_running
     script = tmp_path / "session_probe.py"
     script.write_text(SESSION_PROBE)
     runs = []
     for fresh in ({}, {"DDPM_TEST_FRESH_INTERPRETERS": "1"}):
         out, err = tmp_path / f"out{len(runs)}", tmp_path / f"err{len(runs)}"
         with start_command([sys.executable, script], {**cli_env(), **fresh}, out, err) as process:
-            deadline = time.monotonic() + 60
-            while not out.read_text().endswith("\n") and time.monotonic() < deadline:
-                assert process.poll() is None, err.read_text()
-                time.sleep(0.05)
+            wait_while_running(process, lambda out=out: out.read_text().endswith("\n"), err.read_text, seconds=60)
             os.killpg(process.pid, signal.SIGTERM)
             assert process.wait(30) == 4
         report = json.loads(out.read_text())
@@ -319,8 +317,6 @@ def test_a_command_started_for_signalling_runs_in_its_own_session_forked_or_fres
     with start_command([sys.executable, script], cli_env(), tmp_path / "out", tmp_path / "err") as process:
         pass  # still running: killed here
     assert process.returncode == -signal.SIGKILL
-    probe = tmp_path / "probe.py"
-    probe.write_text(PROBE)
     assert run_command([probe, "exit", "5"], tmp_path, timeout=60).returncode == 5  # the server serves the next
 
 
@@ -343,7 +339,7 @@ def test_under_contract_a_command_whose_result_is_dropped_forks(monkeypatch, tmp
     assert RUNNING["contract"]
     script = tmp_path / "preloaded.py"
     script.write_text('import json, sys\nopen(sys.argv[1], "w").write(json.dumps("torch" in sys.modules))\n')
-    run_command([script, tmp_path / "dropped"], tmp_path,
+    run_command([script, tmp_path / "dropped"], tmp_path,  # on two lines: any line of the statement counts
                 check=True)
     kept = run_command([script, tmp_path / "kept"], tmp_path, check=True)
     assert kept.returncode == 0
