@@ -225,7 +225,7 @@ class ForkServer:
     def run(self, commands, envs, timeout):
         """[subprocess.run(command, cwd=ROOT, env=env, stdin=DEVNULL, capture_output=True, text=True,
         timeout=timeout) for command, env in zip(commands, envs)], the commands running together, each
-        in a fork of the server (if one fails, the server kills the others)."""
+        in a fork of the server (if one fails, the server ends the others: fork_server.PEERS_GRACE_SECONDS)."""
         with self.lock:
             outputs = [(os.path.join(self.outputs, f"{index}.stdout"), os.path.join(self.outputs, f"{index}.stderr"))
                        for index in range(len(commands))]
@@ -247,7 +247,10 @@ class ForkServer:
             return results
 
     def _send(self, commands, envs, outputs, session=False):
-        """Ask for the commands (their output to the files `outputs`); returns the children's pids."""
+        """Ask for the commands (their output to the files `outputs`, created empty here; the
+        children append to them); returns the children's pids."""
+        for path in {str(path) for output in outputs for path in output}:
+            open(path, "w").close()
         request = {"commands": [{"argv": [str(arg) for arg in command[1:]], "cwd": ROOT, "env": env,
                                  "stdout": str(out), "stderr": str(err), "session": session}
                                 for command, env, (out, err) in zip(commands, envs, outputs)]}
@@ -255,36 +258,47 @@ class ForkServer:
         self.process.stdin.flush()
         return self._reply(60)["pids"]
 
-    def start(self, command, env, stdout, stderr):
-        """`command` forked in a session of its own, its output to the files `stdout` and `stderr`;
-        returns a ForkedCommand. The server is this command's until it has ended."""
+    def start(self, command, envs, stdout, stderr, store=None):
+        """`command` forked once per environment of `envs` (the ranks of a process group, whose
+        rendezvous `store` is kept until they end), each in a session of its own, all writing to
+        the files `stdout` and `stderr`; returns a StartedCommand. The server is theirs until they
+        have ended."""
         self.lock.acquire()
         try:
-            [pid] = self._send([command], [env], [(stdout, stderr)], session=True)
+            pids = self._send([command] * len(envs), envs, [(stdout, stderr)] * len(envs), session=True)
         except BaseException:
             self.lock.release()
             raise
-        return ForkedCommand(self, pid)
+
+        def returncodes():
+            try:
+                codes = self._reply(0)["returncodes"]
+            except subprocess.TimeoutExpired:
+                return None
+            self.lock.release()
+            return codes
+        return StartedCommand(pids, returncodes, store)
 
     def close(self):
         self.process.kill()
         shutil.rmtree(self.outputs, ignore_errors=True)
 
 
-class ForkedCommand:
-    """A command ForkServer.start runs, with what the tests use of subprocess.Popen: pid, poll(),
-    wait(timeout), returncode, and `with` (which kills it if it is still running, then waits)."""
+class StartedCommand:
+    """What start_command returns, with what the tests use of subprocess.Popen: pid (rank 0's),
+    poll(), wait(timeout), returncode (as group_returncode makes it of the ranks'), and `with`
+    (which kills every rank still running, then waits); pids and returncodes, each rank's.
+    `returncodes()` gives the ranks' exit codes once all have ended, else None."""
 
-    def __init__(self, server, pid):
-        self.server, self.pid, self.returncode = server, pid, None
+    def __init__(self, pids, returncodes, store=None):
+        self.pids, self.pid, self._returncodes, self.store = pids, pids[0], returncodes, store
+        self.returncodes = self.returncode = None
 
     def poll(self):
-        if self.returncode is None:
-            try:
-                [self.returncode] = self.server._reply(0)["returncodes"]
-            except subprocess.TimeoutExpired:
-                return None
-            self.server.lock.release()
+        if self.returncodes is None:
+            self.returncodes = self._returncodes()
+            if self.returncodes is not None:
+                self.returncode, self.store = group_returncode(self.returncodes), None
         return self.returncode
 
     def wait(self, timeout=None):
@@ -300,22 +314,74 @@ class ForkedCommand:
 
     def __exit__(self, *exc):
         if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
+            for pid in self.pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.wait(60)
 
 
-def start_command(command, env, stdout, stderr):
+class FreshRanks:
+    """Commands started together as subprocesses (the ranks of a process group) whose exit codes
+    come as fork_server gives a request's: if one fails, the others have PEERS_GRACE_SECONDS to end
+    on their own, then are killed. Its call gives the codes once all have ended, else None."""
+
+    def __init__(self, processes):
+        self.processes, self.failed_at = processes, None
+
+    def __call__(self):
+        codes = [process.poll() for process in self.processes]
+        if self.failed_at is None and any(codes):
+            self.failed_at = time.monotonic()
+        if None not in codes:
+            return codes
+        if self.failed_at is not None and time.monotonic() - self.failed_at >= fork_server.PEERS_GRACE_SECONDS:
+            for process in self.processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        return None
+
+
+def group_returncode(returncodes) -> int:
+    """The exit code of ranks that ended with `returncodes`: the first failing rank's that was not
+    killed for another's failure (SIGKILL), else 0."""
+    failed = [code for code in returncodes if code != 0]
+    return next((code for code in failed if code != -signal.SIGKILL), failed[0] if failed else 0)
+
+
+def rank_environments(env: dict, ranks: int):
+    """([env] for one rank, None) or, for ranks > 1, the environment of each rank of a process group
+    on this machine (gloo with ACCELERATE_USE_CPU=1): `env` with the variables torch.distributed.run
+    gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), and the
+    group's rendezvous store, hosted by this process as torchrun's agent hosts it
+    (TORCHELASTIC_USE_AGENT_STORE): keep it until the ranks have ended."""
+    if ranks == 1:
+        return [env], None
+    import torch.distributed
+    # port 0: the OS picks a free port as it binds, so no other test can take it in between
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return [{**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+             "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"} for rank in range(ranks)], store
+
+
+def start_command(command, env, stdout, stderr, ranks=1):
     """`command` (`python ...`, e.g. a launcher's `python -m torch.distributed.run ...`) started from
     the project root in a session of its own, as a job scheduler starts a job, with `env` as its whole
     environment and its output to the files `stdout` and `stderr`, for a test that signals it while
-    it runs: a fork of the ForkServer where run_command would fork it, else a subprocess.Popen. Either
-    way an object with Popen's pid, poll(), wait(timeout), returncode and `with`."""
-    server = ForkServer.for_command(None, command[1:], env) if str(command[0]) == sys.executable else None
-    with open(stdout, "w") as out, open(stderr, "w") as err:  # there (empty) from the start; a child has its own
-        if server is not None:
-            return server.start(command, env, stdout, stderr)
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                text=True, start_new_session=True)
+    it runs: a fork of the ForkServer where run_command would fork it, else a subprocess.Popen.
+    ranks > 1: `python ARGS` as that many ranks of one process group (rank_environments), each in a
+    session of its own as torch.distributed.run starts its ranks, writing to the same two files.
+    Returns a StartedCommand."""
+    envs, store = rank_environments(env, ranks)
+    servers = {ForkServer.for_command(None, command[1:], rank_env) if str(command[0]) == sys.executable else None
+               for rank_env in envs}
+    with open(stdout, "w") as out, open(stderr, "w") as err:  # there (empty) from the start; each rank has them
+        if None not in servers:
+            return servers.pop().start(command, envs, stdout, stderr, store)
+        processes = [subprocess.Popen(command, cwd=ROOT, env=rank_env, stdin=subprocess.DEVNULL, stdout=out,
+                                      stderr=err, text=True, start_new_session=True) for rank_env in envs]
+        return StartedCommand([process.pid for process in processes], FreshRanks(processes), store)
 
 
 def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False, ranks=1):
@@ -323,36 +389,27 @@ def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False
     process with cli_env() updated by `env` (a None value unsets); returns CompletedProcess.
     `python SCRIPT ...` and `python -m MODULE ...` run as forks of the suite's ForkServer.
 
-    ranks > 1: `python ARGS` as that many processes of one process group on this machine (gloo with
-    ACCELERATE_USE_CPU=1), with the variables torch.distributed.run gives its workers (RANK,
-    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and the group's rendezvous store
-    hosted by this process, as torchrun's agent hosts it (TORCHELASTIC_USE_AGENT_STORE). For tests of
-    what the ranks compute; the launchers themselves (torchrun, Slurm) are tested through them
-    (test_multinode, test_preemption, test_slurm, test_fork_server). One CompletedProcess: the ranks'
-    stdout and stderr in rank order, and the failing rank's exit code (its peers are then killed)."""
+    ranks > 1: `python ARGS` as that many processes of one process group on this machine
+    (rank_environments). For tests of what the ranks compute; the launchers themselves (torchrun,
+    Slurm) are tested through them (test_multinode, test_preemption, test_slurm, test_fork_server).
+    One CompletedProcess: the ranks' stdout and stderr in rank order, the failing rank's exit code
+    (its peers are then ended: FreshRanks) and `returncodes`, each rank's."""
     command = (launcher or [sys.executable]) + [str(arg) for arg in args]
     merged = {k: v for k, v in {**cli_env(), **(env or {})}.items() if v is not None}  # None unsets
     if merged.get("HF_HUB_OFFLINE") != "1" and "HF_HOME" not in (env or {}):
         merged["HF_HOME"] = str(env_dir / "hf_home")  # what a command downloads stays in its test
-    envs, store = [merged], None
-    if ranks > 1:
-        import torch.distributed
-        assert launcher is None, "ranks start as `python ARGS`"
-        # port 0: the OS picks a free port as it binds, so no other test can take it in between
-        store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        envs = [{**merged, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
-                 "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"} for rank in range(ranks)]
+    assert ranks == 1 or launcher is None, "ranks start as `python ARGS`"
+    envs, store = rank_environments(merged, ranks)
     servers = {ForkServer.for_command(launcher, args, rank_env) for rank_env in envs}
     if None not in servers:
         results = servers.pop().run([command] * ranks, envs, timeout)
     else:
         results = run_fresh([command] * ranks, envs, timeout)
     del store
-    failed = [result.returncode for result in results if result.returncode != 0]
-    returncode = next((code for code in failed if code != -signal.SIGKILL), failed[0] if failed else 0)
-    result = subprocess.CompletedProcess(command, returncode, "".join(result.stdout for result in results),
+    result = subprocess.CompletedProcess(command, group_returncode([result.returncode for result in results]),
+                                         "".join(result.stdout for result in results),
                                          "".join(result.stderr for result in results))
+    result.returncodes = [each.returncode for each in results]
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return result
@@ -361,21 +418,19 @@ def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False
 def run_fresh(commands, envs, timeout):
     """ForkServer.run in fresh interpreters: [subprocess.run(command, cwd=ROOT, env=env,
     stdin=DEVNULL, capture_output=True, text=True, timeout=timeout)], the commands running together
-    (if one fails, the others are killed)."""
+    (if one fails, the others are ended: FreshRanks)."""
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as files:  # closed also on a timeout
         outputs = [tuple(files.enter_context(open(os.path.join(folder, f"{index}.{stream}"), "w+"))
                          for stream in ("stdout", "stderr")) for index in range(len(commands))]
         processes = [subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                       text=True) for command, env, (out, err) in zip(commands, envs, outputs)]
-        deadline = time.monotonic() + timeout
-        while any(process.poll() is None for process in processes):
-            if time.monotonic() > deadline or any(process.poll() for process in processes):
+        returncodes, deadline = FreshRanks(processes), time.monotonic() + timeout
+        while returncodes() is None:
+            if time.monotonic() > deadline:
                 for process in processes:
-                    if process.poll() is None:
-                        process.kill()
-                        process.wait()
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(commands[0], timeout)
+                    process.kill()
+                    process.wait()
+                raise subprocess.TimeoutExpired(commands[0], timeout)
             time.sleep(0.05)
         results = []
         for command, process, (out, err) in zip(commands, processes, outputs):

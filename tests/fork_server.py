@@ -22,14 +22,16 @@ string hash seed: conftest.cli_env fixes PYTHONHASHSEED for both kinds of run.
 
 Several commands may run together: the ranks of a process group (conftest.run_command's ranks), each a
 `python SCRIPT` with its RANK and the group's rendezvous in its environment, as a launcher would
-start them. If one ends with a non-zero code the others are killed, so a test sees the failing
-rank's error rather than its peers waiting for it.
+start them. If one ends with a non-zero code, the others have PEERS_GRACE_SECONDS to end on their own
+(rank 0 printing the line its peers leave to it), then are killed, so a test sees the failing rank's
+error rather than its peers waiting for it in a collective.
 
 Protocol (JSON lines on stdin/stdout, one request at a time): the server replies {"ready": true,
 "read": {variable: value or null}, "set": {variable: value}, "printed": text, "threads": n}; the
 client sends {"commands": [{"argv": [...], "cwd": ..., "env": {...}, "stdout": path, "stderr": path,
 "session": bool}, ...]} (session: the child starts a session of its own, for a test that signals
-its process group, conftest.start_command); the server forks one child per command, replies
+its process group, conftest.start_command; the client creates the output files, each child appends
+to its own, so ranks may share them); the server forks one child per command, replies
 {"pids": [...]}, waits for them all, and replies {"returncodes": [...]} (negative: the ending
 signal). tests/test_fork_server.py runs commands both ways and compares what the tests read.
 """
@@ -43,12 +45,14 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 
 # Read by the interpreter or a preloaded library at start-up without passing through os.environ.
 START_UP_VARIABLES = ("PYTHONHASHSEED", "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE",
                       "PYTHONOPTIMIZE", "PYTHONWARNINGS", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONUNBUFFERED",
                       "OMP_NUM_THREADS",
                       "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH")
+PEERS_GRACE_SECONDS = 2.0  # after a rank's failure, before its peers still running are killed
 # The libraries a training, sampling or evaluation run imports.
 PRELOADED = ("numpy", "torch", "torch.nn.functional", "torch._dynamo", "sympy", "scipy.linalg", "scipy.stats",
              "sklearn.datasets", "sklearn.linear_model", "matplotlib.figure", "matplotlib.backends.backend_agg",
@@ -122,7 +126,7 @@ def run(request: dict, set_by_imports: dict) -> None:
     os.environ.update({**set_by_imports, **request["env"]})
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)  # as ranks that share their launcher's files
     sys.stdout = sys.__stdout__
     # a fresh interpreter seeds its generators from the OS: random's, numpy's global one, torch's
     # default one, and the random.Random objects libraries make at import (datasets' fingerprints)
@@ -175,13 +179,19 @@ def serve() -> None:
                 run(command, ready["set"])
             pids.append(pid)
         print(json.dumps({"pids": pids}), file=replies, flush=True)
-        returncodes = {}
+        returncodes, failed_at, killed = {}, None, False
         while len(returncodes) < len(pids):
-            pid, status = os.wait()
-            returncodes[pid] = os.waitstatus_to_exitcode(status)
-            if returncodes[pid] != 0:  # a failed rank: its peers would wait for it in a collective
+            pid, status = os.waitpid(-1, os.WNOHANG if failed_at is not None and not killed else 0)
+            if pid:
+                returncodes[pid] = os.waitstatus_to_exitcode(status)
+                if returncodes[pid] != 0 and failed_at is None:  # its peers may wait for it in a collective
+                    failed_at = time.monotonic()
+            elif time.monotonic() - failed_at < PEERS_GRACE_SECONDS:
+                time.sleep(0.01)
+            else:
                 for other in set(pids) - set(returncodes):
                     os.kill(other, signal.SIGKILL)
+                killed = True
         print(json.dumps({"returncodes": [returncodes[pid] for pid in pids]}), file=replies, flush=True)
 
 

@@ -248,14 +248,19 @@ if sys.argv[1] == "fail":
     if dist.get_rank() == 1:
         sys.exit(7)
     time.sleep(600)  # rank 0 waits on: the harness ends it once rank 1 has failed
+if sys.argv[1] == "late":  # both stop; rank 0 ends half a second after rank 1 (the line left to it)
+    time.sleep(0.5 * (dist.get_rank() == 0))
+    print("stopped", file=sys.stderr) if dist.get_rank() == 0 else None
+    sys.exit(4)
 dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("how", ["ok", "fail"])
-def test_ranks_form_one_process_group_and_a_failed_rank_ends_the_run(tmp_path, how):
+@pytest.mark.parametrize("how, returncodes", [("ok", [0, 0]), ("fail", [-9, 7]), ("late", [4, 4])])
+def test_ranks_form_one_process_group_and_a_failed_rank_ends_the_run(tmp_path, how, returncodes):
     """run_command(ranks=2): two processes of one gloo group (each all-reduces its rank), set up as
-    torch.distributed.run sets up its workers; if one fails the other is ended and the run returns the
+    torch.distributed.run sets up its workers; if one fails, the other may end on its own within
+    fork_server.PEERS_GRACE_SECONDS ("late"), else it is killed ("fail"), and the run returns the
     failing rank's code, forked and fresh alike."""
     script = tmp_path / "group_probe.py"
     script.write_text(GROUP_PROBE)
@@ -263,9 +268,25 @@ def test_ranks_form_one_process_group_and_a_failed_rank_ends_the_run(tmp_path, h
     runs = [run_command([script, how], tmp_path, env={"PROBE_MARKER": "m", **fresh}, timeout=120, ranks=2)
             for fresh in ({}, {"DDPM_TEST_FRESH_INTERPRETERS": "1"})]
     for run in runs:
-        assert run.returncode == (0 if how == "ok" else 7), run.stderr[-3000:]
+        assert run.returncodes == returncodes and run.returncode == max(returncodes), run.stderr[-3000:]
+        assert run.stderr.count("stopped") == (how == "late"), run.stderr[-3000:]
         reports = sorted((json.loads(line) for line in run.stdout.splitlines()), key=lambda report: report["rank"])
         assert reports == [{"rank": rank, "world": 2, "sum": 3, "local": str(rank), "marker": "m"} for rank in (0, 1)]
+
+
+def test_ranks_started_for_signalling_share_their_output_files_forked_or_fresh(tmp_path):
+    """conftest.start_command(ranks=2), as test_preemption starts ranks it signals: one process group,
+    each rank's lines in the two files, each rank's exit code, forked and fresh alike."""
+    from conftest import start_command
+    script = tmp_path / "group_probe.py"
+    script.write_text(GROUP_PROBE)
+    for fresh in ({}, {"DDPM_TEST_FRESH_INTERPRETERS": "1"}):
+        out, err = tmp_path / "out", tmp_path / "err"
+        env = {**cli_env(), "PROBE_MARKER": "m", **fresh}
+        with start_command([sys.executable, script, "late"], env, out, err, ranks=2) as process:
+            assert process.wait(120) == 4 and process.returncodes == [4, 4], err.read_text()[-3000:]
+        reports = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda report: report["rank"])
+        assert [report["rank"] for report in reports] == [0, 1] and err.read_text() == "stopped\n"
 
 
 SESSION_PROBE = """

@@ -24,10 +24,7 @@ def stop_lines(result):
 
 
 def assert_preempted_at(result, output_dir, step, signal="SIGTERM", ranks=1):
-    if ranks == 1:
-        assert result.returncode == 4, result.stderr[-3000:]
-    else:  # the launcher exits 1 and names each rank's exit code
-        assert result.returncode != 0 and re.search(r"exitcode\s*:\s*4", result.stderr), result.stderr[-3000:]
+    assert result.returncodes == [4] * ranks and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert stop_lines(result) == [(signal, str(step), str(output_dir / f"checkpoint-{step}"))]
     assert verify_checkpoint(str(output_dir / f"checkpoint-{step}")) is None
     assert not [name for name in os.listdir(output_dir) if name.endswith(".tmp")]
@@ -67,13 +64,12 @@ def test_sigusr1_at_a_checkpoint_step_with_a_second_signal_in_the_save(straight,
 
 def test_two_ranks_agree_on_the_stop_step_when_one_rank_is_signalled(hooked_train, tiny_recipe, tmp_path):
     """Only rank 1 receives the signal: rank 0 learns it through the per-step flag all-reduce and
-    both stop after the same step; the resumed run equals an uninterrupted 2-rank run."""
+    both stop after the same step, each exiting 4; the resumed run equals an uninterrupted 2-rank run."""
     recipe = tiny_recipe(train_batch_size=4, max_train_steps=STEPS, checkpointing_steps=EVERY)
     reference, out = tmp_path / "straight", tmp_path / "run"
     hooked_train(recipe, reference, ranks=2, env=CPU)
-    result = hooked_train(recipe, out, launcher=torchrun(), env={**CPU, "DDPM_TEST_SIGNAL_AT_STEP": "2:SIGTERM:1"},
-                          check=False)
-    assert re.search(r"exitcode\s*:\s*4", result.stderr), result.stderr[-3000:]
+    result = hooked_train(recipe, out, ranks=2, env={**CPU, "DDPM_TEST_SIGNAL_AT_STEP": "2:SIGTERM:1"}, check=False)
+    assert result.returncodes == [4, 4] and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert stop_lines(result) == [("a stop signal (on another rank)", "2", str(out / "checkpoint-2"))]  # rank 0 speaks
     assert verify_checkpoint(str(out / "checkpoint-2")) is None and not os.path.exists(out / ".checkpoint-2.tmp")
     hooked_train(recipe, out, "--resume_from_checkpoint", "latest", ranks=2, env=CPU)
@@ -86,11 +82,9 @@ def test_streamed_data_preempted_and_resumed_exactly(hooked_train, tiny_recipe, 
     uninterrupted streamed run with the same number of ranks, bit for bit."""
     recipe = tiny_recipe(train_batch_size=4, checkpointing_steps=EVERY, max_train_samples=None)
     flags = ["--streaming", "--dataset_name", parquet_images, "--shuffle_buffer_size", 0, "--max_train_steps", STEPS]
-    launcher = torchrun() if ranks == 2 else None
     reference, out = tmp_path / "straight", tmp_path / "run"
     hooked_train(recipe, reference, *flags, ranks=ranks, env=CPU)
-    result = hooked_train(recipe, out, *flags, launcher=launcher, env={**CPU, "DDPM_TEST_SIGNAL_AT_STEP": "2"},
-                          check=False)
+    result = hooked_train(recipe, out, *flags, ranks=ranks, env={**CPU, "DDPM_TEST_SIGNAL_AT_STEP": "2"}, check=False)
     assert_preempted_at(result, out, 2, ranks=ranks)
     assert {f"rank_state_{rank}.json" for rank in range(ranks)} <= set(os.listdir(out / "checkpoint-2"))
     hooked_train(recipe, out, *flags, "--resume_from_checkpoint", "latest", ranks=ranks, env=CPU)
@@ -118,15 +112,6 @@ def descendants(pid: int) -> list[int]:
     return found[1:]
 
 
-def rank_pids(launcher_pid: int, rank: int) -> list[int]:
-    """`rank` among the launcher's children (RANK in its environment), then its loader workers."""
-    table = processes()
-    ranks = [pid for pid, (parent, environ) in table.items()
-             if parent == launcher_pid and f"RANK={rank}".encode() in environ]
-    assert len(ranks) == 1, f"rank {rank} under launcher {launcher_pid}: {ranks}"
-    return ranks + [pid for pid, (parent, _) in table.items() if parent == ranks[0]]
-
-
 def wait_while_running(process, done, read_stderr=str, seconds=300) -> None:
     """Poll `done()` every 50 ms until it holds, for at most `seconds`; the command must not end
     meanwhile (if it does, or the time runs out, the failure shows `read_stderr()`)."""
@@ -139,14 +124,16 @@ def wait_while_running(process, done, read_stderr=str, seconds=300) -> None:
 
 
 def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, signal_name="SIGTERM", group=False,
-                             script="train_ddpm.py", env=None, ready=None):
-    """Start the training command line (`script`, with `env` added) in a session of its own, wait for
-    checkpoint-2 (training is under way), then send `signal_name` to the command (`group=False`: as
-    a scheduler that signals the launched process) or to its whole process group (`group=True`: the
-    launcher, the ranks and every loader worker, as Slurm and a terminal's Ctrl-C do). `ready(process,
-    read_stdout)`, when given, waits for the moment after checkpoint-2 and returns the pids to signal
-    (group=False). The output goes to files, so a command that prints while the test waits never
-    blocks on a full pipe. Returns (returncode, stdout, stderr, seconds from the signal to the exit)."""
+                             script="train_ddpm.py", env=None, ready=None, ranks=1):
+    """Start the training command line (`script`, with `env` added; `ranks` > 1: that many ranks
+    started as srun starts a job step's tasks, conftest.start_command) in a session of its own, wait
+    for checkpoint-2 (training is under way), then send `signal_name` to the command (`group=False`:
+    as a scheduler that signals the launched process) or to its whole process group (`group=True`:
+    the launcher, the ranks and every loader worker, as Slurm and a terminal's Ctrl-C do).
+    `ready(process, read_stdout)`, when given, waits for the moment after checkpoint-2 and returns
+    the pids to signal (group=False). The output goes to files, so a command that prints while the
+    test waits never blocks on a full pipe. Returns (the exit codes, one per rank or the launcher's,
+    stdout, stderr, seconds from the signal to the exit)."""
     import signal
     import sys
     import time
@@ -156,7 +143,7 @@ def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, sig
     command = [*(launcher or [sys.executable]), script, "--config", recipe, "--output_dir", str(out), *map(str, flags)]
     stdout_path, stderr_path = tmp_path / "command.stdout", tmp_path / "command.stderr"
     read_stdout = stdout_path.read_text
-    with start_command(command, env, stdout_path, stderr_path) as process:
+    with start_command(command, env, stdout_path, stderr_path, ranks=ranks) as process:
         try:
             saved = f"saved {out / 'checkpoint-2'}\n"  # training is under way
             wait_while_running(process, lambda: saved in read_stdout(), stderr_path.read_text)
@@ -170,9 +157,9 @@ def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, sig
             process.wait(timeout=120)
         finally:  # a failed test leaves nothing running (torch.distributed.run gives each rank a session)
             if process.poll() is None:
-                for pid in [process.pid, *descendants(process.pid)]:
+                for pid in [pid for rank in process.pids for pid in [rank, *descendants(rank)]]:
                     os.kill(pid, signal.SIGKILL)
-        return process.returncode, read_stdout(), stderr_path.read_text(), time.monotonic() - signalled
+        return process.returncodes, read_stdout(), stderr_path.read_text(), time.monotonic() - signalled
 
 
 def assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, signal_name, flags=(),
@@ -180,12 +167,12 @@ def assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, resu
     """One stop line naming the signal, a whole checkpoint at the stop step within a 30-s grace
     period, no traceback; resumed to a later checkpoint step, the run equals a straight run to it
     (constant LR: the length does not shape the schedule), bit for bit."""
-    returncode, _, stderr, seconds = result
+    returncodes, _, stderr, seconds = result
     stops = STOP_LINE.findall(stderr)
     assert len(stops) == 1, stderr[-3000:]
     [(name, step, path)] = stops
     assert name == signal_name and int(step) >= 2 and path == str(out / f"checkpoint-{step}"), stderr[-2000:]
-    assert (returncode == 4) if launcher is None else (returncode != 0), stderr[-2000:]
+    assert (returncodes == [4]) if launcher is None else (returncodes[0] != 0), stderr[-2000:]
     if launcher is None:  # torch.distributed.run reports its ranks' exit codes with a traceback of its own
         assert "Traceback" not in stderr and "killed by signal" not in stderr, stderr[-3000:]
     assert verify_checkpoint(path) is None and seconds < 30  # well inside a 30-second grace period
@@ -247,9 +234,9 @@ def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_res
 
     def in_the_final_grid(process, read_stdout):
         wait_while_running(process, lambda: re.search(r"^final sample grid", read_stdout(), re.MULTILINE))
-    returncode, _, stderr, seconds = signal_a_running_command(recipe, out, tmp_path, signal_name="SIGUSR1", group=True,
-                                                              ready=in_the_final_grid)
-    assert returncode == 4 and "Traceback" not in stderr, stderr[-3000:]
+    returncodes, _, stderr, seconds = signal_a_running_command(recipe, out, tmp_path, signal_name="SIGUSR1",
+                                                               group=True, ready=in_the_final_grid)
+    assert returncodes == [4] and "Traceback" not in stderr, stderr[-3000:]
     assert STOP_LINE.findall(stderr) == [("SIGUSR1", "3", str(out / "checkpoint-3"))]
     assert seconds < 10, f"{seconds:.1f} s from the signal to the exit"
     assert verify_checkpoint(str(out / "checkpoint-3")) is None
@@ -287,10 +274,11 @@ def straight_two_ranks_with_work(tmp_path_factory):
 
 def assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straight, result, signal_name):
     """Stopped at step 2 within 10 s (the work at step 2 alone takes minutes), one stop line, exit
-    code 4 on the ranks, checkpoint-2 whole and nothing of the step-2 grid or export written;
-    the resumed run's losses, weights and checkpoint-4 equal the uninterrupted run's, bit for bit."""
-    returncode, _, stderr, seconds = result
-    assert returncode != 0 and re.search(r"exitcode\s*:\s*4", stderr), stderr[-3000:]
+    code 4 on both ranks, no traceback, checkpoint-2 whole and nothing of the step-2 grid or export
+    written; the resumed run's losses, weights and checkpoint-4 equal the uninterrupted run's, bit
+    for bit."""
+    returncodes, _, stderr, seconds = result
+    assert returncodes == [4, 4] and "Traceback" not in stderr, stderr[-3000:]
     assert STOP_LINE.findall(stderr) == [(signal_name, "2", str(out / "checkpoint-2"))], stderr[-3000:]
     assert seconds < 10, f"{seconds:.1f} s from the signal to the exit"
     assert verify_checkpoint(str(out / "checkpoint-2")) is None
@@ -305,14 +293,14 @@ def test_two_ranks_sigterm_to_every_rank_and_worker_during_the_sample_grid_stops
     """SIGTERM to both ranks and their loader workers at once, as srun delivers it to the tasks of
     examples/slurm/train_multi_node.sbatch, once the FID at step 2 is scored, while the grid's rows
     are sampled on both ranks: each gives up between denoising steps and they agree before the
-    gather. (Not the launcher: torch.distributed.run, signalled itself, exits with a traceback of
-    its own and does not report its ranks' exit codes.)"""
+    gather. (The ranks are started as srun starts them, without a launcher between: a signalled
+    torch.distributed.run is test_a_scheduler_sigterm_to_the_launched_command's.)"""
     recipe, out = write_tiny_recipe(tmp_path, **IN_WORK), tmp_path / "run"
 
     def after_the_fid(process, read_stdout):
         wait_while_running(process, lambda: "step 2: fid" in read_stdout())
-        return rank_pids(process.pid, 0) + rank_pids(process.pid, 1)
-    result = signal_a_running_command(recipe, out, tmp_path, launcher=torchrun(), ready=after_the_fid)
+        return [pid for rank in process.pids for pid in [rank, *descendants(rank)]]  # its loader worker too
+    result = signal_a_running_command(recipe, out, tmp_path, ranks=2, ready=after_the_fid)
     assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straight_two_ranks_with_work, result,
                                                       "SIGTERM")
 
@@ -326,8 +314,8 @@ def test_two_ranks_a_sigusr1_to_rank_1_alone_waiting_for_rank_0s_fid_share_stops
     def when_rank_1_waits(process, read_stdout):
         wait_while_running(process, lambda: os.path.exists(shares / "rank1.jsonl"))
         assert not os.path.exists(shares / "rank0.jsonl")  # rank 0 is still sampling
-        return rank_pids(process.pid, 1)[:1]
-    result = signal_a_running_command(recipe, out, tmp_path, launcher=torchrun(), signal_name="SIGUSR1",
+        return process.pids[1:]
+    result = signal_a_running_command(recipe, out, tmp_path, ranks=2, signal_name="SIGUSR1",
                                       script=HOOKED_TRAIN, env={"DDPM_TEST_RECORD_SHARES": str(shares)},
                                       ready=when_rank_1_waits)
     assert not os.path.exists(shares / "rank0.jsonl")  # gave up, not finished
