@@ -74,20 +74,20 @@ def test_a_time_limited_job_requeues_itself_until_done_bit_identical(slurm, tmp_
     # once now + W + 30 s >= the end (send_job_warn_signal in its job_mgr.c): with --time=1, W=15 puts it
     # 15 to ~45 s into the job, before the limit at 60 s. (W=40 allowed it at once: a job started just
     # before a check got USR1 0.2 s in, before the interpreter had a handler, and died of it.) Until
-    # the stop each step sleeps 0.3 s (DDPM_TEST_STEP_SECONDS), so the 200 steps would last over 60 s on
+    # the stop each step sleeps 0.6 s (DDPM_TEST_STEP_SECONDS), so the 100 steps would last over 60 s on
     # any machine (plus the start-up) at little CPU, as a slow job does; the requeued job resumes
-    # unslowed and finishes in seconds. The reference run takes the same steps unslowed (the sleep
-    # changes no number).
-    recipe = write_tiny_recipe(tmp_path, train_batch_size=4, max_train_steps=200, checkpointing_steps=50,
+    # unslowed and finishes in seconds (a tiny step is ~40 ms of CPU). The reference run takes the same
+    # steps unslowed (the sleep changes no number).
+    recipe = write_tiny_recipe(tmp_path, train_batch_size=4, max_train_steps=100, checkpointing_steps=25,
                                lr_scheduler="constant", dataloader_num_workers=2)
     out, log = tmp_path / "run", tmp_path / "slurm.out"
-    env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT, "DDPM_TEST_STEP_SECONDS": "0.3"}
+    env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT, "DDPM_TEST_STEP_SECONDS": "0.6"}
     job_id = subprocess.check_output(["sbatch", "--parsable", "--time=1", "--signal=USR1@15", f"--output={log}",
                                       slurm_script(tmp_path, "train_one_node.sbatch"), "--config", recipe,
                                       "--output_dir", str(out)], cwd=ROOT, env=env, text=True).strip().split(";")[0]
     state = wait_for_job(job_id, timeout=900)
     text = log.read_text(errors="replace")  # tqdm bars cut mid-character by a stop
-    assert state == "COMPLETED" and "done: 200 optimizer steps" in text, text[-3000:]
+    assert state == "COMPLETED" and "done: 100 optimizer steps" in text, text[-3000:]
     assert text.count("preempted: SIGUSR1 received") >= 1 and "Traceback" not in text, text[-3000:]
     train(recipe, tmp_path / "straight", env={"ACCELERATE_USE_CPU": "1"})
     assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
@@ -100,26 +100,27 @@ def test_a_two_rank_job_cancelled_with_sigterm_requeues_and_ends_bit_identical(s
     """`scancel --signal=TERM JOB` signals every process of the job's steps at once: both ranks and
     their loader workers. The ranks agree on a stop step, write checkpoint-N, exit 4, srun exits 4,
     the script requeues the job, and the requeued job finishes the run."""
-    recipe = write_tiny_recipe(tmp_path, train_batch_size=4, max_train_steps=200, checkpointing_steps=50,
+    recipe = write_tiny_recipe(tmp_path, train_batch_size=4, max_train_steps=100, checkpointing_steps=25,
                                lr_scheduler="constant", dataloader_num_workers=2)
     out, log = tmp_path / "run", tmp_path / "slurm.out"
-    # 0.1 s of sleep per step until the stop (DDPM_TEST_STEP_SECONDS): the signal reaches the ranks mid-run
+    # 0.1 s of sleep per step until the stop (DDPM_TEST_STEP_SECONDS): the signal, sent once checkpoint-25
+    # is written, reaches the ranks mid-run (75 steps, 7.5 s, before the end)
     env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT, "DDPM_TEST_STEP_SECONDS": "0.1"}
     job_id = subprocess.check_output(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
                                       "--gpus-per-node=0", "--time=30", f"--output={log}",
                                       slurm_script(tmp_path, "train_multi_node.sbatch"), "--config", recipe,
                                       "--output_dir", str(out)], cwd=ROOT, env=env, text=True).strip().split(";")[0]
     deadline = time.monotonic() + 300
-    while not (out / "checkpoint-50").is_dir():  # training, past start-up, before the end
+    while not (out / "checkpoint-25").is_dir():  # training, past start-up, before the end
         assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:] if log.exists() else "no log"
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
     state = wait_for_job(job_id, timeout=900)
     text = log.read_text(errors="replace")
-    assert state == "COMPLETED" and "done: 200 optimizer steps" in text, text[-3000:]
+    assert state == "COMPLETED" and "done: 100 optimizer steps" in text, text[-3000:]
     assert text.count("preempted: SIGTERM received") == 1 and "Traceback" not in text, text[-3000:]
     stopped_at = int(text.split("stopped after optimizer step ")[1].split()[0])
-    assert 50 <= stopped_at < 200 and (out / f"checkpoint-{stopped_at}").is_dir()
+    assert 25 <= stopped_at < 100 and (out / f"checkpoint-{stopped_at}").is_dir()
     train(recipe, tmp_path / "straight", ranks=2, env={"ACCELERATE_USE_CPU": "1"})
     assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
     exported, straight = load_unet_weights(out), load_unet_weights(tmp_path / "straight")
