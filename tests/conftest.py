@@ -287,8 +287,8 @@ class ForkServer:
 class StartedCommand:
     """What start_command returns, with what the tests use of subprocess.Popen: pid (rank 0's),
     poll(), wait(timeout), returncode (as group_returncode makes it of the ranks'), and `with`
-    (which kills every rank still running, then waits); pids and returncodes, each rank's.
-    `returncodes()` gives the ranks' exit codes once all have ended, else None."""
+    (which kills every rank still running, then waits); pids and returncodes, each rank's. Made
+    with a function that gives the ranks' exit codes once all have ended, else None."""
 
     def __init__(self, pids, returncodes, store=None):
         self.pids, self.pid, self._returncodes, self.store = pids, pids[0], returncodes, store
