@@ -21,9 +21,13 @@ def test_digits_default_is_a_datasets_image_dataset():
     assert isinstance(dataset.features["image"], datasets.Image)
     first = dataset[0]["image"]
     assert first.size == (8, 8) and first.mode == "L"
-    pixels = np.stack([np.asarray(dataset[i]["image"]) for i in range(100)])
+    pixels = np.stack([np.asarray(image) for image in dataset["image"]])
     levels = {round(k * 255 / 16) for k in range(17)}  # 16 grey levels scaled to the full range
     assert set(np.unique(pixels).tolist()) <= levels and pixels.max() == 255
+    from sklearn.datasets import load_digits
+    digits = load_digits()  # every image and label as scikit-learn has it, in its order
+    assert np.array_equal(pixels, (digits.images * (255 / 16)).round().astype(np.uint8))
+    assert dataset["label"] == digits.target.tolist()
 
 
 def test_find_image_column_auto_and_errors():

@@ -27,16 +27,21 @@ class DataError(ValueError):
 # ----------------------------------------------------------------------------- loading
 def digits_dataset():
     """scikit-learn's 1,797 handwritten 8x8 digits (16 grey levels) as a datasets.Dataset: the
-    default data, shipped inside a package, so a fresh machine trains with no network."""
+    default data, shipped inside a package, so a fresh machine trains with no network.
+
+    Each image is stored as a binary PGM file (netpbm's greyscale format: a text header, then the
+    raw bytes), which datasets' Image feature decodes through PIL like any image file, to the same
+    8-bit pixels. Handing datasets PIL images instead makes it encode 1,797 PNGs at every start:
+    0.24 s of CPU against 0.01 s (measured), a tenth of a tiny test run."""
     import datasets
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     pixels = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)
+    height, width = pixels.shape[1:]
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=10)})
-    return datasets.Dataset.from_dict(
-        {"image": [Image.fromarray(p, mode="L") for p in pixels], "label": digits.target.tolist()},
-        features=features)
+    images = [{"bytes": f"P5 {width} {height} 255\n".encode() + image.tobytes(), "path": None} for image in pixels]
+    return datasets.Dataset.from_dict({"image": images, "label": digits.target.tolist()}, features=features)
 
 
 def _looks_like_path(name: str) -> bool:
