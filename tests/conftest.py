@@ -78,6 +78,11 @@ def pytest_configure(config):
     for name in list(os.environ):
         if name.startswith(CALLER_VARIABLES):
             del os.environ[name]
+    # torch on one intra-op thread in every test process, as in the commands (cli_env): pytest -n 2
+    # on 2 cores runs two tests at once, and two torch threads each would wait on each other (the
+    # in-process tests took twice the CPU time with torch's default of a thread per core). Also the
+    # summation order of the commands, which tests that recompute a command's numbers rely on.
+    os.environ["OMP_NUM_THREADS"] = "1"
     config.hf_home = os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="ddpm-tests-hf-home-")
 
 
@@ -466,18 +471,6 @@ def train(tmp_path):
     return functools.partial(run_training, tmp_path)
 
 
-@pytest.fixture(scope="module")
-def one_cpu_thread():
-    """torch on one intra-op thread for a module (pytestmark = pytest.mark.usefixtures("one_cpu_thread")):
-    on a shared 2-core machine two threads wait on each other, and a tiny UNet call takes ~1 s with
-    2 threads and ~10 ms with 1 (measured)."""
-    import torch
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="session")
 def tiny_reference_run(tmp_path_factory):
     """The output folder of the tiny recipe trained 3 steps (seed 0, no other flag), trained once per
@@ -657,7 +650,7 @@ def pytest_collection_modifyitems(config, items):
     marked `contract`.
     Tests that read one module-scoped fixture of their module (most are a training run made once
     and read by several tests) run on one xdist worker, so it is made once, not once per worker.
-    Module-scoped fixtures of this file (a setting such as one_cpu_thread) group nothing."""
+    Module-scoped fixtures of this file group nothing."""
     for item in items:
         if starts_a_command(item):
             item.add_marker(pytest.mark.cli)

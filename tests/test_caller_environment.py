@@ -1,5 +1,6 @@
 """The suite's promise to whoever runs it: the caller's HF_*/WANDB_* variables change no test
-(conftest.pytest_configure removes them before any library reads them)."""
+(conftest.pytest_configure removes them before any library reads them), and the test processes run
+torch on one thread whatever the caller's OMP_NUM_THREADS."""
 import os
 import subprocess
 import sys
@@ -46,3 +47,10 @@ def test_a_plugin_that_imports_a_library_first_is_named_in_a_usage_error(tmp_pat
     result = run_pytest(tmp_path, "-p", "early_import_plugin", env={"PYTHONPATH": str(tmp_path)})
     assert result.returncode == 4, result.stdout[-3000:] + result.stderr[-3000:]  # pytest's usage error
     assert "huggingface_hub was imported before the tests cleared" in result.stderr
+
+
+def test_torch_runs_on_one_thread_in_the_test_processes():
+    """Two test processes share two cores, as the commands do (conftest.pytest_configure sets
+    OMP_NUM_THREADS=1 whatever the caller's shell says, before torch is imported)."""
+    import torch
+    assert torch.get_num_threads() == 1

@@ -39,7 +39,6 @@ def test_debug_images_show_raw_beside_ema_and_the_denoising_trajectory(train, ti
     unet = UNet2DModel.from_config(UNet2DModel.load_config(out / "unet"))
     unet.load_state_dict(load_file(out / f"checkpoint-{STEPS}" / "model.safetensors"))
     scheduler = sampling.make_scheduler("ddim", cli.load_pipeline(str(out)).scheduler.config)
-    torch.set_num_threads(1)
     raw = np.asarray(sampling.image_grid(sampling.generate(unet, scheduler, 4, SAMPLER_STEPS, seed=0)))
     assert np.abs(raw.astype(int) - raw_half).max() <= 1  # uint8 rounding of ~1e-7 kernel differences
     assert np.abs(raw_half.astype(int) - ema_half).max() > 10  # raw and EMA weights differ visibly

@@ -22,8 +22,6 @@ from diffusion_extras.evaluation.metrics import (
 )
 from diffusion_extras.evaluation.sampling import make_scheduler
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
-
 
 def test_frechet_distance_matches_closed_form_for_diagonal_gaussians():
     rng = np.random.default_rng(0)

@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from conftest import read_history
 from diffusers import DDPMScheduler, UNet2DModel
 
@@ -47,7 +46,6 @@ def test_training_logs_raw_and_ema_held_out_loss_per_bin_with_fixed_noise(train,
     held_out = validation.HeldOutLoss(held, 8, 1000, 10, config.seed, config.train_batch_size)
     unet = UNet2DModel.from_pretrained(out / "unet")
     schedule = NoiseSchedule.from_scheduler(DDPMScheduler.from_pretrained(out / "scheduler"))
-    torch.set_num_threads(1)
     first = held_out.per_bin_loss(unet, schedule, "epsilon", "cpu")
     np.testing.assert_allclose(first, [rows[-1][f"validation/ema_bin/{i:02d}"] for i in range(10)], rtol=1e-5)
     np.testing.assert_array_equal(first, held_out.per_bin_loss(unet, schedule, "epsilon", "cpu"))  # fixed noise

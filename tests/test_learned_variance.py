@@ -32,7 +32,6 @@ def learned_run(tmp_path_factory):
     return SimpleNamespace(output=folder / "run", log=result.stdout + result.stderr)
 
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def test_run_exports_a_ddpm_pipeline_that_samples_with_the_learned_variance(learned_run):

@@ -24,7 +24,6 @@ class ScaledIdentityUNet(torch.nn.Module):
         return SimpleNamespace(sample=sample * self.scale)
 
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

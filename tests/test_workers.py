@@ -49,7 +49,7 @@ def test_a_worker_with_a_thread_from_before_its_init_ignores_a_schedulers_sigter
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["cached", "streamed"])
-def test_the_loop_ends_its_loader_workers_when_it_ends(tmp_path, fresh_accelerate, one_cpu_thread, streamed):
+def test_the_loop_ends_its_loader_workers_when_it_ends(tmp_path, fresh_accelerate, streamed):
     """The workers end with the training loop, not whenever the garbage collector frees their
     iterator: a reference cycle through a kept frame (matplotlib's layout code) held it, and a
     collection at exit waited 5 s per worker (10 s after "done" with 2 workers)."""
