@@ -120,6 +120,7 @@ def test_unknown_yaml_key_and_bad_types(tmp_path):
     (["--eval_batch_size", "0"], "--eval_batch_size must be at least 1"),
     (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps must be at least 1"),
     (["--max_train_steps", "0"], "--max_train_steps must be at least 1"),
+    (["--save_images_steps=-1"], "--save_images_steps must be at least 0"),
     (["--lr_scheduler", "step"], "--lr_scheduler 'step' is not one of"),
     (["--prediction_type", "noise"], "--prediction_type 'noise' is not one of"),
     (["--ema_max_decay", "1.0"], "--ema_max_decay must lie in (0, 1)"),

@@ -162,7 +162,7 @@ class TrainConfig:
     find_lr: bool = _f(False, "Run an LR range test instead of training: exponential sweep 1e-7 -> 1e-2, plot and suggested lr.", resume=FREE, group="diagnostics")
     find_lr_steps: int = _f(100, "Optimizer steps of the LR range test.", resume=FREE, group="diagnostics")
     # --- evaluation -------------------------------------------------------------------
-    save_images_steps: int = _f(500, "Save a sample grid (EMA weights, DDIM) every N optimizer steps and at the end.", resume=APPLY, group="evaluation")
+    save_images_steps: int = _f(500, "Save a sample grid (EMA weights, DDIM), the debug images and the loss-per-timestep plot every N optimizer steps and at the end. 0: none, at the end either (saves the sampling when it is costly).", resume=APPLY, group="evaluation")
     eval_batch_size: int = _f(64, "Images in each sample grid.", resume=APPLY, group="evaluation")
     ddpm_num_inference_steps: int = _f(50, "DDIM steps for sample grids.", resume=APPLY, group="evaluation")
     guidance_scale: float = _f(DEFAULT_GUIDANCE_SCALE, "With --class_conditional: classifier-free guidance scale of the sample grids and FID (one row per class, up to 10 classes); 1: no guidance. Default: the pipeline's DEFAULT_GUIDANCE_SCALE.", resume=FREE, group="evaluation")
@@ -369,8 +369,9 @@ def validate(c: TrainConfig) -> None:
 
     for name in ("train_batch_size", "eval_batch_size", "gradient_accumulation_steps", "num_epochs",
                  "resolution", "ddpm_num_steps", "ddpm_num_inference_steps", "diagnostics_steps",
-                 "save_images_steps", "save_model_steps", "checkpointing_steps"):
+                 "save_model_steps", "checkpointing_steps"):
         need(getattr(c, name) >= 1, f"--{name} must be at least 1 (got {getattr(c, name)})")
+    need(c.save_images_steps >= 0, f"--save_images_steps must be at least 0 (0: no images; got {c.save_images_steps})")
     for name in ("max_train_steps", "max_train_samples", "checkpoints_total_limit"):
         value = getattr(c, name)
         need(value is None or value >= 1, f"--{name} must be at least 1 (got {value})")

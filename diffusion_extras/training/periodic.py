@@ -42,7 +42,7 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
             with end_of_run_work(run, "final post-hoc EMA snapshot", last):
                 artifacts.posthoc_snapshot(unet, extras.posthoc_ema, target)
         work.append(snapshot)
-    if step % plan.save_images_steps == 0 or last:
+    if images_due(plan.save_images_steps, step, last):
         def debug_images():
             with end_of_run_work(run, "final debug images and loss plot", last), \
                     guarded_write(run, "sample grid", artifacts.debug_image_paths(config.output_dir, step)):
@@ -67,6 +67,11 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
     return work
 
 
+def images_due(save_images_steps: int, step: int, last: bool) -> bool:
+    """Grids and debug images every --save_images_steps and at the end; never with 0."""
+    return save_images_steps > 0 and (step % save_images_steps == 0 or last)
+
+
 def run_main_process_extras(run: Run, step: int, last: bool) -> None:
     """The main process's work due at `step` (main_process_work). Every rank calls it: the others
     wait there for the main process, in the one agreement that makes a stop during the work give up
@@ -84,7 +89,7 @@ def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
     """The sample grid at --save_images_steps and at the end: a collective, every rank samples its
     rows (artifacts.save_sample_grid); the main process writes it."""
     config, extras, accelerator = run.config, run.extras, run.accelerator
-    if not (step % run.plan.save_images_steps == 0 or last):
+    if not images_due(run.plan.save_images_steps, step, last):
         return
     target = artifacts.Target(config.output_dir, step, accelerator, run.history)
     writes = (guarded_write(run, "sample grid", [artifacts.sample_grid_path(config.output_dir, step)])

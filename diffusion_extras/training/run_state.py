@@ -46,7 +46,7 @@ class Plan:
     """Settings derived from the config and the data when the run starts. Saved configs and
     checkpoints record these values in place of what the user left unset."""
     max_train_steps: int         # optimizer steps (from --max_train_steps, or epochs x steps per epoch)
-    save_images_steps: int       # optimizer steps (or diffusers' --save_images_epochs mapped to steps)
+    save_images_steps: int       # optimizer steps (or diffusers' --save_images_epochs mapped to steps); 0: never
     save_model_steps: int        # optimizer steps (or --save_model_epochs mapped to steps)
     model: dict                  # UNet2DModel keyword arguments: the recipe's, or following the data
     # optimization and EMA: the config's values, or for a UNet that follows the data the values of a
