@@ -17,10 +17,12 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOOKED_TRAIN = "tests/hooked_train.py"  # train_ddpm.py with failures injected by DDPM_TEST_* variables
 
-# 8 px grayscale, two levels, ~20k parameters: a CPU step takes milliseconds.
+# 8 px grayscale, two levels, ~20k parameters: a CPU step takes milliseconds. No sample grid, debug
+# images or loss plot (save_images_steps 0), which were ~40% of a 3-step command's CPU time: the
+# tests of those ask for them.
 TINY_RECIPE = {
     "resolution": 8, "train_batch_size": 8, "eval_batch_size": 4, "ddpm_num_inference_steps": 2,
-    "diagnostics_steps": 1, "save_images_steps": 1000, "save_model_steps": 1000, "checkpointing_steps": 1000,
+    "diagnostics_steps": 1, "save_images_steps": 0, "save_model_steps": 1000, "checkpointing_steps": 1000,
     "logger": "none", "max_train_samples": 64, "learning_rate": 1e-3, "lr_warmup_steps": 2,
     "validation_split": 0.0, "grad_diagnostics_steps": 0,  # the digits default's held-out and gradient probes: off
     "model": {"in_channels": 1, "out_channels": 1, "layers_per_block": 1, "block_out_channels": [8, 16],

@@ -30,9 +30,11 @@ FLAGS = ("--use_ema", "--snr_gamma", 5, "--gradient_accumulation_steps", 2, "--e
 CHEAP_COMPILE = ("--torch_compile", "--torch_compile_backend", "eager")
 # Each prediction type with a precision and a layout. The prediction type acts outside the UNet
 # (targets, min-SNR weights), so one run has every extra (in bf16 autocast, channels_last) and the
-# other two train only (they pay no second capture for the gradient monitor's eval mode).
+# other two train and sample the FID and the final grid only (they pay no second capture for the
+# gradient monitor's eval mode).
+FINAL_GRID = {"save_images_steps": 1000}
 SETTINGS = {"epsilon": (("--mixed_precision", "bf16", "--channels_last"), EXTRAS),
-            "v_prediction": ((), {}), "sample": (("--channels_last",), {})}
+            "v_prediction": ((), FINAL_GRID), "sample": (("--channels_last",), FINAL_GRID)}
 WARM = 3  # counts after step 3 include step 2's extras: the last first-time graph
 
 
@@ -91,7 +93,7 @@ def test_training_stays_compiled_with_every_extra(compiled_run):
     batch size FID does not use; counted, not explained: in the other runs the rows reuse FID's)."""
     prediction_type, _, counts = compiled_run
     assert_stays_compiled(counts)
-    assert counts["end"]["graphs"] == (5 if SETTINGS[prediction_type][1] else 2), counts
+    assert counts["end"]["graphs"] == (5 if SETTINGS[prediction_type][1] is EXTRAS else 2), counts
 
 
 def test_a_compiled_checkpoint_resumes_eager_and_back(compiled_run, tmp_path):
@@ -162,12 +164,13 @@ def test_two_ranks_stay_compiled_and_share_the_evaluation(hooked_train, tmp_path
 
 
 def test_inductor_end_to_end_matches_eager(tmp_path, tiny_reference_run):
-    """The real backend: no break, no graph after warm-up, and the losses of the eager reference run
+    """The real backend, on the training UNet and on the sampling copy of the final grid: no break, no
+    graph after warm-up, and the losses of the eager reference run
     (conftest.tiny_reference_run, same recipe and seed). Steps 1 and 2 see the same weights
     (warmup: step 1 has lr 0), so the fused kernels must give the same loss up to float rounding.
     Step 3 may drift by ~1%: Adam divides by sqrt(v), which turns rounding-level differences in
     near-zero gradients into lr-sized updates."""
-    counts = counted_run(tmp_path, "--torch_compile", "--max_train_steps", 3)
+    counts = counted_run(tmp_path, "--torch_compile", "--max_train_steps", 3, **FINAL_GRID)
     assert_stays_compiled(counts, warm=1)
     compiled = [h["loss"] for h in read_history(tmp_path / "run")]
     reference = [h["loss"] for h in read_history(tiny_reference_run)]

@@ -63,7 +63,7 @@ def test_debug_images_show_raw_beside_ema_and_the_denoising_trajectory(train, ti
 
 def test_without_ema_only_the_denoising_strip_is_written(train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    train(tiny_recipe(), out, "--max_train_steps", 2, "--no-use_ema")
+    train(tiny_recipe(save_images_steps=1000), out, "--max_train_steps", 2, "--no-use_ema")
     written = sorted(os.path.basename(p) for p in glob.glob(str(out / "samples" / "*.png")))
     assert written == ["step_000002.png", "step_000002_denoising.png"]
 

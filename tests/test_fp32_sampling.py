@@ -20,7 +20,7 @@ def fp32_grid(run, unet, dtype=torch.float32) -> np.ndarray:
 def test_bf16_run_samples_its_grid_in_fp32(tmp_path, fresh_accelerate):
     steps = 4
     run = tiny_run(tmp_path, "--mixed_precision", "bf16", "--use_ema", "--max_train_steps", steps,
-                   ddpm_num_inference_steps=10)
+                   ddpm_num_inference_steps=10, save_images_steps=1000)
     loop.train(run)
     saved = np.asarray(Image.open(tmp_path / "run" / "samples" / f"step_{steps:06d}.png"))
 

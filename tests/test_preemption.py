@@ -229,7 +229,8 @@ def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_res
     or the export is left; the resume at the last step does the end-of-run work (grid, export),
     and the exported weights and losses equal those of an uninterrupted run."""
     from conftest import load_unet_weights
-    recipe = tiny_recipe(max_train_steps=3, checkpointing_steps=2, ddpm_num_inference_steps=1000)
+    recipe = tiny_recipe(max_train_steps=3, checkpointing_steps=2, save_images_steps=1000,
+                         ddpm_num_inference_steps=1000)
     out = tmp_path / "run"
 
     def in_the_final_grid(process, read_stdout):

@@ -16,7 +16,7 @@ from diffusion_extras.training.config import TrainConfig, parse_config
 def test_setup_leaves_the_config_as_given_and_the_saved_config_records_the_plan(tmp_path, fresh_accelerate):
     # epochs decide the length; diffusers' epoch intervals become steps; no model chosen
     run = tiny_run(tmp_path, "--num_epochs", 2, "--save_images_epochs", 1, "--gradient_accumulation_steps", 2,
-                   max_train_steps=None)
+                   max_train_steps=None, save_images_steps=1000)
     given = copy.deepcopy(run.config)
     assert given.max_train_steps is None and given.save_images_steps == 1000
     # 64 images, batch 8, accumulation 2: 4 optimizer steps per epoch
