@@ -645,6 +645,18 @@ def reads_what_a_command_printed(function) -> bool:
     return False
 
 
+# Modules whose tests take tens of seconds each, longest first (the Slurm jobs mostly wait for the
+# scheduler). They start first, and the short in-process tests fill the workers' last minutes.
+LONG_FIRST = ("test_slurm", "test_compile", "test_multinode", "test_bench_quality", "test_preemption",
+              "test_fork_server", "test_stream_workers")
+
+
+def start_order(item) -> tuple:
+    module = item.module.__name__
+    return (LONG_FIRST.index(module) if module in LONG_FIRST else len(LONG_FIRST),
+            item.get_closest_marker("cli") is None)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks (pyproject: --dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     """Tests that start a command are marked `cli`; those of them that read its exit code or what it
@@ -652,7 +664,9 @@ def pytest_collection_modifyitems(config, items):
     marked `contract`.
     Tests that read one module-scoped fixture of their module (most are a training run made once
     and read by several tests) run on one xdist worker, so it is made once, not once per worker.
-    Module-scoped fixtures of this file group nothing."""
+    Module-scoped fixtures of this file group nothing.
+    The order (start_order): the long modules first, then the other command-line tests, then the
+    in-process ones; a module's tests keep their order (pyproject: --no-loadscope-reorder)."""
     for item in items:
         if starts_a_command(item):
             item.add_marker(pytest.mark.cli)
@@ -664,3 +678,4 @@ def pytest_collection_modifyitems(config, items):
                     and definitions[-1].func.__module__ == item.module.__name__):
                 item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))
                 break
+    items.sort(key=start_order)
