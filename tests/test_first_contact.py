@@ -130,6 +130,11 @@ def _bad_recipe(tmp_path, text):
     return str(path)
 
 
+def _earlier_run(tmp_path):
+    (tmp_path / "out" / "checkpoint-2").mkdir(parents=True)  # the output_dir the test passes holds a run
+    return []
+
+
 LIGHT_CASES = [  # (flags, the one line's words; None: --help)
     (lambda tmp: ["--help"], None),
     (lambda tmp: ["--prediction_type", "nonsense"], "--prediction_type 'nonsense' is not one of: epsilon"),
@@ -141,21 +146,27 @@ LIGHT_CASES = [  # (flags, the one line's words; None: --help)
     (lambda tmp: ["--config", _bad_recipe(tmp, "seed: [1\n")], "not valid YAML at line 2"),
     (lambda tmp: ["--config", _bad_recipe(tmp, "learning_rat: 1e-4\n")],
      "unknown setting(s) in the recipe: learning_rat"),
+    # what the run itself can refuse without torch: a data folder, the output_dir, the Hub push
+    (lambda tmp: ["--dataset_name", "./no/such/folder"], "--dataset_name ./no/such/folder: no such folder"),
+    (_earlier_run, "already holds checkpoint-2: pass --resume_from_checkpoint latest to continue it"),
+    (lambda tmp: ["--push_to_hub"], "--push_to_hub needs a token: pass --hub_token"),
+    (lambda tmp: ["--push_to_hub", "--hub_token", "hf_test"], "--push_to_hub cannot work in offline mode"),
 ]
 
 
 @pytest.mark.parametrize("flags,words", LIGHT_CASES, ids=lambda v: None if callable(v) else str(v)[:30])
 def test_help_and_config_errors_answer_without_importing_the_training_stack(run_cli, tmp_path, flags, words):
+    flags = flags(tmp_path)
+    before = sorted(os.walk(tmp_path / "out"))  # what the case put there (_earlier_run), else nothing
     result, heavy, lines = _run_listing_imports(
-        run_cli, ["train_ddpm.py", *flags(tmp_path), "--output_dir", str(tmp_path / "out")],
-        "diffusion_extras.training.config")
+        run_cli, ["train_ddpm.py", *flags, "--output_dir", str(tmp_path / "out")], "diffusion_extras.training.config")
     assert heavy == []
     if words is None:
         assert result.returncode == 0 and lines == [] and "--prediction_type" in result.stdout
     else:
         assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
         assert words in lines[0], lines
-    assert not (tmp_path / "out").exists()
+    assert sorted(os.walk(tmp_path / "out")) == before
 
 
 @pytest.mark.parametrize("command,flag,needed", [

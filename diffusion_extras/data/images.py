@@ -48,6 +48,16 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.path.isabs(name)
 
 
+def missing_dataset_folder(dataset_name: str) -> str | None:
+    """The one-line error for a --dataset_name written as a path that names no folder (a Hub id is
+    not checked here: that needs the network), else None. The config's validation asks it too, so
+    the error comes before the training stack is imported."""
+    name = os.path.expanduser(dataset_name)
+    if _looks_like_path(name) and not os.path.isdir(name):
+        return f"--dataset_name {name}: no such folder (give an existing path or a Hub dataset id)"
+    return None
+
+
 def load_image_dataset(spec: DataSpec):
     """The training split as a datasets.Dataset (open_dataset), cut to --max_train_samples."""
     dataset = open_dataset(spec)
@@ -82,11 +92,12 @@ def open_dataset(spec: DataSpec, streaming: bool = False):
             saved = _train_split(_call_loader(lambda: datasets.load_from_disk(name), f"--dataset_name {name}"), name)
             # a saved dataset streams from its own arrow files, in shards that ranks and workers split
             return saved.to_iterable_dataset(num_shards=min(len(saved), 64) or 1) if streaming else saved
-        if os.path.isdir(name) or not _looks_like_path(name):
-            return _train_split(_call_loader(lambda: datasets.load_dataset(
-                name, spec.dataset_config_name, cache_dir=cache_dir, streaming=streaming),
-                f"--dataset_name {name}"), name)
-        raise DataError(f"--dataset_name {name}: no such folder (give an existing path or a Hub dataset id)")
+        missing = missing_dataset_folder(name)
+        if missing:
+            raise DataError(missing)
+        return _train_split(_call_loader(lambda: datasets.load_dataset(
+            name, spec.dataset_config_name, cache_dir=cache_dir, streaming=streaming),
+            f"--dataset_name {name}"), name)
     if streaming:
         raise DataError("--streaming needs --dataset_name or --train_data_dir or --train_data_files "
                         "(the embedded digits are in memory)")

@@ -52,14 +52,25 @@ def default_repo_id(output_dir: str, hub_model_id: str | None) -> str:
     return repo_id
 
 
+def refuse_offline() -> None:
+    if constants.is_offline_mode():  # read once, when huggingface_hub is imported
+        raise ValueError("--push_to_hub cannot work in offline mode: unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE)")
+
+
+def check_push(hub_token: str | None, output_dir: str, hub_model_id: str | None) -> None:
+    """What a push needs that the network is not asked for: a token, a valid repo name, online
+    mode; raises ValueError naming the fix. The trainer asks before importing its stack (seconds)."""
+    resolve_token(hub_token)
+    default_repo_id(output_dir, hub_model_id)
+    refuse_offline()
+
+
 class HubPusher:
     """Creates the Hub repo up front (so bad tokens or names fail before training) and pushes the
     pipeline files of `folder` to it, one commit per push."""
 
     def __init__(self, repo_id: str, token: str, private: bool, folder: str):
-        if constants.is_offline_mode():  # read once, when huggingface_hub is imported
-            raise ValueError("--push_to_hub cannot work in offline mode: "
-                             "unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE)")
+        refuse_offline()
         self.token, self.folder = token, folder
         self.api = HfApi(token=token)
         # The Hub ignores `private` for a repo that already exists: its visibility is kept.

@@ -71,10 +71,7 @@ def start(config: TrainConfig):
 def setup(config: TrainConfig, hooks: Hooks | None = None) -> Run:
     """Everything that can fail on bad input, done before the first step."""
     accelerator = start(config)
-    checkpoints = checkpointing.list_checkpoints(config.output_dir)
-    if checkpoints and config.resume_from_checkpoint is None:
-        raise ConfigError(f"--output_dir {config.output_dir} already holds {os.path.basename(checkpoints[-1])}: "
-                          "pass --resume_from_checkpoint latest to continue it, or choose a new --output_dir")
+    checkpointing.refuse_fresh_run_over_checkpoints(config.output_dir, config.resume_from_checkpoint)
     run = build_run(config, accelerator, hooks=hooks)
     config = run.config  # fine-tuning: with the pretrained pipeline's settings (pretrained.resolve)
     if config.resume_from_checkpoint:  # refuse an incompatible resume before any remote side effect

@@ -23,7 +23,7 @@ import warnings
 import zlib
 from dataclasses import fields
 
-from diffusion_extras.training.config import APPLY, REFUSE, TrainConfig
+from diffusion_extras.training.config import APPLY, REFUSE, ConfigError, TrainConfig
 
 PREFIX = "checkpoint-"
 MARKER = "checkpoint_complete.json"
@@ -57,6 +57,15 @@ def list_checkpoints(output_dir: str) -> list[str]:
     found = [(checkpoint_step(name), os.path.join(output_dir, name)) for name in os.listdir(output_dir)]
     return [path for step, path in sorted(f for f in found if f[0] is not None)
             if os.path.isdir(path)]
+
+
+def refuse_fresh_run_over_checkpoints(output_dir: str, resume_from_checkpoint: str | None) -> None:
+    """A run without --resume_from_checkpoint must not start over an output_dir with checkpoints:
+    its first save would mix two runs' checkpoints (and the newest would no longer be this run's)."""
+    checkpoints = list_checkpoints(output_dir)
+    if checkpoints and resume_from_checkpoint is None:
+        raise ConfigError(f"--output_dir {output_dir} already holds {os.path.basename(checkpoints[-1])}: "
+                          "pass --resume_from_checkpoint latest to continue it, or choose a new --output_dir")
 
 
 def verify_checkpoint(path: str) -> str | None:

@@ -24,7 +24,7 @@ from diffusion_extras.core.choices import (
     TIMESTEP_SAMPLING,
     VARIANCE_TYPES,
 )
-from diffusion_extras.data.images import parse_background
+from diffusion_extras.data.images import missing_dataset_folder, parse_background
 from diffusion_extras.data.spec import DataSpec
 from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, parse_metrics
 from diffusion_extras.hub.secrets import redact_config
@@ -445,6 +445,9 @@ def validate(c: TrainConfig) -> None:
     need(len(sources) <= 1, f"give one data source, not both {' and '.join(sources[:2])}")
     if c.train_data_dir is not None:
         need(os.path.isdir(c.train_data_dir), f"--train_data_dir {c.train_data_dir}: no such folder")
+    if c.dataset_name is not None:
+        missing = missing_dataset_folder(c.dataset_name)
+        need(missing is None, missing)
     if c.model_config_name_or_path is not None:
         need(os.path.exists(c.model_config_name_or_path),
              f"--model_config_name_or_path {c.model_config_name_or_path}: no such file or folder "

@@ -22,8 +22,8 @@ from typing import NoReturn
 from diffusion_extras.core import commands, stop_flag
 from diffusion_extras.data.images import DataError
 from diffusion_extras.hub.secrets import redact_argv
-from diffusion_extras.training import disk_space
-from diffusion_extras.training.checkpointing import CheckpointError
+from diffusion_extras.training import disk_space, tracking
+from diffusion_extras.training.checkpointing import CheckpointError, refuse_fresh_run_over_checkpoints
 from diffusion_extras.training.config import ConfigError, parse_config
 from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.stops import DiskFull, RunStopped
@@ -38,10 +38,12 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
     try:
         config = parse_config(argv)
         redact_argv(sys.argv, [config.hub_token])  # trackers (wandb) record the command line
+        tracking.check_tracker_available(config.logger)
         if config.find_lr:
             from diffusion_extras.training.lr_range import find_lr, setup_lr_range_test
             find_lr(setup_lr_range_test(config, hooks))
             return 0
+        check_run_before_the_stack(config)
         from diffusion_extras.training.build import setup
         run = setup(config, hooks)
     except (ConfigError, DataError, CheckpointError) as error:
@@ -66,6 +68,21 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
               file=sys.stderr, flush=True)
         return DiskFull.exit_code
     return 0
+
+
+def check_run_before_the_stack(config) -> None:
+    """What a training run can refuse without torch, before the trainer is imported (seconds): an
+    output_dir that holds another run's checkpoints, a push without a token, a valid repo name or the
+    network. setup() asks again, after --overwrite_output_dir has moved the earlier run aside and
+    before the Hub repo is created (artifacts.connect_hub), for callers of the library."""
+    if not config.overwrite_output_dir:
+        refuse_fresh_run_over_checkpoints(config.output_dir, config.resume_from_checkpoint)
+    if config.push_to_hub:
+        from diffusion_extras.hub.push import check_push  # huggingface_hub: a fraction of a second
+        try:
+            check_push(config.hub_token, config.output_dir, config.hub_model_id)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 def cli() -> None:
