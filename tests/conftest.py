@@ -80,9 +80,9 @@ def pytest_configure(config):
     for name in list(os.environ):
         if name.startswith(CALLER_VARIABLES):
             del os.environ[name]
-    # torch on one intra-op thread in every test process, as in the commands (cli_env): pytest -n 2
-    # on 2 cores runs two tests at once, and two torch threads each would wait on each other (the
-    # in-process tests took twice the CPU time with torch's default of a thread per core). Also the
+    # torch on one intra-op thread in every test process, as in the commands (cli_env): pytest -n 3
+    # on 2 cores runs three tests at once, and torch's default of a thread per core would have them
+    # wait on each other (the in-process tests took twice the CPU time with it). Also the
     # summation order of the commands, which tests that recompute a command's numbers rely on.
     os.environ["OMP_NUM_THREADS"] = "1"
     config.hf_home = os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="ddpm-tests-hf-home-")
