@@ -112,8 +112,10 @@ def test_cli_trains_on_tar_shards_cached_and_streamed(hooked_train, tiny_recipe,
     assert result.returncode == 2 and "--train_data_files" in result.stderr and "matches no file" in result.stderr
 
 
-def test_one_data_source_at_a_time():
+def test_one_data_source_at_a_time(tmp_path):
     from diffusion_extras.training.config import ConfigError, validate
+    shard = tmp_path / "a.tar"
+    shard.write_bytes(b"")  # validate() checks that local patterns match files
     with pytest.raises(ConfigError, match="not both --dataset_name and --train_data_files"):
-        validate(TrainConfig(dataset_name="x", train_data_files="a.tar"))
-    validate(TrainConfig(train_data_files="a.tar", streaming=True, max_train_steps=2))  # a source for streaming
+        validate(TrainConfig(dataset_name="x", train_data_files=str(shard)))
+    validate(TrainConfig(train_data_files=str(shard), streaming=True, max_train_steps=2))  # a source for streaming

@@ -148,6 +148,8 @@ LIGHT_CASES = [  # (flags, the one line's words; None: --help)
      "unknown setting(s) in the recipe: learning_rat"),
     # what the run itself can refuse without torch: a data folder, the output_dir, the Hub push
     (lambda tmp: ["--dataset_name", "./no/such/folder"], "--dataset_name ./no/such/folder: no such folder"),
+    (lambda tmp: ["--train_data_files", f"{tmp}/shards/train-*.tar"], "train-*.tar matches no file"),
+    (lambda tmp: ["--train_data_files", "README.md"], "must name only .tar shards or only .parquet files"),
     (_earlier_run, "already holds checkpoint-2: pass --resume_from_checkpoint latest to continue it"),
     (lambda tmp: ["--push_to_hub"], "--push_to_hub needs a token: pass --hub_token"),
     (lambda tmp: ["--push_to_hub", "--hub_token", "hf_test"], "--push_to_hub cannot work in offline mode"),

@@ -24,7 +24,7 @@ from diffusion_extras.core.choices import (
     TIMESTEP_SAMPLING,
     VARIANCE_TYPES,
 )
-from diffusion_extras.data.images import missing_dataset_folder, parse_background
+from diffusion_extras.data.images import DataError, missing_dataset_folder, parse_background, resolve_data_files
 from diffusion_extras.data.spec import DataSpec
 from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, parse_metrics
 from diffusion_extras.hub.secrets import redact_config
@@ -448,6 +448,11 @@ def validate(c: TrainConfig) -> None:
     if c.dataset_name is not None:
         missing = missing_dataset_folder(c.dataset_name)
         need(missing is None, missing)
+    if c.train_data_files is not None:  # local patterns that match nothing, files of two kinds
+        try:
+            resolve_data_files(c.train_data_files)
+        except DataError as error:
+            raise ConfigError(str(error)) from None
     if c.model_config_name_or_path is not None:
         need(os.path.exists(c.model_config_name_or_path),
              f"--model_config_name_or_path {c.model_config_name_or_path}: no such file or folder "
