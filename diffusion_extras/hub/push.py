@@ -57,12 +57,14 @@ def refuse_offline() -> None:
         raise ValueError("--push_to_hub cannot work in offline mode: unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE)")
 
 
-def check_push(hub_token: str | None, output_dir: str, hub_model_id: str | None) -> None:
-    """What a push needs that the network is not asked for: a token, a valid repo name, online
-    mode; raises ValueError naming the fix. The trainer asks before importing its stack (seconds)."""
-    resolve_token(hub_token)
-    default_repo_id(output_dir, hub_model_id)
+def check_push(hub_token: str | None, output_dir: str, hub_model_id: str | None) -> tuple[str, str]:
+    """(token, repo id): what a push needs that the network is not asked for, online mode included;
+    raises ValueError naming the fix. The trainer asks before importing its stack (seconds), and
+    again when it creates the repo (training.artifacts.connect_hub)."""
+    token = resolve_token(hub_token)
+    repo_id = default_repo_id(output_dir, hub_model_id)
     refuse_offline()
+    return token, repo_id
 
 
 class HubPusher:

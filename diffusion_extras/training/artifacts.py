@@ -225,8 +225,7 @@ def connect_hub(config, is_main_process: bool):
     if not config.push_to_hub:
         return None, ()
     try:
-        token = hub.resolve_token(config.hub_token)
-        repo_id = hub.default_repo_id(config.output_dir, config.hub_model_id)
+        token, repo_id = hub.check_push(config.hub_token, config.output_dir, config.hub_model_id)
         pusher = hub.HubPusher(repo_id, token, config.hub_private_repo, config.output_dir) if is_main_process else None
     except ValueError as error:
         raise ConfigError(str(error)) from None
