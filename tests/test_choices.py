@@ -35,9 +35,10 @@ def test_timestep_samplings_are_the_samplers():
     assert choices.TIMESTEP_SAMPLING == tuple(timesteps.SAMPLERS)
 
 
-def test_the_guidance_default_and_the_module_name_are_read_from_the_pipeline_file():
+def test_the_guidance_default_and_the_module_and_class_names_are_read_from_the_pipeline_file():
     assert evaluation_choices.DEFAULT_GUIDANCE_SCALE == pipeline_class_conditional.DEFAULT_GUIDANCE_SCALE
     assert evaluation_choices.PIPELINE_MODULE == pipeline_class_conditional.PIPELINE_MODULE
+    assert evaluation_choices.PIPELINE_CLASS == pipeline_class_conditional.PIPELINE_CLASS
     with pytest.raises(LookupError, match="assigns no NO_SUCH_NAME"):
         evaluation_choices._pipeline_constant("NO_SUCH_NAME")
 

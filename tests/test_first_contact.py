@@ -183,6 +183,37 @@ def test_command_help_and_a_bad_flag_answer_without_importing_torch(run_cli, tmp
     assert heavy == []
 
 
+UNCONDITIONAL_FLAG = ("this pipeline is unconditional (a DDPMPipeline) and has no --guide; drop the flag or give "
+                      "a --guide")
+PIPELINE_CASES = [  # (command, PIPELINE, its other arguments, the one line); "plain": a saved DDPMPipeline
+    ("sample", "no/such/../../folder", ["--output", "o"], "error: pipeline folder no/such/../../folder does not exist"),
+    ("sample", "images", ["--output", "o"], "is not a diffusers pipeline folder (no model_index.json)"),
+    ("sample", "plain/model_index.json", ["--output", "o"], "model_index.json is a file; pass the pipeline folder"),
+    ("sample", "plain", ["--output", "o", "--class_labels", "3"], f"error: --class_labels: {UNCONDITIONAL_FLAG}"),
+    ("evaluate", "plain", ["--reference", "images", "--guidance_interval", "0.3,5"],
+     f"error: --guidance_interval: {UNCONDITIONAL_FLAG}"),
+    ("evaluate", "plain", ["--reference", "nowhere"], "error: --reference nowhere is neither a folder of images nor"),
+]
+
+
+@pytest.mark.parametrize("command,pipeline,rest,words", PIPELINE_CASES, ids=lambda v: str(v)[:24])
+def test_a_pipeline_or_reference_that_cannot_serve_answers_without_importing_torch(
+        run_cli, tmp_path, command, pipeline, rest, words):
+    """The folders the sample and evaluate commands read are checked before torch loads: one line,
+    exit 2, none of the HEAVY libraries imported (the same refusals once loaded: test_sampling,
+    test_class_conditional, test_evaluation)."""
+    from conftest import save_tiny_pipeline
+    save_tiny_pipeline(tmp_path / "plain")
+    (tmp_path / "images").mkdir()
+    args = [str(tmp_path / part) if part in ("images", "nowhere", "o") or part.startswith("plain") else part
+            for part in [pipeline, *rest]]
+    module, parser = f"diffusion_extras.{command}", f"diffusion_extras.cli.{command}"
+    result, heavy, lines = _run_listing_imports(run_cli, ["-m", module, *args], parser)
+    assert result.returncode == 2 and len(lines) == 1 and words in lines[0].replace(str(tmp_path) + "/", ""), lines
+    assert heavy == []
+    assert not os.path.exists(tmp_path / "o")
+
+
 def test_report_help_and_a_missing_run_answer_without_importing_torch(run_cli, tmp_path):
     module, marker = "diffusion_extras.report", "diffusion_extras.report.health"
     result, heavy, _ = _run_listing_imports(run_cli, ["-m", module, "--help"], marker)

@@ -5,20 +5,22 @@ pipeline (a local folder or a Hub id), loading reference images or statistics fo
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 
 import numpy as np
 import torch
 from PIL import Image
 
+from diffusion_extras.cli.inputs import (
+    check_reference,
+    guidance_flags,
+    is_package_pipeline,
+    local_pipeline_folder,
+    refuse_guidance_flags,
+)
 from diffusion_extras.data.images import preprocess_image
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
-from diffusion_extras.evaluation.pipeline_class_conditional import (
-    DEFAULT_GUIDANCE_SCALE,
-    PIPELINE_CLASS,
-    ClassConditionalPipeline,
-)
+from diffusion_extras.evaluation.pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE, ClassConditionalPipeline
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -37,31 +39,6 @@ def resolve_device(name: str) -> torch.device:
 
 
 # ----------------------------------------------------------------------------- pipelines
-def read_model_index(path: str) -> dict:
-    with open(os.path.join(path, "model_index.json")) as f:
-        return json.load(f)
-
-
-def check_pipeline_folder(path: str) -> None:
-    """A one-line ValueError unless `path` holds an unconditional DDPMPipeline (read from
-    model_index.json, without loading any weights)."""
-    index_path = os.path.join(path, "model_index.json")
-    if not os.path.isfile(index_path):
-        raise ValueError(f"{path} is not a diffusers pipeline folder (no model_index.json); pass the "
-                         "output_dir that train_ddpm.py saved, or a folder written by save_pretrained")
-    try:
-        index = read_model_index(path)
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{index_path} is not readable JSON ({error})") from None
-    unet_class = (index.get("unet") or [None, None])[-1]
-    if isinstance(index.get("_class_name"), list) and index["_class_name"][-1] != PIPELINE_CLASS:
-        raise ValueError(f"{path} holds a custom pipeline {index['_class_name']}; "
-                         f"expected a DDPMPipeline or {PIPELINE_CLASS}")
-    if unet_class != "UNet2DModel" or "scheduler" not in index:
-        raise ValueError(f"{path} holds a {index.get('_class_name', 'unknown')} with unet {unet_class}; "
-                         "expected an unconditional DDPMPipeline (UNet2DModel + scheduler)")
-
-
 def _is_offline_error(error: BaseException) -> bool:
     """True when loading failed for want of a network (offline mode, DNS, refused, timeout)."""
     while error is not None:
@@ -95,26 +72,17 @@ def _load_from_hub(repo_id: str, dtype):
 def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
     """A DDPMPipeline from a local save_pretrained folder or a Hub id, moved to `device`."""
     from diffusers import DDPMPipeline, UNet2DModel
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    path = os.path.expanduser(name_or_path)
-    if os.path.isdir(path):
-        check_pipeline_folder(path)
-        # a class-conditional folder names its pipeline file (diffusers' custom-pipeline convention);
-        # the package's own copy of that class loads it without running the folder's code
-        conditional = isinstance(read_model_index(path).get("_class_name"), list)
+    path = local_pipeline_folder(name_or_path)
+    if path is not None:
+        pipeline_class = ClassConditionalPipeline if is_package_pipeline(path) else DDPMPipeline
         try:
-            pipeline = (ClassConditionalPipeline if conditional else DDPMPipeline).from_pretrained(path, dtype=dtype)
+            # the package's own copy of the class loads a class-conditional folder without running its code
+            pipeline = pipeline_class.from_pretrained(path, dtype=dtype)
         except (OSError, ValueError) as error:
             raise ValueError(f"could not load the pipeline in {path}: "
                              f"{str(error).strip().splitlines()[0]}") from None
-    elif os.path.exists(path):
-        raise ValueError(f"{path} is a file; pass the pipeline folder (the one with model_index.json)")
     else:
-        try:
-            validate_repo_id(name_or_path)
-        except HFValidationError:
-            raise FileNotFoundError(f"pipeline folder {path} does not exist") from None
         pipeline = _load_from_hub(name_or_path, dtype)
         if not isinstance(pipeline.unet, UNet2DModel):
             raise ValueError(f"{name_or_path} has a {type(pipeline.unet).__name__}; expected a UNet2DModel")
@@ -151,11 +119,7 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
     if getattr(pipeline, "id2label", None) or guide is not None:
         scale = DEFAULT_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
         return {"guidance_scale": scale, "guide": guide, "guidance_interval": args.guidance_interval}
-    flags = {"--guidance_scale": args.guidance_scale, "--guidance_interval": args.guidance_interval, **class_flags}
-    for flag, value in flags.items():
-        if value is not None:
-            raise ValueError(f"{flag}: this pipeline is unconditional (a {type(pipeline).__name__}) and has no "
-                             "--guide; drop the flag or give a --guide")
+    refuse_guidance_flags(type(pipeline).__name__, guidance_flags(args, **class_flags))
     return {"guidance_scale": 1.0, "guide": None, "guidance_interval": None}
 
 
@@ -212,8 +176,7 @@ def load_reference(reference: str, extractor, resolution: int, cache_dir: str | 
             raise ValueError(f"{reference} was made with {statistics.extractor_name!r}, not {extractor.name!r}; "
                              "pass the matching --feature_extractor / --inception_weights or a folder of images")
         return statistics
-    if not os.path.isdir(reference):
-        raise FileNotFoundError(f"--reference {reference} is neither a folder of images nor a .npz statistics file")
+    check_reference(reference)
     paths = list_images(reference)
     fingerprint = folder_fingerprint(paths, resolution)
     extractor_key = hashlib.sha256(extractor.name.encode()).hexdigest()[:8]

@@ -25,6 +25,7 @@ from diffusion_extras.cli.arguments import (
     pipeline_parser,
     positive_int,
 )
+from diffusion_extras.cli.inputs import check_pipeline_argument, check_reference
 from diffusion_extras.evaluation import distributed
 from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT, SCHEDULERS, parse_metrics
 
@@ -60,7 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # torch, diffusers, scipy (seconds) once the flags are good: --help and a bad flag answer at once
+    with one_line_errors():  # a missing folder or a misplaced flag answers at once too
+        check_pipeline_argument(args)
+        check_reference(args.reference)
+    # torch, diffusers, scipy (seconds) once the flags and the files are good
     from diffusion_extras.cli.common import guidance_for, load_images, load_pipeline, pipeline_resolution
     from diffusion_extras.evaluation import likelihood
     from diffusion_extras.evaluation.metrics import extractors_for

@@ -77,13 +77,8 @@ def _with_parameters(unet, state: dict[str, torch.Tensor]):
 def _run(args) -> None:
     from diffusers import DDPMPipeline
 
-    from diffusion_extras.cli.common import (
-        check_pipeline_folder,
-        load_pipeline,
-        load_reference,
-        pipeline_resolution,
-        resolve_device,
-    )
+    from diffusion_extras.cli.common import load_pipeline, load_reference, pipeline_resolution, resolve_device
+    from diffusion_extras.cli.inputs import check_pipeline_folder
     from diffusion_extras.core.phema import reconstruct, require_snapshots, sigma_rel_to_gamma, solve_weights
     from diffusion_extras.evaluation import metrics as evaluation
 

@@ -15,6 +15,7 @@ from diffusion_extras.cli.arguments import (
     pipeline_parser,
     positive_int,
 )
+from diffusion_extras.cli.inputs import check_pipeline_argument
 from diffusion_extras.evaluation.choices import SAMPLING_DTYPES, SCHEDULERS
 
 
@@ -39,7 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # torch and diffusers (seconds) once the flags are good: --help and a bad flag answer at once
+    with one_line_errors():  # a missing folder or a misplaced flag answers at once too
+        check_pipeline_argument(args, **{"--class_labels": args.class_labels})
+    # torch and diffusers (seconds) once the flags and the folder are good
     from diffusion_extras.cli.common import guidance_for, load_pipeline, resolve_device
     from diffusion_extras.evaluation.sampling import DTYPES, generate, make_scheduler, save_images
 

@@ -1,9 +1,10 @@
 """The evaluation's named options, importable without torch: the metric names and the guidance
 default, which the training config validates against and declares as its default, and the sampling
 schedulers, precisions and metric backbones that the sample and evaluate commands offer (so `--help`
-and a bad flag answer before torch loads), and the class-conditional pipeline's file name (so the
-Hub push, which names it in the card, loads without torch). tests/test_choices.py checks them against the modules
-that implement them (metrics.py, sampling.py, backbones.py)."""
+and a bad flag answer before torch loads), and the class-conditional pipeline's file and class
+names (so the Hub push, which names them in the card, and the commands' checks of a pipeline folder
+run without torch). tests/test_choices.py checks them against the modules that implement them
+(metrics.py, sampling.py, backbones.py)."""
 from __future__ import annotations
 
 import ast
@@ -39,3 +40,4 @@ def _pipeline_constant(name: str):
 
 DEFAULT_GUIDANCE_SCALE = _pipeline_constant("DEFAULT_GUIDANCE_SCALE")
 PIPELINE_MODULE = _pipeline_constant("PIPELINE_MODULE")  # its file name in an exported folder (hub/push.py)
+PIPELINE_CLASS = _pipeline_constant("PIPELINE_CLASS")  # its class name in model_index.json (cli/inputs.py)

@@ -1,0 +1,91 @@
+"""The files the sample and evaluate commands read, checked before torch and diffusers load
+(seconds): a PIPELINE argument that is neither a pipeline folder nor a Hub id, guidance flags given to
+an unconditional pipeline folder (read from its model_index.json alone), and a --reference that is
+not there. cli/common.py asks the same functions again as it loads them, for its library callers."""
+from __future__ import annotations
+
+import json
+import os
+
+from diffusion_extras.evaluation.choices import PIPELINE_CLASS
+
+UNCONDITIONAL = "DDPMPipeline"  # the class an unconditional folder loads as (load_pipeline)
+
+
+def read_model_index(path: str) -> dict:
+    with open(os.path.join(path, "model_index.json")) as f:
+        return json.load(f)
+
+
+def check_pipeline_folder(path: str) -> None:
+    """A one-line ValueError unless `path` holds an unconditional DDPMPipeline or a
+    ClassConditionalPipeline (read from model_index.json, without loading any weights)."""
+    index_path = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index_path):
+        raise ValueError(f"{path} is not a diffusers pipeline folder (no model_index.json); pass the "
+                         "output_dir that train_ddpm.py saved, or a folder written by save_pretrained")
+    try:
+        index = read_model_index(path)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{index_path} is not readable JSON ({error})") from None
+    unet_class = (index.get("unet") or [None, None])[-1]
+    if isinstance(index.get("_class_name"), list) and index["_class_name"][-1] != PIPELINE_CLASS:
+        raise ValueError(f"{path} holds a custom pipeline {index['_class_name']}; "
+                         f"expected a DDPMPipeline or {PIPELINE_CLASS}")
+    if unet_class != "UNet2DModel" or "scheduler" not in index:
+        raise ValueError(f"{path} holds a {index.get('_class_name', 'unknown')} with unet {unet_class}; "
+                         "expected an unconditional DDPMPipeline (UNet2DModel + scheduler)")
+
+
+def is_package_pipeline(path: str) -> bool:
+    """A checked pipeline folder holds the package's ClassConditionalPipeline (class-conditional, or
+    with a saved guide/): model_index.json names its file and class, diffusers' custom-pipeline
+    convention. Otherwise it loads as a DDPMPipeline."""
+    return isinstance(read_model_index(path).get("_class_name"), list)
+
+
+def local_pipeline_folder(name_or_path: str) -> str | None:
+    """The checked pipeline folder that the PIPELINE argument names, or None for a Hub id; a
+    one-line error for a file, or for a path that is not there and cannot be a Hub id."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id  # (no torch)
+
+    path = os.path.expanduser(name_or_path)
+    if os.path.isdir(path):
+        check_pipeline_folder(path)
+        return path
+    if os.path.exists(path):
+        raise ValueError(f"{path} is a file; pass the pipeline folder (the one with model_index.json)")
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        raise FileNotFoundError(f"pipeline folder {path} does not exist") from None
+    return None
+
+
+def refuse_guidance_flags(pipeline_name: str, flags: dict) -> None:
+    """The ValueError for the first guidance or class flag of `flags` ({"--flag": value}) given, to
+    an unconditional pipeline (a `pipeline_name`) that has no guide."""
+    for flag, value in flags.items():
+        if value is not None:
+            raise ValueError(f"{flag}: this pipeline is unconditional (a {pipeline_name}) and has no "
+                             "--guide; drop the flag or give a --guide")
+
+
+def guidance_flags(args, **class_flags) -> dict:
+    """{"--flag": value} of the guidance flags of `args` and the command's class flags."""
+    return {"--guidance_scale": args.guidance_scale, "--guidance_interval": args.guidance_interval, **class_flags}
+
+
+def check_reference(reference: str) -> None:
+    """--reference names a statistics file or a folder of images."""
+    if not os.path.isfile(reference) and not os.path.isdir(reference):
+        raise FileNotFoundError(f"--reference {reference} is neither a folder of images nor a .npz statistics file")
+
+
+def check_pipeline_argument(args, **class_flags) -> None:
+    """The refusals of load_pipeline and guidance_for that need no weights: a PIPELINE argument that
+    names nothing usable, and guidance or class flags (`class_flags`: {"--flag": value}) for an
+    unconditional folder without --guide. (A Hub id is checked once it is downloaded.)"""
+    path = local_pipeline_folder(args.pipeline)
+    if path is not None and not is_package_pipeline(path) and args.guide in (None, "none"):
+        refuse_guidance_flags(UNCONDITIONAL, guidance_flags(args, **class_flags))
