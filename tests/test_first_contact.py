@@ -151,6 +151,7 @@ LIGHT_CASES = [  # (flags, the one line's words; None: --help)
     (lambda tmp: ["--train_data_files", f"{tmp}/shards/train-*.tar"], "train-*.tar matches no file"),
     (lambda tmp: ["--train_data_files", "README.md"], "must name only .tar shards or only .parquet files"),
     (_earlier_run, "already holds checkpoint-2: pass --resume_from_checkpoint latest to continue it"),
+    (lambda tmp: ["--eval_steps", "1"], "offline (HF_HUB_OFFLINE=1), so the Inception detector cannot be downloaded"),
     (lambda tmp: ["--push_to_hub"], "--push_to_hub needs a token: pass --hub_token"),
     (lambda tmp: ["--push_to_hub", "--hub_token", "hf_test"], "--push_to_hub cannot work in offline mode"),
 ]
@@ -193,15 +194,17 @@ PIPELINE_CASES = [  # (command, PIPELINE, its other arguments, the one line); "p
     ("evaluate", "plain", ["--reference", "images", "--guidance_interval", "0.3,5"],
      f"error: --guidance_interval: {UNCONDITIONAL_FLAG}"),
     ("evaluate", "plain", ["--reference", "nowhere"], "error: --reference nowhere is neither a folder of images nor"),
+    ("evaluate", "plain", ["--reference", "images", "--eval_metrics", "kid"],
+     "error: offline (HF_HUB_OFFLINE=1), so the Inception detector cannot be downloaded"),
 ]
 
 
 @pytest.mark.parametrize("command,pipeline,rest,words", PIPELINE_CASES, ids=lambda v: str(v)[:24])
 def test_a_pipeline_or_reference_that_cannot_serve_answers_without_importing_torch(
         run_cli, tmp_path, command, pipeline, rest, words):
-    """The folders the sample and evaluate commands read are checked before torch loads: one line,
+    """The files the sample and evaluate commands read are checked before torch loads: one line,
     exit 2, none of the HEAVY libraries imported (the same refusals once loaded: test_sampling,
-    test_class_conditional, test_evaluation)."""
+    test_class_conditional, test_evaluation, test_metric_backbones)."""
     from conftest import save_tiny_pipeline
     save_tiny_pipeline(tmp_path / "plain")
     (tmp_path / "images").mkdir()

@@ -1,6 +1,7 @@
-"""Tests for diffusion_extras/evaluation/backbones.py (DINOv2, CLIP, Inception download) and the metrics built on
-them (FD-DINOv2, CMMD), through the evaluate and training command lines. Offline: the backbones are
-tiny random models saved with save_pretrained; the download comes from a loopback server."""
+"""Tests for diffusion_extras/evaluation/backbones.py (DINOv2, CLIP), inception_file.py (the Inception
+download) and the metrics built on them (FD-DINOv2, CMMD), through the evaluate and training command
+lines. Offline: the backbones are tiny random models saved with save_pretrained; the download comes
+from a loopback server."""
 import hashlib
 import http.server
 import json
@@ -13,9 +14,9 @@ import torch
 from conftest import cli_env, read_history, save_random_images, save_tiny_pipeline
 from PIL import Image
 
-from diffusion_extras.evaluation import backbones
-from diffusion_extras.evaluation.choices import parse_metrics
-from diffusion_extras.evaluation.metrics import build_feature_extractor, cmmd, extractors_for
+from diffusion_extras.evaluation import inception_file
+from diffusion_extras.evaluation.choices import extractors_for, parse_metrics
+from diffusion_extras.evaluation.metrics import build_feature_extractor, cmmd
 
 IMAGENET_MEAN, IMAGENET_STD = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
 
@@ -143,8 +144,8 @@ def loopback_detector(tmp_path):
 def test_inception_is_downloaded_once_checked_and_refetched_when_corrupted(tmp_path, monkeypatch, loopback_detector):
     url, digest, requests = loopback_detector
     target = str(tmp_path / "hf_home" / "metrics" / "inception-2015-12-05.pt")
-    monkeypatch.setattr(backbones, "INCEPTION_URL", url)
-    monkeypatch.setattr(backbones, "inception_cache_path", lambda: target)
+    monkeypatch.setattr(inception_file, "INCEPTION_URL", url)
+    monkeypatch.setattr(inception_file, "inception_cache_path", lambda: target)
     extractor = build_feature_extractor("inception")
     assert os.path.isfile(target) and len(requests) == 1 and digest[:12] in extractor.name
     np.testing.assert_allclose(extractor(np.full((1, 4, 4, 1), 51, np.uint8)), [[0.2, 0.2, 0.2]], rtol=1e-6)
@@ -160,9 +161,9 @@ def test_inception_download_with_a_wrong_checksum_is_refused_and_leaves_nothing(
     url, digest, _ = loopback_detector
     target = tmp_path / "metrics" / "inception-2015-12-05.pt"
     with pytest.raises(ValueError, match=f"sha256 {digest}, expected 0+: the download is corrupt"):
-        backbones.fetch_inception(url, expected_sha256="0" * 64, path=str(target))
+        inception_file.fetch_inception(url, expected_sha256="0" * 64, path=str(target))
     assert os.listdir(target.parent) == []  # neither the file, its partial download nor a checksum record
-    assert backbones.fetch_inception(url, expected_sha256=digest, path=str(target)) == str(target)
+    assert inception_file.fetch_inception(url, expected_sha256=digest, path=str(target)) == str(target)
 
 
 def test_evaluate_cli_offline_without_inception_weights_names_the_file_url_and_flag(run_cli, tmp_path):
@@ -171,7 +172,8 @@ def test_evaluate_cli_offline_without_inception_weights_names_the_file_url_and_f
                       "--eval_metrics", "fid", "--device", "cpu"])
     error = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and error.startswith("error: offline (HF_HUB_OFFLINE=1)")
-    assert "inception-2015-12-05.pt" in error and backbones.INCEPTION_URL in error and "--inception_weights" in error
+    assert "inception-2015-12-05.pt" in error and inception_file.INCEPTION_URL in error
+    assert "--inception_weights" in error
     assert os.path.join(cli_env()["HF_HOME"], "metrics") in error  # where to place it: the run's HF folder
 
 

@@ -27,7 +27,8 @@ from diffusion_extras.cli.arguments import (
 )
 from diffusion_extras.cli.inputs import check_pipeline_argument, check_reference
 from diffusion_extras.evaluation import distributed
-from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT, SCHEDULERS, parse_metrics
+from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT, SCHEDULERS, extractors_for, parse_metrics
+from diffusion_extras.evaluation.inception_file import check_inception_reachable
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,22 +62,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with one_line_errors():  # a missing folder or a misplaced flag answers at once too
+    with one_line_errors():  # a missing file, a misplaced flag or no detector offline answer at once too
         check_pipeline_argument(args)
         check_reference(args.reference)
-    # torch, diffusers, scipy (seconds) once the flags and the files are good
-    from diffusion_extras.cli.common import guidance_for, load_images, load_pipeline, pipeline_resolution
-    from diffusion_extras.evaluation import likelihood
-    from diffusion_extras.evaluation.metrics import extractors_for
-
-    rank, num_ranks = distributed.launched_ranks()
-    with one_line_errors():
-        device = launch_device(args.device, num_ranks)
         names = [m.strip() for m in args.eval_metrics.split(",") if m.strip()]
         sampled = [m for m in names if m != "nll"]  # nll scores the reference images; the rest sample
         groups = extractors_for(parse_metrics(",".join(sampled)), args.feature_extractor) if sampled else {}
         if not names:
             raise ValueError(f"--eval_metrics {args.eval_metrics!r}: name at least one metric")
+        if "inception" in groups and args.inception_weights is None:
+            check_inception_reachable()
+    # torch, diffusers, scipy (seconds) once the flags and the files are good
+    from diffusion_extras.cli.common import guidance_for, load_images, load_pipeline, pipeline_resolution
+    from diffusion_extras.evaluation import likelihood
+
+    rank, num_ranks = distributed.launched_ranks()
+    with one_line_errors():
+        device = launch_device(args.device, num_ranks)
         pipeline = load_pipeline(args.pipeline, device=device)
         guidance = guidance_for(pipeline, args, device)  # refused by an unconditional one without a guide
         num_classes = len(pipeline.id2label) if getattr(pipeline, "id2label", None) else None

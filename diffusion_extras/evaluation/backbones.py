@@ -3,27 +3,18 @@
 
 - DINOv2 (Oquab et al. 2023) through `transformers`, for FD-DINOv2 (Stein et al. 2023, reported by EDM2);
 - CLIP (Radford et al. 2021) through `transformers`, for CMMD (Jayasumana et al. 2024);
-- the Inception TorchScript detector of StyleGAN2-ADA / EDM / clean-fid, downloaded once into the
-  Hugging Face cache folder when no local file is given.
+- the Inception TorchScript detector of StyleGAN2-ADA / EDM / clean-fid is metrics.py's; its file,
+  downloaded once into the Hugging Face cache folder when no local file is given, inception_file.py's.
 
 Models load by Hub id or local folder with `from_pretrained`; nothing here needs torchvision.
 """
 from __future__ import annotations
-
-import hashlib
-import os
 
 import numpy as np
 import torch
 
 from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT
 
-INCEPTION_FILE = "inception-2015-12-05.pt"
-INCEPTION_URL = f"https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/{INCEPTION_FILE}"
-# The publisher gives no checksum and this project was written offline, so none is pinned here:
-# the first download's sha256 is recorded beside the file and every later load is checked
-# against it (and the file must run as the detector). Set this to pin the published file.
-INCEPTION_SHA256: str | None = None
 DINOV2_RESOLUTION = 224  # the reference preprocessing (dgm-eval, EDM2): bicubic resize to 224 x 224
 
 
@@ -100,54 +91,3 @@ class ClipImageEmbeddings:
         pooled = self.vision(pixel_values=self.pixel_values(images).to(self.device)).pooler_output
         embeddings = self.projection(pooled).double()
         return (embeddings / embeddings.norm(dim=-1, keepdim=True)).cpu().numpy()
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def inception_cache_path() -> str:
-    from huggingface_hub import constants
-    return os.path.join(constants.HF_HOME, "metrics", INCEPTION_FILE)
-
-
-def fetch_inception(url: str | None = None, expected_sha256: str | None = None, path: str | None = None) -> str:
-    """The TorchScript detector in the Hugging Face cache folder, downloaded on first use.
-
-    A download lands in a temporary file and is moved into place only once its checksum passes,
-    so a failed or interrupted one never leaves a file that a later run would trust.
-    """
-    from huggingface_hub import constants
-    from huggingface_hub.file_download import http_get
-    url, expected_sha256 = url or INCEPTION_URL, expected_sha256 or INCEPTION_SHA256
-    path = path or inception_cache_path()
-    record = f"{path}.sha256"
-    if os.path.isfile(path):
-        recorded = expected_sha256 or (open(record).read().strip() if os.path.isfile(record) else None)
-        if recorded is None or _sha256(path) == recorded:
-            return path
-        os.remove(path)  # corrupted or replaced since it was checked: fetch it again
-    hint = (f"place {INCEPTION_FILE} (from {url}) at {path} or pass --inception_weights FILE, "
-            "or use --feature_extractor tiny (not comparable with published FIDs)")
-    if constants.HF_HUB_OFFLINE:
-        raise ValueError(f"offline (HF_HUB_OFFLINE=1), so the Inception detector cannot be downloaded: {hint}")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = f"{path}.incomplete"
-    try:
-        with open(temporary, "wb") as fh:
-            http_get(url, fh, displayed_filename=INCEPTION_FILE)
-    except Exception as error:  # network and HTTP errors from huggingface_hub / httpx
-        raise ValueError(f"cannot download the Inception detector ({type(error).__name__}: {error}): {hint}") from None
-    digest = _sha256(temporary)
-    if expected_sha256 and digest != expected_sha256:
-        os.remove(temporary)
-        raise ValueError(f"{url} has sha256 {digest}, expected {expected_sha256}: the download is corrupt or the "
-                         f"file changed; {hint}")
-    with open(record, "w") as fh:
-        fh.write(digest)
-    os.replace(temporary, path)
-    return path

@@ -27,6 +27,14 @@ def parse_metrics(text: str) -> list[str]:
     return list(dict.fromkeys(metrics))
 
 
+def extractors_for(metrics: list[str], feature_extractor: str) -> dict[str, list[str]]:
+    """{extractor kind: the metrics computed in its features}, e.g. {'inception': ['fid'], 'clip': ['cmmd']}."""
+    groups: dict[str, list[str]] = {}
+    for metric in metrics:
+        groups.setdefault(METRIC_EXTRACTORS[metric] or feature_extractor, []).append(metric)
+    return groups
+
+
 def _pipeline_constant(name: str):
     """A constant that pipeline_class_conditional.py assigns, read from its source: that file is
     exported beside the pipelines and imports nothing of this package, so it declares the value, and

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from diffusion_extras.core import stop_flag
 from diffusion_extras.evaluation import backbones, distributed
-from diffusion_extras.evaluation.choices import METRIC_EXTRACTORS
+from diffusion_extras.evaluation.inception_file import fetch_inception
 from diffusion_extras.evaluation.sampling import generate
 
 
@@ -101,14 +101,6 @@ class InceptionTorchScriptFeatures:
 CMMD_SIGMA, CMMD_SCALE = 10.0, 1000.0  # the paper's kernel width and display scale (google-research/cmmd)
 
 
-def extractors_for(metrics: list[str], feature_extractor: str) -> dict[str, list[str]]:
-    """{extractor kind: the metrics computed in its features}, e.g. {'inception': ['fid'], 'clip': ['cmmd']}."""
-    groups: dict[str, list[str]] = {}
-    for metric in metrics:
-        groups.setdefault(METRIC_EXTRACTORS[metric] or feature_extractor, []).append(metric)
-    return groups
-
-
 def build_feature_extractor(name: str = "inception", weights: str | None = None, device=None,
                             model: str | None = None) -> FeatureExtractor:
     """`model`: a Hub id or local folder for dinov2 / clip (default: the paper's backbone)."""
@@ -120,7 +112,7 @@ def build_feature_extractor(name: str = "inception", weights: str | None = None,
         return backbones.ClipImageEmbeddings(model or backbones.CLIP_DEFAULT, device)
     if name != "inception":
         raise ValueError(f"unknown feature extractor {name!r}; choose inception, dinov2, clip or tiny")
-    return InceptionTorchScriptFeatures(weights or backbones.fetch_inception(), device)
+    return InceptionTorchScriptFeatures(weights or fetch_inception(), device)
 
 
 def feature_statistics(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -24,7 +24,7 @@ from diffusion_extras.core import stop_flag
 from diffusion_extras.data import batch_order
 from diffusion_extras.evaluation import distributed, sampling
 from diffusion_extras.evaluation import metrics as evaluation
-from diffusion_extras.evaluation.choices import parse_metrics
+from diffusion_extras.evaluation.choices import extractors_for, parse_metrics
 from diffusion_extras.hub import push as hub
 from diffusion_extras.monitoring import debug_images, plots
 from diffusion_extras.monitoring import grad_monitor as monitor
@@ -266,7 +266,7 @@ def prepare_evaluation(config, source, device, with_reference: bool = True):
     reference = (batch_order.as_uint8(source.reference_sample(config.eval_num_samples)).transpose(0, 2, 3, 1)
                  if with_reference else ())
     fingerprint = f"{source.description}-{config.resolution}-{len(reference)}-{config.seed}"
-    groups = evaluation.extractors_for(parse_metrics(config.eval_metrics), config.feature_extractor)
+    groups = extractors_for(parse_metrics(config.eval_metrics), config.feature_extractor)
     suites = []
     for kind, metrics in groups.items():
         try:

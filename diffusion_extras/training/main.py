@@ -21,6 +21,8 @@ from typing import NoReturn
 # config error answer at once (tests/test_first_contact.py holds this).
 from diffusion_extras.core import commands, stop_flag
 from diffusion_extras.data.images import DataError
+from diffusion_extras.evaluation.choices import extractors_for, parse_metrics
+from diffusion_extras.evaluation.inception_file import check_inception_reachable
 from diffusion_extras.hub.secrets import redact_argv
 from diffusion_extras.training import disk_space, tracking
 from diffusion_extras.training.checkpointing import CheckpointError, refuse_fresh_run_over_checkpoints
@@ -72,11 +74,19 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
 
 def check_run_before_the_stack(config) -> None:
     """What a training run can refuse without torch, before the trainer is imported (seconds): an
-    output_dir that holds another run's checkpoints, a push without a token, a valid repo name or the
-    network. setup() asks again, after --overwrite_output_dir has moved the earlier run aside and
-    before the Hub repo is created (artifacts.connect_hub), for callers of the library."""
+    output_dir that holds another run's checkpoints, FID/KID offline without the Inception detector,
+    a push without a token, a valid repo name or the network. setup() asks again, after
+    --overwrite_output_dir has moved the earlier run aside, as it builds the detector
+    (artifacts.prepare_evaluation) and before the Hub repo is created (artifacts.connect_hub), for
+    callers of the library."""
     if not config.overwrite_output_dir:
         refuse_fresh_run_over_checkpoints(config.output_dir, config.resume_from_checkpoint)
+    if (config.eval_steps is not None and config.inception_weights is None
+            and "inception" in extractors_for(parse_metrics(config.eval_metrics), config.feature_extractor)):
+        try:
+            check_inception_reachable()  # offline without the detector (artifacts.prepare_evaluation asks again)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     if config.push_to_hub:
         from diffusion_extras.hub.push import check_push  # huggingface_hub: a fraction of a second
         try:
