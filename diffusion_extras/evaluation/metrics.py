@@ -6,7 +6,8 @@ Gaussians fitted to Inception pool features). KID: Binkowski et al. 2018, "Demys
 features (Stein et al. 2023; reported by EDM2). CMMD: Jayasumana et al. 2024, "Rethinking FID"
 (MMD^2 with a Gaussian kernel over CLIP ViT-L/14@336 image embeddings). Only "inception",
 "dinov2" and "clip" give numbers comparable with published ones; "tiny" is a random conv net for
-tests and CPU smoke runs. Backbones live in `backbones.py`; the command line in `evaluate.py`.
+tests and CPU smoke runs. Backbones live in `backbones.py`, the Inception detector's file in
+`inception_file.py`; the command line in `evaluate.py`.
 """
 from __future__ import annotations
 
