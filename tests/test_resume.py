@@ -85,9 +85,10 @@ def test_resume_is_bitwise_identical_to_straight_run(hooked_train, tiny_recipe, 
     hooked_train(recipe, resumed, "--max_train_steps", full, "--checkpointing_steps", half,
                  env={"DDPM_TEST_STOP_AFTER_STEP": str(half)})
     assert not (resumed / "model_index.json").exists()  # it died before exporting
-    result = hooked_train(recipe, resumed, "--max_train_steps", full, "--checkpointing_steps", half,
-                          "--resume_from_checkpoint", "latest")
-    assert f"resumed from {resumed / f'checkpoint-{half}'} at optimizer step {half}" in result.stdout
+    hooked_train(recipe, resumed, "--max_train_steps", full, "--checkpointing_steps", half,
+                 "--resume_from_checkpoint", "latest")
+    # It resumed at step `half`: the history holds steps 1 to `full` once each, with the straight run's
+    # losses. (What the resume prints is test_resume_from_explicit_path_outside_output_dir's.)
     assert_same_state(straight, resumed, full)
 
 
