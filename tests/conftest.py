@@ -612,37 +612,54 @@ def starts_a_command(item) -> bool:
     that trains through the command line): it is a test of the command-line contract (marker `cli`)."""
     if COMMAND_FIXTURES & set(item.fixturenames):
         return True
-    functions = [getattr(item, "function", None), *test_fixtures(item)]
-    return any("run_command(" in text or "run_training(" in text for text in map(source_of, functions))
+    return any(map(names_a_runner, [getattr(item, "function", None), *test_fixtures(item)]))
 
 
 CONTRACT_WORDS = ("returncode", "stderr", "stdout")  # what a command's exit code and messages are read as
 
 
-@functools.cache  # asked at collection for each test and at every fixture set-up
-def reads_what_a_command_printed(function) -> bool:
-    """The test function's source names CONTRACT_WORDS, or the source of a helper it calls does: a
-    function of a tests/test_*.py file (its module's or imported from another), followed through the
-    helpers' own calls (test_preemption's assert_preempted_at reads the exit code for its tests).
-    This file's runners are not followed: they read the exit code for every test (check=True)."""
+RUNNER_NAMES = {"run_command", "run_training", "start_command"}  # this file's functions that start a command
+
+
+def code_names(function) -> set:
+    """The global and attribute names that `function`'s code, and the code of functions nested in
+    it, use (a call, or a runner handed on: functools.partial(run_training, ...))."""
     import inspect
-    seen, todo = set(), [function]
+    codes, names = [getattr(function, "__code__", None)], set()
+    for code in filter(None, codes):
+        names.update(code.co_names)
+        codes += [const for const in code.co_consts if inspect.iscode(const)]
+    return names
+
+
+@functools.cache  # asked at collection for each test and at every fixture set-up
+def reached(function) -> tuple:
+    """`function` and the helpers it calls that are functions of a tests/test_*.py file (its module's
+    or imported from another), followed through the helpers' own calls (test_preemption's
+    assert_preempted_at reads the exit code for its tests). This file's runners are not followed:
+    they read the exit code for every test (check=True)."""
+    import inspect
+    seen, todo = [], [function]
     while todo:
         function = todo.pop()
         if function in seen:
             continue
-        seen.add(function)
-        if any(word in source_of(function) for word in CONTRACT_WORDS):
-            return True
-        codes, names = [getattr(function, "__code__", None)], set()
-        for code in filter(None, codes):  # the function's own code and that of functions nested in it
-            names.update(code.co_names)
-            codes += [const for const in code.co_consts if inspect.iscode(const)]
-        for name in names:
+        seen.append(function)
+        for name in code_names(function):
             helper = getattr(function, "__globals__", {}).get(name)
             if inspect.isfunction(helper) and os.path.basename(inspect.getfile(helper)).startswith("test_"):
                 todo.append(helper)
-    return False
+    return tuple(seen)
+
+
+def reads_what_a_command_printed(function) -> bool:
+    """The source of the test function, or of a helper it reaches, names CONTRACT_WORDS."""
+    return any(word in source_of(each) for each in reached(function) for word in CONTRACT_WORDS)
+
+
+def names_a_runner(function) -> bool:
+    """The test function, or a helper it reaches, starts a command with one of RUNNER_NAMES."""
+    return any(RUNNER_NAMES & code_names(each) for each in reached(function))
 
 
 # Modules whose tests take tens of seconds each, longest first (the Slurm jobs mostly wait for the

@@ -398,6 +398,20 @@ def test_reading_a_commands_output_is_found_in_the_test_its_helpers_and_its_fixt
     assert not reads_what_a_command_printed(test_preemption.straight.__wrapped__)
 
 
+def test_a_command_started_through_a_helper_or_a_partial_runner_makes_a_cli_test():
+    """A test that starts its commands through a helper of the test files (test_bench_quality's
+    run_quality), or a fixture that hands a runner on (test_resume's two_rank_runs:
+    functools.partial(run_training, ...)), is a command-line test; one that names no runner is not."""
+    import test_bench_quality
+    import test_resume
+    from conftest import names_a_runner
+
+    assert names_a_runner(test_bench_quality.test_time_budget_calibrates_then_trains_the_steps_that_fit)
+    assert names_a_runner(test_resume.two_rank_runs.__wrapped__)
+    assert not names_a_runner(test_resume.test_assert_same_tree_sees_an_optimizer_moment_and_a_missing_item)
+    assert not names_a_runner(read_through_a_helper)
+
+
 @pytest.fixture
 def contract_flag_while_a_quiet_fixture_is_set_up():
     """Reads no command's exit code or output, like a reference run that only leaves files: its
