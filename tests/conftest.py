@@ -639,12 +639,12 @@ def reached(function) -> tuple:
     assert_preempted_at reads the exit code for its tests). This file's runners are not followed:
     they read the exit code for every test (check=True)."""
     import inspect
-    seen, todo = [], [function]
+    seen, todo = set(), [function]
     while todo:
         function = todo.pop()
         if function in seen:
             continue
-        seen.append(function)
+        seen.add(function)
         for name in code_names(function):
             helper = getattr(function, "__globals__", {}).get(name)
             if inspect.isfunction(helper) and os.path.basename(inspect.getfile(helper)).startswith("test_"):
@@ -652,11 +652,13 @@ def reached(function) -> tuple:
     return tuple(seen)
 
 
+@functools.cache  # asked at every fixture set-up
 def reads_what_a_command_printed(function) -> bool:
     """The source of the test function, or of a helper it reaches, names CONTRACT_WORDS."""
     return any(word in source_of(each) for each in reached(function) for word in CONTRACT_WORDS)
 
 
+@functools.cache
 def names_a_runner(function) -> bool:
     """The test function, or a helper it reaches, starts a command with one of RUNNER_NAMES."""
     return any(RUNNER_NAMES & code_names(each) for each in reached(function))

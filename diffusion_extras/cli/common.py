@@ -13,7 +13,6 @@ from PIL import Image
 
 from diffusion_extras.cli.inputs import (
     check_reference,
-    guidance_flags,
     is_package_pipeline,
     local_pipeline_folder,
     refuse_guidance_flags,
@@ -119,7 +118,7 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
     if getattr(pipeline, "id2label", None) or guide is not None:
         scale = DEFAULT_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
         return {"guidance_scale": scale, "guide": guide, "guidance_interval": args.guidance_interval}
-    refuse_guidance_flags(type(pipeline).__name__, guidance_flags(args, **class_flags))
+    refuse_guidance_flags(type(pipeline).__name__, args, **class_flags)
     return {"guidance_scale": 1.0, "guide": None, "guidance_interval": None}
 
 

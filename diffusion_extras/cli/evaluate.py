@@ -70,8 +70,7 @@ def main(argv=None) -> int:
         groups = extractors_for(parse_metrics(",".join(sampled)), args.feature_extractor) if sampled else {}
         if not names:
             raise ValueError(f"--eval_metrics {args.eval_metrics!r}: name at least one metric")
-        if "inception" in groups and args.inception_weights is None:
-            check_inception_reachable()
+        check_inception_reachable(groups, args.inception_weights)
     # torch, diffusers, scipy (seconds) once the flags and the files are good
     from diffusion_extras.cli.common import guidance_for, load_images, load_pipeline, pipeline_resolution
     from diffusion_extras.evaluation import likelihood

@@ -62,18 +62,15 @@ def local_pipeline_folder(name_or_path: str) -> str | None:
     return None
 
 
-def refuse_guidance_flags(pipeline_name: str, flags: dict) -> None:
-    """The ValueError for the first guidance or class flag of `flags` ({"--flag": value}) given, to
-    an unconditional pipeline (a `pipeline_name`) that has no guide."""
+def refuse_guidance_flags(pipeline_name: str, args, **class_flags) -> None:
+    """The ValueError for the first guidance flag of `args`, or of the command's class flags
+    (`class_flags`: {"--flag": value}), given to an unconditional pipeline (a `pipeline_name`) that
+    has no guide."""
+    flags = {"--guidance_scale": args.guidance_scale, "--guidance_interval": args.guidance_interval, **class_flags}
     for flag, value in flags.items():
         if value is not None:
             raise ValueError(f"{flag}: this pipeline is unconditional (a {pipeline_name}) and has no "
                              "--guide; drop the flag or give a --guide")
-
-
-def guidance_flags(args, **class_flags) -> dict:
-    """{"--flag": value} of the guidance flags of `args` and the command's class flags."""
-    return {"--guidance_scale": args.guidance_scale, "--guidance_interval": args.guidance_interval, **class_flags}
 
 
 def check_reference(reference: str) -> None:
@@ -88,4 +85,4 @@ def check_pipeline_argument(args, **class_flags) -> None:
     unconditional folder without --guide. (A Hub id is checked once it is downloaded.)"""
     path = local_pipeline_folder(args.pipeline)
     if path is not None and not is_package_pipeline(path) and args.guide in (None, "none"):
-        refuse_guidance_flags(UNCONDITIONAL, guidance_flags(args, **class_flags))
+        refuse_guidance_flags(UNCONDITIONAL, args, **class_flags)

@@ -42,11 +42,12 @@ def refuse_offline_download(url: str, path: str) -> None:
                          + _hint(url, path))
 
 
-def check_inception_reachable() -> None:
-    """fetch_inception's offline refusal, asked before anything is loaded: no detector in the cache
-    folder and the Hub offline. (Its checksum is checked when it is fetched.)"""
-    path = inception_cache_path()
-    if not os.path.isfile(path):
+def check_inception_reachable(extractors, weights: str | None) -> None:
+    """fetch_inception's offline refusal, asked before anything is loaded: the `extractors` a run
+    needs (choices.extractors_for's kinds) include the detector, no --inception_weights `weights`
+    are given, none is in the cache folder and the Hub is offline. (Its checksum is checked when
+    it is fetched.)"""
+    if "inception" in extractors and weights is None and not os.path.isfile(path := inception_cache_path()):
         refuse_offline_download(INCEPTION_URL, path)
 
 

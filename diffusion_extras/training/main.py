@@ -81,10 +81,10 @@ def check_run_before_the_stack(config) -> None:
     callers of the library."""
     if not config.overwrite_output_dir:
         refuse_fresh_run_over_checkpoints(config.output_dir, config.resume_from_checkpoint)
-    if (config.eval_steps is not None and config.inception_weights is None
-            and "inception" in extractors_for(parse_metrics(config.eval_metrics), config.feature_extractor)):
+    if config.eval_steps is not None:  # offline without the detector (prepare_evaluation asks again)
         try:
-            check_inception_reachable()  # offline without the detector (artifacts.prepare_evaluation asks again)
+            check_inception_reachable(extractors_for(parse_metrics(config.eval_metrics), config.feature_extractor),
+                                      config.inception_weights)
         except ValueError as error:
             raise ConfigError(str(error)) from None
     if config.push_to_hub:
