@@ -163,5 +163,10 @@ def _profile_lines(profile: dict | None) -> list[str]:
         return []
     lines = ["", f"profile ({profile['clock']}, ms per step): full {profile['total_full_ms']:.1f}, "
              f"bare {profile['total_bare_ms']:.1f}; ops that differ most:  full     bare    extra"]
-    return lines + [f"  {row['op'][:48]:48}{row['full_ms']:9.2f}{row['bare_ms']:9.2f}{row['extra_ms']:+9.2f}"
-                    for row in profile["ops"][:15]]
+    lines += [f"  {row['op'][:48]:48}{row['full_ms']:9.2f}{row['bare_ms']:9.2f}{row['extra_ms']:+9.2f}"
+              for row in profile["ops"][:15]]
+    if profile.get("top_device_full"):
+        lines += ["", f"device time per step (kernels and copies): full {profile['device_ms_full']:.1f} ms, "
+                      f"bare {profile['device_ms_bare']:.1f} ms; the full step's largest:"]
+        lines += [f"  {row['kernel'][:70]:70}{row['ms']:9.2f}" for row in profile["top_device_full"][:15]]
+    return lines

@@ -87,7 +87,9 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------- setup
-def make_config(args, trainer_flags, workdir):
+def make_config(args, trainer_flags, workdir, compare=False):
+    """The trainer's config; for the cifar10 recipe, after writing its synthetic images (the
+    config parser refuses a --dataset_name folder that does not exist)."""
     import yaml
 
     from diffusion_extras.training.config import ConfigError, parse_config
@@ -100,14 +102,21 @@ def make_config(args, trainer_flags, workdir):
             yaml.safe_dump(TINY_RECIPE, fh)
         flags += ["--config", path]
     elif args.recipe == "cifar10":
-        flags += ["--config", os.path.join(ROOT, "configs", "cifar10-ddpm.yaml"),
-                  "--dataset_name", os.path.join(workdir, "images")]
+        flags += ["--config", os.path.join(ROOT, "configs", "cifar10-ddpm.yaml")]
     if args.mixed_precision:
         flags += ["--mixed_precision", args.mixed_precision]
     if args.batch_size:
         flags += ["--train_batch_size", str(args.batch_size)]
     try:
-        return parse_config(flags + trainer_flags)
+        config = parse_config(flags + trainer_flags)
+        if args.recipe == "cifar10" and not args.tiny:
+            # Parsed once without a dataset (the embedded default) for the batch size and image shape.
+            folder = os.path.join(workdir, "images")
+            stop_at = args.diffusers_warmup + args.diffusers_steps
+            count = config.train_batch_size * (stop_at + 2) if compare else max(4 * config.train_batch_size, 512)
+            write_synthetic_images(folder, count, config.resolution, config.model.get("in_channels", 3))
+            config = parse_config(flags + ["--dataset_name", folder] + trainer_flags)
+        return config
     except ConfigError as error:
         fail(str(error))
 
@@ -240,13 +249,8 @@ def main(argv=None) -> int:
     args, trainer_flags = parse_args(argv)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_step-") as workdir:
-        config = make_config(args, trainer_flags, workdir)
         compare = bool(args.diffusers_script) and torch.cuda.is_available()
-        if args.recipe == "cifar10" and not args.tiny:
-            stop_at = args.diffusers_warmup + args.diffusers_steps
-            count = config.train_batch_size * (stop_at + 2) if compare else max(4 * config.train_batch_size, 512)
-            write_synthetic_images(os.path.join(workdir, "images"), count, config.resolution,
-                                   config.model.get("in_channels", 3))
+        config = make_config(args, trainer_flags, workdir, compare)
         run = make_run(config)
         results = measure(args, config, run, workdir)
         results["machine"] = bench_report.machine_info(run.accelerator.device, load_start)

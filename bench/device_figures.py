@@ -30,7 +30,10 @@ def count_flops(run) -> dict:
     sample = torch.randn(2, channels, config.resolution, config.resolution, device=device)
     timesteps = torch.randint(0, run.objective.schedule.num_train_timesteps, (2,), device=device)
     counter = FlopCounterMode(display=False)
-    with counter, sdpa_kernel([SDPBackend.MATH]):
+    # Eager, even under --torch_compile: a compiled module first called inside a dispatch mode is
+    # left uncompiled for every later call (seen on torch 2.11 and 2.13), and the steps timed after
+    # this would be eager ones.
+    with counter, sdpa_kernel([SDPBackend.MATH]), torch.compiler.set_stance("force_eager"):
         unet(sample, timesteps).sample.float().square().mean().backward()
     unet.zero_grad(set_to_none=True)
     by_op = {str(op): flops / 2 for op, flops in counter.get_flop_counts()["Global"].items()}
@@ -80,17 +83,26 @@ def profile_extras(full, bare, steps: int, device, synchronize) -> dict:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     field = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    per_op = {}
+    per_op, kernels = {}, {}
     for name, fn in (("full", full), ("bare", bare)):
         with profile(activities=activities) as prof:
             for _ in range(steps):
                 fn()
             synchronize()
-        per_op[name] = {e.key: getattr(e, field, 0.0) / steps / 1e3 for e in prof.key_averages()}
+        events = prof.key_averages()
+        per_op[name] = {e.key: getattr(e, field, 0.0) / steps / 1e3 for e in events}
+        # The device's own entries (kernels, copies, memsets), without the CPU-side ops that launch them:
+        # their sum is the time the device computes per step, which read against the step's wall time
+        # says whether the step is bound by the device or by launching work on it.
+        kernels[name] = {e.key: e.self_device_time_total / steps / 1e3 for e in events
+                         if device.type == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA}
     ops = set(per_op["full"]) | set(per_op["bare"])
     rows = [{"op": op, "full_ms": per_op["full"].get(op, 0.0), "bare_ms": per_op["bare"].get(op, 0.0)} for op in ops]
     for row in rows:
         row["extra_ms"] = row["full_ms"] - row["bare_ms"]
     rows.sort(key=lambda row: -abs(row["extra_ms"]))
+    top = sorted(kernels["full"].items(), key=lambda item: -item[1])[:20]
     return {"clock": field, "steps": steps, "total_full_ms": sum(per_op["full"].values()),
-            "total_bare_ms": sum(per_op["bare"].values()), "ops": rows[:20]}
+            "total_bare_ms": sum(per_op["bare"].values()), "ops": rows[:20],
+            "device_ms_full": sum(kernels["full"].values()), "device_ms_bare": sum(kernels["bare"].values()),
+            "top_device_full": [{"kernel": key, "ms": ms} for key, ms in top]}

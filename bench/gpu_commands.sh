@@ -75,16 +75,37 @@ for name in ("torchvision", "tensorboard"):  # needed by train_unconditional.py 
 EOF
     # The GPU checks first (tests/test_cuda.py): sync-free steps per precision, pinned copies,
     # fused AdamW's found_inf, channels_last + compile, save/resume. A failure does not stop the bench.
-    $PYTHON -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/pytest-cuda.log" | tail -30 ||
-        true
+    # Each part has a time cap, and a part is skipped once DEVICE_SECONDS (default 540) would be
+    # passed: a device lease is short, and what ran must come back.
+    local budget=${DEVICE_SECONDS:-540}
+    part() {  # part SECONDS NAME COMMAND...: run it under a cap, or skip it when the budget is spent
+        local cap=$1 name=$2; shift 2
+        if (( SECONDS + 30 > budget )); then echo "skipped $name: ${SECONDS} s of ${budget} used"; return; fi
+        (( cap > budget - SECONDS )) && cap=$(( budget - SECONDS ))
+        echo "== $name (cap ${cap} s, at ${SECONDS} s)"
+        timeout -k 10 "$cap" "$@" || echo "$name failed or was stopped (exit $?)"
+    }
+    part 150 pytest-cuda bash -c "$PYTHON -m pytest -m cuda -q -p no:cacheprovider -o addopts= tests/test_cuda.py \
+        >'$out/pytest-cuda.log' 2>&1; status=\$?; tail -15 '$out/pytest-cuda.log'; exit \$status"
     local reference=()
     [[ -f $SCRIPT ]] && reference=(--diffusers_script "$SCRIPT") || echo "no $SCRIPT: diffusers reference skipped"
-    for precision in bf16 fp16; do
-        $PYTHON bench/bench_step.py --recipe cifar10 --mixed_precision "$precision" --steps 100 --rounds 10 \
-            --warmup 10 --profile "${reference[@]}" --json "$out/cifar10-$precision.json" \
-            >"$out/cifar10-$precision.log" 2>&1 || echo "cifar10 $precision failed (exit $?)"
+    # name, precision, bench flags, trainer flags (after --)
+    local variants=(
+        "bf16|bf16|--profile ${reference[*]} --diffusers_steps 100 --diffusers_timeout 150|"
+        "fp16|fp16||"
+        "bf16-compiled-cl|bf16||--torch_compile --channels_last"
+        "bf16-compiled|bf16||--torch_compile"
+    )
+    local variant name precision flags trainer
+    for variant in "${variants[@]}"; do
+        IFS='|' read -r name precision flags trainer <<<"$variant"
+        # shellcheck disable=SC2086  # word splitting of the flag lists is meant
+        part 240 "cifar10-$name" $PYTHON bench/bench_step.py --recipe cifar10 --mixed_precision "$precision" \
+            --steps 100 --rounds 10 --warmup 10 $flags --json "$out/cifar10-$name.json" -- $trainer \
+            >"$out/cifar10-$name.log" 2>&1
         # The table (and any traceback) without tqdm's carriage-return noise.
-        tr '\r' '\n' <"$out/cifar10-$precision.log" | grep -v -E 'it/s\]|s/it\]|ba/s\]|examples/s\]' | tail -60
+        [[ -f $out/cifar10-$name.log ]] &&
+            tr '\r' '\n' <"$out/cifar10-$name.log" | grep -v -E 'it/s\]|s/it\]|ba/s\]|examples/s\]' | tail -40
     done
 }
 

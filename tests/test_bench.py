@@ -84,11 +84,52 @@ def test_table_renders_the_gpu_rows(tiny_run):
                            "seconds_timed": 6.4, "peak_process_memory_mib_nvidia_smi": 7000,
                            "ours_full_over_diffusers_images_per_s": 1.5}
     report["profile"] = {"clock": "self_device_time_total", "steps": 5, "total_full_ms": 30.0, "total_bare_ms": 29.0,
-                         "ops": [{"op": "aten::_foreach_lerp_", "full_ms": 0.2, "bare_ms": 0.0, "extra_ms": 0.2}]}
+                         "ops": [{"op": "aten::_foreach_lerp_", "full_ms": 0.2, "bare_ms": 0.0, "extra_ms": 0.2}],
+                         "device_ms_full": 26.2, "device_ms_bare": 25.1,
+                         "top_device_full": [{"kernel": "triton_red_fused_native_group_norm_0", "ms": 0.48}]}
     text = bench_report.table(report)
     assert "MFU" in text and "20.0%" in text and "790" in text
     assert "3.00 GiB allocated" in text and "5000 MiB" in text
     assert "ours/diffusers = 1.50x" in text and "aten::_foreach_lerp_" in text
+    assert "full 26.2 ms, bare 25.1 ms" in text and "triton_red_fused_native_group_norm_0" in text
+
+
+def test_cifar10_recipe_gets_its_synthetic_images_before_the_config_is_checked(tmp_path):
+    """The config parser refuses a --dataset_name folder that does not exist: the images are
+    written first, as many as the diffusers reference's steps read when it runs."""
+    import datasets
+    bench_step = load_bench_module("bench_step")
+
+    args, trainer_flags = bench_step.parse_args(["--recipe", "cifar10", "--batch_size", "4",
+                                                  "--diffusers_warmup", "1", "--diffusers_steps", "2"])
+    for compare, count in ((False, 512), (True, 4 * (1 + 2 + 2))):
+        workdir = tmp_path / str(compare)
+        config = bench_step.make_config(args, trainer_flags, str(workdir), compare)
+        assert config.dataset_name == str(workdir / "images") and config.resolution == 32
+        images = datasets.load_dataset(config.dataset_name, split="train")
+        assert len(images) == count and images[0]["image"].size == (32, 32) and images[0]["image"].mode == "RGB"
+
+
+def test_flop_count_leaves_a_compiled_unet_compiled(tmp_path, fresh_accelerate):
+    """count_flops runs before the timed steps; a compiled module first called inside
+    FlopCounterMode stayed uncompiled, and --torch_compile's figures were eager ones (seen on an
+    H200: the profile of the compiled run held no generated kernel). The eager backend captures
+    the same frames as inductor without generating code."""
+    import torch
+    from conftest import dynamo_counts
+    from conftest import tiny_run as setup_tiny_run
+
+    from diffusion_extras.training import loop, step
+    device_figures = load_bench_module("device_figures")
+
+    torch.compiler.reset()  # what an earlier test compiled (or refused to) in this process is forgotten
+    run = setup_tiny_run(tmp_path, "--torch_compile", "--torch_compile_backend", "eager", "--max_train_steps", 4)
+    before = dynamo_counts()
+    assert positive_finite(device_figures.count_flops(run)["gflop_per_image_fwd_bwd"])
+    step.optimizer_step(run, loop.make_batches(run))
+    after = dynamo_counts()
+    assert after["graphs"] > before["graphs"], "the step after the FLOP count ran uncompiled"
+    assert after["breaks"] == before["breaks"]
 
 
 @pytest.mark.parametrize("args, needle", [(["--steps", "0"], "--steps"),

@@ -3,13 +3,14 @@ first). What the CPU tests can only approximate: `torch.cuda.set_sync_debug_mode
 every host sync the CUDA runtime sees (scalar reads, device-to-host and pageable copies, stream
 synchronizations) into an error, around the real `optimizer_step` of each precision.
 
-Not yet run: no GPU was lent to the session that wrote them (see README, "Verified on CPU, and on GPU").
+Run on an NVIDIA H200 (torch 2.11.0+cu130) on 2026-11-26: 8 passed (docs/BENCHMARKS.md, "GPU"); the
+compile test's graph-count assertion was added after that run.
 """
 import contextlib
 
 import pytest
 import torch
-from conftest import tiny_run
+from conftest import dynamo_counts, tiny_run
 from test_host_sync import ALL_EXTRAS
 
 from diffusion_extras.data import batch_order
@@ -85,8 +86,10 @@ def test_channels_last_and_compile(tmp_path, fresh_accelerate):
     conv_weights = [p for p in run.learner.unet.parameters() if p.dim() == 4]
     assert conv_weights and all(p.is_contiguous(memory_format=torch.channels_last) for p in conv_weights)
     batches = loop.make_batches(run)
+    before = dynamo_counts()
     for _ in range(WARMUP_STEPS):  # compilation happens here
         step.optimizer_step(run, batches)
+    assert dynamo_counts()["graphs"] > before["graphs"], "the step ran uncompiled"
     with no_host_sync():
         for _ in range(2):
             step.optimizer_step(run, batches)
