@@ -73,10 +73,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "contract: a cli test that reads a command's exit code or what it printed, "
                                        "itself, through a helper or in a fixture of its module "
                                        "(DDPM_TEST_FRESH_INTERPRETERS=contract runs those commands unforked)")
-    config.addinivalue_line("markers", "unforked: a contract test whose every command it reads starts a fresh "
-                                       "interpreter in any pass (a shell, a launcher, variables the fork server "
-                                       "cannot give); left out under DDPM_TEST_FRESH_INTERPRETERS=contract, which "
-                                       "would run it the same way again (refuse_fork_of_an_unforked_test)")
     imported = sorted(name for name in sys.modules if name.split(".")[0] in READ_AT_IMPORT)
     if imported:
         raise pytest.UsageError(f"{imported[0]} was imported before the tests cleared the caller's HF_*/WANDB_* "
@@ -109,8 +105,7 @@ def cli_env() -> dict:
     return env
 
 
-RUNNING = {"contract": False,  # whether the code running now reads what its commands print (the hooks below)
-           "unforked": False}  # whether the test being set up or run is marked `unforked`
+RUNNING = {"contract": False}  # whether the code running now reads what its commands print (the hooks below)
 
 
 def runs_fresh(env: dict) -> bool:
@@ -150,22 +145,6 @@ def result_dropped() -> bool:
     while frame is not None and not os.path.basename(frame.f_code.co_filename).startswith("test_"):
         frame = frame.f_back
     return frame is not None and frame.f_lineno in dropped_runner_lines(frame.f_code.co_filename)
-
-
-def refuse_fork_of_an_unforked_test() -> None:
-    """A command is about to fork: not one whose result a test marked `unforked` reads (the fresh
-    pass, which leaves that test out, would have run it fresh)."""
-    if RUNNING["unforked"] and RUNNING["contract"] and not result_dropped():
-        raise AssertionError("this test is marked `unforked`, so DDPM_TEST_FRESH_INTERPRETERS=contract leaves it out, "
-                             "yet a command whose result it reads ran as a fork of the server: remove the marker")
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """(Set up, call and teardown: the fixtures a marked test sets up are held to the marker too.)"""
-    RUNNING["unforked"] = item.get_closest_marker("unforked") is not None
-    yield
-    RUNNING["unforked"] = False
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -221,7 +200,7 @@ class ForkServer:
         """The server if it can run this command as a fresh interpreter would, else None. A launcher
         such as torch.distributed.run may be forked; the processes it starts are fresh interpreters.
         The server imports in cli_env(), whichever command asks first, so whether a command forks
-        depends on the command alone (a test marked `unforked` relies on it)."""
+        depends on the command alone, not on the order the tests run in."""
         if launcher is not None:
             if [str(part) for part in launcher[:2]] != [sys.executable, "-m"]:
                 return None
@@ -408,7 +387,6 @@ def start_command(command, env, stdout, stderr, ranks=1):
                for rank_env in envs}
     with open(stdout, "w") as out, open(stderr, "w") as err:  # there (empty) from the start; each rank has them
         if None not in servers:
-            refuse_fork_of_an_unforked_test()
             return servers.pop().start(command, envs, stdout, stderr, store)
         processes = [subprocess.Popen(command, cwd=ROOT, env=rank_env, stdin=subprocess.DEVNULL, stdout=out,
                                       stderr=err, text=True, start_new_session=True) for rank_env in envs]
@@ -433,7 +411,6 @@ def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False
     envs, store = rank_environments(merged, ranks)
     servers = {ForkServer.for_command(launcher, args, rank_env) for rank_env in envs}
     if None not in servers:
-        refuse_fork_of_an_unforked_test()
         results = servers.pop().run([command] * ranks, envs, timeout)
     else:
         results = run_fresh([command] * ranks, envs, timeout)
@@ -705,9 +682,7 @@ def start_order(item) -> tuple:
 def pytest_collection_modifyitems(config, items):
     """Tests that start a command are marked `cli`; those of them that read its exit code or what it
     printed, or use a fixture of their module that does (reads_what_a_command_printed), are also
-    marked `contract`. A test marked `unforked` must be a contract test whose module fixtures read no
-    command's output (its own commands are held to the marker as they run); under
-    DDPM_TEST_FRESH_INTERPRETERS=contract it is left out (deselected).
+    marked `contract`.
     Tests that read one module-scoped fixture of their module (most are a training run made once
     and read by several tests) run on one xdist worker, so it is made once, not once per worker.
     Module-scoped fixtures of this file group nothing.
@@ -718,10 +693,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cli)
             if any(map(reads_what_a_command_printed, [getattr(item, "function", None), *test_fixtures(item)])):
                 item.add_marker(pytest.mark.contract)
-        if item.get_closest_marker("unforked") and (item.get_closest_marker("contract") is None or any(
-                map(reads_what_a_command_printed, test_fixtures(item)))):
-            raise pytest.UsageError(f"{item.nodeid} is marked `unforked` but is no contract test, or a fixture of its "
-                                    "module reads a command's output: remove the marker")
         for name in item.fixturenames:
             definitions = item._fixtureinfo.name2fixturedefs.get(name)
             if (definitions and definitions[-1].scope == "module"
@@ -729,8 +700,3 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))
                 break
     items.sort(key=start_order)
-    if os.environ.get("DDPM_TEST_FRESH_INTERPRETERS") == "contract":  # their commands ran fresh in the first pass
-        unforked = [item for item in items if item.get_closest_marker("unforked")]
-        if unforked:
-            config.hook.pytest_deselected(items=unforked)
-            items[:] = [item for item in items if not item.get_closest_marker("unforked")]

@@ -21,11 +21,11 @@ def test_the_libraries_read_a_clean_environment():
 '''
 
 
-def run_pytest(tmp_path, *args, env=None, source=PROBE_TEST):
-    """pytest on a test file of `source` placed beside the suite's (so conftest.py applies), in a subprocess."""
+def run_pytest(tmp_path, *args, env=None):
+    """pytest on a test file placed beside the suite's (so conftest.py applies), in a subprocess."""
     probe = os.path.join(ROOT, "tests", f"test_zz_probe_{os.getpid()}_{tmp_path.name}.py")
     with open(probe, "w") as fh:
-        fh.write(source)
+        fh.write(PROBE_TEST)
     try:
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                *args, probe], cwd=ROOT, capture_output=True, text=True,

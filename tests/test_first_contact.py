@@ -36,7 +36,6 @@ def test_every_cli_help_exits_0_and_describes_its_flags(run_cli, command, flag, 
     assert flag in result.stdout and words in _one_spaced(result.stdout)
 
 
-@pytest.mark.unforked  # the accelerate launcher: no fork
 def test_accelerate_launch_help_shows_the_training_flags(run_cli, tmp_path):
     # config-free, on CPU, offline: what a user types before `accelerate config`
     env = {"ACCELERATE_USE_CPU": "1", "ACCELERATE_CONFIG_FILE": None, "HF_HOME": str(tmp_path / "hf_home")}
@@ -158,7 +157,6 @@ LIGHT_CASES = [  # (flags, the one line's words; None: --help)
 ]
 
 
-@pytest.mark.unforked  # python -X importtime: no fork
 @pytest.mark.parametrize("flags,words", LIGHT_CASES, ids=lambda v: None if callable(v) else str(v)[:30])
 def test_help_and_config_errors_answer_without_importing_the_training_stack(run_cli, tmp_path, flags, words):
     flags = flags(tmp_path)
@@ -174,7 +172,6 @@ def test_help_and_config_errors_answer_without_importing_the_training_stack(run_
     assert sorted(os.walk(tmp_path / "out")) == before
 
 
-@pytest.mark.unforked  # python -X importtime: no fork
 @pytest.mark.parametrize("command,flag,needed", [
     ("sample", "--scheduler", ["--output", "out"]), ("evaluate", "--scheduler", ["--reference", "images"]),
     ("posthoc_ema", "--feature_extractor", ["--sigma_rels", "0.1"])])
@@ -202,7 +199,6 @@ PIPELINE_CASES = [  # (command, PIPELINE, its other arguments, the one line); "p
 ]
 
 
-@pytest.mark.unforked  # python -X importtime: no fork
 @pytest.mark.parametrize("command,pipeline,rest,words", PIPELINE_CASES, ids=lambda v: str(v)[:24])
 def test_a_pipeline_or_reference_that_cannot_serve_answers_without_importing_torch(
         run_cli, tmp_path, command, pipeline, rest, words):
@@ -221,7 +217,6 @@ def test_a_pipeline_or_reference_that_cannot_serve_answers_without_importing_tor
     assert not os.path.exists(tmp_path / "o")
 
 
-@pytest.mark.unforked  # python -X importtime: no fork
 def test_report_help_and_a_missing_run_answer_without_importing_torch(run_cli, tmp_path):
     module, marker = "diffusion_extras.report", "diffusion_extras.report.health"
     result, heavy, _ = _run_listing_imports(run_cli, ["-m", module, "--help"], marker)
@@ -247,7 +242,6 @@ QUICK = ["--resolution", "16", "--max_train_steps", "2", "--train_batch_size", "
 MERGED = ["bash", "-c", 'exec "$@" 2>&1', "bash", sys.executable]  # stderr (the bar) and stdout in order
 
 
-@pytest.mark.unforked  # started by bash (MERGED): no fork
 @pytest.mark.parametrize("mode,channels,colour", [("RGB", 3, "RGB"), ("L", 1, "grayscale")])
 def test_image_folder_without_a_recipe_trains_a_model_of_its_channels(run_cli, tmp_path, mode, channels, colour):
     folder = _image_folder(tmp_path / "images", mode)

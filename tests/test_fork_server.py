@@ -444,59 +444,6 @@ def test_a_fixture_asked_for_while_a_contract_test_runs_gives_the_test_its_flag_
     assert run_command([probe, "exit", "0"], tmp_path).returncode == 0
 
 
-def test_a_command_read_by_a_test_marked_unforked_may_not_fork(monkeypatch, probe, tmp_path):
-    """A test marked `unforked` is left out of the fresh pass: a command whose result it reads and
-    that ran as a fork would never have run fresh, so it fails the test. Commands that start fresh
-    anyway, and commands whose result it drops (they fork in the fresh pass too), are allowed."""
-    from conftest import RUNNING, start_command
-    monkeypatch.setitem(RUNNING, "unforked", True)
-    monkeypatch.setitem(RUNNING, "contract", True)
-    with pytest.raises(AssertionError, match="marked `unforked`.*ran as a fork"):
-        assert run_command([probe, "exit", "0"], tmp_path, timeout=60).returncode == 0  # read, not dropped
-    with pytest.raises(AssertionError, match="marked `unforked`.*ran as a fork"):
-        start_command([sys.executable, probe, "exit", "0"], cli_env(), tmp_path / "out", tmp_path / "err")
-    result = run_command([probe, "exit", "3"], tmp_path, env={"PYTHONPATH": str(tmp_path)}, timeout=60)
-    assert result.returncode == 3  # fresh: PYTHONPATH is read by the interpreter at start-up
-    run_command([probe, "exit", "0"], tmp_path, timeout=60, check=True)  # dropped: forks
-    monkeypatch.setitem(RUNNING, "unforked", False)
-    result = run_command([probe, "exit", "0"], tmp_path, timeout=60)
-    assert result.returncode == 0
-
-
-MARKED_TESTS = """
-import pytest
-from conftest import RUNNING, run_command
-
-
-@pytest.mark.unforked
-def test_marked(tmp_path):
-    assert RUNNING["unforked"]
-    assert run_command(["-c", "true"], tmp_path, launcher=["bash"]).returncode == 0
-
-
-def test_unmarked(tmp_path):
-    assert not RUNNING["unforked"]
-    assert run_command(["-c", "true"], tmp_path, launcher=["bash"]).returncode == 0
-"""
-
-
-def test_the_fresh_pass_leaves_out_the_tests_marked_unforked_and_the_first_pass_runs_them(tmp_path):
-    from test_caller_environment import run_pytest
-    first = run_pytest(tmp_path, "-rA", source=MARKED_TESTS)
-    assert first.returncode == 0 and "2 passed" in first.stdout, first.stdout[-3000:]
-    fresh = run_pytest(tmp_path, "-rA", "-m", "contract", source=MARKED_TESTS,
-                       env={"DDPM_TEST_FRESH_INTERPRETERS": "contract"})
-    assert fresh.returncode == 0, fresh.stdout[-3000:]
-    assert re.search(r"PASSED \S+::test_unmarked", fresh.stdout) and "test_marked" not in fresh.stdout
-    assert "1 passed, 1 deselected" in fresh.stdout
-
-
-def test_a_test_marked_unforked_that_reads_no_command_is_a_usage_error(tmp_path):
-    from test_caller_environment import run_pytest
-    result = run_pytest(tmp_path, source="import pytest\n\n\n@pytest.mark.unforked\ndef test_x():\n    pass\n")
-    assert result.returncode == 4 and "is marked `unforked` but is no contract test" in result.stderr, result.stderr
-
-
 def test_whether_a_command_forks_does_not_depend_on_the_command_that_started_the_server(monkeypatch, probe):
     """The server imports in the suite's environment (cli_env) even when the first command to ask
     is an online one: that command still runs fresh, and an ordinary one forks."""

@@ -102,7 +102,6 @@ def test_fine_tuning_resumes_exactly_without_reading_the_base_weights(train, tin
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
-@pytest.mark.unforked  # online, through the loopback Hub (HF_HUB_OFFLINE=0, HF_ENDPOINT): no fork
 @pytest.mark.parametrize("weights", ["safetensors", "bin"])
 def test_fine_tuning_from_the_hub_exports_and_pushes_with_the_base_named(train, tiny_recipe, tmp_path, weights):
     from diffusers import UNet2DModel

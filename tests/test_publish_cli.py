@@ -20,7 +20,6 @@ def all_text(folder) -> str:
     return "\n".join(chunks)
 
 
-@pytest.mark.unforked  # online, through the loopback Hub (HF_HUB_OFFLINE=0, HF_ENDPOINT): no fork
 @pytest.mark.parametrize("private", [True, False])
 def test_push_to_hub_commits_pipeline_and_card_only(train, tiny_recipe, tmp_path, private):
     out = tmp_path / "my-digits"
@@ -54,7 +53,6 @@ def test_push_to_hub_commits_pipeline_and_card_only(train, tiny_recipe, tmp_path
     assert not any(TOKEN in f.decode("latin-1") for f in server.repos[repo_id]["files"].values())
 
 
-@pytest.mark.unforked  # HF_HUB_OFFLINE=0: no fork
 def test_push_to_hub_without_token_fails_before_training(train, tiny_recipe, tmp_path):
     result = train(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--push_to_hub",
                    env={"HF_HUB_OFFLINE": "0", "HF_TOKEN": None}, check=False)
