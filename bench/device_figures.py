@@ -91,11 +91,13 @@ def profile_extras(full, bare, steps: int, device, synchronize) -> dict:
             synchronize()
         events = prof.key_averages()
         per_op[name] = {e.key: getattr(e, field, 0.0) / steps / 1e3 for e in events}
-        # The device's own entries (kernels, copies, memsets), without the CPU-side ops that launch them:
-        # their sum is the time the device computes per step, which read against the step's wall time
-        # says whether the step is bound by the device or by launching work on it.
+        # The device's own entries (kernels, copies, memsets), without the CPU-side ops that launch them
+        # and without the device-side ranges of record_function annotations (Optimizer.step#AdamW.step
+        # spans kernels counted already): their sum is the time the device computes per step, which read
+        # against the step's wall time says whether the step is bound by the device or by launching work.
         kernels[name] = {e.key: e.self_device_time_total / steps / 1e3 for e in events
-                         if device.type == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA}
+                         if device.type == "cuda" and e.device_type == torch.autograd.DeviceType.CUDA
+                         and not getattr(e, "is_user_annotation", False)}
     ops = set(per_op["full"]) | set(per_op["bare"])
     rows = [{"op": op, "full_ms": per_op["full"].get(op, 0.0), "bare_ms": per_op["bare"].get(op, 0.0)} for op in ops]
     for row in rows:
