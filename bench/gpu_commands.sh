@@ -85,8 +85,9 @@ EOF
         echo "== $name (cap ${cap} s, at ${SECONDS} s)"
         timeout -k 10 "$cap" "$@" || echo "$name failed or was stopped (exit $?)"
     }
-    part 150 pytest-cuda bash -c "$PYTHON -m pytest -m cuda -q -p no:cacheprovider -o addopts= tests/test_cuda.py \
-        >'$out/pytest-cuda.log' 2>&1; status=\$?; tail -15 '$out/pytest-cuda.log'; exit \$status"
+    part 150 pytest-cuda $PYTHON -m pytest -m cuda -q -p no:cacheprovider -o addopts= tests/test_cuda.py \
+        >"$out/pytest-cuda.log" 2>&1
+    tail -15 "$out/pytest-cuda.log"
     local reference=()
     [[ -f $SCRIPT ]] && reference=(--diffusers_script "$SCRIPT") || echo "no $SCRIPT: diffusers reference skipped"
     # name, precision, bench flags, trainer flags (after --)
@@ -104,8 +105,7 @@ EOF
             --steps 100 --rounds 10 --warmup 10 $flags --json "$out/cifar10-$name.json" -- $trainer \
             >"$out/cifar10-$name.log" 2>&1
         # The table (and any traceback) without tqdm's carriage-return noise.
-        [[ -f $out/cifar10-$name.log ]] &&
-            tr '\r' '\n' <"$out/cifar10-$name.log" | grep -v -E 'it/s\]|s/it\]|ba/s\]|examples/s\]' | tail -40
+        tr '\r' '\n' <"$out/cifar10-$name.log" | grep -v -E 'it/s\]|s/it\]|ba/s\]|examples/s\]' | tail -40
     done
 }
 
