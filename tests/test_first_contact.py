@@ -191,6 +191,8 @@ PIPELINE_CASES = [  # (command, PIPELINE, its other arguments, the one line); "p
     ("sample", "images", ["--output", "o"], "is not a diffusers pipeline folder (no model_index.json)"),
     ("sample", "plain/model_index.json", ["--output", "o"], "model_index.json is a file; pass the pipeline folder"),
     ("sample", "plain", ["--output", "o", "--class_labels", "3"], f"error: --class_labels: {UNCONDITIONAL_FLAG}"),
+    ("sample", "conditional", ["--output", "o", "--class_labels", "1,eleven"],
+     "error: --class_labels: unknown class 'eleven'; the classes are 0 (zero), 1 (one)"),
     ("evaluate", "plain", ["--reference", "images", "--guidance_interval", "0.3,5"],
      f"error: --guidance_interval: {UNCONDITIONAL_FLAG}"),
     ("evaluate", "plain", ["--reference", "nowhere"], "error: --reference nowhere is neither a folder of images nor"),
@@ -205,11 +207,16 @@ def test_a_pipeline_or_reference_that_cannot_serve_answers_without_importing_tor
     """The files the sample and evaluate commands read are checked before torch loads: one line,
     exit 2, none of the HEAVY libraries imported (the same refusals once loaded: test_sampling,
     test_class_conditional, test_evaluation, test_metric_backbones)."""
-    from conftest import save_tiny_pipeline
+    from conftest import save_tiny_pipeline, tiny_unet
+    from diffusers import DDPMScheduler
+
+    from diffusion_extras.training.models import save_class_conditional
     save_tiny_pipeline(tmp_path / "plain")
+    save_class_conditional(tiny_unet(num_class_embeds=3), DDPMScheduler(num_train_timesteps=100), ["zero", "one"],
+                           str(tmp_path / "conditional"))
     (tmp_path / "images").mkdir()
-    args = [str(tmp_path / part) if part in ("images", "nowhere", "o") or part.startswith("plain") else part
-            for part in [pipeline, *rest]]
+    args = [str(tmp_path / part) if part in ("images", "nowhere", "o", "conditional") or part.startswith("plain")
+            else part for part in [pipeline, *rest]]
     module, parser = f"diffusion_extras.{command}", f"diffusion_extras.cli.{command}"
     result, heavy, lines = _run_listing_imports(run_cli, ["-m", module, *args], parser)
     assert result.returncode == 2 and len(lines) == 1 and words in lines[0].replace(str(tmp_path) + "/", ""), lines

@@ -1,7 +1,8 @@
 """The files the sample and evaluate commands read, checked before torch and diffusers load
 (seconds): a PIPELINE argument that is neither a pipeline folder nor a Hub id, guidance flags given to
 an unconditional pipeline folder (read from its model_index.json alone), and a --reference that is
-not there. cli/common.py asks the same functions again as it loads them, for its library callers."""
+not there; the class names a class-conditional folder records (saved_id2label), for the sample
+command's --class_labels. cli/common.py asks the same functions again as it loads them, for its library callers."""
 from __future__ import annotations
 
 import json
@@ -35,6 +36,12 @@ def check_pipeline_folder(path: str) -> None:
     if unet_class != "UNet2DModel" or "scheduler" not in index:
         raise ValueError(f"{path} holds a {index.get('_class_name', 'unknown')} with unet {unet_class}; "
                          "expected an unconditional DDPMPipeline (UNet2DModel + scheduler)")
+
+
+def saved_id2label(path: str) -> dict[int, str]:
+    """The class names of a checked package pipeline folder, {id: name}, as its model_index.json
+    records them for ClassConditionalPipeline.from_pretrained ({} for one without classes)."""
+    return {int(index): str(name) for index, name in (read_model_index(path).get("id2label") or {}).items()}
 
 
 def is_package_pipeline(path: str) -> bool:

@@ -15,7 +15,12 @@ from diffusion_extras.cli.arguments import (
     pipeline_parser,
     positive_int,
 )
-from diffusion_extras.cli.inputs import check_pipeline_argument
+from diffusion_extras.cli.inputs import (
+    check_pipeline_argument,
+    is_package_pipeline,
+    local_pipeline_folder,
+    saved_id2label,
+)
 from diffusion_extras.evaluation.choices import SAMPLING_DTYPES, SCHEDULERS
 
 
@@ -40,8 +45,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with one_line_errors():  # a missing folder or a misplaced flag answers at once too
+    with one_line_errors():  # a missing folder, a misplaced flag or an unknown class answers at once too
         check_pipeline_argument(args, **{"--class_labels": args.class_labels})
+        folder = local_pipeline_folder(args.pipeline)
+        if folder is not None and is_package_pipeline(folder):
+            requested_classes(saved_id2label(folder), args.class_labels, args.num_images)
     # torch and diffusers (seconds) once the flags and the folder are good
     from diffusion_extras.cli.common import guidance_for, load_pipeline, resolve_device
     from diffusion_extras.evaluation.sampling import DTYPES, generate, make_scheduler, save_images
@@ -51,7 +59,7 @@ def main(argv=None) -> int:
         device = resolve_device(args.device)
         pipeline = load_pipeline(args.pipeline, device=device, dtype=dtype)
         guidance = guidance_for(pipeline, args, device, **{"--class_labels": args.class_labels})
-        labels = requested_classes(pipeline, args.class_labels, args.num_images)
+        labels = requested_classes(getattr(pipeline, "id2label", None), args.class_labels, args.num_images)
         scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
         images = generate(pipeline.unet, scheduler, args.num_images, args.num_inference_steps,
                           seed=args.seed, batch_size=args.batch_size, device=device,
@@ -61,18 +69,18 @@ def main(argv=None) -> int:
     return 0
 
 
-def requested_classes(pipeline, class_labels: str | None, num_images: int) -> list[int] | None:
-    """A class id per image (None for an unconditional pipeline) from --class_labels (ids or names);
-    a ValueError for an unknown class."""
-    id2label = getattr(pipeline, "id2label", None)
+def requested_classes(id2label: dict[int, str] | None, class_labels: str | None, num_images: int) -> list[int] | None:
+    """A class id per image (None for an unconditional pipeline: no `id2label`, the pipeline's
+    classes) from --class_labels (ids or names); a ValueError for an unknown class."""
     if not id2label:
         return None
     ids = list(id2label)
     if class_labels is not None:
+        labels = {name: index for index, name in sorted(id2label.items())}  # as the pipeline's .labels
         ids = []
         for item in (part.strip() for part in class_labels.split(",") if part.strip()):
-            if item in pipeline.labels:
-                ids.append(pipeline.labels[item])
+            if item in labels:
+                ids.append(labels[item])
             elif item.lstrip("-").isdigit() and int(item) in id2label:
                 ids.append(int(item))
             else:
