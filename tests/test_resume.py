@@ -165,14 +165,14 @@ def test_total_limit_keeps_newest(hooked_train, tiny_recipe, tmp_path):
 
 def test_state_breaking_change_is_refused_with_the_differences(hooked_train, tiny_recipe, two_step_copy):
     out = two_step_copy
+    # one refusal names every difference the saved state cannot serve, each with its old and new value
     result = hooked_train(tiny_recipe(checkpointing_steps=2, prediction_type="v_prediction", train_batch_size=4),
-                          out, "--max_train_steps", 4, "--resume_from_checkpoint", "latest", check=False)
+                          out, "--max_train_steps", 4, "--resume_from_checkpoint", "latest", "--diagnostics_bins", 5,
+                          check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "prediction_type: 'epsilon' -> 'v_prediction'" in result.stderr
     assert "train_batch_size: 8 -> 4" in result.stderr
-    bins = hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 4,
-                        "--resume_from_checkpoint", "latest", "--diagnostics_bins", 5, check=False)
-    assert bins.returncode == 2 and "diagnostics_bins: 10 -> 5" in bins.stderr and "Traceback" not in bins.stderr
+    assert "diagnostics_bins: 10 -> 5" in result.stderr
     harmless = hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 3,
                             "--resume_from_checkpoint", "latest", "--diagnostics_steps", 3, "--ema_max_decay", 0.5,
                             check=False)
