@@ -169,7 +169,10 @@ def test_inductor_end_to_end_matches_eager(tmp_path, tiny_reference_run):
     (conftest.tiny_reference_run, same recipe and seed). Steps 1 and 2 see the same weights
     (warmup: step 1 has lr 0), so the fused kernels must give the same loss up to float rounding.
     Step 3 may drift by ~1%: Adam divides by sqrt(v), which turns rounding-level differences in
-    near-zero gradients into lr-sized updates."""
+    near-zero gradients into lr-sized updates.
+    The suite's costliest test on a fresh machine (CI): its ~60 C++ kernels compile from scratch,
+    ~190 CPU-s on 2 cores on 2026-11-26, and 170 s of wall time in a fresh venv's .ci/run on this
+    machine (whose warm cache did not serve it); with the cache warm, ~25 CPU-s."""
     counts = counted_run(tmp_path, "--torch_compile", "--max_train_steps", 3, **FINAL_GRID)
     assert_stays_compiled(counts, warm=1)
     compiled = [h["loss"] for h in read_history(tmp_path / "run")]
