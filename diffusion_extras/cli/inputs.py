@@ -2,7 +2,8 @@
 (seconds): a PIPELINE argument that is neither a pipeline folder nor a Hub id, guidance flags given to
 an unconditional pipeline folder (read from its model_index.json alone), and a --reference that is
 not there; the class names a class-conditional folder records (saved_id2label), for the sample
-command's --class_labels. cli/common.py asks the same functions again as it loads them, for its library callers."""
+command's --class_labels. cli/common.py asks the same functions again as it loads them, for its
+library callers."""
 from __future__ import annotations
 
 import json
@@ -39,8 +40,8 @@ def check_pipeline_folder(path: str) -> None:
 
 
 def saved_id2label(path: str) -> dict[int, str]:
-    """The class names of a checked package pipeline folder, {id: name}, as its model_index.json
-    records them for ClassConditionalPipeline.from_pretrained ({} for one without classes)."""
+    """The class names of a checked pipeline folder, {id: name}, as its model_index.json records
+    them for ClassConditionalPipeline.from_pretrained ({} for a DDPMPipeline or one without classes)."""
     return {int(index): str(name) for index, name in (read_model_index(path).get("id2label") or {}).items()}
 
 
@@ -86,10 +87,12 @@ def check_reference(reference: str) -> None:
         raise FileNotFoundError(f"--reference {reference} is neither a folder of images nor a .npz statistics file")
 
 
-def check_pipeline_argument(args, **class_flags) -> None:
+def check_pipeline_argument(args, **class_flags) -> str | None:
     """The refusals of load_pipeline and guidance_for that need no weights: a PIPELINE argument that
     names nothing usable, and guidance or class flags (`class_flags`: {"--flag": value}) for an
-    unconditional folder without --guide. (A Hub id is checked once it is downloaded.)"""
+    unconditional folder without --guide. (A Hub id is checked once it is downloaded.) Returns the
+    checked local folder, or None for a Hub id."""
     path = local_pipeline_folder(args.pipeline)
     if path is not None and not is_package_pipeline(path) and args.guide in (None, "none"):
         refuse_guidance_flags(UNCONDITIONAL, args, **class_flags)
+    return path

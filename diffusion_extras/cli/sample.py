@@ -15,12 +15,7 @@ from diffusion_extras.cli.arguments import (
     pipeline_parser,
     positive_int,
 )
-from diffusion_extras.cli.inputs import (
-    check_pipeline_argument,
-    is_package_pipeline,
-    local_pipeline_folder,
-    saved_id2label,
-)
+from diffusion_extras.cli.inputs import check_pipeline_argument, saved_id2label
 from diffusion_extras.evaluation.choices import SAMPLING_DTYPES, SCHEDULERS
 
 
@@ -46,9 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     with one_line_errors():  # a missing folder, a misplaced flag or an unknown class answers at once too
-        check_pipeline_argument(args, **{"--class_labels": args.class_labels})
-        folder = local_pipeline_folder(args.pipeline)
-        if folder is not None and is_package_pipeline(folder):
+        folder = check_pipeline_argument(args, **{"--class_labels": args.class_labels})
+        if folder is not None:
             requested_classes(saved_id2label(folder), args.class_labels, args.num_images)
     # torch and diffusers (seconds) once the flags and the folder are good
     from diffusion_extras.cli.common import guidance_for, load_pipeline, resolve_device
@@ -69,7 +63,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def requested_classes(id2label: dict[int, str] | None, class_labels: str | None, num_images: int) -> list[int] | None:
+def requested_classes(id2label: dict[int, str] | None, class_labels: str | None,
+                      num_images: int) -> list[int] | None:
     """A class id per image (None for an unconditional pipeline: no `id2label`, the pipeline's
     classes) from --class_labels (ids or names); a ValueError for an unknown class."""
     if not id2label:
