@@ -8,13 +8,13 @@ import pytest
 from conftest import ROOT, ForkServer, cli_env, run_command
 
 PROBE = """
-import atexit, json, os, random, signal, sys, threading, time
+import atexit, gc, json, os, random, signal, sys, threading, time
 import numpy, torch
 import datasets.fingerprint, huggingface_hub.constants
 report = {"sigpipe": str(signal.getsignal(signal.SIGPIPE)), "sigint": str(signal.getsignal(signal.SIGINT)),
           "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "hf_home": huggingface_hub.constants.HF_HOME,
           "offline": huggingface_hub.constants.HF_HUB_OFFLINE, "marker": os.environ.get("PROBE_MARKER"),
-          "stdin": sys.stdin.read(), "main": __name__, "unbuffered": sys.stdout.write_through,
+          "stdin": sys.stdin.read(), "main": __name__, "unbuffered": sys.stdout.write_through, "gc": gc.isenabled(),
           "random": [random.random(), float(numpy.random.random()), torch.initial_seed(),
                      datasets.fingerprint.generate_random_fingerprint()]}
 print(json.dumps(report))
@@ -135,6 +135,27 @@ def test_a_module_command_and_a_one_line_error_are_those_of_a_fresh_interpreter(
         assert forked.stderr.startswith(f"{sys.executable}: ") and len(forked.stderr.splitlines()) == 1
 
 
+INTERLEAVED = """
+import sys
+for line in range(3):
+    print(f"out {line}")
+    print(f"err {line}", file=sys.stderr)
+sys.stderr.write("err without newline, then ")
+print("out at the end")
+"""
+
+
+def test_merged_streams_keep_the_order_they_were_written_in_forked_or_fresh(tmp_path):
+    """run_command(merge_stderr=True), as subprocess.STDOUT (`2>&1`): one text, lines in the order
+    written, the same forked and fresh."""
+    script = tmp_path / "interleaved.py"
+    script.write_text(INTERLEAVED)
+    forked, fresh = (run_command([script], tmp_path, env=env, merge_stderr=True)
+                     for env in ({}, {"DDPM_TEST_FRESH_INTERPRETERS": "1"}))
+    expected = "out 0\nerr 0\nout 1\nerr 1\nout 2\nerr 2\nerr without newline, then out at the end\n"
+    assert forked.stdout == fresh.stdout == expected and forked.stderr == fresh.stderr == ""
+
+
 def test_a_command_past_its_timeout_is_killed_and_the_server_serves_the_next(tmp_path, probe):
     import subprocess
     with pytest.raises(subprocess.TimeoutExpired):
@@ -163,7 +184,7 @@ values = {"sys.path": repr(sys.path[1:]),
           "environ": sorted(item for item in os.environ.items() if item[0] != "DDPM_TEST_FRESH_INTERPRETERS")}
 for module_name in sorted(sys.modules):
     if not module_name.startswith(("huggingface_hub", "datasets", "diffusers", "transformers", "accelerate",
-                                   "torch")):
+                                   "torch", "diffusion_extras")):
         continue
     for key, value in list(vars(sys.modules[module_name]).items()):
         where = f"{module_name}.{key}"
@@ -183,8 +204,9 @@ print(json.dumps(values))
 
 def test_a_forked_child_holds_the_module_values_and_environment_of_a_fresh_interpreter(tmp_path):
     """Every plain value (str, number, path, container of them) held by a module of torch,
-    huggingface_hub, datasets, diffusers, transformers or accelerate, as a module attribute or default
-    argument, and the whole environment, are the same in a fork and in a fresh interpreter.
+    huggingface_hub, datasets, diffusers, transformers, accelerate or this package, as a module
+    attribute or default argument, and the whole environment, are the same in a fork and in a fresh
+    interpreter.
     Ignored: what differs between two fresh interpreters too (session ids, pids, fsspec's caches)."""
     script = tmp_path / "fingerprint.py"
     script.write_text(FINGERPRINT)
