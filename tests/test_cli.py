@@ -5,7 +5,8 @@ import json
 
 import pytest
 import torch
-from conftest import save_tiny_pipeline
+import yaml
+from conftest import TINY_RECIPE, save_tiny_pipeline
 from diffusers import UNet2DModel
 
 from diffusion_extras.cli.arguments import one_line_errors, positive_int
@@ -61,3 +62,58 @@ def test_load_pipeline_rejects_bad_inputs(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="is not a local folder and the Hub is offline"):
         load_pipeline("someone/ddpm-model-that-is-not-cached")
+
+
+def test_importing_the_stack_imports_without_the_collector_then_freezes_what_was_made():
+    """commands.importing_the_stack: the cyclic collector is off inside (the heavy imports), on
+    again after, and what was made inside is frozen (left out of later collections); a caller that
+    had the collector off keeps it off, and an import that fails still restores it."""
+    import gc
+
+    from diffusion_extras.core import commands
+    frozen = gc.get_freeze_count()
+    inside = []
+    try:
+        with commands.importing_the_stack():
+            inside.append(gc.isenabled())
+            made = [[] for _ in range(1000)]  # tracked objects, as a module's import makes
+        assert inside == [False] and gc.isenabled()
+        assert gc.get_freeze_count() >= frozen + len(made)
+        with pytest.raises(ImportError), commands.importing_the_stack():
+            raise ImportError("a missing library")
+        assert gc.isenabled()
+        gc.disable()
+        with commands.importing_the_stack():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()  # this test process's objects back in the collector's sight
+
+
+def test_the_trainer_imports_its_stack_inside_importing_the_stack(monkeypatch, tmp_path):
+    """main() imports torch, diffusers and the rest (training.build) inside importing_the_stack and
+    sets the run up after it (here a setup that refuses at once: exit code 2)."""
+    import contextlib
+
+    from diffusion_extras.core import commands
+    from diffusion_extras.training import build
+    from diffusion_extras.training.config import ConfigError
+    from diffusion_extras.training.main import main
+    events = []
+
+    @contextlib.contextmanager
+    def recording():
+        events.append("importing")
+        yield
+        events.append("imported")
+
+    def setup(config, hooks):
+        events.append("setup")
+        raise ConfigError("refused here")
+    monkeypatch.setattr(commands, "importing_the_stack", recording)
+    monkeypatch.setattr(build, "setup", setup)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(TINY_RECIPE))
+    assert main(["--config", str(recipe), "--output_dir", str(tmp_path / "run")]) == 2
+    assert events == ["importing", "imported", "setup"]

@@ -26,6 +26,7 @@ from diffusion_extras.cli.arguments import (
     positive_int,
 )
 from diffusion_extras.cli.inputs import check_pipeline_argument, check_reference
+from diffusion_extras.core.commands import importing_the_stack
 from diffusion_extras.evaluation import distributed
 from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT, SCHEDULERS, extractors_for, parse_metrics
 from diffusion_extras.evaluation.inception_file import check_inception_reachable
@@ -72,8 +73,9 @@ def main(argv=None) -> int:
             raise ValueError(f"--eval_metrics {args.eval_metrics!r}: name at least one metric")
         check_inception_reachable(groups, args.inception_weights)
     # torch, diffusers, scipy (seconds) once the flags and the files are good
-    from diffusion_extras.cli.common import guidance_for, load_images, load_pipeline, pipeline_resolution
-    from diffusion_extras.evaluation import likelihood
+    with importing_the_stack():
+        from diffusion_extras.cli.common import guidance_for, load_images, load_pipeline, pipeline_resolution
+        from diffusion_extras.evaluation import likelihood
 
     rank, num_ranks = distributed.launched_ranks()
     with one_line_errors():

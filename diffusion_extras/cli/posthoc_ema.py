@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING
 
 from diffusion_extras.cli.arguments import add_device_argument, one_line_errors, positive_int
-from diffusion_extras.core.commands import prog_name
+from diffusion_extras.core.commands import importing_the_stack, prog_name
 
 if TYPE_CHECKING:
     import torch
@@ -75,12 +75,13 @@ def _with_parameters(unet, state: dict[str, torch.Tensor]):
 
 
 def _run(args) -> None:
-    from diffusers import DDPMPipeline
+    with importing_the_stack():
+        from diffusers import DDPMPipeline
 
-    from diffusion_extras.cli.common import load_pipeline, load_reference, pipeline_resolution, resolve_device
-    from diffusion_extras.cli.inputs import check_pipeline_folder
-    from diffusion_extras.core.phema import reconstruct, require_snapshots, sigma_rel_to_gamma, solve_weights
-    from diffusion_extras.evaluation import metrics as evaluation
+        from diffusion_extras.cli.common import load_pipeline, load_reference, pipeline_resolution, resolve_device
+        from diffusion_extras.cli.inputs import check_pipeline_folder
+        from diffusion_extras.core.phema import reconstruct, require_snapshots, sigma_rel_to_gamma, solve_weights
+        from diffusion_extras.evaluation import metrics as evaluation
 
     check_pipeline_folder(args.output_dir)
     snapshot_dir = os.path.join(args.output_dir, "posthoc_ema")

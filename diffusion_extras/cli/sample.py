@@ -16,6 +16,7 @@ from diffusion_extras.cli.arguments import (
     positive_int,
 )
 from diffusion_extras.cli.inputs import check_pipeline_argument, saved_id2label
+from diffusion_extras.core.commands import importing_the_stack
 from diffusion_extras.evaluation.choices import SAMPLING_DTYPES, SCHEDULERS
 
 
@@ -45,8 +46,9 @@ def main(argv=None) -> int:
         if folder is not None:
             requested_classes(saved_id2label(folder), args.class_labels, args.num_images)
     # torch and diffusers (seconds) once the flags and the folder are good
-    from diffusion_extras.cli.common import guidance_for, load_pipeline, resolve_device
-    from diffusion_extras.evaluation.sampling import DTYPES, generate, make_scheduler, save_images
+    with importing_the_stack():
+        from diffusion_extras.cli.common import guidance_for, load_pipeline, resolve_device
+        from diffusion_extras.evaluation.sampling import DTYPES, generate, make_scheduler, save_images
 
     dtype = DTYPES[args.dtype]
     with one_line_errors():

@@ -4,6 +4,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 
@@ -12,6 +14,24 @@ def prog_name(command: str) -> str:
     else `python -m diffusion_extras.COMMAND` (argparse's own default would say `__main__.py`)."""
     typed = os.path.basename(sys.argv[0])
     return typed if typed.startswith("ddpm-") else f"python -m diffusion_extras.{command}"
+
+
+@contextmanager
+def importing_the_stack() -> Iterator[None]:
+    """Around a command's first import of torch, diffusers and the rest: the cyclic collector off
+    while they import, then their objects frozen (gc.freeze). Importing them makes ~560,000 objects
+    the collector tracks, and with it on CPython walks them again and again as they grow (~7 full
+    collections): 8.8 -> 6.3-7.5 CPU-s for the trainer's imports, measured on 2 cores. Frozen,
+    they are also left out of the collections while the command runs and at its exit (exit_with).
+    What is lost: collecting cyclic garbage made while importing (6 objects, measured)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def exit_with(code: int | None) -> NoReturn:

@@ -42,16 +42,18 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         redact_argv(sys.argv, [config.hub_token])  # trackers (wandb) record the command line
         tracking.check_tracker_available(config.logger)
         if config.find_lr:
-            from diffusion_extras.training.lr_range import find_lr, setup_lr_range_test
+            with commands.importing_the_stack():
+                from diffusion_extras.training.lr_range import find_lr, setup_lr_range_test
             find_lr(setup_lr_range_test(config, hooks))
             return 0
         check_run_before_the_stack(config)
-        from diffusion_extras.training.build import setup
+        with commands.importing_the_stack():
+            from diffusion_extras.training.build import setup
+            from diffusion_extras.training.loop import train
         run = setup(config, hooks)
     except (ConfigError, DataError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from diffusion_extras.training.loop import train
     try:
         train(run)
     except DataError as error:  # met in a stream while training (a label outside the declared classes)
