@@ -231,12 +231,14 @@ class ForkServer:
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, commands, envs, timeout):
+    def run(self, commands, envs, timeout, merge_stderr=False):
         """[subprocess.run(command, cwd=ROOT, env=env, stdin=DEVNULL, capture_output=True, text=True,
         timeout=timeout) for command, env in zip(commands, envs)], the commands running together, each
-        in a fork of the server (if one fails, the server ends the others: fork_server.PEERS_GRACE_SECONDS)."""
+        in a fork of the server (if one fails, the server ends the others: fork_server.PEERS_GRACE_SECONDS).
+        merge_stderr: stderr=subprocess.STDOUT instead (both streams append to one file, in order)."""
         with self.lock:
-            outputs = [(os.path.join(self.outputs, f"{index}.stdout"), os.path.join(self.outputs, f"{index}.stderr"))
+            outputs = [(os.path.join(self.outputs, f"{index}.stdout"),
+                        os.path.join(self.outputs, f"{index}.{'stdout' if merge_stderr else 'stderr'}"))
                        for index in range(len(commands))]
             pids = self._send(commands, envs, outputs)
             try:
@@ -252,7 +254,8 @@ class ForkServer:
             results = []
             for command, returncode, (out, err) in zip(commands, returncodes, outputs):
                 with open(out) as fh_out, open(err) as fh_err:
-                    results.append(subprocess.CompletedProcess(command, returncode, fh_out.read(), fh_err.read()))
+                    results.append(subprocess.CompletedProcess(command, returncode, fh_out.read(),
+                                                               "" if merge_stderr else fh_err.read()))
             return results
 
     def _send(self, commands, envs, outputs, session=False):
@@ -393,10 +396,12 @@ def start_command(command, env, stdout, stderr, ranks=1):
         return StartedCommand([process.pid for process in processes], FreshRanks(processes), store)
 
 
-def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False, ranks=1):
+def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False, ranks=1, merge_stderr=False):
     """Run `launcher + args` (default launcher: this interpreter) from the project root in a fresh
     process with cli_env() updated by `env` (a None value unsets); returns CompletedProcess.
     `python SCRIPT ...` and `python -m MODULE ...` run as forks of the suite's ForkServer.
+    merge_stderr: stderr into stdout, in the order they were written (subprocess.STDOUT, `2>&1`);
+    the result's stderr is then "".
 
     ranks > 1: `python ARGS` as that many processes of one process group on this machine
     (rank_environments). For tests of what the ranks compute; the launchers themselves (torchrun,
@@ -411,9 +416,9 @@ def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False
     envs, store = rank_environments(merged, ranks)
     servers = {ForkServer.for_command(launcher, args, rank_env) for rank_env in envs}
     if None not in servers:
-        results = servers.pop().run([command] * ranks, envs, timeout)
+        results = servers.pop().run([command] * ranks, envs, timeout, merge_stderr)
     else:
-        results = run_fresh([command] * ranks, envs, timeout)
+        results = run_fresh([command] * ranks, envs, timeout, merge_stderr)
     del store
     result = subprocess.CompletedProcess(command, group_returncode([result.returncode for result in results]),
                                          "".join(result.stdout for result in results),
@@ -424,15 +429,16 @@ def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False
     return result
 
 
-def run_fresh(commands, envs, timeout):
+def run_fresh(commands, envs, timeout, merge_stderr=False):
     """ForkServer.run in fresh interpreters: [subprocess.run(command, cwd=ROOT, env=env,
     stdin=DEVNULL, capture_output=True, text=True, timeout=timeout)], the commands running together
     (if one fails, the others are ended: FreshRanks)."""
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as files:  # closed also on a timeout
         outputs = [tuple(files.enter_context(open(os.path.join(folder, f"{index}.{stream}"), "w+"))
                          for stream in ("stdout", "stderr")) for index in range(len(commands))]
-        processes = [subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                      text=True) for command, env, (out, err) in zip(commands, envs, outputs)]
+        processes = [subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                      stderr=subprocess.STDOUT if merge_stderr else err, text=True)
+                     for command, env, (out, err) in zip(commands, envs, outputs)]
         returncodes, deadline = FreshRanks(processes), time.monotonic() + timeout
         while returncodes() is None:
             if time.monotonic() > deadline:
@@ -452,8 +458,9 @@ def run_fresh(commands, envs, timeout):
 def run_cli(tmp_path):
     """run_command in this test's environment (a command in a fresh interpreter from the project
     root); returns CompletedProcess."""
-    def run(args, launcher=None, env=None, timeout=300, check=False, ranks=1):
-        return run_command(args, tmp_path, launcher=launcher, env=env, timeout=timeout, check=check, ranks=ranks)
+    def run(args, launcher=None, env=None, timeout=300, check=False, ranks=1, merge_stderr=False):
+        return run_command(args, tmp_path, launcher=launcher, env=env, timeout=timeout, check=check, ranks=ranks,
+                           merge_stderr=merge_stderr)
     return run
 
 

@@ -246,7 +246,6 @@ def _image_folder(folder, mode, count=12, size=20):
 
 QUICK = ["--resolution", "16", "--max_train_steps", "2", "--train_batch_size", "4", "--eval_batch_size", "1",
          "--ddpm_num_inference_steps", "1", "--logger", "none"]
-MERGED = ["bash", "-c", 'exec "$@" 2>&1', "bash", sys.executable]  # stderr (the bar) and stdout in order
 
 
 @pytest.mark.parametrize("mode,channels,colour", [("RGB", 3, "RGB"), ("L", 1, "grayscale")])
@@ -254,7 +253,7 @@ def test_image_folder_without_a_recipe_trains_a_model_of_its_channels(run_cli, t
     folder = _image_folder(tmp_path / "images", mode)
     out = tmp_path / "run"
     result = run_cli(["train_ddpm.py", "--train_data_dir", folder, "--output_dir", str(out), *QUICK],
-                     launcher=MERGED, check=True)
+                     merge_stderr=True, check=True)  # stderr (the bar) and stdout in the order written
     model_lines = [line for line in result.stdout.splitlines() if line.startswith("model: ")]
     assert len(model_lines) == 1, result.stdout[-3000:]
     assert f"{channels} channel(s) ({colour})" in model_lines[0] and "1.1M parameters" in model_lines[0]
