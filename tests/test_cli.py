@@ -64,31 +64,50 @@ def test_load_pipeline_rejects_bad_inputs(tmp_path, monkeypatch):
         load_pipeline("someone/ddpm-model-that-is-not-cached")
 
 
-def test_importing_the_stack_imports_without_the_collector_then_freezes_what_was_made():
-    """commands.importing_the_stack: the cyclic collector is off inside (the heavy imports), on
-    again after, and what was made inside is frozen (left out of later collections); a caller that
-    had the collector off keeps it off, and an import that fails still restores it."""
+IMPORTING_THE_STACK = """
+import gc, json, sys
+from diffusion_extras.core import commands
+report = {"torch before": "torch" in sys.modules, "frozen before": gc.get_freeze_count()}
+with commands.importing_the_stack():
+    report["collector while importing"] = gc.isenabled()
+    import torch
+report.update({"collector after": gc.isenabled(), "frozen after": gc.get_freeze_count()})
+try:
+    with commands.importing_the_stack():
+        raise ImportError("a missing library")
+except ImportError:
+    report["collector after a failed import"] = gc.isenabled()
+print(json.dumps(report))
+"""
+
+
+def test_importing_the_stack_imports_without_the_collector_then_freezes_what_was_made(run_cli, tmp_path):
+    """commands.importing_the_stack, in a fresh interpreter (a command's process before it has
+    imported torch): the cyclic collector is off while torch imports and on again after, torch's
+    objects are frozen (left out of later collections), and an import that fails still leaves
+    the collector on."""
+    import json
+    script = tmp_path / "importing.py"
+    script.write_text(IMPORTING_THE_STACK)
+    result = run_cli([script], env={"DDPM_TEST_FRESH_INTERPRETERS": "1"}, check=True)
+    report = json.loads(result.stdout)
+    assert not report.pop("torch before") and report.pop("frozen before") == 0
+    assert report.pop("frozen after") > 100_000  # torch's module-level objects, at the least
+    assert report == {"collector while importing": False, "collector after": True,
+                      "collector after a failed import": True}
+
+
+def test_importing_the_stack_leaves_a_program_that_has_torch_alone():
+    """Where torch is imported already (this test process, a notebook calling a command's main()):
+    nothing frozen, the collector as it was."""
     import gc
 
     from diffusion_extras.core import commands
-    frozen = gc.get_freeze_count()
-    inside = []
-    try:
-        with commands.importing_the_stack():
-            inside.append(gc.isenabled())
-            made = [[] for _ in range(1000)]  # tracked objects, as a module's import makes
-        assert inside == [False] and gc.isenabled()
-        assert gc.get_freeze_count() >= frozen + len(made)
-        with pytest.raises(ImportError), commands.importing_the_stack():
-            raise ImportError("a missing library")
-        assert gc.isenabled()
-        gc.disable()
-        with commands.importing_the_stack():
-            pass
-        assert not gc.isenabled()
-    finally:
-        gc.enable()
-        gc.unfreeze()  # this test process's objects back in the collector's sight
+    frozen, inside = gc.get_freeze_count(), []
+    with commands.importing_the_stack():
+        inside.append(gc.isenabled())
+        made = [[] for _ in range(1000)]
+    assert inside == [True] and gc.isenabled() and gc.get_freeze_count() == frozen and made
 
 
 def test_the_trainer_imports_its_stack_inside_importing_the_stack(monkeypatch, tmp_path):

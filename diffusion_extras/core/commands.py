@@ -23,7 +23,12 @@ def importing_the_stack() -> Iterator[None]:
     the collector tracks, and with it on CPython walks them again and again as they grow (~7 full
     collections): 8.8 -> 6.3-7.5 CPU-s for the trainer's imports, measured on 2 cores. Frozen,
     they are also left out of the collections while the command runs and at its exit (exit_with).
-    What is lost: collecting cyclic garbage made while importing (6 objects, measured)."""
+    What is lost: collecting cyclic garbage made while importing (6 objects, measured).
+    Where torch is imported already (a program that calls a command's main(), a notebook) it does
+    nothing: freezing would keep that program's own objects from the collector for good."""
+    if "torch" in sys.modules:
+        yield
+        return
     enabled = gc.isenabled()
     gc.disable()
     try:
