@@ -456,12 +456,9 @@ def run_fresh(commands, envs, timeout, merge_stderr=False):
 
 @pytest.fixture
 def run_cli(tmp_path):
-    """run_command in this test's environment (a command in a fresh interpreter from the project
-    root); returns CompletedProcess."""
-    def run(args, launcher=None, env=None, timeout=300, check=False, ranks=1, merge_stderr=False):
-        return run_command(args, tmp_path, launcher=launcher, env=env, timeout=timeout, check=check, ranks=ranks,
-                           merge_stderr=merge_stderr)
-    return run
+    """run_cli(args, ...): run_command in this test's environment (a command in a fresh interpreter
+    from the project root); returns CompletedProcess."""
+    return functools.partial(run_command, env_dir=tmp_path)
 
 
 def run_training(env_dir, recipe, output_dir, *flags, script="train_ddpm.py", launcher=None, env=None, timeout=300,
