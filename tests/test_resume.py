@@ -170,9 +170,10 @@ def test_state_breaking_change_is_refused_with_the_differences(hooked_train, tin
                           out, "--max_train_steps", 4, "--resume_from_checkpoint", "latest", "--diagnostics_bins", 5,
                           check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "prediction_type: 'epsilon' -> 'v_prediction'" in result.stderr
-    assert "train_batch_size: 8 -> 4" in result.stderr
-    assert "diagnostics_bins: 10 -> 5" in result.stderr
+    [refusal] = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert "prediction_type: 'epsilon' -> 'v_prediction'" in refusal
+    assert "train_batch_size: 8 -> 4" in refusal
+    assert "diagnostics_bins: 10 -> 5" in refusal
     harmless = hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 3,
                             "--resume_from_checkpoint", "latest", "--diagnostics_steps", 3, "--ema_max_decay", 0.5,
                             check=False)
