@@ -31,6 +31,10 @@ DDPM_TEST_STEP_SECONDS=S      in a run that starts from step 0, after each optim
                               S seconds: it lasts until a scheduler stops it, on little CPU, as a slow job
                               does (test_slurm); its resumption is not slowed. Not a fault: the numbers
                               are those of an unslowed run.
+DDPM_TEST_DENOISE_SECONDS=S   each unguided denoising step of evaluation.sampling (sample grids, FID images)
+                              sleeps S seconds before the scheduler's step: the work between training steps
+                              lasts long, on little CPU, for a signal to land in (test_preemption). Not a
+                              fault: the images are those of an unslowed run.
 """
 import errno
 import json
@@ -128,6 +132,18 @@ def record_shares(folder: str) -> None:
     metrics.sample_features = recording
 
 
+def slow_down_denoising(seconds: float) -> None:
+    """Each call of evaluation.sampling's scheduler_step (one denoising step of a batch) waits
+    `seconds` first (a wrapper that passes every call through)."""
+    from diffusion_extras.evaluation import sampling
+    scheduler_step = sampling.scheduler_step
+
+    def slowed(*args, **kwargs):
+        time.sleep(seconds)
+        return scheduler_step(*args, **kwargs)
+    sampling.scheduler_step = slowed
+
+
 def read_shares(folder) -> dict:
     """{rank: [record_shares' records of that rank, in call order]} from `folder`."""
     shares = {}
@@ -218,6 +234,8 @@ if __name__ == "__main__":
     slow_down_set_epoch(os.environ)
     if os.environ.get("DDPM_TEST_RECORD_SHARES"):
         record_shares(os.environ["DDPM_TEST_RECORD_SHARES"])
+    if os.environ.get("DDPM_TEST_DENOISE_SECONDS"):
+        slow_down_denoising(float(os.environ["DDPM_TEST_DENOISE_SECONDS"]))
     status = main(hooks=hooks_from_environment(os.environ))
     if os.environ.get("DDPM_TEST_DYNAMO_COUNTS"):
         write_dynamo_counts(os.environ["DDPM_TEST_DYNAMO_COUNTS"], "end")

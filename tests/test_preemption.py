@@ -254,15 +254,18 @@ def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_res
     assert all(torch.equal(exported[k], straight[k]) for k in straight)
 
 
-# Two ranks (one loader worker each), the signal during the work between steps (core/stop_flag.py):
-# FID/KID with shares of 48 and 4 images (batch k to rank k mod 2), a 48-image grid of rows on both
-# ranks, then the held-out loss and gradient monitor on rank 0 alone, all at step 2 with 1000 DDIM
-# steps (minutes on CPU). The stop must come within seconds at step 2 on both ranks; the resume, and
-# the uninterrupted run it is compared with, sample with 2 DDIM steps (sampling never touches the
-# training state).
+# Two ranks (one loader worker each), the signal during the work between steps (core/stop_flag.py),
+# all at step 2: FID/KID of 12 images in batches of 4 (batch k to rank k mod 2: rank 0 samples 8,
+# rank 1 4), a 4-image grid of rows (one row of 2 a rank), then the held-out loss and gradient
+# monitor on rank 0 alone. Each denoising step of the signalled run sleeps 0.25 s
+# (hooked_train's DDPM_TEST_DENOISE_SECONDS), so each batch's 100 DDIM steps take 25 s on little CPU:
+# the work at step 2 would take over a minute, and the stop must come within seconds at step 2 on
+# both ranks. The resume, and the uninterrupted run it is compared with, sample with 2 DDIM steps
+# unslowed (sampling never touches the training state).
 IN_WORK = dict(train_batch_size=4, dataloader_num_workers=1, max_train_steps=4, checkpointing_steps=2,
-               save_images_steps=2, eval_steps=2, eval_num_samples=52, eval_batch_size=48, feature_extractor="tiny",
-               ddpm_num_inference_steps=1000, validation_split=0.1, validation_steps=2, grad_diagnostics_steps=2)
+               save_images_steps=2, eval_steps=2, eval_num_samples=12, eval_batch_size=4, feature_extractor="tiny",
+               ddpm_num_inference_steps=100, validation_split=0.1, validation_steps=2, grad_diagnostics_steps=2)
+SLOW_DENOISING = {"DDPM_TEST_DENOISE_SECONDS": "0.25"}
 QUICK_SAMPLING = ("--ddpm_num_inference_steps", 2)
 
 
@@ -274,9 +277,9 @@ def straight_two_ranks_with_work(tmp_path_factory):
 
 
 def assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straight, result, signal_name):
-    """Stopped at step 2 within 10 s (the work at step 2 alone takes minutes), one stop line, exit
-    code 4 on both ranks, no traceback, checkpoint-2 whole and nothing of the step-2 grid or export
-    written; the resumed run's losses, weights and checkpoint-4 equal the uninterrupted run's, bit
+    """Stopped at step 2 within 10 s (the work at step 2 alone takes over a minute), one stop line,
+    exit code 4 on both ranks, no traceback, checkpoint-2 whole and nothing of the step-2 grid or
+    export written; the resumed run's losses, weights and checkpoint-4 equal the uninterrupted run's, bit
     for bit."""
     returncodes, _, stderr, seconds = result
     assert returncodes == [4, 4] and "Traceback" not in stderr, stderr[-3000:]
@@ -295,21 +298,24 @@ def test_two_ranks_sigterm_to_every_rank_and_worker_during_the_sample_grid_stops
     examples/slurm/train_multi_node.sbatch, once the FID at step 2 is scored, while the grid's rows
     are sampled on both ranks: each gives up between denoising steps and they agree before the
     gather. (The ranks are started as srun starts them, without a launcher between: a signalled
-    torch.distributed.run is test_a_scheduler_sigterm_to_the_launched_command's.)"""
-    recipe, out = write_tiny_recipe(tmp_path, **IN_WORK), tmp_path / "run"
+    torch.distributed.run is test_a_scheduler_sigterm_to_the_launched_command's.) This run's FID
+    has 8 images, a batch on each rank, sampled at once (25 s); the grid's rows would take 25 s more."""
+    recipe, out = write_tiny_recipe(tmp_path, **{**IN_WORK, "eval_num_samples": 8}), tmp_path / "run"
 
     def after_the_fid(process, read_stdout):
         wait_while_running(process, lambda: "step 2: fid" in read_stdout())
         return [pid for rank in process.pids for pid in [rank, *descendants(rank)]]  # its loader worker too
-    result = signal_a_running_command(recipe, out, tmp_path, ranks=2, ready=after_the_fid)
+    result = signal_a_running_command(recipe, out, tmp_path, ranks=2, ready=after_the_fid, script=HOOKED_TRAIN,
+                                      env=SLOW_DENOISING)
     assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straight_two_ranks_with_work, result,
                                                       "SIGTERM")
 
 
 def test_two_ranks_a_sigusr1_to_rank_1_alone_waiting_for_rank_0s_fid_share_stops_both(
         train, straight_two_ranks_with_work, tmp_path):
-    """SIGUSR1 to rank 1 alone once it has sampled its 4 FID images and waits for rank 0's 48: rank 1
-    publishes the stop while it waits, rank 0 gives its share up, and rank 0's share is never done."""
+    """SIGUSR1 to rank 1 alone once it has sampled its batch of FID images (25 s) and waits for rank
+    0's two (50 s): rank 1 publishes the stop while it waits, rank 0 gives its share up, and rank 0's
+    share is never done."""
     recipe, out, shares = write_tiny_recipe(tmp_path, **IN_WORK), tmp_path / "run", tmp_path / "shares"
 
     def when_rank_1_waits(process, read_stdout):
@@ -317,7 +323,8 @@ def test_two_ranks_a_sigusr1_to_rank_1_alone_waiting_for_rank_0s_fid_share_stops
         assert not os.path.exists(shares / "rank0.jsonl")  # rank 0 is still sampling
         return process.pids[1:]
     result = signal_a_running_command(recipe, out, tmp_path, ranks=2, signal_name="SIGUSR1",
-                                      script=HOOKED_TRAIN, env={"DDPM_TEST_RECORD_SHARES": str(shares)},
+                                      script=HOOKED_TRAIN,
+                                      env={"DDPM_TEST_RECORD_SHARES": str(shares), **SLOW_DENOISING},
                                       ready=when_rank_1_waits)
     assert not os.path.exists(shares / "rank0.jsonl")  # gave up, not finished
     assert not [h for h in read_history(out) if any(key.startswith("eval/") for key in h)]  # no FID logged
