@@ -468,12 +468,20 @@ def test_a_fixture_asked_for_while_a_contract_test_runs_gives_the_test_its_flag_
 
 def test_whether_a_command_forks_does_not_depend_on_the_command_that_started_the_server(monkeypatch, probe):
     """The server imports in the suite's environment (cli_env) even when the first command to ask
-    is an online one: that command still runs fresh, and an ordinary one forks."""
+    is an online one: that command still runs fresh, and an ordinary one forks. The server that
+    first command starts is this process's running one under another name (a second would cost a
+    whole preload); what is asserted is the environment it is started in."""
+    running = ForkServer.for_command(None, [probe], cli_env())
+    started_in = []
+
+    def start(server, env):  # ForkServer.__init__, with the running server's process and replies
+        started_in.append(env)
+        server.start_up = {name: env.get(name) for name in running.start_up}
+        server.process, server.ready, server.outputs, server.lock = (running.process, running.ready,
+                                                                     running.outputs, running.lock)
+    monkeypatch.setattr(ForkServer, "__init__", start)
     monkeypatch.setattr(ForkServer, "_instance", None)
     monkeypatch.setattr(ForkServer, "_started_for", None)
-    try:
-        assert ForkServer.for_command(None, [probe], {**cli_env(), "HF_HUB_OFFLINE": "0"}) is None
-        assert ForkServer._instance is not None and ForkServer.for_command(None, [probe], cli_env()) is not None
-    finally:
-        if ForkServer._instance is not None:
-            ForkServer._instance.close()
+    assert ForkServer.for_command(None, [probe], {**cli_env(), "HF_HUB_OFFLINE": "0"}) is None
+    assert [env["HF_HUB_OFFLINE"] for env in started_in] == ["1"] and started_in == [cli_env()]
+    assert ForkServer.for_command(None, [probe], cli_env()) is ForkServer._instance is not None
