@@ -20,23 +20,22 @@ def all_text(folder) -> str:
     return "\n".join(chunks)
 
 
-@pytest.mark.parametrize("private", [True, False])
-def test_push_to_hub_commits_pipeline_and_card_only(train, tiny_recipe, tmp_path, private):
+def test_push_to_hub_commits_pipeline_and_card_only(train, tiny_recipe, tmp_path):
+    """One command line, with --hub_private_repo: the repo is created private (the default, public,
+    is test_the_repo_privacy_is_the_flags; HubPusher's request is test_hub's)."""
     out = tmp_path / "my-digits"
     hub_env = {"HF_ENDPOINT": None, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"}
     with HubServer(token=TOKEN) as server:
         hub_env["HF_ENDPOINT"] = server.url
         flags = ["--max_train_steps", 4, "--save_model_steps", 2, "--save_images_steps", 2, "--checkpointing_steps", 2,
-                 "--push_to_hub", "--hub_token", TOKEN, "--logger", "tensorboard"]
-        if private:
-            flags.append("--hub_private_repo")
+                 "--push_to_hub", "--hub_token", TOKEN, "--logger", "tensorboard", "--hub_private_repo"]
         result = train(tiny_recipe(), out, *flags, env=hub_env)
         repo_id = "test-user/my-digits"
         commits = server.commits(repo_id)
         created = [r for r in server.requests if r["path"] == "/api/repos/create"]
     assert len(commits) == 2  # step 2 (background) and the final one (waited for)
     assert "pushed to the Hub: " in result.stdout and repo_id in result.stdout
-    assert created and server.repos[repo_id]["private"] is private
+    assert created and server.repos[repo_id]["private"] is True
     committed = set().union(*(c["files"] for c in commits))
     assert {"model_index.json", "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
             "scheduler/scheduler_config.json", "README.md", "images/samples.png",
@@ -51,6 +50,21 @@ def test_push_to_hub_commits_pipeline_and_card_only(train, tiny_recipe, tmp_path
     assert f"Bearer {TOKEN}" in server.authorizations()
     assert TOKEN not in all_text(out) and TOKEN not in result.stdout + result.stderr
     assert not any(TOKEN in f.decode("latin-1") for f in server.repos[repo_id]["files"].values())
+
+
+@pytest.mark.parametrize("flags, private", [((), False), (("--hub_private_repo",), True)])
+def test_the_repo_privacy_is_the_flags(monkeypatch, tmp_path, flags, private):
+    """The trainer creates its repo public unless --hub_private_repo (connect_hub hands the flag to
+    HubPusher, recorded here instead of reaching a server)."""
+    from diffusion_extras.hub import push as hub
+    from diffusion_extras.training import artifacts
+    from diffusion_extras.training.config import parse_config
+    created = []
+    monkeypatch.setattr(hub, "check_push", lambda token, output_dir, model_id: (token, "test-user/run"))
+    monkeypatch.setattr(hub, "HubPusher", lambda repo_id, token, private, folder: created.append(private))
+    config = parse_config(["--output_dir", str(tmp_path / "run"), "--push_to_hub", "--hub_token", TOKEN, *flags])
+    artifacts.connect_hub(config, is_main_process=True)
+    assert created == [private]
 
 
 def test_push_to_hub_without_token_fails_before_training(train, tiny_recipe, tmp_path):
