@@ -259,9 +259,9 @@ def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_res
 # rank 1 4), a 4-image grid of rows (one row of 2 a rank), then the held-out loss and gradient
 # monitor on rank 0 alone. Each denoising step of the signalled run sleeps 0.25 s
 # (hooked_train's DDPM_TEST_DENOISE_SECONDS), so each batch's 100 DDIM steps take 25 s on little CPU:
-# the work at step 2 would take over a minute, and the stop must come within seconds at step 2 on
-# both ranks. The resume, and the uninterrupted run it is compared with, sample with 2 DDIM steps
-# unslowed (sampling never touches the training state).
+# the work at step 2 would take 75 s (50 s with the grid test's own FID), and the stop must come
+# within seconds at step 2 on both ranks. The resume, and the uninterrupted run it is compared
+# with, sample with 2 DDIM steps unslowed (sampling never touches the training state).
 IN_WORK = dict(train_batch_size=4, dataloader_num_workers=1, max_train_steps=4, checkpointing_steps=2,
                save_images_steps=2, eval_steps=2, eval_num_samples=12, eval_batch_size=4, feature_extractor="tiny",
                ddpm_num_inference_steps=100, validation_split=0.1, validation_steps=2, grad_diagnostics_steps=2)
@@ -277,10 +277,10 @@ def straight_two_ranks_with_work(tmp_path_factory):
 
 
 def assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straight, result, signal_name):
-    """Stopped at step 2 within 10 s (the work at step 2 alone takes over a minute), one stop line,
-    exit code 4 on both ranks, no traceback, checkpoint-2 whole and nothing of the step-2 grid or
-    export written; the resumed run's losses, weights and checkpoint-4 equal the uninterrupted run's, bit
-    for bit."""
+    """Stopped at step 2 within 10 s (uninterrupted, the work at step 2 takes 50 s or more), one
+    stop line, exit code 4 on both ranks, no traceback, checkpoint-2 whole and nothing of the step-2
+    grid or export written; the resumed run's losses, weights and checkpoint-4 equal the
+    uninterrupted run's, bit for bit."""
     returncodes, _, stderr, seconds = result
     assert returncodes == [4, 4] and "Traceback" not in stderr, stderr[-3000:]
     assert STOP_LINE.findall(stderr) == [(signal_name, "2", str(out / "checkpoint-2"))], stderr[-3000:]
