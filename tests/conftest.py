@@ -456,8 +456,8 @@ def run_fresh(commands, envs, timeout, merge_stderr=False):
 
 @pytest.fixture
 def run_cli(tmp_path):
-    """run_cli(args, ...): run_command in this test's environment (a command in a fresh interpreter
-    from the project root); returns CompletedProcess."""
+    """run_cli(args, ...): run_command with this test's tmp_path as env_dir (from the project root,
+    forked where a fork runs as a fresh interpreter would); returns CompletedProcess."""
     return functools.partial(run_command, env_dir=tmp_path)
 
 

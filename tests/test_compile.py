@@ -165,8 +165,9 @@ def test_two_ranks_stay_compiled_and_share_the_evaluation(hooked_train, tmp_path
 
 # The inductor test's UNet: the tiny recipe's blocks at one level (no down- or upsampling), its
 # mid-block attention kept. Inductor compiles a kernel per fused op and shape, so one level halves
-# what a fresh machine compiles (34 C++ kernels instead of 61; ~95 instead of ~197 CPU-s on 2 cores
-# with a cold cache, measured 2026-11-26). The eager-backend tests above count graphs on both levels.
+# what a fresh machine compiles: 34 C++ kernels instead of 61, and the test took 110 instead of 197
+# CPU-s with a cold cache (24.5 warm), measured alone on 2 cores on 2026-11-26. The eager-backend
+# tests above count graphs on both levels.
 ONE_LEVEL = {**TINY_RECIPE["model"], "block_out_channels": [8], "down_block_types": ["DownBlock2D"],
              "up_block_types": ["UpBlock2D"]}
 
@@ -177,8 +178,7 @@ def test_inductor_end_to_end_matches_eager(tmp_path):
     Steps 1 and 2 see the same weights (warmup: step 1 has lr 0), so the fused kernels must give the
     same loss up to float rounding. Step 3 may drift by ~1%: Adam divides by sqrt(v), which turns
     rounding-level differences in near-zero gradients into lr-sized updates.
-    The suite's costliest test on a fresh machine (CI), whose cache is cold: ~95 CPU-s (ONE_LEVEL);
-    with the cache warm, ~15."""
+    The suite's costliest test on a fresh machine (CI), whose cache is cold (figures at ONE_LEVEL)."""
     counts = counted_run(tmp_path, "--torch_compile", "--max_train_steps", 3, model=ONE_LEVEL, **FINAL_GRID)
     assert_stays_compiled(counts, warm=1)
     counted_run(tmp_path, "--max_train_steps", 3, output_dir=tmp_path / "eager", model=ONE_LEVEL, **FINAL_GRID)
