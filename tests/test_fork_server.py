@@ -476,9 +476,8 @@ def test_whether_a_command_forks_does_not_depend_on_the_command_that_started_the
 
     def start(server, env):  # ForkServer.__init__, with the running server's process and replies
         started_in.append(env)
-        server.start_up = {name: env.get(name) for name in running.start_up}
-        server.process, server.ready, server.outputs, server.lock = (running.process, running.ready,
-                                                                     running.outputs, running.lock)
+        server.start_up, server.process, server.ready, server.outputs, server.lock = (
+            running.start_up, running.process, running.ready, running.outputs, running.lock)
     monkeypatch.setattr(ForkServer, "__init__", start)
     monkeypatch.setattr(ForkServer, "_instance", None)
     monkeypatch.setattr(ForkServer, "_started_for", None)
