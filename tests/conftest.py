@@ -70,7 +70,7 @@ def pytest_configure(config):
     session. A test that needs offline mode or an endpoint sets it itself."""
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run them with `pytest -m cuda`")
     config.addinivalue_line("markers", "cli: starts a command (set at collection: conftest.starts_a_command)")
-    config.addinivalue_line("markers", "contract: a cli test that reads a command's exit code or what it printed, "
+    config.addinivalue_line("markers", "contract: a cli test that reads a command's exit code or stderr, "
                                        "itself, through a helper or in a fixture of its module "
                                        "(DDPM_TEST_FRESH_INTERPRETERS=contract runs those commands unforked)")
     imported = sorted(name for name in sys.modules if name.split(".")[0] in READ_AT_IMPORT)
@@ -105,16 +105,16 @@ def cli_env() -> dict:
     return env
 
 
-RUNNING = {"contract": False}  # whether the code running now reads what its commands print (the hooks below)
+RUNNING = {"contract": False}  # whether the code running now reads its commands' exit codes or stderr (hooks below)
 
 
 def runs_fresh(env: dict) -> bool:
     """Whether a command in `env` starts a fresh interpreter instead of a fork of the server:
     DDPM_TEST_FRESH_INTERPRETERS=1 for every command, =contract for the commands run by code that
-    reads a command's exit code or output (reads_what_a_command_printed): a test marked `contract`,
-    or a fixture of its that reads them. A command that only leaves files forks under =contract
-    too: one run by a fixture that reads no output (a reference run, say), or one whose result the
-    code running it drops (result_dropped)."""
+    reads a command's exit code or stderr (reads_what_a_command_printed): a test marked `contract`,
+    or a fixture of its that reads them. A command that only leaves files or stdout forks under
+    =contract too: one run by a fixture that reads neither (a reference run, say), or one whose
+    result the code running it drops (result_dropped)."""
     mode = env.get("DDPM_TEST_FRESH_INTERPRETERS")
     return mode == "1" or (mode == "contract" and RUNNING["contract"] and not result_dropped())
 
@@ -621,7 +621,11 @@ def starts_a_command(item) -> bool:
     return any(map(names_a_runner, [getattr(item, "function", None), *test_fixtures(item)]))
 
 
-CONTRACT_WORDS = ("returncode", "stderr", "stdout")  # what a command's exit code and messages are read as
+# What a command's exit code and error output are read as (`merge_stderr`, stderr in the stdout a test
+# reads, contains "stderr"). A test that reads only stdout is no contract test: a fork prints what a
+# fresh interpreter prints there (a preloaded import that printed to stdout would break the server's
+# replies, which go through it; test_fork_server compares the stdout of a training run, forked and fresh).
+CONTRACT_WORDS = ("returncode", "stderr")
 
 
 RUNNER_NAMES = {"run_command", "run_training", "start_command"}  # this file's functions that start a command
@@ -660,7 +664,8 @@ def reached(function) -> tuple:
 
 @functools.cache  # asked at every fixture set-up
 def reads_what_a_command_printed(function) -> bool:
-    """The source of the test function, or of a helper it reaches, names CONTRACT_WORDS."""
+    """The source of the test function, or of a helper it reaches, names CONTRACT_WORDS (it reads a
+    command's exit code or stderr)."""
     return any(word in source_of(each) for each in reached(function) for word in CONTRACT_WORDS)
 
 
@@ -684,9 +689,9 @@ def start_order(item) -> tuple:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the marks (pyproject: --dist loadgroup)
 def pytest_collection_modifyitems(config, items):
-    """Tests that start a command are marked `cli`; those of them that read its exit code or what it
-    printed, or use a fixture of their module that does (reads_what_a_command_printed), are also
-    marked `contract`.
+    """Tests that start a command are marked `cli`; those of them that read its exit code or stderr,
+    or use a fixture of their module that does (reads_what_a_command_printed), are also marked
+    `contract`.
     Tests that read one module-scoped fixture of their module (most are a training run made once
     and read by several tests) run on one xdist worker, so it is made once, not once per worker.
     Module-scoped fixtures of this file group nothing.

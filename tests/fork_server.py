@@ -15,7 +15,7 @@ variables the imports read, and whether they printed anything or started a threa
 interpreter reads at start-up (START_UP_VARIABLES) equal the server's, and when the imports were
 silent and single-threaded; any other command runs in a real subprocess, as does every command
 under DDPM_TEST_FRESH_INTERPRETERS=1 (under =contract, those of the tests marked `contract` and of
-the fixtures that read a command's output: conftest.runs_fresh).
+the fixtures that read a command's exit code or stderr: conftest.runs_fresh).
 `python -m torch.distributed.run` is a command like any other; the ranks it starts are real
 `python` processes, fresh interpreters. The one thing a fork cannot give a fresh value is the
 string hash seed: conftest.cli_env fixes PYTHONHASHSEED for both kinds of run.

@@ -135,6 +135,20 @@ def test_a_module_command_and_a_one_line_error_are_those_of_a_fresh_interpreter(
         assert forked.stderr.startswith(f"{sys.executable}: ") and len(forked.stderr.splitlines()) == 1
 
 
+def test_a_training_command_prints_to_stdout_what_a_fresh_interpreter_prints(tmp_path):
+    """What lets =contract fork the tests that read only a command's stdout: a training run's
+    lines, forked and fresh, are the same but for its output folder and the seconds it measured."""
+    from conftest import write_tiny_recipe
+    recipe = write_tiny_recipe(tmp_path, diagnostics_steps=1, save_images_steps=2)
+    runs = [run_command(["train_ddpm.py", "--config", recipe, "--output_dir", tmp_path / name, "--max_train_steps", 2],
+                        tmp_path, env=env, check=True)
+            for name, env in (("forked", {}), ("fresh", {"DDPM_TEST_FRESH_INTERPRETERS": "1"}))]
+    lines = [re.sub(r"\d+\.\d s\b", "<seconds>", run.stdout.replace(str(tmp_path / name), "<out>"))
+             for run, name in zip(runs, ("forked", "fresh"))]
+    assert lines[0] == lines[1] and "model: " in lines[0] and "final sample grid" in lines[0], lines
+    assert ForkServer.for_command(None, ["train_ddpm.py"], cli_env()) is not None  # the first did fork
+
+
 INTERLEAVED = """
 import sys
 for line in range(3):
@@ -402,8 +416,9 @@ def read_through_a_helper(result) -> int:
 
 def test_reading_a_commands_output_is_found_in_the_test_its_helpers_and_its_fixtures():
     """A test that reads the exit code only through a helper of the test files (test_preemption's
-    assert_preempted_at), or whose fixture reads it, is a contract test; conftest's runners, which
-    read it for every test (check=True), do not make one."""
+    assert_preempted_at), or whose fixture reads it, is a contract test, and so is one that reads
+    stderr, alone or merged into stdout; conftest's runners, which read the exit code for every test
+    (check=True), do not make one, nor does reading stdout alone."""
     import test_preemption
     from conftest import reads_what_a_command_printed, run_training
 
@@ -414,8 +429,16 @@ def test_reading_a_commands_output_is_found_in_the_test_its_helpers_and_its_fixt
         run_training(tmp_path, "recipe", tmp_path / "run")
         return (tmp_path / "run" / "unet").is_dir()
 
+    def stdout_only(tmp_path):
+        return "done:" in run_training(tmp_path, "recipe", tmp_path / "run").stdout
+
+    def merged(tmp_path):  # stderr is in the stdout it reads
+        return "done:" in run_command(["train_ddpm.py"], tmp_path, merge_stderr=True, check=True).stdout
+
     assert reads_what_a_command_printed(through_the_helper)
     assert not reads_what_a_command_printed(files_only)
+    assert not reads_what_a_command_printed(stdout_only)  # a fork prints there what a fresh one does
+    assert reads_what_a_command_printed(merged)
     assert reads_what_a_command_printed(test_preemption.test_sigterm_saves_at_the_step_and_resumes_bit_identical)
     assert not reads_what_a_command_printed(test_preemption.straight.__wrapped__)
 
@@ -436,7 +459,7 @@ def test_a_command_started_through_a_helper_or_a_partial_runner_makes_a_cli_test
 
 @pytest.fixture
 def contract_flag_while_a_quiet_fixture_is_set_up():
-    """Reads no command's exit code or output, like a reference run that only leaves files: its
+    """Reads no command's exit code or stderr, like a reference run that only leaves files: its
     commands fork under =contract."""
     from conftest import RUNNING
     return RUNNING["contract"]
