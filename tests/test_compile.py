@@ -28,13 +28,22 @@ EXTRAS = dict(validation_split=0.25, validation_steps=2, grad_diagnostics_steps=
 FLAGS = ("--use_ema", "--snr_gamma", 5, "--gradient_accumulation_steps", 2, "--eval_steps", 2,
          "--feature_extractor", "tiny", "--eval_num_samples", 4)
 CHEAP_COMPILE = ("--torch_compile", "--torch_compile_backend", "eager")
+# The tiny recipe's blocks at one level (no down- or upsampling), its mid-block attention kept: less
+# for dynamo to trace and for inductor to compile. Inductor compiles a kernel per fused op and shape:
+# at one level a fresh machine compiles 34 C++ kernels instead of 61, and the inductor test took 110
+# instead of 197 CPU-s with a cold cache (24.5 warm), measured alone on 2 cores on 2026-11-26. The runs
+# whose subject acts outside the UNet (a prediction type, a second rank) use it too; the run with
+# every extra and its resumes count graphs on both levels.
+ONE_LEVEL = {**TINY_RECIPE["model"], "block_out_channels": [8], "down_block_types": ["DownBlock2D"],
+             "up_block_types": ["UpBlock2D"]}
 # Each prediction type with a precision and a layout. The prediction type acts outside the UNet
 # (targets, min-SNR weights), so one run has every extra (in bf16 autocast, channels_last) and the
-# other two train and sample the FID and the final grid only (they pay no second capture for the
-# gradient monitor's eval mode).
+# other two train and sample the FID and the final grid only, at ONE_LEVEL (they pay no second
+# capture for the gradient monitor's eval mode).
 FINAL_GRID = {"save_images_steps": 1000}
 SETTINGS = {"epsilon": (("--mixed_precision", "bf16", "--channels_last"), EXTRAS),
-            "v_prediction": ((), FINAL_GRID), "sample": (("--channels_last",), FINAL_GRID)}
+            "v_prediction": ((), {**FINAL_GRID, "model": ONE_LEVEL}),
+            "sample": (("--channels_last",), {**FINAL_GRID, "model": ONE_LEVEL})}
 WARM = 3  # counts after step 3 include step 2's extras: the last first-time graph
 
 
@@ -120,7 +129,7 @@ def test_a_compiled_checkpoint_resumes_eager_and_back(compiled_run, tmp_path):
 
 
 def test_two_ranks_stay_compiled_and_share_the_evaluation(hooked_train, tmp_path):
-    """2 ranks (DDP, no_sync on the first micro-batch), the gradient monitor on rank 0 only,
+    """2 ranks (DDP, no_sync on the first micro-batch; the UNet at ONE_LEVEL), the gradient monitor on rank 0 only,
     checkpoints, grids and FID on both: each rank keeps its graphs after warm-up, with no break.
     The FID images are sampled on both ranks (12 images in batches of 4: ranks 0, 1, 0), and the
     last FID is bitwise the one-rank evaluation of the exported EMA weights; so is the last grid
@@ -134,7 +143,8 @@ def test_two_ranks_stay_compiled_and_share_the_evaluation(hooked_train, tmp_path
     from diffusion_extras.evaluation import metrics, sampling
     from diffusion_extras.training import artifacts
     out, counts_folder = tmp_path / "run", tmp_path / "counts"
-    recipe = write_tiny_recipe(tmp_path, grad_diagnostics_steps=2, save_images_steps=2, checkpointing_steps=2)
+    recipe = write_tiny_recipe(tmp_path, grad_diagnostics_steps=2, save_images_steps=2, checkpointing_steps=2,
+                               model=ONE_LEVEL)
     hooked_train(recipe, out, *CHEAP_COMPILE, "--use_ema", "--gradient_accumulation_steps", 2, "--max_train_steps", 4,
                  "--eval_steps", 2, "--feature_extractor", "tiny", "--eval_num_samples", 12,
                  ranks=2, env={"ACCELERATE_USE_CPU": "1", "DDPM_TEST_DYNAMO_COUNTS": str(counts_folder),
@@ -161,15 +171,6 @@ def test_two_ranks_stay_compiled_and_share_the_evaluation(hooked_train, tmp_path
                                TINY_RECIPE["ddpm_num_inference_steps"], seed=seed)
     grids = [np.asarray(Image.open(folder / "samples" / "step_000004.png")) for folder in (out, single)]
     assert grids[0].shape == grids[1].shape and np.array_equal(grids[0], grids[1])
-
-
-# The inductor test's UNet: the tiny recipe's blocks at one level (no down- or upsampling), its
-# mid-block attention kept. Inductor compiles a kernel per fused op and shape, so one level halves
-# what a fresh machine compiles: 34 C++ kernels instead of 61, and the test took 110 instead of 197
-# CPU-s with a cold cache (24.5 warm), measured alone on 2 cores on 2026-11-26. The eager-backend
-# tests above count graphs on both levels.
-ONE_LEVEL = {**TINY_RECIPE["model"], "block_out_channels": [8], "down_block_types": ["DownBlock2D"],
-             "up_block_types": ["UpBlock2D"]}
 
 
 def test_inductor_end_to_end_matches_eager(tmp_path):
