@@ -459,7 +459,7 @@ def test_a_command_started_through_a_helper_or_a_partial_runner_makes_a_cli_test
 
 @pytest.fixture
 def contract_flag_while_a_quiet_fixture_is_set_up():
-    """Reads no command's exit code or stderr, like a reference run that only leaves files: its
+    """Reads nothing a command printed and no exit code, like a reference run that only leaves files: its
     commands fork under =contract."""
     from conftest import RUNNING
     return RUNNING["contract"]
