@@ -139,14 +139,14 @@ def test_a_training_command_prints_to_stdout_what_a_fresh_interpreter_prints(tmp
     """What lets =contract fork the tests that read only a command's stdout: a training run's
     lines, forked and fresh, are the same but for its output folder and the seconds it measured."""
     from conftest import write_tiny_recipe
-    recipe = write_tiny_recipe(tmp_path, diagnostics_steps=1, save_images_steps=2)
+    recipe = write_tiny_recipe(tmp_path, save_images_steps=2)
+    assert ForkServer.for_command(None, ["train_ddpm.py"], cli_env()) is not None  # the first one forks
     runs = [run_command(["train_ddpm.py", "--config", recipe, "--output_dir", tmp_path / name, "--max_train_steps", 2],
                         tmp_path, env=env, check=True)
             for name, env in (("forked", {}), ("fresh", {"DDPM_TEST_FRESH_INTERPRETERS": "1"}))]
     lines = [re.sub(r"\d+\.\d s\b", "<seconds>", run.stdout.replace(str(tmp_path / name), "<out>"))
              for run, name in zip(runs, ("forked", "fresh"))]
     assert lines[0] == lines[1] and "model: " in lines[0] and "final sample grid" in lines[0], lines
-    assert ForkServer.for_command(None, ["train_ddpm.py"], cli_env()) is not None  # the first did fork
 
 
 INTERLEAVED = """
