@@ -2,12 +2,10 @@
 (diffusion_extras.training.hooks): images whose value is the micro-step, a position counted in
 batches served. If the loop, checkpoints, resume and artifacts use only the data-source
 interface, it trains."""
-import sys
-
 import numpy as np
 import torch
 
-from diffusion_extras.training.main import Hooks, main
+from diffusion_extras.training.main import Hooks, finish, main
 
 
 class CountingSource:
@@ -43,4 +41,4 @@ class CountingSource:
 
 
 if __name__ == "__main__":
-    sys.exit(main(hooks=Hooks(data_source=CountingSource)))
+    finish(main(hooks=Hooks(data_source=CountingSource)))  # exits as train_ddpm.py does

@@ -3,13 +3,12 @@ shutil.disk_usage is patched in this test-only process (the trainer itself is un
 exercises the decode cache's disk guard without filling a disk."""
 import os
 import shutil
-import sys
 
-from diffusion_extras.training.main import main
+from diffusion_extras.training.main import cli
 
 real_disk_usage = shutil.disk_usage
 free_bytes = int(os.environ["DDPM_TEST_FREE_BYTES"])
 shutil.disk_usage = lambda path: real_disk_usage(path)._replace(free=free_bytes)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()  # exits as train_ddpm.py does
