@@ -18,6 +18,8 @@ signal_in_save=N         a SIGTERM while checkpoint N is being completed (a seco
 enospc_at=(WHAT, N)      OSError(ENOSPC) at the first guarded write WHAT ("checkpoint", "pipeline export",
                          "sample grid", "log history") at or after step N; "checkpoint" fails mid-save
                          (files written, no marker yet).
+signal_in_setup=True     a SIGTERM while the run is being set up (as its data source is built), before the
+                         loop: a scheduler's signal during start-up.
 fill_disk_in_save=(N, PATH)  while checkpoint N is being completed, PATH grows until the disk is full.
 fill_disk_at=(WHAT, N, PATH) at the first guarded write WHAT at or after step N, PATH grows until the disk
                          is full: that write then creates its files and meets a real ENOSPC.
@@ -67,7 +69,8 @@ def saving(step) -> callable:
 
 
 def hooks(stop_after_checkpoint=None, sigkill_in_save=None, nan_at_steps=(), signal_at_step=None,
-          signal_name="SIGTERM", signal_ranks=None, signal_in_save=None, enospc_at=None, fill_disk_in_save=None,
+          signal_name="SIGTERM", signal_ranks=None, signal_in_save=None, signal_in_setup=False, enospc_at=None,
+          fill_disk_in_save=None,
           fill_disk_at=None, record_labels=None, step_seconds=None, dynamo_counts=None, data_source=None):
     """A training.hooks.Hooks with the faults and probes named (the module docstring says what each does)."""
     from diffusion_extras.training.hooks import Hooks
@@ -90,6 +93,8 @@ def hooks(stop_after_checkpoint=None, sigkill_in_save=None, nan_at_steps=(), sig
     if signal_in_save is not None:
         add("before_checkpoint_marker",
             lambda directory: saving(signal_in_save)(directory) and os.kill(os.getpid(), signal.SIGTERM))
+    if signal_in_setup:
+        made.data_source = signal_then(made.data_source)
     if enospc_at is not None:
         add_enospc(made, *enospc_at)
     if fill_disk_in_save is not None:
@@ -113,6 +118,15 @@ def hooks(stop_after_checkpoint=None, sigkill_in_save=None, nan_at_steps=(), sig
     if dynamo_counts is not None:
         add("after_step", lambda run: write_dynamo_counts(dynamo_counts, run.progress.global_step))
     return made
+
+
+def signal_then(data_source):
+    """A data_source hook that sends the process SIGTERM, then builds `data_source` (None: the built-in)."""
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        from diffusion_extras.data.sources import build_source
+        return (data_source or build_source)(*args, **kwargs)
+    return signalled
 
 
 def add_enospc(made, what: str, step) -> None:
