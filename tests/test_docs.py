@@ -1,6 +1,7 @@
 """docs/: the tables generated from TrainConfig's fields (docs/generate_tables.py) are the committed
 ones, and the check notices a table that is stale or missing."""
 import importlib.util
+import re
 import shutil
 from pathlib import Path
 
@@ -60,3 +61,34 @@ def test_a_stale_or_missing_table_is_reported(generate_tables, tmp_path, monkeyp
     assert generate_tables.stale_tables() == [
         "docs/checkpoints.md: the generated table 'resume-policy' is missing (its two marker lines)"]
     assert generate_tables.main(["--check"]) == 1
+
+
+def listed_modules(layout: str) -> dict[str, set[str]]:
+    """The modules docs/layout.md's tree names, by package: `diffusion_extras` for the lines right
+    under `diffusion_extras/`, `diffusion_extras.cli` for those under `  cli/`, and so on."""
+    tree = layout[layout.index("\ndiffusion_extras/\n"):]
+    tree = tree[:tree.index("\n```")]
+    listed, package = {}, "diffusion_extras"
+    for line in tree.splitlines()[2:]:
+        if not line.startswith("  "):  # configs/, tests/, ...: the tree leaves the package
+            break
+        header = re.match(r"  (\w+)/", line)
+        if header:
+            package = f"diffusion_extras.{header[1]}"
+            names = line[header.end():]
+        else:
+            names = line
+        # the file names of the line's first column (before its description)
+        listed.setdefault(package, set()).update(re.findall(r"\b(\w+)\.py\b", names.strip().split("   ")[0]))
+    return listed
+
+
+def test_layout_names_every_module():
+    """docs/layout.md lists each module of the package under its sub-package, and no module that is gone."""
+    package = ROOT / "diffusion_extras"
+    actual = {}
+    for path in package.rglob("*.py"):
+        if path.name != "__init__.py" and "__pycache__" not in path.parts:
+            name = ".".join(("diffusion_extras", *path.relative_to(package).parent.parts))
+            actual.setdefault(name, set()).add(path.stem)
+    assert listed_modules((ROOT / "docs" / "layout.md").read_text(encoding="utf-8")) == actual

