@@ -189,3 +189,13 @@ def test_a_recipe_setting_that_does_not_exist_is_caught(tmp_path, monkeypatch):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("learning_rate: 1.0e-4\nmade_up_setting: 1\n")
     assert "unknown setting(s) in the recipe: made_up_setting" in check_train(["--config", str(recipe)])
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_link_to_a_file_of_the_repository_resolves(document):
+    """Relative Markdown links ([text](docs/flags.md), [text](BENCHMARKS.md)) name files that exist."""
+    text = (ROOT / document).read_text(encoding="utf-8")
+    targets = [target.split("#")[0] for target in re.findall(r"\]\(([^)\s]+)\)", text)
+               if "://" not in target and not target.startswith("#")]
+    missing = [target for target in targets if not ((ROOT / document).parent / target).exists()]
+    assert not missing, f"{document} links to files that do not exist: {missing}"
