@@ -1,5 +1,5 @@
 """A process-wide "the run was asked to stop" flag, read by long work between its batches or
-denoising steps (issue 33): sample grids, FID/KID, held-out loss, the gradient monitor. A grid of
+denoising steps: sample grids, FID/KID, held-out loss, the gradient monitor. A grid of
 1000 DDIM steps or an FID of 10k images takes minutes, past a scheduler's grace period (Slurm's
 KillWait is 30 s), so the work gives up at its next step and the trainer writes its checkpoint.
 
