@@ -128,8 +128,11 @@ def scheduler_step_output(scheduler, model_output: torch.Tensor, t, sample: torc
     because it holds for any scheduler swapped into any folder, those exported before the fix
     included, and keeps the clip to the data range. The issue's measurement (digits, DDIM 50 steps,
     guidance 2-4): both mechanisms give 1.00 class accuracy where the inherited trap gave 0.57-0.01."""
-    kwargs = {"generator": generator}
-    if "use_clipped_model_output" in inspect.signature(scheduler.step).parameters:
+    # Only the keyword arguments this scheduler's step accepts, as diffusers' pipelines do
+    # (prepare_extra_step_kwargs): UniPC, PNDM, DEIS, Heun, LMS and KDPM2 take no generator.
+    accepted = inspect.signature(scheduler.step).parameters
+    kwargs = {"generator": generator} if "generator" in accepted else {}
+    if "use_clipped_model_output" in accepted:
         kwargs["use_clipped_model_output"] = True
     return scheduler.step(model_output, t, sample, **kwargs)
 
