@@ -4,9 +4,21 @@ in is known without training. Guidance must strengthen the class with every sche
 in from the pipeline's config (issue 35: DDIM's inherited clip_sample inverted it)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from diffusers import ConfigMixin, DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, ModelMixin
+from diffusers import (
+    ConfigMixin,
+    DDIMScheduler,
+    DDPMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
+    EulerDiscreteScheduler,
+    HeunDiscreteScheduler,
+    LMSDiscreteScheduler,
+    ModelMixin,
+)
 from diffusers.configuration_utils import register_to_config
 from diffusers.models.unets.unet_2d import UNet2DOutput
 
@@ -127,8 +139,57 @@ def test_an_interval_covering_every_noise_level_is_cfg_bit_for_bit_and_outside_i
     pipe.unet.register_forward_pre_hook(lambda module, args: batches.append(len(args[0])))
     middle = (0.5, 5.0)  # Kynkäänniemi et al.'s kind of interval: neither the noisiest nor the cleanest steps
     sample_pipeline(pipe, guidance_interval=middle)
-    sigmas = [noise_level(pipe.scheduler, t) for t in pipe.scheduler.timesteps]
+    sigmas = [noise_level(pipe.scheduler, step) for step in range(len(pipe.scheduler.timesteps))]
     assert batches == [8 if middle[0] < sigma <= middle[1] else 4 for sigma in sigmas] and 8 in batches and 4 in batches
+
+
+# Karras sigmas (fractional timesteps between the table's entries) where the scheduler keeps a sigma per
+# step; KDPM2 with Karras sigmas rounds its timesteps (diffusers), so there t and x_t's sigma disagree.
+KARRAS = [EulerDiscreteScheduler, EulerAncestralDiscreteScheduler, LMSDiscreteScheduler, HeunDiscreteScheduler,
+          DPMSolverMultistepScheduler]
+
+
+@pytest.mark.parametrize("scheduler_class, options", [(cls, {}) for cls in COMPATIBLE]
+                         + [(cls, {"use_karras_sigmas": True}) for cls in KARRAS],
+                         ids=lambda value: value.__name__ if isinstance(value, type) else ("karras" if value else ""))
+def test_the_noise_level_of_a_step_is_the_one_the_scheduler_uses(scheduler_class, options):
+    """Where a scheduler scales its input by 1 / sqrt(sigma^2 + sigma_data^2) (Euler, Heun, LMS, KDPM2
+    and their ancestral kinds, EDM's Euler), the guidance interval's sigma of each step is that sigma,
+    KDPM2's interpolated second evaluations included; elsewhere its own sigmas (DPM-Solver, UniPC,
+    DEIS), else alpha_bar of the integer timestep (DDPM, DDIM, PNDM)."""
+    scheduler = scheduler_class.from_config(DDPMScheduler().config, **options)
+    scheduler.set_timesteps(6)
+    sigma_data = scheduler.config.get("sigma_data", 1.0)
+    sample = torch.ones(1, 1, 2, 2, dtype=torch.float64)
+    for step, t in enumerate(scheduler.timesteps):
+        scale = float((scheduler.scale_model_input(sample, t) / sample).flatten()[0])
+        sigma = noise_level(scheduler, step)
+        if scale != 1.0:
+            assert (sigma ** 2 + sigma_data ** 2) ** -0.5 == pytest.approx(scale, rel=1e-5), (step, float(t))
+        elif hasattr(scheduler, "sigmas"):
+            assert sigma == float(scheduler.sigmas[step])
+        else:
+            alpha_bar = float(scheduler.alphas_cumprod[int(t)])
+            assert float(t) == int(t) and sigma == pytest.approx(math.sqrt((1 - alpha_bar) / alpha_bar), rel=1e-6)
+        sample = scheduler.step(torch.zeros_like(sample), t, sample).prev_sample
+
+
+def test_the_interval_reads_sigma_from_the_schedulers_sigmas_not_from_the_integer_part_of_t():
+    """Euler with Karras sigmas steps at fractional timesteps: alpha_bar at int(t) reads a lower sigma.
+    An interval whose lower end lies between the two readings of one step tells them apart."""
+    pipe = conditional_pipeline()
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config, use_karras_sigmas=True)
+    pipe.scheduler.set_timesteps(10)
+    sigmas = [float(sigma) for sigma in pipe.scheduler.sigmas[:-1]]
+    truncated = [math.sqrt((1 - a) / a) for a in (float(pipe.scheduler.alphas_cumprod[int(t)])
+                                                  for t in pipe.scheduler.timesteps)]
+    step = max(range(len(sigmas) - 1), key=lambda i: sigmas[i] / truncated[i])  # not the last (sigma 0.03)
+    interval = ((sigmas[step] + truncated[step]) / 2, math.inf)
+    batches = []
+    pipe.unet.register_forward_pre_hook(lambda module, args: batches.append(len(args[0])))
+    sample_pipeline(pipe, guidance_interval=interval)
+    assert batches == [8 if interval[0] < sigma else 4 for sigma in sigmas]
+    assert batches != [8 if interval[0] < sigma else 4 for sigma in truncated]
 
 
 def test_a_guide_equal_to_the_model_is_no_guidance_bit_for_bit():

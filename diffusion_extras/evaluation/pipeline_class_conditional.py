@@ -76,25 +76,47 @@ def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tenso
     return guided
 
 
-def noise_level(scheduler, t) -> float:
-    """sigma(t) = sqrt((1 - alpha_bar_t) / alpha_bar_t), EDM's noise level (inf at zero terminal SNR)."""
-    alpha_bar = float(scheduler.alphas_cumprod[int(t)])
+def noise_level(scheduler, step: int) -> float:
+    """EDM's noise level sigma of x_t at sampling step `step` (an index into scheduler.timesteps).
+
+    The scheduler's own sigma where it keeps one per step (`scheduler.sigmas`, one longer than the
+    timesteps: Euler-type schedulers, whose timesteps are fractional with Karras sigmas, Heun, LMS,
+    DPM-Solver, UniPC, DEIS). Else sigma_t = sqrt((1 - alpha_bar_t) / alpha_bar_t) of the training
+    table (inf at zero terminal SNR): at an integer t (DDPM, DDIM, PNDM) its entry; at a fractional t
+    (KDPM2's interpolated evaluations) interpolated in log sigma between the neighbouring entries,
+    the inverse of the sigma -> t map by which diffusers' Karras-type schedulers choose t
+    (`_sigma_to_t`). alpha_bar at int(t) would read the next lower entry."""
+    sigmas = getattr(scheduler, "sigmas", None)
+    if sigmas is not None and len(sigmas) == len(scheduler.timesteps) + 1:
+        return float(sigmas[step])
+    t = float(scheduler.timesteps[step])
+    below = math.floor(t)
+    table = [_table_sigma(scheduler, index) for index in (below, math.ceil(t))]
+    if table[0] == table[1] or math.inf in table:
+        return table[1]
+    return math.exp(math.log(table[0]) + (t - below) * (math.log(table[1]) - math.log(table[0])))
+
+
+def _table_sigma(scheduler, t: int) -> float:
+    alpha_bar = float(scheduler.alphas_cumprod[t])
     return math.inf if alpha_bar <= 0 else math.sqrt((1 - alpha_bar) / alpha_bar)
 
 
-def in_guidance_interval(scheduler, t, guidance_interval) -> bool:
-    """Guidance interval (Kynkäänniemi et al. 2024): guide only where low < sigma(t) <= high (sigma as
-    noise_level); outside it one unguided UNet call. None: guide at every step."""
+def in_guidance_interval(scheduler, step: int, guidance_interval) -> bool:
+    """Guidance interval (Kynkäänniemi et al. 2024): guide only where low < sigma <= high at sampling
+    step `step` (sigma as noise_level); outside it one unguided UNet call. None: guide at every step."""
     if guidance_interval is None:
         return True
     low, high = guidance_interval
-    return low < noise_level(scheduler, t) <= high
+    return low < noise_level(scheduler, step) <= high
 
 
-def guided_step(scheduler, unet, sample: torch.Tensor, t, class_labels, guidance_scale: float, generator=None,
-                dtype: torch.dtype = torch.float32, guide=None, guidance_interval=None) -> torch.Tensor:
-    """One guided sampling step, x_t -> x_{t-1} (the pipeline's and the package's sampler share it)."""
-    scale = guidance_scale if in_guidance_interval(scheduler, t, guidance_interval) else 1.0
+def guided_step(scheduler, unet, sample: torch.Tensor, step: int, class_labels, guidance_scale: float,
+                generator=None, dtype: torch.dtype = torch.float32, guide=None, guidance_interval=None) -> torch.Tensor:
+    """Sampling step `step` (an index into scheduler.timesteps), x_t -> x_{t-1}, guided (the pipeline's
+    and the package's sampler share it)."""
+    t = scheduler.timesteps[step]
+    scale = guidance_scale if in_guidance_interval(scheduler, step, guidance_interval) else 1.0
     output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels, scale, dtype, guide)
     return scheduler_step(scheduler, scheduler_model_output(scheduler, output, sample), t, sample, generator)
 
@@ -189,10 +211,11 @@ class ClassConditionalPipeline(DiffusionPipeline):
                  guidance_interval: tuple[float, float] | None = None, autoguidance: bool | None = None):
         """Images of `class_labels` (ids; see get_label_ids). guidance_scale 1: no guidance; more
         pulls the samples towards their class. guidance_interval (low, high): guide only where the
-        noise level sigma = sqrt((1 - alpha_bar) / alpha_bar) is in (low, high], one UNet call
-        elsewhere (Kynkäänniemi et al. 2024); None: every step. autoguidance: guide with the saved
-        weaker UNet `self.guide` instead of the "no class" branch (Karras et al. 2024); None: when
-        the pipeline has one. output_type: "pil", "np" (float [N, H, W, C] in [0, 1]) or "pt"."""
+        noise level sigma (the scheduler's sigmas, else sqrt((1 - alpha_bar) / alpha_bar): see
+        noise_level) is in (low, high], one UNet call elsewhere (Kynkäänniemi et al. 2024); None:
+        every step. autoguidance: guide with the saved weaker UNet `self.guide` instead of the "no
+        class" branch (Karras et al. 2024); None: when the pipeline has one. output_type: "pil",
+        "np" (float [N, H, W, C] in [0, 1]) or "pt"."""
         unet, device = self.unet, self._execution_device
         guide = getattr(self, "guide", None) if autoguidance is not False else None
         if autoguidance and guide is None:
@@ -205,8 +228,8 @@ class ClassConditionalPipeline(DiffusionPipeline):
         shape = (len(labels), unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
         sample = _randn(shape, generator, device) * self.scheduler.init_noise_sigma
         self.scheduler.set_timesteps(num_inference_steps, device=device)
-        for t in self.progress_bar(self.scheduler.timesteps):  # x_t stays fp32 whatever the UNet's dtype
-            sample = guided_step(self.scheduler, unet, sample, t, labels, guidance_scale, generator,
+        for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # x_t stays fp32 whatever the UNet's dtype
+            sample = guided_step(self.scheduler, unet, sample, step, labels, guidance_scale, generator,
                                  guide=guide, guidance_interval=guidance_interval)
         images = (sample / 2 + 0.5).clamp(0, 1)
         if output_type != "pt":

@@ -75,10 +75,10 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     if guide is not None and class_labels is None:  # autoguidance of the unconditional model
         class_labels = unconditional_inputs(unet, len(sample), device).get("class_labels")
-    for t in scheduler.timesteps:
+    for step, t in enumerate(scheduler.timesteps):
         stop_flag.check()  # a preempted run gives the grid up between denoising steps
         if class_labels is not None or guide is not None:  # the pipeline's guided step (fp32 combination)
-            sample = guided_step(scheduler, unet, sample, t, class_labels, guidance_scale, generators, dtype,
+            sample = guided_step(scheduler, unet, sample, step, class_labels, guidance_scale, generators, dtype,
                                  guide, guidance_interval)
             step_bar.update(len(generators))
             continue
