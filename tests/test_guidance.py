@@ -4,8 +4,10 @@ in is known without training. Guidance must strengthen the class with every sche
 in from the pipeline's config (issue 35: DDIM's inherited clip_sample inverted it)."""
 from __future__ import annotations
 
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from diffusers import (
@@ -21,9 +23,14 @@ from diffusers import (
 )
 from diffusers.configuration_utils import register_to_config
 from diffusers.models.unets.unet_2d import UNet2DOutput
+from PIL import Image
 
 from diffusion_extras.evaluation import sampling
-from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, noise_level
+from diffusion_extras.evaluation.pipeline_class_conditional import (
+    DEFAULT_GUIDANCE_SCALE,
+    ClassConditionalPipeline,
+    noise_level,
+)
 
 MEANS = (-0.5, 0.5)  # per-pixel means of the two classes, in the [-1, 1] data range
 STD = 0.5  # per-pixel standard deviation within a class: wide enough that guided x0 estimates leave [-1, 1]
@@ -220,3 +227,62 @@ def test_a_saved_guide_loads_with_the_pipeline(tmp_path):
     assert ClassConditionalPipeline.from_pretrained(tmp_path / "plain").guide is None
     with pytest.raises(ValueError, match="autoguidance=True needs a guide"):
         sample_pipeline(without, autoguidance=True)
+
+
+def saved_with_a_guide(folder) -> ClassConditionalPipeline:
+    """The README's recipe: a weaker UNet set as the guide, then save_pretrained."""
+    from conftest import tiny_unet
+    pipe = conditional_pipeline()
+    pipe.guide = tiny_unet(num_class_embeds=3, seed=1)
+    pipe.save_pretrained(folder)
+    return pipe
+
+
+def test_a_guide_set_then_saved_round_trips_through_remote_code_and_a_resave(tmp_path):
+    """diffusers re-registered the unset optional guide as None (no guide/ written), wrote
+    `_class_name` as a bare string and no pipeline file: the folder then failed
+    DiffusionPipeline.from_pretrained(..., trust_remote_code=True). Re-saving a loaded pipeline (the
+    trainer's export included) must keep all three."""
+    from diffusers import DiffusionPipeline
+    pipe = saved_with_a_guide(tmp_path / "saved")
+    index = json.loads((tmp_path / "saved" / "model_index.json").read_text())
+    assert index["_class_name"] == ["pipeline_class_conditional", "ClassConditionalPipeline"]
+    assert index["guide"] == ["diffusers", "UNet2DModel"] and (tmp_path / "saved" / "guide").is_dir()
+    assert (tmp_path / "saved" / "pipeline_class_conditional.py").is_file()
+    loaded = DiffusionPipeline.from_pretrained(tmp_path / "saved", trust_remote_code=True)
+    assert type(loaded).__name__ == "ClassConditionalPipeline" and loaded.guide is not None
+    assert torch.equal(sample_pipeline(loaded), sample_pipeline(pipe))  # autoguided by the saved guide
+    loaded.save_pretrained(tmp_path / "resaved")
+    again = DiffusionPipeline.from_pretrained(tmp_path / "resaved", trust_remote_code=True)
+    assert torch.equal(sample_pipeline(again), sample_pipeline(pipe))
+    pipe.guide = None  # and a guide taken away is not saved
+    pipe.save_pretrained(tmp_path / "unguided")
+    assert ClassConditionalPipeline.from_pretrained(tmp_path / "unguided").guide is None
+    assert not (tmp_path / "unguided" / "guide").exists()
+
+
+def test_the_sample_command_autoguides_with_a_saved_guide(tmp_path, capsys):
+    """It loaded such a folder as an unconditional DDPMPipeline, without a word."""
+    from diffusion_extras.cli import sample
+    pipe = saved_with_a_guide(tmp_path / "saved")
+    argv = [str(tmp_path / "saved"), "--num_images", "4", "--num_inference_steps", "3", "--device", "cpu"]
+    assert sample.main([*argv, "--output", str(tmp_path / "out")]) == 0
+    written = np.stack([np.asarray(Image.open(tmp_path / "out" / f"{i:06d}.png")) for i in range(4)])
+    expected = sampling.generate(pipe.unet, sampling.make_scheduler("ddim", pipe.scheduler.config), 4, 3, seed=0,
+                                 class_labels=[0, 1, 0, 1], guidance_scale=DEFAULT_GUIDANCE_SCALE, guide=pipe.guide)
+    assert (written == expected[..., 0]).all()
+    assert "wrote 4 images" in capsys.readouterr().out
+    # a folder whose index names the class alone (as save_pretrained wrote it) is not a DDPMPipeline either
+    index_path = tmp_path / "saved" / "model_index.json"
+    index_path.write_text(json.dumps({**json.loads(index_path.read_text()), "_class_name": "ClassConditionalPipeline"}))
+    assert sample.main([*argv, "--output", str(tmp_path / "bare")]) == 0
+    assert all((np.asarray(Image.open(tmp_path / "bare" / f"{i:06d}.png")) == written[i]).all() for i in range(4))
+
+
+def test_a_hub_push_takes_the_guide(tmp_path):
+    from diffusion_extras.hub.push import HubPusher
+    saved_with_a_guide(tmp_path / "saved")
+    pusher = HubPusher.__new__(HubPusher)  # the file selection alone: no repository, no network
+    pusher.folder = str(tmp_path / "saved")
+    assert {"guide/config.json", "guide/diffusion_pytorch_model.safetensors", "pipeline_class_conditional.py",
+            "model_index.json"} <= set(pusher.pipeline_files())

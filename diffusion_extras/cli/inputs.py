@@ -48,8 +48,10 @@ def saved_id2label(path: str) -> dict[int, str]:
 def is_package_pipeline(path: str) -> bool:
     """A checked pipeline folder holds the package's ClassConditionalPipeline (class-conditional, or
     with a saved guide/): model_index.json names its file and class, diffusers' custom-pipeline
-    convention. Otherwise it loads as a DDPMPipeline."""
-    return isinstance(read_model_index(path).get("_class_name"), list)
+    convention, or the class alone (what its save_pretrained wrote before it named the file).
+    Otherwise it loads as a DDPMPipeline."""
+    class_name = read_model_index(path).get("_class_name")
+    return isinstance(class_name, list) or class_name == PIPELINE_CLASS
 
 
 def local_pipeline_folder(name_or_path: str) -> str | None:

@@ -16,6 +16,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 
 import torch
 from diffusers import DDPMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
@@ -173,6 +174,33 @@ class ClassConditionalPipeline(DiffusionPipeline):
         self.register_to_config(id2label={str(k): v for k, v in sorted(id2label.items())})
         self.id2label = id2label
         self.labels = {name: index for index, name in sorted(id2label.items())}  # DiTPipeline's name -> id
+
+    def __setattr__(self, name, value):
+        """`pipe.guide = weaker_unet` registers the guide for save_pretrained: diffusers' own
+        __setattr__ keeps a component that was None at (None, None) in the config, and save_pretrained
+        then skips it."""
+        super().__setattr__(name, value)
+        if name == "guide" and "_internal_dict" in self.__dict__:
+            library = type(value).__module__.split(".")[0]  # "diffusers" for a UNet2DModel
+            self.register_to_config(guide=(None, None) if value is None else (library, type(value).__name__))
+
+    def to_json_string(self) -> str:
+        """model_index.json names this file and class, `_class_name` [module, class] (diffusers'
+        custom-pipeline convention), where diffusers writes the bare class name, which
+        DiffusionPipeline.from_pretrained looks for in diffusers itself."""
+        config = json.loads(super().to_json_string())
+        config["_class_name"] = [PIPELINE_MODULE, PIPELINE_CLASS]
+        return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+    def save_config(self, save_directory, *args, **kwargs):
+        """model_index.json with a copy of this file beside it, which that index names: the folder
+        (save_pretrained's, the trainer's export) loads with DiffusionPipeline.from_pretrained(folder,
+        trust_remote_code=True) without the training package."""
+        os.makedirs(save_directory, exist_ok=True)
+        target = os.path.join(save_directory, f"{PIPELINE_MODULE}.py")
+        if not (os.path.exists(target) and os.path.samefile(__file__, target)):
+            shutil.copyfile(__file__, target)
+        super().save_config(save_directory, *args, **kwargs)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):

@@ -18,10 +18,11 @@ from huggingface_hub.utils import HFValidationError, filter_repo_objects, valida
 from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, PIPELINE_MODULE
 from diffusion_extras.hub.secrets import redact_config  # the project's one secret-dropping rule
 
-# What a DDPMPipeline needs, plus its card; everything else in the output dir stays local.
-# the class-conditional pipeline's source file: model_index.json names it, the Hub loads it as remote code
+# What a DDPMPipeline needs, plus its card; everything else in the output dir stays local. The
+# class-conditional pipeline adds its source file (model_index.json names it, the Hub loads it as
+# remote code) and, where it has one, its autoguidance guide/ (model_index.json names that too).
 PIPELINE_PATTERNS = ["model_index.json", "unet/*", "scheduler/*", "README.md", "images/*", "training_config.yaml",
-                     f"{PIPELINE_MODULE}.py"]
+                     f"{PIPELINE_MODULE}.py", "guide/*"]
 # Training state that must never leave the machine even if it lands inside an allowed folder.
 NEVER_PUSH_PATTERNS = ["*.pkl", "*optimizer*.bin", "*random_states*", "*.lock"]
 CARD_IMAGES_DIR = "images"  # card images live here, the only image folder that is pushed

@@ -199,19 +199,9 @@ def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | 
 
 
 def save_class_conditional(unet, noise_scheduler, class_names: list, folder: str) -> None:
-    """save_pretrained of a ClassConditionalPipeline, plus its source file beside model_index.json
-    and `_class_name` [module, class]: diffusers' custom-pipeline convention, which
+    """save_pretrained of a ClassConditionalPipeline, which writes its source file beside
+    model_index.json and `_class_name` [module, class]: diffusers' custom-pipeline convention, which
     DiffusionPipeline.from_pretrained(folder, trust_remote_code=True) resolves to that file
     (pipeline_loading_utils._resolve_custom_pipeline_and_cls), the package not needed."""
-    import shutil
-
-    pipeline = conditional.ClassConditionalPipeline(unet=unet, scheduler=noise_scheduler,
-                                                    id2label=dict(enumerate(class_names)))
-    pipeline.save_pretrained(folder)
-    shutil.copyfile(conditional.__file__, os.path.join(folder, f"{conditional.PIPELINE_MODULE}.py"))
-    index_path = os.path.join(folder, "model_index.json")
-    with open(index_path) as fh:
-        index = json.load(fh)
-    index["_class_name"] = [conditional.PIPELINE_MODULE, conditional.PIPELINE_CLASS]
-    with open(index_path, "w") as fh:
-        json.dump(index, fh, indent=2, sort_keys=True)
+    conditional.ClassConditionalPipeline(unet=unet, scheduler=noise_scheduler,
+                                         id2label=dict(enumerate(class_names))).save_pretrained(folder)
