@@ -146,24 +146,21 @@ def evaluate(run_dir: str, scorer: DigitScorer, num_samples: int) -> dict:
 
 
 def export_checkpoint(recipe: str | None, extra: list[str], checkpoint: str, folder: str) -> str:
-    """A ClassConditionalPipeline in `folder` with the EMA weights of a training checkpoint (accelerate's
-    custom_checkpoint_1.pkl: the lr scheduler is registered first, the EMA second), for measuring a
-    run that has not finished, or an earlier step as an autoguidance guide."""
-    import torch
-
+    """A ClassConditionalPipeline in `folder` with the EMA weights of a training checkpoint
+    (checkpointing.checkpoint_unet), for measuring a run that has not finished, or an earlier step as
+    an autoguidance guide."""
     from diffusion_extras.data import images as data
     from diffusion_extras.data.labels import class_labels
     from diffusion_extras.training import models
+    from diffusion_extras.training.checkpointing import checkpoint_unet
     from diffusion_extras.training.config import parse_config
     if os.path.isfile(os.path.join(folder, "model_index.json")):
         return folder
     config = parse_config([*(["--config", recipe] if recipe else []), *extra])
     _, names = class_labels(data.load_image_dataset(config), config.label_column)
-    unet = models.build_unet(config, models.follow_data(config, 1, names).model)
-    shadow = torch.load(os.path.join(checkpoint, "custom_checkpoint_1.pkl"), weights_only=False)["shadow_params"]
-    with torch.no_grad():
-        for parameter, value in zip(unet.parameters(), shadow, strict=True):
-            parameter.copy_(value)
+    unet, weights = checkpoint_unet(checkpoint)
+    if weights != "EMA":
+        raise ValueError(f"{checkpoint} holds no EMA weights (its run had use_ema off)")
     models.save_class_conditional(unet, models.build_noise_scheduler(config), names, folder)
     return folder
 

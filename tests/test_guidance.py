@@ -286,3 +286,74 @@ def test_a_hub_push_takes_the_guide(tmp_path):
     pusher.folder = str(tmp_path / "saved")
     assert {"guide/config.json", "guide/diffusion_pytorch_model.safetensors", "pipeline_class_conditional.py",
             "model_index.json"} <= set(pusher.pipeline_files())
+
+
+@pytest.mark.parametrize("mismatch, message", [
+    ({"out_channels": 2}, r"out_channels 2 \(the model's: 1\)"),  # a learned-variance guide: a traceback mid-sampling
+    ({"sample_size": 16}, r"sample_size 16 \(the model's: 8\)"),
+    ({"num_class_embeds": 5}, r"num_class_embeds 5 \(the model's: 3\)"),
+])
+def test_a_guide_that_does_not_fit_the_model_is_one_line_at_assignment_and_at_load(tmp_path, mismatch, message):
+    from conftest import tiny_unet
+    pipe = conditional_pipeline()
+    with pytest.raises(ValueError, match=f"^the guide does not fit the model: its {message}; .*same kind"):
+        pipe.guide = tiny_unet(**{"num_class_embeds": 3, **mismatch})
+    assert pipe.guide is None
+    saved_with_a_guide(tmp_path / "saved")
+    tiny_unet(**{"num_class_embeds": 3, **mismatch}).save_pretrained(tmp_path / "saved" / "guide")  # swapped in on disk
+    with pytest.raises(ValueError, match=message):
+        ClassConditionalPipeline.from_pretrained(tmp_path / "saved")
+
+
+def test_the_commands_refuse_a_guide_of_another_kind_in_one_line(tmp_path, capsys):
+    """--guide of another prediction type (recorded by its pipeline's scheduler) or shape answers with
+    one line naming the mismatch, before any sampling."""
+    from conftest import tiny_unet
+
+    from diffusion_extras.cli import sample
+    saved_with_a_guide(tmp_path / "model")
+    other = ClassConditionalPipeline(unet=tiny_unet(num_class_embeds=3, seed=2),
+                                     scheduler=DDPMScheduler(prediction_type="v_prediction"), id2label={0: "a", 1: "b"})
+    other.save_pretrained(tmp_path / "v")
+    tiny_unet(num_class_embeds=3, out_channels=2).save_pretrained(tmp_path / "learned_variance")
+    argv = [str(tmp_path / "model"), "--num_images", "2", "--num_inference_steps", "2", "--device", "cpu",
+            "--output", str(tmp_path / "out")]
+    for guide, message in [("v", "it predicts v_prediction and the model epsilon"),
+                           ("v/unet", "it predicts v_prediction and the model epsilon"),
+                           ("learned_variance", "out_channels 2 (the model's: 1)")]:
+        with pytest.raises(SystemExit) as exit_info:
+            sample.main([*argv, "--guide", str(tmp_path / guide)])
+        error = capsys.readouterr().err
+        assert exit_info.value.code == 2 and error.startswith(f"error: --guide {tmp_path / guide}: ")
+        assert message in error and error.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_training_checkpoint_guides_with_its_ema_weights(tmp_path, tiny_recipe, fresh_accelerate, capsys):
+    """--guide run/checkpoint-N took accelerate's raw weights, where Karras et al. and bench/quality.py
+    guide with EMA weights: now the EMA's (those the run's exported pipeline holds), saying so; the raw
+    ones only for a run that kept no EMA."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from diffusion_extras.cli.common import load_guide
+    from diffusion_extras.training.main import main
+    run = tmp_path / "run"
+    assert main(["--config", tiny_recipe(), "--output_dir", str(run), "--class_conditional", "--max_train_steps", "2",
+                 "--checkpointing_steps", "2"]) == 0
+    exported = ClassConditionalPipeline.from_pretrained(run).unet  # EMA weights at step 2
+    capsys.readouterr()
+    guide = load_guide(str(run / "checkpoint-2"), exported, "cpu", "epsilon")
+    assert capsys.readouterr().err == f"--guide {run / 'checkpoint-2'}: the checkpoint's EMA weights\n"
+    assert all(torch.equal(value, exported.state_dict()[name]) for name, value in guide.state_dict().items())
+    raw = load_file(run / "checkpoint-2" / "model.safetensors")
+    assert not all(torch.equal(value, raw[name]) for name, value in guide.state_dict().items())
+    without_ema = tmp_path / "checkpoint-without-ema"
+    shutil.copytree(run / "checkpoint-2", without_ema)
+    state = json.loads((without_ema / "train_state.json").read_text())
+    state["config"]["use_ema"] = False
+    (without_ema / "train_state.json").write_text(json.dumps(state))
+    guide = load_guide(str(without_ema), exported, "cpu", "epsilon")
+    assert "the checkpoint's raw weights (the run kept no EMA)" in capsys.readouterr().err
+    assert all(torch.equal(value, raw[name]) for name, value in guide.state_dict().items())

@@ -5,7 +5,9 @@ pipeline (a local folder or a Hub id), loading reference images or statistics fo
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import sys
 
 import numpy as np
 import torch
@@ -19,7 +21,11 @@ from diffusion_extras.cli.inputs import (
 )
 from diffusion_extras.data.images import preprocess_image
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
-from diffusion_extras.evaluation.pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE, ClassConditionalPipeline
+from diffusion_extras.evaluation.pipeline_class_conditional import (
+    DEFAULT_GUIDANCE_SCALE,
+    ClassConditionalPipeline,
+    check_guide,
+)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -88,24 +94,41 @@ def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
     return pipeline.to(device)
 
 
-def load_guide(path: str, unet, device):
-    """The guide UNet of --guide, in `unet`'s dtype: a UNet2DModel folder, a pipeline folder's unet/,
-    or a training checkpoint (accelerate's model.safetensors: the raw, non-EMA weights of that step,
-    with `unet`'s architecture)."""
+def load_guide(path: str, unet, device, prediction_type: str | None = None):
+    """The guide UNet of --guide, in `unet`'s dtype, checked against `unet` (check_guide) and, where its
+    folder records one, against the model's `prediction_type`: a pipeline folder (its unet/, its
+    scheduler's prediction type), a UNet folder (the prediction type of the pipeline around it, if
+    any) or a training checkpoint (its EMA weights where the run kept an EMA, as the exported
+    pipeline and Karras et al.'s guides; else the raw weights of that step; stderr says which)."""
     from diffusers import UNet2DModel
-    from safetensors.torch import load_file
+
+    from diffusion_extras.training.checkpointing import TRAIN_STATE, checkpoint_unet, read_train_state
     folder = os.path.expanduser(path)
-    if os.path.isfile(os.path.join(folder, "model.safetensors")) and not os.path.isfile(
-            os.path.join(folder, "config.json")):
-        guide = UNet2DModel.from_config(unet.config)
-        guide.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
-        return guide.to(device=device, dtype=unet.dtype)
-    if os.path.isdir(os.path.join(folder, "unet")):
-        folder = os.path.join(folder, "unet")
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise ValueError(f"--guide {path}: no UNet there; give a UNet folder, a pipeline folder with unet/ or a "
-                         "training checkpoint folder (model.safetensors)")
-    return UNet2DModel.from_pretrained(folder, torch_dtype=unet.dtype).to(device)
+    if os.path.isfile(os.path.join(folder, TRAIN_STATE)):
+        guide, weights = checkpoint_unet(folder)
+        print(f"--guide {path}: the checkpoint's {weights} weights"
+              + ("" if weights == "EMA" else " (the run kept no EMA)"), file=sys.stderr)
+        guide_prediction_type = read_train_state(folder)["config"].get("prediction_type")
+    else:
+        if os.path.isdir(os.path.join(folder, "unet")):
+            folder = os.path.join(folder, "unet")
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise ValueError(f"--guide {path}: no UNet there; give a UNet folder, a pipeline folder with unet/ or a "
+                             "training checkpoint folder (checkpoint-N)")
+        guide = UNet2DModel.from_pretrained(folder)
+        scheduler_config = os.path.join(os.path.dirname(os.path.normpath(folder)), "scheduler", "scheduler_config.json")
+        guide_prediction_type = None
+        if os.path.isfile(scheduler_config):
+            with open(scheduler_config) as fh:
+                guide_prediction_type = json.load(fh).get("prediction_type", "epsilon")  # diffusers' default
+    try:
+        check_guide(unet, guide)
+    except ValueError as error:
+        raise ValueError(f"--guide {path}: {error}") from None
+    if None not in (prediction_type, guide_prediction_type) and prediction_type != guide_prediction_type:
+        raise ValueError(f"--guide {path}: it predicts {guide_prediction_type} and the model {prediction_type}; "
+                         "a guide must predict the same quantity")
+    return guide.to(device=device, dtype=unet.dtype)
 
 
 def guidance_for(pipeline, args, device, **class_flags) -> dict:
@@ -114,7 +137,8 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
     or one of `class_flags` ({"--flag": value}), is given to an unconditional pipeline without a guide."""
     guide = getattr(pipeline, "guide", None)
     if args.guide is not None:
-        guide = None if args.guide == "none" else load_guide(args.guide, pipeline.unet, device)
+        guide = (None if args.guide == "none" else
+                 load_guide(args.guide, pipeline.unet, device, pipeline.scheduler.config.get("prediction_type")))
     if getattr(pipeline, "id2label", None) or guide is not None:
         scale = DEFAULT_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
         return {"guidance_scale": scale, "guide": guide, "guidance_interval": args.guidance_interval}

@@ -160,6 +160,19 @@ def scheduler_step_output(scheduler, model_output: torch.Tensor, t, sample: torc
     return scheduler.step(model_output, t, sample, **kwargs)
 
 
+def check_guide(unet, guide) -> None:
+    """A one-line ValueError unless `guide` can guide `unet` (autoguidance): the same sample size,
+    channels in and out (a learned-variance model outputs 2C and so must its guide) and classes. Its
+    width and depth are free (a smaller UNet is a weaker guide). The prediction type is the
+    scheduler's, not the UNet's: the commands check it where the guide's folder records it."""
+    fields = ("sample_size", "in_channels", "out_channels", "num_class_embeds")
+    mismatches = [f"{field} {guide.config.get(field)} (the model's: {unet.config.get(field)})"
+                  for field in fields if guide.config.get(field) != unet.config.get(field)]
+    if mismatches:
+        raise ValueError(f"the guide does not fit the model: its {', '.join(mismatches)}; a guide must be a "
+                         "UNet of the same kind (same resolution, channels, classes and variance output)")
+
+
 class ClassConditionalPipeline(DiffusionPipeline):
     """Class-conditional image generation with a UNet2DModel and classifier-free guidance."""
 
@@ -176,9 +189,11 @@ class ClassConditionalPipeline(DiffusionPipeline):
         self.labels = {name: index for index, name in sorted(id2label.items())}  # DiTPipeline's name -> id
 
     def __setattr__(self, name, value):
-        """`pipe.guide = weaker_unet` registers the guide for save_pretrained: diffusers' own
-        __setattr__ keeps a component that was None at (None, None) in the config, and save_pretrained
-        then skips it."""
+        """`pipe.guide = weaker_unet` checks the guide against the model (check_guide; so does loading
+        a folder with a guide/) and registers it for save_pretrained: diffusers' own __setattr__ keeps
+        a component that was None at (None, None) in the config, and save_pretrained then skips it."""
+        if name == "guide" and value is not None and "unet" in self.__dict__:
+            check_guide(self.unet, value)
         super().__setattr__(name, value)
         if name == "guide" and "_internal_dict" in self.__dict__:
             library = type(value).__module__.split(".")[0]  # "diffusers" for a UNet2DModel
@@ -276,6 +291,6 @@ def _randn(shape, generator, device) -> torch.Tensor:
     return torch.randn(shape, generator=generator, device=on).to(device)
 
 
-__all__ = ["DEFAULT_GUIDANCE_SCALE", "ClassConditionalPipeline", "guided_model_output", "guided_step",
+__all__ = ["DEFAULT_GUIDANCE_SCALE", "ClassConditionalPipeline", "check_guide", "guided_model_output", "guided_step",
            "in_guidance_interval", "noise_level", "null_class", "scheduler_model_output", "scheduler_step",
            "unconditional_inputs"]

@@ -269,6 +269,31 @@ def read_train_state(path: str) -> dict:
         return json.load(fh)
 
 
+# The EMA's state in a checkpoint of a run with use_ema: accelerate numbers the registered objects in
+# order, and build.register_checkpointed_state registers the LR schedule first, the EMA second.
+EMA_STATE = "custom_checkpoint_1.pkl"
+
+
+def checkpoint_unet(path: str, ema: bool = True):
+    """(UNet2DModel, "EMA" | "raw") of a training checkpoint: the UNet config it records, with the
+    run's EMA weights where it kept an EMA and `ema` asks for them (what the exported pipeline holds,
+    and what Karras et al. guide with), else the raw weights of that step (accelerate's model.safetensors)."""
+    import torch
+    from diffusers import UNet2DModel
+    from safetensors.torch import load_file
+
+    config = read_train_state(path)["config"]
+    unet = UNet2DModel.from_config(config["unet"])
+    if ema and config.get("use_ema"):
+        shadow = torch.load(os.path.join(path, EMA_STATE), weights_only=True)["shadow_params"]
+        with torch.no_grad():
+            for parameter, value in zip(unet.parameters(), shadow, strict=True):
+                parameter.copy_(value)
+        return unet, "EMA"
+    unet.load_state_dict(load_file(os.path.join(path, "model.safetensors")))
+    return unet, "raw"
+
+
 def compare_configs(saved: dict, current: dict) -> dict[str, dict[str, tuple]]:
     """{policy: {key: (saved, current)}} for every recorded key whose value changed. Keys the
     checkpoint does not record (settings added since it was written) are not compared."""
