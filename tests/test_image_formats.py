@@ -41,7 +41,7 @@ def training_tensor(folder, channels=None, streaming=False, **spec) -> torch.Ten
 
 def png_bytes(samples: np.ndarray, colour_type: int, chunks: bytes = b"", depth: int = 16) -> bytes:
     """A PNG written chunk by chunk, for what Pillow cannot write (16-bit colour, 16-bit gray+alpha,
-    a 2-bit grey image): samples [H, W, C] at `depth` bits, colour type 0 gray, 2 RGB, 4 gray+alpha."""
+    a 2-bit grey image with a key): samples [H, W, C] at `depth` bits, colour type 0 gray, 2 RGB, 4 gray+alpha."""
     height, width = samples.shape[:2]
     if depth == 16:
         packed = samples.astype(">u2").reshape(height, -1).view(np.uint8)
@@ -206,7 +206,47 @@ def test_transparency_is_composited_on_the_background(tmp_path, background, rgb)
     assert tuple(got[0, 1].round().int().tolist()) == rgb  # a fully transparent pixel is the background
 
 
-KEYED_RGB = np.array([[(0, 100, 200), (10, 20, 30), (0, 100, 200), (250, 0, 0)]] * 4, np.uint8)
+KEY_COLOUR = (0, 100, 200)
+KEYED_RGB = np.array([[KEY_COLOUR, (10, 20, 30), KEY_COLOUR, (250, 0, 0)]] * 4, np.uint8)
+KEYED = {  # files whose transparency is a key (tRNS), as PNG optimisers write them: (image, save options)
+    "rgb.png": (Image.fromarray(KEYED_RGB), {"transparency": KEY_COLOUR}),
+    "l.png": (Image.fromarray(KEYED_RGB[..., 1]), {"transparency": 100}),
+    "palette.png": (Image.fromarray(KEYED_RGB).quantize(4), {}),  # its key set below: the entry of KEY_COLOUR
+    "gray16.png": (png_bytes(np.array([[[1000], [30000], [1000], [65535]]] * 4), colour_type=0,
+                             chunks=png_chunk(b"tRNS", struct.pack(">H", 1000))), {}),  # Pillow 10.0 cannot write it
+    # 2 bits a sample, as optimisers shrink a few grey levels: Pillow reads 1 as 85 and compares the key 1 with it
+    "gray2.png": (png_bytes(np.array([[[1], [2], [1], [3]]] * 4), colour_type=0, depth=2,
+                            chunks=png_chunk(b"tRNS", struct.pack(">H", 1))), {}),
+}
+
+
+@pytest.mark.parametrize("name", KEYED)
+def test_a_transparency_key_is_composited_on_the_background_and_kept_as_alpha_alike(tmp_path, name):
+    image, options = KEYED[name]
+    if name == "palette.png":
+        options = {"transparency": image.getpixel((0, 0))}
+    folder = tmp_path / "images"
+    folder.mkdir()
+    image.save(folder / name, **options) if isinstance(image, Image.Image) else (folder / name).write_bytes(image)
+    with Image.open(folder / name) as stored:
+        assert "transparency" in stored.info and "A" not in stored.mode  # a key, no alpha channel
+        deep = stored.mode.startswith("I")  # I;16, or I before Pillow 10.3
+        colour = (np.asarray(stored) / 65535)[..., None] if deep else np.asarray(stored.convert("RGB")) / 255
+    transparent = np.zeros((4, 4), bool)
+    transparent[:, [0, 2]] = True  # the key's pixels, as each file is made
+
+    background = (0x33, 0x66, 0x99)
+    composited = unit_values(training_tensor(folder, background="#336699"))
+    channels = composited.shape[-1]
+    level = np.asarray(Image.new("RGB", (1, 1), background).convert("L" if channels == 1 else "RGB")) / 255
+    expected = np.where(transparent[..., None], level.reshape(-1), colour[..., :channels])
+    assert np.abs(composited - expected).max() < 1e-5  # the key's pixels are the background, the others the file
+
+    kept = unit_values(training_tensor(tmp_path / "images", keep_alpha=True))
+    assert np.array_equal(kept[..., 3] == 0, transparent) and (kept[..., 3][~transparent] == 1).all()
+    assert np.abs(kept[..., :3] - colour).max() < 1e-5  # the colour as stored, its alpha beside it
+
+
 def test_16_bit_gray_alpha_and_a_grey_palette_train_as_grayscale(tmp_path):
     gray_alpha = np.stack([SIXTEEN_BIT, np.array([[65535, 0, 65535, 32768]] * 4, np.uint16)], -1)
     grey_palette = Image.fromarray(KEYED_RGB[..., 1]).convert("P")  # palette entries r = g = b

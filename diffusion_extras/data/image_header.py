@@ -33,6 +33,7 @@ class ImageHeader(NamedTuple):
     white: float | None = 255      # the file's bit depth and sign for I / I;16*, 0.0 and 1.0 for F; None: unknown
     raw_mode: str | None = None    # the decoder's raw mode (how the file lays out its samples), when Pillow says
     reduced: bool = False          # 16-bit samples that Pillow decodes to 8 bits (colour, or gray with alpha)
+    transparency: object = None    # the transparency key (tRNS) in the decoded samples' units, or None
 
 
 def read_header(image: Image.Image) -> ImageHeader:
@@ -43,7 +44,13 @@ def read_header(image: Image.Image) -> ImageHeader:
     grayscale = image.mode in GRAYSCALE_MODES or gray_with_alpha or _grey_palette(image)
     reduced = image.mode in ("RGB", "RGBA") and raw_mode is not None and raw_mode.endswith(";16B")
     black, white = _sample_range(image, raw_mode) if image.mode in DEEP_MODES else (0, 255)
-    return ImageHeader(grayscale, black, white, raw_mode, reduced)
+    key = image.info.get("transparency")
+    low_bits = {"L;2": 2, "L;4": 4}.get(raw_mode) if image.format == "PNG" else None
+    if low_bits and isinstance(key, int):
+        # Pillow scales a 2- or 4-bit grey PNG's samples to 8 bits but not its tRNS key, so the key
+        # would match no pixel: scaled here as the samples are (x 85, x 17)
+        key *= 255 // (2 ** low_bits - 1)
+    return ImageHeader(grayscale, black, white, raw_mode, reduced, key)
 
 
 def _raw_mode(image: Image.Image) -> str | None:

@@ -283,12 +283,14 @@ def _first_items(dataset, image_column: str, count: int) -> list:
 
 
 def _has_alpha(image: Image.Image) -> bool:
-    return image.mode in ("RGBA", "LA", "La", "RGBa", "PA") or (image.mode == "P" and "transparency" in image.info)
+    """An alpha channel, or a transparency key (PNG's tRNS: a colour, a grey level or palette entries)."""
+    return image.mode in ("RGBA", "LA", "La", "RGBa", "PA") or "transparency" in image.info
 
 
 def _as_8bit(image: Image.Image, channels: int, background: tuple) -> Image.Image:
-    """An 8-bit image in L, RGB or RGBA (by `channels`): palettes and CMYK through Pillow's own
-    conversions, transparency composited on `background` (kept as the 4th channel when channels == 4)."""
+    """An 8-bit image in L, RGB or RGBA (by `channels`): palettes, CMYK and transparency keys through
+    Pillow's own conversions (convert("RGBA") turns a key into alpha), transparency composited on
+    `background` (kept as the 4th channel when channels == 4)."""
     if channels == 4:
         return image.convert("RGBA")
     if _has_alpha(image):
@@ -300,8 +302,8 @@ def _as_8bit(image: Image.Image, channels: int, background: tuple) -> Image.Imag
 def _as_unit_float(image: Image.Image, header: ImageHeader, channels: int, background: tuple) -> np.ndarray:
     """float32 [H, W, channels] in [0, 1]: a deep image (one channel, DEEP_MODES) scaled from the
     file's sample range (read_header; a float image outside [0, 1] is refused: there is no range to
-    scale it from), any other through _as_8bit / 255. Deep images are grayscale with no alpha:
-    copies make colour, 1 the alpha."""
+    scale it from), its transparency key (a 16-bit grayscale PNG's tRNS) composited on `background`
+    or kept as alpha, as _as_8bit does; any other image through _as_8bit / 255."""
     if image.mode not in DEEP_MODES:
         array = np.asarray(_as_8bit(image, channels, background), dtype=np.float32) / 255
         return array[:, :, None] if array.ndim == 2 else array
@@ -314,8 +316,13 @@ def _as_unit_float(image: Image.Image, header: ImageHeader, channels: int, backg
     if image.mode == "F" and plane.size and (plane.min() < 0 or plane.max() > 1):
         raise DataError(f"a float image holds values in [{plane.min():g}, {plane.max():g}]; float images are "
                         "read as 0 = black, 1 = white: rescale it to [0, 1]")
-    planes = [plane] * min(channels, 3) + [np.ones_like(plane)] * (channels == 4)
-    return np.stack(planes, axis=-1).astype(np.float32)
+    key = image.info.get("transparency")
+    opaque = samples != key if isinstance(key, int) else np.ones(samples.shape, bool)
+    if channels == 4:
+        return np.stack([plane] * 3 + [opaque], axis=-1).astype(np.float32)
+    # the background as the model's channels, through Pillow's own RGB -> L for grayscale
+    levels = np.asarray(Image.new("RGB", (1, 1), background).convert("L" if channels == 1 else "RGB")).reshape(-1)
+    return np.stack([np.where(opaque, plane, level / 255) for level in levels], axis=-1).astype(np.float32)
 
 
 def preprocess_image(image: Image.Image, resolution: int, center_crop: bool, channels: int,
@@ -326,7 +333,9 @@ def preprocess_image(image: Image.Image, resolution: int, center_crop: bool, cha
     any image stored as uint16 (x 65535) or float32 (in [0, 1]), resized per channel in Pillow's
     float mode F, so no sample passes through 8 bits before the storage's own rounding."""
     header = read_header(image)  # first: what the file says is gone once the pixels load (exif_transpose)
-    image = ImageOps.exif_transpose(image)
+    image = ImageOps.exif_transpose(image)  # a new image: setting its info leaves the caller's untouched
+    if header.transparency is not None:
+        image.info["transparency"] = header.transparency
     width, height = image.size
     scale = resolution / min(width, height)
     size = (max(resolution, round(width * scale)), max(resolution, round(height * scale)))
