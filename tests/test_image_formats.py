@@ -140,7 +140,7 @@ def test_a_16_bit_pgm_trains_its_values_not_the_int32_range(tmp_path, header, bo
 
 
 def test_a_16_bit_png_read_as_mode_i_trains_its_values(tmp_path, monkeypatch):
-    """Pillow before 10.3 (which pyproject allowed) opens a 16-bit grayscale PNG as mode I: its own
+    """Pillow before 10.3 (which pyproject allows) opens a 16-bit grayscale PNG as mode I: its own
     table entry from then, set here, reproduces it on the pinned Pillow."""
     from PIL import PngImagePlugin
     monkeypatch.setitem(PngImagePlugin._MODES, (16, 0), ("I", "I;16B"))
