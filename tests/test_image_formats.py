@@ -6,6 +6,7 @@ import struct
 import zlib
 from contextlib import nullcontext
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -166,18 +167,30 @@ def test_a_tiff_trains_by_its_bit_depth_and_sign(tmp_path, name, samples, bits, 
     assert np.abs(got - (samples.astype(np.float64) - black) / (white - black)).max() < 2e-5
 
 
-def test_a_mode_i_image_whose_range_is_unknown_is_refused(tmp_path):
-    # a McIDAS area file of 4-byte elements: Pillow's mode I, raw mode I;32B, no word of black or white
+def mcidas_area() -> bytes:
+    """A McIDAS area file of 4x4 4-byte elements: Pillow's mode I, raw mode I;32B, no word of black or white."""
     words = np.zeros(64, ">i4")
     words[[1, 8, 9, 10, 13, 33]] = 4, 4, 4, 4, 1, 256  # type, lines, elements, bytes each, bands, data offset
+    return words.tobytes() + np.arange(16, dtype=">i4").tobytes()
+
+
+def test_a_mode_i_image_whose_range_is_unknown_is_refused(tmp_path):
     path = tmp_path / "area"
-    path.write_bytes(words.tobytes() + np.arange(16, dtype=">i4").tobytes())
+    path.write_bytes(mcidas_area())
     assert Image.open(path).mode == "I"
     with pytest.raises(data.DataError, match=r"^\S*area: Pillow reads it as 32-bit integers \(mode I, raw mode "
                                              r"I;32B\) and nothing says.*save it as a 16-bit PNG or TIFF"):
         data.stored_format([{"path": str(path), "bytes": None}])
     with pytest.raises(data.DataError, match=r"\(mode I, no file behind it\)"):  # made in memory
         data.preprocess_image(Image.fromarray(np.zeros((4, 4), np.int32)), 4, False, 1)
+    # the run's data source refuses it as it is built, before any step (main prints DataError's one line)
+    saved = str(tmp_path / "saved")
+    datasets.Dataset.from_dict({"image": [{"bytes": mcidas_area(), "path": None}] * 2},
+                               features=datasets.Features({"image": datasets.Image()})).save_to_disk(saved)
+    spec = DataSpec(dataset_name=saved, resolution=4, train_batch_size=1, cache_dir=str(tmp_path / "cache"))
+    dataset, channels, _ = sources.open_training_data(spec, OneProcess())
+    with pytest.raises(data.DataError, match=r"^image 0: Pillow reads it as 32-bit integers \(mode I, raw mode I;32B"):
+        sources.build_source(spec, OneProcess(), channels, dataset)
 
 
 def test_a_float_image_outside_0_1_is_named_not_clipped(tmp_path):
