@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Fine-tuning against training from scratch, at equal steps, on digits (issue 34).
+"""Fine-tuning against training from scratch, at equal steps, on digits.
 
     python bench/finetune_digits.py --base_steps 500 --steps 200
 

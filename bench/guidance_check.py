@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Class accuracy of guided sampling the way users reach it (issue 35's "done when"):
+"""Class accuracy of guided sampling the way users reach it:
 
     python bench/guidance_check.py RUN_DIR [--guidance_scales 2,3,4] [--per_class 10]
 

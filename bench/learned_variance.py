@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Fixed against learned variance (issue 25) on the digits: ancestral (DDPM) sampling at several
+"""Fixed against learned variance on the digits: ancestral (DDPM) sampling at several
 step counts, scored by bench/quality.py's classifier FID, and bits/dim of the held-out digits.
 
     python bench/learned_variance.py --max_train_steps 600 --out bench/results/learned_variance

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""How long a preemption stop takes (issue 33): the digits default recipe with loader workers,
+"""How long a preemption stop takes: the digits default recipe with loader workers,
 a stop signal to the whole process group (as Slurm and a terminal send it) a few seconds into
 training, and the times to the "preempted:" line and to the process's exit.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Exact resume of a streamed run, from every checkpoint (issue 21).
+"""Exact resume of a streamed run, from every checkpoint.
 
 Writes webdataset .tar shards of scikit-learn digits (JPEG), trains a straight streamed run with
 DataLoader workers that crosses several per-worker epochs with a checkpoint every --every steps,

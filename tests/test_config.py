@@ -209,17 +209,3 @@ def test_saved_config_lists_settings_in_group_order(tmp_path):
         keys = list(yaml.safe_load((tmp_path / "c.yaml").read_text()))  # safe_load keeps the file's order
         assert keys == [f.name for f in dataclasses.fields(TrainConfig) if f.name != "hub_token"]
         assert [group_index(k) for k in keys] == sorted(group_index(k) for k in keys)
-
-
-def test_readme_lists_the_flag_groups_as_help_does():
-    """README's Flags section: one bullet per group, in GROUPS order, naming only that group's flags."""
-    import re
-
-    from diffusion_extras.training.config import GROUPS
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = readme[readme.index("## Flags"):readme.index("## Checkpoints and resume")]
-    bullets = re.findall(r"^- \*\*(.+?)\*\*:(.*?)(?=^- |\Z)", section, re.MULTILINE | re.DOTALL)
-    assert [title for title, _ in bullets] == list(GROUPS)
-    for title, body in bullets:
-        for name in re.findall(r"--(?:no-)?(\w+)", body):
-            assert GROUPS[group_index(name)] == title, f"README lists --{name} under {title}"

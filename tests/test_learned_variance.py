@@ -28,7 +28,7 @@ EVERY_PATH = ("--variance_type", "learned_range", "--max_train_steps", 4, "--sav
 @pytest.fixture(scope="module")
 def learned_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("learned_run")
-    result = run_training(folder, write_tiny_recipe(folder), folder / "run", *EVERY_PATH)
+    result = run_training(write_tiny_recipe(folder), folder / "run", *EVERY_PATH)
     return SimpleNamespace(output=folder / "run", log=result.stdout + result.stderr)
 
 

@@ -8,7 +8,7 @@ from dataclasses import fields
 
 import pytest
 import torch
-from conftest import HOOKED_TRAIN, ROOT, read_history, run_training, write_tiny_recipe
+from conftest import HOOKED_TRAIN, read_history, run_training, write_tiny_recipe
 
 from diffusion_extras.training import checkpointing
 from diffusion_extras.training.config import RESUME_POLICIES, TrainConfig, resume_policy
@@ -33,14 +33,6 @@ def test_every_recorded_key_has_a_policy_and_the_check_reads_it():
     assert set(changes["refuse"]) == {"unet", "rescale_betas_zero_snr", "use_8bit_adam"}
     assert changes["apply"] == {"learning_rate": (1e-3, 1e-5)}
     assert changes["free"] == {"output_dir": ("a", "b")}
-
-
-def test_readme_states_the_policy_table_of_the_metadata():
-    """README's resume section lists every field under the policy its metadata declares."""
-    from diffusion_extras.training.resume_policy import policy_table
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    assert policy_table() in readme, \
-        "README's policy table is stale: paste diffusion_extras.training.resume_policy.policy_table()"
 
 
 # ----------------------------------------------------------------------------- real runs

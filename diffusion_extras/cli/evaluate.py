@@ -26,7 +26,7 @@ from diffusion_extras.cli.arguments import (
     positive_int,
 )
 from diffusion_extras.cli.inputs import check_pipeline_argument, check_reference
-from diffusion_extras.core.commands import importing_the_stack
+from diffusion_extras.core.commands import importing_the_stack, leaves_the_process_as_found
 from diffusion_extras.evaluation import distributed
 from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT, SCHEDULERS, extractors_for, parse_metrics
 from diffusion_extras.evaluation.inception_file import check_inception_reachable
@@ -61,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@leaves_the_process_as_found
 def main(argv=None) -> int:
     args = parse_args(argv)
     with one_line_errors():  # a missing file, a misplaced flag or no detector offline answer at once too

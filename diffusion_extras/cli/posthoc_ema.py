@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING
 
 from diffusion_extras.cli.arguments import add_device_argument, one_line_errors, positive_int
-from diffusion_extras.core.commands import importing_the_stack, prog_name
+from diffusion_extras.core.commands import importing_the_stack, leaves_the_process_as_found, prog_name
 
 if TYPE_CHECKING:
     import torch
@@ -123,6 +123,7 @@ def _run(args) -> None:
     print(f"exported sigma_rel={best['sigma_rel']} (step {step}) to {args.export}")
 
 
+@leaves_the_process_as_found
 def main(argv=None) -> None:
     with one_line_errors():
         _run(_parse_args(argv))

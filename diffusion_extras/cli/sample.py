@@ -16,7 +16,7 @@ from diffusion_extras.cli.arguments import (
     positive_int,
 )
 from diffusion_extras.cli.inputs import check_pipeline_argument, saved_id2label
-from diffusion_extras.core.commands import importing_the_stack
+from diffusion_extras.core.commands import importing_the_stack, leaves_the_process_as_found
 from diffusion_extras.evaluation.choices import SAMPLING_DTYPES, SCHEDULERS
 
 
@@ -39,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@leaves_the_process_as_found
 def main(argv=None) -> int:
     args = parse_args(argv)
     with one_line_errors():  # a missing folder, a misplaced flag or an unknown class answers at once too

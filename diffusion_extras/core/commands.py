@@ -1,12 +1,16 @@
 """What every command line shares below the commands themselves (they live in cli/ and report/)."""
 from __future__ import annotations
 
+import functools
 import gc
+import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
+
+from diffusion_extras.core import stop_flag
 
 
 def prog_name(command: str) -> str:
@@ -49,3 +53,59 @@ def exit_with(code: int | None) -> NoReturn:
     gc.collect()
     gc.freeze()
     sys.exit(code)
+
+
+@contextmanager
+def leaving_the_process_as_found(record_stop_signals: bool = True) -> Iterator[None]:
+    """Around a command's main(): from its first line, stop signals are recorded (stop_flag; the
+    trainer's, which saves and stops on them), and warnings are logged to stderr. On every way out
+    (an exit code, an error, an exception) the process is left as the caller had it, so that a
+    program that calls main() (a notebook, a test) keeps its own Ctrl-C and can call it again: its
+    signal handlers back, no signal or stop on record, the log handler removed, accelerate's
+    process-wide state reset (the next Accelerator starts anew, as in a fresh process), torch's
+    TF32 switches as they were."""
+    previous_handlers = stop_flag.record_early_signals() if record_stop_signals else {}
+    log_handler = None
+    if not logging.root.handlers:  # logging.basicConfig's condition; this handler leaves with the command
+        log_handler = logging.StreamHandler(sys.stderr)
+        log_handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logging.root.addHandler(log_handler)
+    log_level = logging.root.level
+    logging.root.setLevel(logging.WARNING)
+    tf32 = _tf32_switches()
+    try:
+        yield
+    finally:
+        stop_flag.reset(previous_handlers)
+        if log_handler is not None:
+            logging.root.removeHandler(log_handler)
+        logging.root.setLevel(log_level)
+        _set_tf32_switches(tf32)
+        if "accelerate.state" in sys.modules:
+            from accelerate.state import AcceleratorState, GradientState
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+
+
+def _tf32_switches() -> tuple[bool, bool]:
+    """torch's (matmul, cuDNN) TF32 switches now: torch's defaults where torch is not imported yet."""
+    if "torch" not in sys.modules:
+        return False, True
+    import torch
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+def _set_tf32_switches(switches: tuple[bool, bool]) -> None:
+    if "torch" in sys.modules:
+        import torch
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = switches
+
+
+def leaves_the_process_as_found(main: Callable) -> Callable:
+    """A command's main() (sample, evaluate, post-hoc EMA) run in leaving_the_process_as_found,
+    without recording stop signals: those commands stop at Ctrl-C as any program does."""
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs):
+        with leaving_the_process_as_found(record_stop_signals=False):
+            return main(*args, **kwargs)
+    return wrapped

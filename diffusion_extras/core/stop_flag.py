@@ -1,5 +1,5 @@
 """A process-wide "the run was asked to stop" flag, read by long work between its batches or
-denoising steps (issue 33): sample grids, FID/KID, held-out loss, the gradient monitor. A grid of
+denoising steps: sample grids, FID/KID, held-out loss, the gradient monitor. A grid of
 1000 DDIM steps or an FID of 10k images takes minutes, past a scheduler's grace period (Slurm's
 KillWait is 30 s), so the work gives up at its next step and the trainer writes its checkpoint.
 
@@ -41,14 +41,26 @@ POLL_SECONDS = 0.5   # check() asks the store whether another rank stopped at mo
 WAIT_SECONDS = 0.01  # the agreement's poll interval while it waits for the other ranks
 
 
-def record_early_signals() -> None:
+def record_early_signals() -> dict:
     """From the first line of the command on, a stop signal is recorded instead of killing the
     process: Slurm may signal a job while it imports torch or builds its data (seen here with
     `--time=1 --signal=USR1@40`: the signal came 20 s in). The loop's watch (training/preemption.py)
-    takes it over and stops after the first step with a checkpoint."""
-    if threading.current_thread() is threading.main_thread():
-        for number in STOP_SIGNALS:
-            signal.signal(number, _record_early)
+    takes it over and stops after the first step with a checkpoint. Returns the handlers it
+    replaced, for `reset` ({} off the main thread, where Python sets no handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {number: signal.signal(number, _record_early) for number in STOP_SIGNALS}
+
+
+def reset(previous_handlers: dict) -> None:
+    """The process as before record_early_signals: its handlers back, no signal on record, no stop
+    requested or shared. A command's main() calls it on every exit, so that a program (a notebook, a
+    test) that runs it keeps its own Ctrl-C and can run it again."""
+    global _early
+    for number, handler in previous_handlers.items():
+        signal.signal(number, handler)
+    _early = None
+    clear()
 
 
 def ignore_at_exit() -> None:

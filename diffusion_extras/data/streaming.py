@@ -54,8 +54,8 @@ def first_stored_images(spec: DataSpec, count: int = 16) -> list:
     """The stream's first `count` images in stored order, undecoded ({"bytes", "path"}): what the
     colour channels and the pixel format are judged by, as cached data is judged by its first rows.
     The same images on every rank, and read without the shuffle: an iteration of a shuffled parquet
-    stream ends with a 5-s sleep (datasets' workaround for Arrow issue 45214), which each start-up
-    peek at the shuffled shard used to pay."""
+    stream ends with a 5-s sleep (datasets' workaround for apache/arrow#45214), which a start-up
+    peek at the shuffled shard would pay."""
     import datasets
     stream = open_stream(spec)
     column = find_image_column(stream, spec.image_column)
@@ -84,7 +84,7 @@ class DecodedStream(torch.utils.data.IterableDataset):
     epoch; in a DataLoader worker, over the worker's share of the shards. Its state (epoch, examples
     consumed in it, examples seen in all) is what StatefulDataLoader saves for each worker.
 
-    Why not datasets' own state_dict (issue 21): datasets keeps the epoch as ONE tensor in shared
+    Why not datasets' own state_dict: datasets keeps the epoch as ONE tensor in shared
     memory for all the workers of a process, and set_epoch is a read-modify-write on it
     (`_epoch += epoch - _epoch`). Two workers that set it together (both restored at once, or both
     at an epoch boundary) add their epochs up: 1 + 1 = 2. A worker then reads another epoch's shard
@@ -207,7 +207,7 @@ class StreamingBatches:
                             f"{state.get('num_workers')} (each worker reads its own shards); resume with that value")
         if any("consumed" not in worker for worker in worker_states(state["loader"])):
             raise DataError("the checkpoint's stream position was saved from datasets' shared epoch, which DataLoader "
-                            "workers race on (issue 21), and may be wrong; start a new --output_dir")
+                            "workers race on, and may be wrong; start a new --output_dir")
         self.loader.load_state_dict(state["loader"])
         self._iterator, self._closed_at = None, None
 

@@ -4,7 +4,7 @@ A job scheduler signals every process of the job, not only the trainer: Slurm's 
 `scancel` and the time limit reach each process of the step, and Ctrl-C reaches the terminal's
 whole process group. A loader worker left with the default action dies of SIGTERM/SIGUSR1
 ("DataLoader worker (pid ...) is killed by signal") and takes the run down before it can save;
-on SIGINT torch's worker loop exits quietly, with the same result (issue 33). Workers own nothing
+on SIGINT torch's worker loop exits quietly, with the same result. Workers own nothing
 worth saving, so they ignore these signals from anyone but their parent; the main process, which
 records them (training/preemption.py), stops the run at a step boundary and ends its workers itself.
 

@@ -5,7 +5,7 @@ the noisiest (or the cleanest) timesteps. `TimestepDiagnostics` bins the unweigh
 by timestep and counts optimizer-step events (clipping, non-finite steps) in device tensors; the
 host sees them once per logging interval, in `reduce_and_reset`. A class-conditional run also sums
 the loss per (class, timestep bin), which gives each class's loss against all classes' at the same
-timesteps: the classes that lag (issue 23).
+timesteps: the classes that lag (report/class_balance.py names them).
 
 `bayes_optimal_loss` is the loss of the best denoiser for Gaussian data with the dataset's
 per-dimension variance. The posterior mean E[x0 | x_t] of such data is linear in x_t, so this is

@@ -1,4 +1,4 @@
-"""Health check on the loss per class of a class-conditional run (issue 23): which classes lag.
+"""Health check on the loss per class of a class-conditional run: which classes lag.
 The diagnostics log `loss_class/<id>`, each class's loss over what all classes reach at the same
 timesteps (monitoring/diagnostics.py), so 1 is average whatever timesteps a class drew."""
 from __future__ import annotations

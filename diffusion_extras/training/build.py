@@ -78,6 +78,17 @@ def setup(config: TrainConfig, hooks: Hooks | None = None) -> Run:
         resume(run)
     run.hub_pusher, run.secrets = artifacts.connect_hub(config, accelerator.is_main_process)
     start_trackers(run)
+    try:
+        prepare_evaluation_and_probes(run)
+    except BaseException:
+        run.accelerator.end_training()  # the trackers just started end with the failed setup
+        raise
+    return run
+
+
+def prepare_evaluation_and_probes(run: Run) -> None:
+    """The FID/KID detector and reference statistics, the gradient monitor and the reference bins."""
+    config, accelerator = run.config, run.accelerator
     if accelerator.is_main_process:
         run.extras.evaluation = artifacts.prepare_evaluation(config, run.data.source, accelerator.device)
         run.extras.grad_monitor = make_grad_monitor(config, run.plan, run.data.source)
@@ -89,7 +100,6 @@ def setup(config: TrainConfig, hooks: Hooks | None = None) -> Run:
         if not accelerator.is_main_process:
             run.extras.evaluation = artifacts.prepare_evaluation(config, run.data.source, accelerator.device,
                                                                  with_reference=False)
-    return run
 
 
 def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_steps: int | None = None,

@@ -1,4 +1,4 @@
-"""A full disk is an error with a remedy, not a crash (issue 22): exit code 5 and one line saying
+"""A full disk is an error with a remedy, not a crash: exit code 5 and one line saying
 which folder, how much is free, how much is needed, the newest complete checkpoint, and how to go on.
 
 Two guards: before each checkpoint, the free space of output_dir against the size of the newest

@@ -11,7 +11,6 @@ Under torch.distributed.run the launcher exits 1 when a rank fails and names eac
 """
 from __future__ import annotations
 
-import logging
 import re
 import sys
 from typing import NoReturn
@@ -34,9 +33,14 @@ __all__ = ["Hooks", "cli", "finish", "main"]
 
 
 def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
-    """Train as `train_ddpm.py argv...` would; `hooks` replaces the extension points (hooks.py)."""
-    stop_flag.record_early_signals()  # a scheduler's signal during start-up is kept, not fatal
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    """Train as `train_ddpm.py argv...` would; `hooks` replaces the extension points (hooks.py).
+    Returns the exit code; the calling process is left as it was (commands.leaving_the_process_as_found),
+    so a program may call it again."""
+    with commands.leaving_the_process_as_found():  # a scheduler's signal during start-up is kept, not fatal
+        return train_from_command_line(argv, hooks)
+
+
+def train_from_command_line(argv: list[str] | None, hooks: Hooks | None) -> int:
     try:
         config = parse_config(argv)
         redact_argv(sys.argv, [config.hub_token])  # trackers (wandb) record the command line
@@ -54,8 +58,10 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
     except (ConfigError, DataError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finished = False
     try:
-        train(run)
+        train(run)  # ends the trackers when it finishes
+        finished = True
     except DataError as error:  # met in a stream while training (a label outside the declared classes)
         print(f"error: {data_error_line(error)} (met while training). Newest complete checkpoint: "
               f"{disk_space.newest_checkpoint(config.output_dir)}. Fix the data, "
@@ -71,6 +77,9 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> int:
         print(f"error: {disk_space.full_disk_message(str(error.filename or 'output'), config.output_dir, [])}",
               file=sys.stderr, flush=True)
         return DiskFull.exit_code
+    finally:
+        if not finished:  # every other way out ends the trackers too (their files closed, wandb's run ended)
+            run.accelerator.end_training()
     return 0
 
 
@@ -99,6 +108,7 @@ def check_run_before_the_stack(config) -> None:
 
 def cli() -> None:
     """The process entry (train_ddpm.py, `ddpm-train`): main(), then exit with its code."""
+    stop_flag.record_early_signals()  # as train_ddpm.py does: until the exit, a stop signal is only recorded
     finish(main())
 
 

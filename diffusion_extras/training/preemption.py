@@ -1,4 +1,4 @@
-"""Preemption (issues 21, 33): SIGTERM, SIGUSR1 (what Slurm's `--signal` sends) or SIGINT (Ctrl-C,
+"""Preemption: SIGTERM, SIGUSR1 (what Slurm's `--signal` sends) or SIGINT (Ctrl-C,
 which a terminal sends to the whole process group) stops the run at the end of the current optimizer
 step with a checkpoint at that step, one line, and exit code 4.
 

@@ -70,8 +70,9 @@ POLICY_MEANINGS = {
 
 
 def policy_table() -> str:
-    """README's resume-policy table, generated from the fields' metadata (a test checks README
-    holds exactly this). `model` is the recipe's UNet; the process count is recorded too."""
+    """The resume-policy table of docs/checkpoints.md, generated from the fields' metadata by
+    docs/generate_tables.py (tests/test_docs.py checks the committed table is this one). `model`
+    is the recipe's UNet; the process count is recorded too."""
     rows = ["| On resume, a changed setting is | Settings |", "|---|---|"]
     for policy in (REFUSE, APPLY, FREE):
         names = [f"`--{f.name}`" if f.metadata["cli"] else f"`{f.name}` (recipe)"

@@ -1,0 +1,201 @@
+"""The commands in README.md (and the reference pages of docs/) run with the current flags.
+
+Every `python ...`, `accelerate launch ...` and `sbatch examples/slurm/...` line of their bash blocks
+is parsed in-process by the argument parser of the command it starts: the trainer's
+(`training.config.build_parser`, and a `--config` recipe must hold only known settings), the
+`python -m diffusion_extras.*` commands', accelerate's `launch`, pytest's. Parsing is all: no
+command runs, so no data, network or GPU is needed.
+"""
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import io
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# README and the hand-written reference pages; BENCHMARKS.md and EXPERIMENTS.md record the commands
+# of past measurements as they were run
+DOCUMENTS = ["README.md"] + sorted(
+    f"docs/{name}" for name in os.listdir(ROOT / "docs")
+    if name.endswith(".md") and name not in ("BENCHMARKS.md", "EXPERIMENTS.md"))
+COMMANDS = ("diffusion_extras.sample", "diffusion_extras.evaluate", "diffusion_extras.posthoc_ema",
+            "diffusion_extras.report")
+PROGRAMS = ("python", "accelerate", "sbatch")
+
+
+def bash_commands(text: str) -> list[str]:
+    """The command lines of the ```bash blocks: continuations joined, `a && b` split, comments
+    dropped; only those that start one of PROGRAMS (after VAR=value assignments)."""
+    lines = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, re.MULTILINE | re.DOTALL):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("&&"):
+                words = shlex.split(part, comments=True)
+                while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+                    words = words[1:]
+                if words and words[0] in PROGRAMS:
+                    lines.append(shlex.join(words))
+    return lines
+
+
+class _Parsed(Exception):
+    """Raised by the patched ArgumentParser.parse_args once a command's flags have parsed."""
+
+
+def _parse_only(monkeypatch) -> None:
+    """A command's main() stops right after its parser accepted the flags: the parser is built in
+    main() by the sample, evaluate, posthoc_ema and report commands, so it is reached through it."""
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+
+
+def _argparse_error(stop: SystemExit, stderr: str) -> str | None:
+    """None for `--help` (exit status 0), else argparse's error line."""
+    if stop.code == 0:
+        return None
+    return stderr.strip().splitlines()[-1] if stderr.strip() else f"exited with {stop.code} while parsing"
+
+
+@contextlib.contextmanager
+def _quiet(stderr: io.StringIO):
+    """What a parser prints (its --help, its error with the usage) is kept out of the test's output."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+        yield
+
+
+def check_train(args: list[str]) -> str | None:
+    """train_ddpm.py's flags, and the settings of the --config recipe they name."""
+    from diffusion_extras.training.config import ConfigError, build_parser, from_sources, load_yaml
+    stderr = io.StringIO()
+    try:
+        with _quiet(stderr):
+            namespace = build_parser().parse_args(args)
+    except SystemExit as stop:
+        return _argparse_error(stop, stderr.getvalue())
+    values = vars(namespace)
+    recipe = values.pop("config")
+    try:
+        from_sources(load_yaml(str(ROOT / recipe)) if recipe else {}, values)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def check_module_command(module: str, args: list[str], monkeypatch) -> str | None:
+    """A `python -m diffusion_extras.COMMAND` line, by that command's main() up to its parse."""
+    main = importlib.import_module(module.replace("diffusion_extras.", "diffusion_extras.cli.")
+                                   if module != "diffusion_extras.report" else "diffusion_extras.report.health").main
+    stderr = io.StringIO()
+    with monkeypatch.context() as patch:
+        _parse_only(patch)
+        try:
+            with _quiet(stderr):
+                main(args)
+        except _Parsed:
+            return None
+        except SystemExit as stop:
+            return _argparse_error(stop, stderr.getvalue())
+    return f"{module} ran without parsing its flags"
+
+
+def check_line(line: str, monkeypatch, pytestconfig) -> str | None:
+    """None when the command line parses, else what is wrong with it."""
+    words = shlex.split(line)
+    program, args = words[0], words[1:]
+    if program == "accelerate":
+        if args[:1] != ["launch"]:
+            return "only `accelerate launch` is known here"
+        from accelerate.commands.launch import launch_command_parser
+        stderr = io.StringIO()
+        try:
+            with _quiet(stderr):
+                launch = launch_command_parser().parse_args(args[1:])
+        except SystemExit as stop:
+            problem = _argparse_error(stop, stderr.getvalue())
+            return problem and f"accelerate launch: {problem}"
+        if launch.training_script != "train_ddpm.py":
+            return f"accelerate launch of {launch.training_script}: only train_ddpm.py is known here"
+        return check_train(launch.training_script_args)
+    if program == "sbatch":  # sbatch [its options] SCRIPT [train_ddpm.py's flags]
+        while args and args[0].startswith("-"):
+            args = args[1:]
+        if not args or not args[0].startswith("examples/slurm/") or not (ROOT / args[0]).is_file():
+            return "sbatch of a script that is not in examples/slurm/"
+        return check_train(args[1:])
+    if args[:1] == ["train_ddpm.py"]:
+        return check_train(args[1:])
+    if args[:1] == ["docs/generate_tables.py"]:
+        return None if set(args[1:]) <= {"--check"} else "docs/generate_tables.py takes only --check"
+    if args[:1] == ["-m"] and args[1] in COMMANDS:
+        return check_module_command(args[1], args[2:], monkeypatch)
+    if args[:2] == ["-m", "pytest"]:
+        # the running pytest's own parser, its plugins (xdist's -n) loaded; private, as pytest
+        # offers no public way to parse a command line without running it
+        _, unknown = pytestconfig._parser.parse_known_and_unknown_args(args[2:])
+        paths = [arg for arg in args[2:] if not arg.startswith("-") and not arg.isdigit()]
+        missing = [path for path in paths if not (ROOT / path).exists()]
+        return f"pytest: unknown {unknown}, missing {missing}" if unknown or missing else None
+    return "no parser known for this command: teach tests/test_readme.py.check_line it"
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_command_line_parses(document, monkeypatch, pytestconfig):
+    lines = bash_commands((ROOT / document).read_text(encoding="utf-8"))
+    assert lines or document != "README.md", "README.md has no command in a bash block"
+    problems = [f"{line}\n    -> {problem}" for line in lines
+                if (problem := check_line(line, monkeypatch, pytestconfig)) is not None]
+    assert not problems, f"{document}: commands that no longer parse:\n" + "\n".join(problems)
+
+
+def test_readme_keeps_its_two_first_commands():
+    """The install-and-train and install-and-test lines open the README, as they are."""
+    lines = bash_commands((ROOT / "README.md").read_text(encoding="utf-8"))
+    install = ["pip install torch==2.13.0", "pip install -r requirements.txt"]
+    assert lines[:2] == ["python train_ddpm.py --output_dir ddpm-digits", "python -m pytest -n 3 tests"]
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    for command in ("python train_ddpm.py --output_dir ddpm-digits", "python -m pytest -n 3 tests"):
+        assert " && ".join([*install, command]) in text
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("python train_ddpm.py --made_up_flag 1", "unrecognized arguments: --made_up_flag"),
+    ("python train_ddpm.py --config configs/digits.yaml --learning_rate", "expected one argument"),
+    ("accelerate launch --multi_gpu train_ddpm.py --made_up_flag 1", "unrecognized arguments: --made_up_flag"),
+    ("accelerate launch --made_up_launcher_flag train_ddpm.py", "unrecognized arguments: --made_up_launcher_flag"),
+    ("sbatch --nodes=2 examples/slurm/train_multi_node.sbatch --made_up_flag 1", "--made_up_flag"),
+    ("python -m diffusion_extras.sample run --output s --made_up_flag 1", "unrecognized arguments: --made_up_flag"),
+    ("python -m diffusion_extras.evaluate run --reference r --made_up_flag", "unrecognized arguments"),
+    ("python -m diffusion_extras.posthoc_ema run --sigma_rels 0.1 --made_up_flag 1", "unrecognized arguments"),
+    ("python -m diffusion_extras.report run --made_up_flag", "unrecognized arguments"),
+    ("python -m pytest -n 3 --made-up-option tests", "unknown ['--made-up-option']"),
+    ("python -m pytest tests/test_made_up.py", "missing ['tests/test_made_up.py']"),
+    ("python bench/made_up.py", "no parser known"),
+])
+def test_a_flag_no_command_knows_is_caught(line, problem, monkeypatch, pytestconfig):
+    """Each checker rejects what its command would reject: none of them passes anything."""
+    assert problem in (check_line(line, monkeypatch, pytestconfig) or "")
+
+
+def test_a_recipe_setting_that_does_not_exist_is_caught(tmp_path, monkeypatch):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("learning_rate: 1.0e-4\nmade_up_setting: 1\n")
+    assert "unknown setting(s) in the recipe: made_up_setting" in check_train(["--config", str(recipe)])
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_link_to_a_file_of_the_repository_resolves(document):
+    """Relative Markdown links ([text](docs/flags.md), [text](BENCHMARKS.md)) name files that exist."""
+    text = (ROOT / document).read_text(encoding="utf-8")
+    targets = [target.split("#")[0] for target in re.findall(r"\]\(([^)\s]+)\)", text)
+               if "://" not in target and not target.startswith("#")]
+    missing = [target for target in targets if not ((ROOT / document).parent / target).exists()]
+    assert not missing, f"{document} links to files that do not exist: {missing}"
