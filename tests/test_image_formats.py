@@ -1,7 +1,9 @@
-"""Images as stored (data/images.py): 16- and 32-bit samples keep their precision into the [-1, 1]
-tensor, transparency is composited on --background or kept (--keep_alpha), EXIF orientation is
-applied, palette / CMYK / LA convert as Pillow defines them. Each case is a real file written by
-Pillow, compared with the training tensor."""
+"""Images as stored (data/images.py, data/image_header.py): 16- and 32-bit samples keep their
+precision into the [-1, 1] tensor, scaled from the range the file states; transparency (alpha or a
+tRNS key) is composited on --background or kept (--keep_alpha); EXIF orientation is applied;
+palette / CMYK / LA convert as Pillow defines them; grayscale is what the file holds, whatever
+Pillow's mode. Each case is a real file, written by Pillow or, where Pillow cannot write it, chunk
+by chunk (PNG) or tag by tag (TIFF), compared with the training tensor."""
 import struct
 import zlib
 from contextlib import nullcontext
