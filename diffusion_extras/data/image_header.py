@@ -27,8 +27,7 @@ TIFF_BITS_PER_SAMPLE, TIFF_SAMPLE_FORMAT = 258, 339  # SampleFormat: 1 unsigned,
 
 
 class ImageHeader(NamedTuple):
-    """One file's colour and sample range."""
-    grayscale: bool                # one colour: also a 16-bit gray+alpha PNG (Pillow: RGBA) and a grey palette (P)
+    """One file's sample range and transparency key: what decoding it needs."""
     black: float | None = 0        # the decoded sample value of black, and of white: 0 and 255 for 8-bit modes,
     white: float | None = 255      # the file's bit depth and sign for I / I;16*, 0.0 and 1.0 for F; None: unknown
     raw_mode: str | None = None    # the decoder's raw mode (how the file lays out its samples), when Pillow says
@@ -40,8 +39,6 @@ def read_header(image: Image.Image) -> ImageHeader:
     """The header of a freshly opened image. Once loaded (or if made in memory) it has no raw mode,
     and a mode I image's range is then known only from a TIFF's tags or a PGM."""
     raw_mode = _raw_mode(image)
-    gray_with_alpha = image.mode == "RGBA" and raw_mode is not None and raw_mode.split(";")[0] == "LA"
-    grayscale = image.mode in GRAYSCALE_MODES or gray_with_alpha or _grey_palette(image)
     reduced = image.mode in ("RGB", "RGBA") and raw_mode is not None and raw_mode.endswith(";16B")
     black, white = _sample_range(image, raw_mode) if image.mode in DEEP_MODES else (0, 255)
     key = image.info.get("transparency")
@@ -50,7 +47,16 @@ def read_header(image: Image.Image) -> ImageHeader:
         # Pillow scales a 2- or 4-bit grey PNG's samples to 8 bits but not its tRNS key, so the key
         # would match no pixel: scaled here as the samples are (x 85, x 17)
         key *= 255 // (2 ** low_bits - 1)
-    return ImageHeader(grayscale, black, white, raw_mode, reduced, key)
+    return ImageHeader(black, white, raw_mode, reduced, key)
+
+
+def holds_grayscale(image: Image.Image) -> bool:
+    """Whether a freshly opened image holds one colour: a grayscale mode, a 16-bit gray+alpha PNG
+    (Pillow: RGBA, from raw mode LA;16B) or a palette whose entries are all grey. It converts the
+    palette (~0.1 ms), so only the channel detection asks it, not each decode."""
+    raw_mode = _raw_mode(image)
+    gray_with_alpha = image.mode == "RGBA" and raw_mode is not None and raw_mode.split(";")[0] == "LA"
+    return image.mode in GRAYSCALE_MODES or gray_with_alpha or _grey_palette(image)
 
 
 def _raw_mode(image: Image.Image) -> str | None:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image, ImageOps
 
-from diffusion_extras.data.image_header import DEEP_MODES, ImageHeader, read_header
+from diffusion_extras.data.image_header import DEEP_MODES, ImageHeader, holds_grayscale, read_header
 from diffusion_extras.data.spec import DataSpec
 
 logger = logging.getLogger(__name__)
@@ -232,13 +232,13 @@ def _unknown_range(header: ImageHeader) -> str:
 
 
 def _stored_headers(items) -> list:
-    """(name, read_header) of each stored image ({"bytes", "path"}) that opens. Only the headers are
-    read (PIL opens lazily)."""
+    """(name, read_header, holds_grayscale) of each stored image ({"bytes", "path"}) that opens. Only
+    the headers are read (PIL opens lazily)."""
     headers = []
     for index, item in enumerate(items):
         try:
             with _decode(item) as image:
-                headers.append((item.get("path") or f"image {index}", read_header(image)))
+                headers.append((item.get("path") or f"image {index}", read_header(image), holds_grayscale(image)))
         except Exception:  # an unreadable file is named (and skipped) by the decoder later
             continue
     return headers
@@ -246,9 +246,9 @@ def _stored_headers(items) -> list:
 
 def stored_channels(items) -> int | None:
     """3 if any of the stored images is in colour (RGB, RGBA, a colour palette, CMYK, ...), 1 if all
-    are grayscale (a 16-bit gray+alpha PNG and a grey palette too: read_header), None if none opens."""
+    are grayscale (a 16-bit gray+alpha PNG and a grey palette too: holds_grayscale), None if none opens."""
     headers = _stored_headers(items)
-    return (1 if all(header.grayscale for _, header in headers) else 3) if headers else None
+    return (1 if all(grayscale for _, _, grayscale in headers) else 3) if headers else None
 
 
 def stored_format(items, background: str = "white") -> PixelFormat:
@@ -256,15 +256,15 @@ def stored_format(items, background: str = "white") -> PixelFormat:
     file whose range cannot be known is refused here, before training; files with 16-bit samples
     that Pillow decodes to 8 bits are named in one warning."""
     headers = _stored_headers(items)
-    for name, header in headers:
+    for name, header, _ in headers:
         if header.white is None:
             raise DataError(f"{name}: {_unknown_range(header)}")
-    reduced = [name for name, header in headers if header.reduced]
+    reduced = [name for name, header, _ in headers if header.reduced]
     if reduced:
         warnings.warn(f"{reduced[0]} (and {len(reduced) - 1} more of the first images) holds 16-bit colour or "
                       "gray+alpha, which Pillow decodes to 8 bits per channel: it trains at 8-bit precision "
                       "(16-bit grayscale without alpha keeps 16 bits)", stacklevel=2)
-    dtypes = {storage_dtype(header) for _, header in headers}
+    dtypes = {storage_dtype(header) for _, header, _ in headers}
     return PixelFormat(max(dtypes, key=PIXEL_DTYPES.index, default="uint8"), parse_background(background))
 
 
@@ -317,7 +317,10 @@ def _as_unit_float(image: Image.Image, header: ImageHeader, channels: int, backg
         raise DataError(f"a float image holds values in [{plane.min():g}, {plane.max():g}]; float images are "
                         "read as 0 = black, 1 = white: rescale it to [0, 1]")
     key = image.info.get("transparency")
-    opaque = samples != key if isinstance(key, int) else np.ones(samples.shape, bool)
+    if not isinstance(key, int):  # no key: copies make colour, 1 the alpha
+        planes = [plane] * min(channels, 3) + [np.ones_like(plane)] * (channels == 4)
+        return np.stack(planes, axis=-1).astype(np.float32)
+    opaque = samples != key
     if channels == 4:
         return np.stack([plane] * 3 + [opaque], axis=-1).astype(np.float32)
     # the background as the model's channels, through Pillow's own RGB -> L for grayscale
