@@ -317,7 +317,7 @@ def test_image_channels_follow_the_pil_mode(tmp_path):
     assert data.stored_channels(items) == 1
     for mode in ("RGB", "RGBA", "P"):
         path = tmp_path / f"{mode}.png"
-        Image.new(mode, (4, 4)).save(path)
+        Image.new("RGB", (4, 4), "teal").convert(mode).save(path)  # a palette of colours: a grey one is grayscale
         assert data.stored_channels(items + [{"path": str(path), "bytes": None}]) == 3
     assert data.stored_channels([{"path": str(tmp_path / "missing.png"), "bytes": None}]) is None
 

@@ -1,7 +1,14 @@
-"""Images as stored (data/images.py): 16- and 32-bit samples keep their precision into the [-1, 1]
-tensor, transparency is composited on --background or kept (--keep_alpha), EXIF orientation is
-applied, palette / CMYK / LA convert as Pillow defines them. Each case is a real file written by
-Pillow, compared with the training tensor."""
+"""Images as stored (data/images.py, data/image_header.py): 16- and 32-bit samples keep their
+precision into the [-1, 1] tensor, scaled from the range the file states; transparency (alpha or a
+tRNS key) is composited on --background or kept (--keep_alpha); EXIF orientation is applied;
+palette / CMYK / LA convert as Pillow defines them; grayscale is what the file holds, whatever
+Pillow's mode. Each case is a real file, written by Pillow or, where Pillow cannot write it, chunk
+by chunk (PNG) or tag by tag (TIFF), compared with the training tensor."""
+import struct
+import zlib
+from contextlib import nullcontext
+
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -35,6 +42,36 @@ def training_tensor(folder, channels=None, streaming=False, **spec) -> torch.Ten
     return batch_order.to_model_input(batch, "cpu")[0]
 
 
+def png_bytes(samples: np.ndarray, colour_type: int, chunks: bytes = b"", depth: int = 16) -> bytes:
+    """A PNG written chunk by chunk, for what Pillow cannot write (16-bit colour, 16-bit gray+alpha,
+    a 2-bit grey image with a key): samples [H, W, C] at `depth` bits, colour type 0 gray, 2 RGB, 4 gray+alpha."""
+    height, width = samples.shape[:2]
+    if depth == 16:
+        packed = samples.astype(">u2").reshape(height, -1).view(np.uint8)
+    else:  # `depth` bits a sample, most significant first
+        bits = np.unpackbits(samples.astype(np.uint8).reshape(height, -1, 1), axis=-1)[..., 8 - depth:]
+        packed = np.packbits(bits.reshape(height, -1), axis=-1)
+    rows = b"".join(b"\x00" + row.tobytes() for row in packed)  # filter type 0 per row
+    header = struct.pack(">IIBBBBB", width, height, depth, colour_type, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + chunks + png_chunk(b"IDAT", zlib.compress(rows))
+            + png_chunk(b"IEND", b""))
+
+
+def png_chunk(kind: bytes, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
+def tiff_bytes(samples: np.ndarray, bits: int, sample_format: int, strip: bytes | None = None) -> bytes:
+    """A one-strip grayscale little-endian TIFF written tag by tag, for what Pillow cannot write
+    (signed 16-bit, 12-bit, unsigned 32-bit); `strip` gives packed samples (12-bit) as stored."""
+    height, width = samples.shape
+    strip = samples.astype(samples.dtype.newbyteorder("<")).tobytes() if strip is None else strip
+    tags = [(256, width), (257, height), (258, bits), (259, 1), (262, 1), (273, 8), (277, 1), (278, height),
+            (279, len(strip)), (339, sample_format)]  # 262 BlackIsZero, 273 the strip right after the header
+    entries = b"".join(struct.pack("<HHII", tag, 4, 1, value) for tag, value in tags)  # all as LONG
+    return b"II*\x00" + struct.pack("<I", 8 + len(strip)) + strip + struct.pack("<H", len(tags)) + entries + b"\0" * 4
+
+
 def one_image_folder(tmp_path, image: Image.Image, name="a.png", **save) -> str:
     folder = tmp_path / "images"
     folder.mkdir()
@@ -45,7 +82,7 @@ def one_image_folder(tmp_path, image: Image.Image, name="a.png", **save) -> str:
 @pytest.mark.parametrize("streaming", [False, True])
 def test_a_16_bit_png_trains_its_16_bit_values(tmp_path, streaming):
     folder = one_image_folder(tmp_path, Image.fromarray(SIXTEEN_BIT))
-    assert Image.open(folder / "a.png").mode == "I;16"  # what Pillow hands over
+    assert Image.open(folder / "a.png").mode in ("I;16", "I")  # what Pillow hands over (I before Pillow 10.3)
     tensor = training_tensor(folder, streaming=streaming)
     expected = torch.from_numpy(SIXTEEN_BIT.astype(np.float32) / 32767.5 - 1)
     assert tensor.shape == (1, 4, 4)
@@ -83,6 +120,81 @@ def test_32_bit_integer_and_float_images_follow_the_stated_rules(tmp_path):
     assert torch.allclose(training_tensor(folder)[0], torch.from_numpy(floats * 2 - 1), atol=1e-6)  # 0 black, 1 white
 
 
+def unit_values(tensor: torch.Tensor) -> np.ndarray:
+    """A training tensor [C, H, W] in [-1, 1] back to [H, W, C] in [0, 1]."""
+    return ((tensor.permute(1, 2, 0).double() + 1) / 2).numpy()
+
+
+PGM_VALUES = np.array([[0, 1, 512, 1023]] * 4)
+
+
+@pytest.mark.parametrize("header, body, maxval", [
+    pytest.param(b"P5 4 4 65535\n", SIXTEEN_BIT.astype(">u2").tobytes(), 65535, id="raw-16-bit"),  # read as I;16B
+    pytest.param(b"P5 4 4 1023\n", PGM_VALUES.astype(">u2").tobytes(), 1023, id="raw-10-bit"),  # Pillow rescales
+    pytest.param(b"P2 4 4 1023\n", " ".join(map(str, PGM_VALUES.flat)).encode(), 1023, id="plain-10-bit")])
+def test_a_16_bit_pgm_trains_its_values_not_the_int32_range(tmp_path, header, body, maxval):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    (folder / "a.pgm").write_bytes(header + body)
+    assert Image.open(folder / "a.pgm").mode == "I"  # Pillow's 32-bit integers, holding 16-bit values
+    values = SIXTEEN_BIT if maxval == 65535 else PGM_VALUES
+    got = unit_values(training_tensor(folder))[..., 0]
+    assert np.abs(got - values / maxval).max() < 1e-5  # 1 of 1023 is 1/1023, not 0.5000000002
+
+
+def test_a_16_bit_png_read_as_mode_i_trains_its_values(tmp_path, monkeypatch):
+    """Pillow before 10.3 (which pyproject allows) opens a 16-bit grayscale PNG as mode I: its own
+    table entry from then, set here, reproduces it on the pinned Pillow."""
+    from PIL import PngImagePlugin
+    monkeypatch.setitem(PngImagePlugin._MODES, (16, 0), ("I", "I;16B"))
+    folder = one_image_folder(tmp_path, Image.fromarray(SIXTEEN_BIT))
+    assert Image.open(folder / "a.png").mode == "I"
+    assert np.abs(unit_values(training_tensor(folder))[..., 0] - SIXTEEN_BIT / 65535).max() < 1e-6
+
+
+@pytest.mark.parametrize("name, samples, bits, sample_format, strip, black, white", [
+    pytest.param("signed16", np.array([[-32768, -1, 0, 32767]] * 4, np.int16), 16, 2, None, -32768, 32767,
+                 id="signed-16-bit"),  # Pillow: mode I, raw mode I;16S
+    pytest.param("unsigned32", np.array([[0, 1, 2 ** 31, 2 ** 32 - 1]] * 4, np.uint32), 32, 1, None, 0, 2 ** 32 - 1,
+                 id="unsigned-32-bit"),  # Pillow: mode I holding the bits as int32
+    pytest.param("twelve", np.array([[0, 1, 2048, 4095]] * 4), 12, 1, b"\x00\x00\x01\x80\x0f\xff" * 4, 0, 4095,
+                 id="12-bit")])  # Pillow: mode I;16 holding 0..4095; two samples in three bytes
+def test_a_tiff_trains_by_its_bit_depth_and_sign(tmp_path, name, samples, bits, sample_format, strip, black, white):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    (folder / f"{name}.tiff").write_bytes(tiff_bytes(samples, bits, sample_format, strip))
+    with Image.open(folder / f"{name}.tiff") as image:
+        assert np.array_equal(np.asarray(image).astype(np.int64) % 2 ** 32, samples.astype(np.int64) % 2 ** 32)
+    got = unit_values(training_tensor(folder))[..., 0]
+    assert np.abs(got - (samples.astype(np.float64) - black) / (white - black)).max() < 2e-5
+
+
+def mcidas_area() -> bytes:
+    """A McIDAS area file of 4x4 4-byte elements: Pillow's mode I, raw mode I;32B, no word of black or white."""
+    words = np.zeros(64, ">i4")
+    words[[1, 8, 9, 10, 13, 33]] = 4, 4, 4, 4, 1, 256  # type, lines, elements, bytes each, bands, data offset
+    return words.tobytes() + np.arange(16, dtype=">i4").tobytes()
+
+
+def test_a_mode_i_image_whose_range_is_unknown_is_refused(tmp_path):
+    path = tmp_path / "area"
+    path.write_bytes(mcidas_area())
+    assert Image.open(path).mode == "I"
+    with pytest.raises(data.DataError, match=r"^\S*area: Pillow reads it as 32-bit integers \(mode I, raw mode "
+                                             r"I;32B\) and nothing says.*save it as a 16-bit PNG or TIFF"):
+        data.stored_format([{"path": str(path), "bytes": None}])
+    with pytest.raises(data.DataError, match=r"\(mode I, no file behind it\)"):  # made in memory
+        data.preprocess_image(Image.fromarray(np.zeros((4, 4), np.int32)), 4, False, 1)
+    # the run's data source refuses it as it is built, before any step (main prints DataError's one line)
+    saved = str(tmp_path / "saved")
+    datasets.Dataset.from_dict({"image": [{"bytes": mcidas_area(), "path": None}] * 2},
+                               features=datasets.Features({"image": datasets.Image()})).save_to_disk(saved)
+    spec = DataSpec(dataset_name=saved, resolution=4, train_batch_size=1, cache_dir=str(tmp_path / "cache"))
+    dataset, channels, _ = sources.open_training_data(spec, OneProcess())
+    with pytest.raises(data.DataError, match=r"^image 0: Pillow reads it as 32-bit integers \(mode I, raw mode I;32B"):
+        sources.build_source(spec, OneProcess(), channels, dataset)
+
+
 def test_a_float_image_outside_0_1_is_named_not_clipped(tmp_path):
     folder = tmp_path / "images"
     folder.mkdir()
@@ -107,6 +219,70 @@ def test_transparency_is_composited_on_the_background(tmp_path, background, rgb)
     got = (tensor.permute(1, 2, 0).double() + 1) * 127.5
     assert np.abs(got.numpy() - expected).max() <= 1.0  # Pillow's 8-bit compositing rounds
     assert tuple(got[0, 1].round().int().tolist()) == rgb  # a fully transparent pixel is the background
+
+
+KEY_COLOUR = (0, 100, 200)
+KEYED_RGB = np.array([[KEY_COLOUR, (10, 20, 30), KEY_COLOUR, (250, 0, 0)]] * 4, np.uint8)
+KEYED = {  # files whose transparency is a key (tRNS), as PNG optimisers write them: (image, save options)
+    "rgb.png": (Image.fromarray(KEYED_RGB), {"transparency": KEY_COLOUR}),
+    "l.png": (Image.fromarray(KEYED_RGB[..., 1]), {"transparency": 100}),
+    "palette.png": (Image.fromarray(KEYED_RGB).quantize(4), {}),  # its key set below: the entry of KEY_COLOUR
+    "gray16.png": (png_bytes(np.array([[[1000], [30000], [1000], [65535]]] * 4), colour_type=0,
+                             chunks=png_chunk(b"tRNS", struct.pack(">H", 1000))), {}),  # Pillow 10.0 cannot write it
+    # 2 bits a sample, as optimisers shrink a few grey levels: Pillow reads 1 as 85 and compares the key 1 with it
+    "gray2.png": (png_bytes(np.array([[[1], [2], [1], [3]]] * 4), colour_type=0, depth=2,
+                            chunks=png_chunk(b"tRNS", struct.pack(">H", 1))), {}),
+}
+
+
+@pytest.mark.parametrize("name", KEYED)
+def test_a_transparency_key_is_composited_on_the_background_and_kept_as_alpha_alike(tmp_path, name):
+    image, options = KEYED[name]
+    if name == "palette.png":
+        options = {"transparency": image.getpixel((0, 0))}
+    folder = tmp_path / "images"
+    folder.mkdir()
+    image.save(folder / name, **options) if isinstance(image, Image.Image) else (folder / name).write_bytes(image)
+    with Image.open(folder / name) as stored:
+        assert "transparency" in stored.info and "A" not in stored.mode  # a key, no alpha channel
+        deep = stored.mode.startswith("I")  # I;16, or I before Pillow 10.3
+        colour = (np.asarray(stored) / 65535)[..., None] if deep else np.asarray(stored.convert("RGB")) / 255
+    transparent = np.zeros((4, 4), bool)
+    transparent[:, [0, 2]] = True  # the key's pixels, as each file is made
+
+    background = (0x33, 0x66, 0x99)
+    composited = unit_values(training_tensor(folder, background="#336699"))
+    channels = composited.shape[-1]
+    level = np.asarray(Image.new("RGB", (1, 1), background).convert("L" if channels == 1 else "RGB")) / 255
+    expected = np.where(transparent[..., None], level.reshape(-1), colour[..., :channels])
+    assert np.abs(composited - expected).max() < 1e-5  # the key's pixels are the background, the others the file
+
+    kept = unit_values(training_tensor(tmp_path / "images", keep_alpha=True))
+    assert np.array_equal(kept[..., 3] == 0, transparent) and (kept[..., 3][~transparent] == 1).all()
+    assert np.abs(kept[..., :3] - colour).max() < 1e-5  # the colour as stored, its alpha beside it
+
+
+def test_16_bit_gray_alpha_and_a_grey_palette_train_as_grayscale(tmp_path):
+    gray_alpha = np.stack([SIXTEEN_BIT, np.array([[65535, 0, 65535, 32768]] * 4, np.uint16)], -1)
+    grey_palette = Image.fromarray(KEYED_RGB[..., 1]).convert("P")  # palette entries r = g = b
+    cases = {"gray_alpha16.png": png_bytes(gray_alpha.astype(">u2"), colour_type=4), "grey_palette.png": grey_palette,
+             "colour_palette.png": Image.fromarray(KEYED_RGB).quantize(4)}
+    for name, file in cases.items():
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        file.save(folder / name) if isinstance(file, Image.Image) else (folder / name).write_bytes(file)
+        with Image.open(folder / name) as stored:
+            assert stored.mode == {"gray_alpha16.png": "RGBA"}.get(name, "P")  # Pillow's modes, 3 channels
+            stored.load()
+            on_white = Image.alpha_composite(Image.new("RGBA", stored.size, (255, 255, 255, 255)),
+                                             stored.convert("RGBA"))
+        found = sources.open_training_data(DataSpec(train_data_dir=str(folder)), OneProcess())[1]
+        assert found == (3 if name.startswith("colour") else 1), name
+        if name.startswith("colour"):
+            continue
+        with pytest.warns(UserWarning, match="gray.alpha") if name.startswith("gray") else nullcontext():
+            got = training_tensor(folder)
+        assert np.array_equal(np.round(unit_values(got) * 255)[..., 0], np.asarray(on_white.convert("L"))), name
 
 
 def test_keep_alpha_trains_four_channels(tmp_path):
@@ -196,16 +372,9 @@ def _tiny_model(overrides: dict) -> dict:
 
 
 def test_a_16_bit_colour_png_is_named_as_read_at_8_bits(tmp_path):
-    import struct
-    import zlib
-
-    def chunk(kind, payload):
-        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
     samples = np.array([[[0, 1000, 65535], [30000, 256, 257]]], dtype=">u2")  # Pillow cannot write this
-    rows = b"".join(b"\x00" + row.tobytes() for row in samples)
     path = tmp_path / "rgb16.png"
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 2, 1, 16, 2, 0, 0, 0))
-                     + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    path.write_bytes(png_bytes(samples, colour_type=2))
     with pytest.warns(UserWarning, match=r"rgb16\.png .*16-bit colour.*8-bit precision"):
         assert data.stored_format([{"path": str(path), "bytes": None}]).dtype == "uint8"
     with Image.open(path) as image:

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image, ImageOps
 
+from diffusion_extras.data.image_header import DEEP_MODES, ImageHeader, holds_grayscale, read_header
 from diffusion_extras.data.spec import DataSpec
 
 logger = logging.getLogger(__name__)
@@ -193,11 +194,6 @@ def find_image_column(dataset, image_column: str | None = None) -> str:
 
 
 # ----------------------------------------------------------------------------- channels and depth
-GRAYSCALE_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "I;16N", "F")  # PIL modes with one colour
-# PIL modes whose samples numpy reads at more than 8 bits, with the range that maps to [0, 1]:
-# unsigned 16-bit (PNG, TIFF), signed 32-bit integer (the int32 range), 32-bit float (0 black, 1 white)
-DEEP_MODES = {"I;16": (0, 65535), "I;16B": (0, 65535), "I;16L": (0, 65535), "I;16N": (0, 65535),
-              "I": (-2 ** 31, 2 ** 31 - 1), "F": (0.0, 1.0)}
 PIXEL_DTYPES = ("uint8", "uint16", "float32")  # how decoded images are stored (cache, stream), by depth
 BACKGROUNDS = {"white": (255, 255, 255), "black": (0, 0, 0)}
 
@@ -220,41 +216,55 @@ def parse_background(value: str) -> tuple:
     raise DataError(f"--background {value!r}: give white, black or a colour #rrggbb")
 
 
-def mode_dtype(mode: str) -> str:
-    """The storage a PIL mode needs to keep its precision."""
-    return "float32" if mode in ("I", "F") else "uint16" if mode.startswith("I;16") else "uint8"
+def storage_dtype(header: ImageHeader) -> str:
+    """The storage a file's samples need to keep their precision: up to 256 levels uint8, up to
+    65,536 uint16 (as unit values x 65535: a 12-bit or a signed 16-bit file too), else float32."""
+    if isinstance(header.white, float):
+        return "float32"
+    levels = header.white - header.black + 1
+    return "uint8" if levels <= 256 else "uint16" if levels <= 65536 else "float32"
 
 
-def _stored_modes(items, warn_reduced: bool = False) -> set:
-    """The PIL modes of the stored images; with `warn_reduced`, a colour file with 16-bit samples,
-    which Pillow decodes to 8 bits per channel (its top byte), is named in one warning: it trains at
-    8-bit precision."""
-    modes, reduced = set(), []
-    for item in items:
+def _unknown_range(header: ImageHeader) -> str:
+    source = f"raw mode {header.raw_mode}" if header.raw_mode else "no file behind it"
+    return (f"Pillow reads it as 32-bit integers (mode I, {source}) and nothing says which values are black and "
+            "white: save it as a 16-bit PNG or TIFF, or a float TIFF in [0, 1]")
+
+
+def _stored_headers(items) -> list:
+    """(name, read_header, holds_grayscale) of each stored image ({"bytes", "path"}) that opens. Only
+    the headers are read (PIL opens lazily)."""
+    headers = []
+    for index, item in enumerate(items):
         try:
             with _decode(item) as image:
-                modes.add(image.mode)
-                if image.mode in ("RGB", "RGBA") and any(str(tile.args).endswith(";16B") for tile in image.tile):
-                    reduced.append(item.get("path") or "an image")
+                headers.append((item.get("path") or f"image {index}", read_header(image), holds_grayscale(image)))
         except Exception:  # an unreadable file is named (and skipped) by the decoder later
             continue
-    if reduced and warn_reduced:
-        warnings.warn(f"{reduced[0]} (and {len(reduced) - 1} more of the first images) holds 16-bit colour, which "
-                      "Pillow decodes to 8 bits per channel: it trains at 8-bit precision (16-bit grayscale keeps "
-                      "16 bits)", stacklevel=2)
-    return modes
+    return headers
 
 
 def stored_channels(items) -> int | None:
-    """3 if any of the stored images ({"bytes", "path"}) is in colour (RGB, RGBA, P, CMYK, ...), 1 if
-    all are grayscale, None if none opens. Only the headers are read (PIL opens lazily)."""
-    modes = _stored_modes(items)
-    return (1 if modes <= set(GRAYSCALE_MODES) else 3) if modes else None
+    """3 if any of the stored images is in colour (RGB, RGBA, a colour palette, CMYK, ...), 1 if all
+    are grayscale (a 16-bit gray+alpha PNG and a grey palette too: holds_grayscale), None if none opens."""
+    headers = _stored_headers(items)
+    return (1 if all(grayscale for _, _, grayscale in headers) else 3) if headers else None
 
 
 def stored_format(items, background: str = "white") -> PixelFormat:
-    """The PixelFormat of the stored images: the deepest of their modes (headers only)."""
-    dtypes = {mode_dtype(mode) for mode in _stored_modes(items, warn_reduced=True)}
+    """The PixelFormat of the stored images: the deepest of their sample ranges (headers only). A
+    file whose range cannot be known is refused here, before training; files with 16-bit samples
+    that Pillow decodes to 8 bits are named in one warning."""
+    headers = _stored_headers(items)
+    for name, header, _ in headers:
+        if header.white is None:
+            raise DataError(f"{name}: {_unknown_range(header)}")
+    reduced = [name for name, header, _ in headers if header.reduced]
+    if reduced:
+        warnings.warn(f"{reduced[0]} (and {len(reduced) - 1} more of the first images) holds 16-bit colour or "
+                      "gray+alpha, which Pillow decodes to 8 bits per channel: it trains at 8-bit precision "
+                      "(16-bit grayscale without alpha keeps 16 bits)", stacklevel=2)
+    dtypes = {storage_dtype(header) for _, header, _ in headers}
     return PixelFormat(max(dtypes, key=PIXEL_DTYPES.index, default="uint8"), parse_background(background))
 
 
@@ -273,12 +283,14 @@ def _first_items(dataset, image_column: str, count: int) -> list:
 
 
 def _has_alpha(image: Image.Image) -> bool:
-    return image.mode in ("RGBA", "LA", "La", "RGBa", "PA") or (image.mode == "P" and "transparency" in image.info)
+    """An alpha channel, or a transparency key (PNG's tRNS: a colour, a grey level or palette entries)."""
+    return image.mode in ("RGBA", "LA", "La", "RGBa", "PA") or "transparency" in image.info
 
 
 def _as_8bit(image: Image.Image, channels: int, background: tuple) -> Image.Image:
-    """An 8-bit image in L, RGB or RGBA (by `channels`): palettes and CMYK through Pillow's own
-    conversions, transparency composited on `background` (kept as the 4th channel when channels == 4)."""
+    """An 8-bit image in L, RGB or RGBA (by `channels`): palettes, CMYK and transparency keys through
+    Pillow's own conversions (convert("RGBA") turns a key into alpha), transparency composited on
+    `background` (kept as the 4th channel when channels == 4)."""
     if channels == 4:
         return image.convert("RGBA")
     if _has_alpha(image):
@@ -287,29 +299,46 @@ def _as_8bit(image: Image.Image, channels: int, background: tuple) -> Image.Imag
     return image.convert("L" if channels == 1 else "RGB")
 
 
-def _as_unit_float(image: Image.Image, channels: int, background: tuple) -> np.ndarray:
-    """float32 [H, W, channels] in [0, 1]: a deep image scaled from its mode's range (DEEP_MODES;
-    a float image outside [0, 1] is refused: there is no range to scale it from), any other
-    through _as_8bit / 255. Deep modes are grayscale with no alpha: copies make colour, 1 the alpha."""
+def _as_unit_float(image: Image.Image, header: ImageHeader, channels: int, background: tuple) -> np.ndarray:
+    """float32 [H, W, channels] in [0, 1]: a deep image (one channel, DEEP_MODES) scaled from the
+    file's sample range (read_header; a float image outside [0, 1] is refused: there is no range to
+    scale it from), its transparency key (a 16-bit grayscale PNG's tRNS) composited on `background`
+    or kept as alpha, as _as_8bit does; any other image through _as_8bit / 255."""
     if image.mode not in DEEP_MODES:
         array = np.asarray(_as_8bit(image, channels, background), dtype=np.float32) / 255
         return array[:, :, None] if array.ndim == 2 else array
-    low, high = DEEP_MODES[image.mode]
-    plane = (np.asarray(image).astype(np.float64) - low) / (high - low)
+    if header.white is None:
+        raise DataError(_unknown_range(header))
+    samples = np.asarray(image)
+    if header.white > np.iinfo(np.int32).max:
+        samples = samples.view(np.uint32)  # an unsigned 32-bit file: Pillow holds its bits in int32
+    plane = (samples.astype(np.float64) - header.black) / (header.white - header.black)
     if image.mode == "F" and plane.size and (plane.min() < 0 or plane.max() > 1):
         raise DataError(f"a float image holds values in [{plane.min():g}, {plane.max():g}]; float images are "
                         "read as 0 = black, 1 = white: rescale it to [0, 1]")
-    planes = [plane] * min(channels, 3) + [np.ones_like(plane)] * (channels == 4)
-    return np.stack(planes, axis=-1).astype(np.float32)
+    key = image.info.get("transparency")
+    if not isinstance(key, int):  # no key: copies make colour, 1 the alpha
+        planes = [plane] * min(channels, 3) + [np.ones_like(plane)] * (channels == 4)
+        return np.stack(planes, axis=-1).astype(np.float32)
+    opaque = samples != key
+    if channels == 4:
+        return np.stack([plane] * 3 + [opaque], axis=-1).astype(np.float32)
+    # the background as the model's channels, through Pillow's own RGB -> L for grayscale
+    levels = np.asarray(Image.new("RGB", (1, 1), background).convert("L" if channels == 1 else "RGB")).reshape(-1)
+    return np.stack([np.where(opaque, plane, level / 255) for level in levels], axis=-1).astype(np.float32)
 
 
 def preprocess_image(image: Image.Image, resolution: int, center_crop: bool, channels: int,
                      pixels: PixelFormat = EIGHT_BIT) -> np.ndarray:
     """EXIF orientation applied, mode by the model's channels (4: RGBA), shorter side to
     `resolution` (bicubic, antialiased when shrinking), then the centre square if asked. Returns
-    [H, W, C] of pixels.dtype: uint8 through Pillow's 8-bit path; uint16 (x 65535) and float32
-    (in [0, 1]) resized per channel in Pillow's float mode F, so no sample passes through 8 bits."""
-    image = ImageOps.exif_transpose(image)
+    [H, W, C] of pixels.dtype: 8-bit images into uint8 through Pillow's 8-bit path; deep ones, and
+    any image stored as uint16 (x 65535) or float32 (in [0, 1]), resized per channel in Pillow's
+    float mode F, so no sample passes through 8 bits before the storage's own rounding."""
+    header = read_header(image)  # first: what the file says is gone once the pixels load (exif_transpose)
+    image = ImageOps.exif_transpose(image)  # a new image: setting its info leaves the caller's untouched
+    if header.transparency is not None:
+        image.info["transparency"] = header.transparency
     width, height = image.size
     scale = resolution / min(width, height)
     size = (max(resolution, round(width * scale)), max(resolution, round(height * scale)))
@@ -317,16 +346,14 @@ def preprocess_image(image: Image.Image, resolution: int, center_crop: bool, cha
     if center_crop:
         left, top = (size[0] - resolution) // 2, (size[1] - resolution) // 2
         box = (left, top, left + resolution, top + resolution)
-    if pixels.dtype == "uint8":
-        if image.mode in DEEP_MODES:  # 8-bit storage of a deep image (the data's first images were 8-bit)
-            unit = _as_unit_float(image, 1, pixels.background)[:, :, 0]
-            image = Image.fromarray(np.round(unit * 255).astype(np.uint8))
+    if pixels.dtype == "uint8" and image.mode not in DEEP_MODES:
         array = np.asarray(_resize_crop(_as_8bit(image, channels, pixels.background), size, box), dtype=np.uint8)
         return array[:, :, None] if array.ndim == 2 else array
-    unit = _as_unit_float(image, channels, pixels.background)
-    planes = [np.asarray(_resize_crop(Image.fromarray(unit[:, :, c], mode="F"), size, box)) for c in range(channels)]
+    unit = _as_unit_float(image, header, channels, pixels.background)
+    planes = [np.asarray(_resize_crop(Image.fromarray(unit[:, :, c]), size, box)) for c in range(channels)]
     array = np.clip(np.stack(planes, axis=-1), 0.0, 1.0)  # bicubic overshoot, clamped as Pillow clamps 8-bit
-    return np.round(array * 65535).astype(np.uint16) if pixels.dtype == "uint16" else array.astype(np.float32)
+    full_scale = {"uint8": 255, "uint16": 65535}.get(pixels.dtype)
+    return array.astype(np.float32) if full_scale is None else np.round(array * full_scale).astype(pixels.dtype)
 
 
 def _resize_crop(image: Image.Image, size: tuple, box: tuple | None) -> Image.Image:
@@ -339,7 +366,6 @@ def decode_image(item: dict, resolution: int, center_crop: bool, channels: int,
                  pixels: PixelFormat = EIGHT_BIT) -> np.ndarray:
     """A stored image ({"bytes", "path"}) decoded and preprocessed; raises on unreadable files."""
     with _decode(item) as image:
-        image.load()
         return preprocess_image(image, resolution, center_crop, channels, pixels)
 
 
@@ -347,5 +373,3 @@ def _decode(item: dict) -> Image.Image:
     if item.get("bytes") is not None:
         return Image.open(io.BytesIO(item["bytes"]))
     return Image.open(item["path"])
-
-
