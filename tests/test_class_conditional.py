@@ -5,15 +5,17 @@ import json
 import os
 import sys
 
+import faults
 import numpy as np
 import pytest
 import torch
-from conftest import load_unet_weights, read_history, save_random_images, tiny_unet
+from conftest import load_unet_weights, read_history, run_command, save_random_images, tiny_unet
 from test_resume import assert_same_state
 
 from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, guided_model_output
 
-# A process that cannot import the package, as the acceptance check (a user without it installed).
+# A process that cannot import the package, as the acceptance check (a user without it installed): a
+# process of its own, since this one has the package imported.
 BLOCKED_LOAD = """
 import sys, importlib.abc
 class Block(importlib.abc.MetaPathFinder):
@@ -38,7 +40,7 @@ def conditional_run(tmp_path_factory):
     from conftest import run_training, write_tiny_recipe
     folder = tmp_path_factory.mktemp("conditional")
     recipe = write_tiny_recipe(folder, save_images_steps=3, eval_batch_size=20)
-    run_training(folder, recipe, folder / "run", "--class_conditional", "--max_train_steps", 3)
+    run_training(recipe, folder / "run", "--class_conditional", "--max_train_steps", 3)
     return folder / "run"
 
 
@@ -55,10 +57,10 @@ def test_export_names_the_pipeline_file_and_the_classes(conditional_run):
     assert grid.size == (2 + 2 * 10, 2 + 10 * 10)
 
 
-def test_loads_without_the_package_with_trust_remote_code(conditional_run, run_cli, tmp_path):
+def test_loads_without_the_package_with_trust_remote_code(conditional_run, tmp_path):
     script = tmp_path / "load.py"
     script.write_text(BLOCKED_LOAD)
-    result = run_cli([script, conditional_run], env={"PYTHONPATH": None}, check=True)
+    result = run_command([script, conditional_run], tmp_path, env={"PYTHONPATH": None}, check=True)
     assert "ClassConditionalPipeline [(0, '0'), (1, '1')]" in result.stdout
 
 
@@ -166,34 +168,38 @@ def test_labels_outside_the_declared_classes_or_not_labels_are_refused():
             {"label": datasets.ClassLabel(names=["a", "b"])})), "label")
 
 
-def test_resume_with_labels_is_bitwise_identical(hooked_train, tiny_recipe, tmp_path):
+def test_resume_with_labels_is_bitwise_identical(train, tiny_recipe, tmp_path):
     recipe = tiny_recipe(checkpointing_steps=3, class_conditional=True, condition_dropout=0.5)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    hooked_train(recipe, straight, "--max_train_steps", 6)
-    hooked_train(recipe, resumed, "--max_train_steps", 6, env={"DDPM_TEST_STOP_AFTER_STEP": "3"})
-    hooked_train(recipe, resumed, "--max_train_steps", 6, "--resume_from_checkpoint", "latest")
+    train(recipe, straight, "--max_train_steps", 6)
+    with pytest.raises(faults.ProcessDied):  # cut off right after checkpoint 3
+        train(recipe, resumed, "--max_train_steps", 6, hooks=faults.hooks(stop_after_checkpoint=3))
+    train(recipe, resumed, "--max_train_steps", 6, "--resume_from_checkpoint", "latest")
     assert_same_state(straight, resumed, 6)
     # the labels and their dropout are used: another dropout gives other weights
     other = tmp_path / "other"
-    hooked_train(tiny_recipe(class_conditional=True, condition_dropout=0.0), other, "--max_train_steps", 6)
+    train(tiny_recipe(class_conditional=True, condition_dropout=0.0), other, "--max_train_steps", 6)
     a, b = load_unet_weights(straight), load_unet_weights(other)
     assert not all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_class_conditional_and_the_number_of_classes_are_refused_on_resume(hooked_train, tiny_recipe, tmp_path):
+def test_class_conditional_and_the_number_of_classes_are_refused_on_resume(train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 2, "--class_conditional")
-    result = hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 4,
+    train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 2, "--class_conditional")
+    result = train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 4,
                           "--resume_from_checkpoint", "latest", check=False)
-    assert result.returncode == 2 and "class_conditional" in result.stderr
+    # (named as the refusal names them: the test's folder holds "class_conditional" too)
+    assert result.returncode == 2 and "class_conditional: True -> False" in result.stderr
+    assert "num_class_embeds: 11 -> None" in result.stderr
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo ranks on linux")
-def test_two_ranks_with_labels_equal_one_rank(hooked_train, tiny_recipe, tmp_path):
+def test_two_ranks_with_labels_equal_one_rank(launch, train, tiny_recipe, tmp_path):
+    """Two ranks (processes of one gloo group) against one rank in this process."""
     two, single = tmp_path / "two", tmp_path / "single"
-    hooked_train(tiny_recipe(train_batch_size=4, class_conditional=True), two, "--max_train_steps", 3,
-                 ranks=2, env={"ACCELERATE_USE_CPU": "1"})
-    hooked_train(tiny_recipe(train_batch_size=8, class_conditional=True), single, "--max_train_steps", 3)
+    launch(tiny_recipe(train_batch_size=4, class_conditional=True), two, "--max_train_steps", 3,
+           ranks=2, env={"ACCELERATE_USE_CPU": "1"})
+    train(tiny_recipe(train_batch_size=8, class_conditional=True), single, "--max_train_steps", 3)
     w2, w1 = load_unet_weights(two), load_unet_weights(single)
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
     assert np.isfinite([v.abs().max().item() for v in w1.values()]).all()

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import TINY_RECIPE, save_tiny_pipeline
+from conftest import TINY_RECIPE, run_command, save_tiny_pipeline
 from diffusers import UNet2DModel
 
 from diffusion_extras.cli.arguments import one_line_errors, positive_int
@@ -81,15 +81,15 @@ print(json.dumps(report))
 """
 
 
-def test_importing_the_stack_imports_without_the_collector_then_freezes_what_was_made(run_cli, tmp_path):
-    """commands.importing_the_stack, in a fresh interpreter (a command's process before it has
-    imported torch): the cyclic collector is off while torch imports and on again after, torch's
+def test_importing_the_stack_imports_without_the_collector_then_freezes_what_was_made(tmp_path):
+    """commands.importing_the_stack, in a process of its own (a command's process before it has
+    imported torch; this one has): the cyclic collector is off while torch imports and on again after, torch's
     objects are frozen (left out of later collections), and an import that fails still leaves
     the collector on."""
     import json
     script = tmp_path / "importing.py"
     script.write_text(IMPORTING_THE_STACK)
-    result = run_cli([script], env={"DDPM_TEST_FRESH_INTERPRETERS": "1"}, check=True)
+    result = run_command([script], tmp_path, check=True)
     report = json.loads(result.stdout)
     assert not report.pop("torch before") and report.pop("frozen before") == 0
     assert report.pop("frozen after") > 100_000  # torch's module-level objects, at the least

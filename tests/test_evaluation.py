@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import save_random_images, save_tiny_pipeline, tiny_unet
+from conftest import run_command, save_random_images, save_tiny_pipeline, tiny_unet
 from diffusers import DDPMScheduler
-from hooked_train import read_shares
+from faults import read_shares
 
 from diffusion_extras.evaluation.metrics import (
     ReferenceStatistics,
@@ -188,9 +188,11 @@ def test_cli_writes_metrics_json_and_caches_the_reference(run_cli, tmp_path):
     assert len(os.listdir(tmp_path / "cache")) == 1
 
 
-def test_cli_under_a_two_rank_launch_reports_the_one_rank_metrics(run_cli, tmp_path):
+def test_cli_under_a_two_rank_launch_reports_the_one_rank_metrics(tmp_path):
     """torchrun --nproc_per_node 2 -m diffusion_extras.evaluate: each rank samples its batches (10
-    images in batches of 4), rank 0 scores and writes the report: bitwise the one-process report."""
+    images in batches of 4), rank 0 scores and writes the report: bitwise the one-process report.
+    The two ranks are processes of one gloo group (tests/faults.py --command evaluate, which records
+    each rank's share); the one-rank report is made in this process."""
     pipeline_dir = save_tiny_pipeline(tmp_path / "run", channels=3)
     reference_dir = save_random_images(tmp_path / "reference", 12, 16, 12, seed=8)
     flags = [pipeline_dir, "--reference", str(reference_dir), "--num_samples", "10", "--feature_extractor", "tiny",
@@ -199,8 +201,8 @@ def test_cli_under_a_two_rank_launch_reports_the_one_rank_metrics(run_cli, tmp_p
     from diffusion_extras.cli import evaluate
     assert evaluate.main([*flags, "--output", str(tmp_path / "one.json")]) == 0  # one process: in this one
     shares = tmp_path / "shares"
-    run_cli(["tests/recording_evaluate.py", *flags, "--output", str(tmp_path / "two.json")], ranks=2,
-            env={"ACCELERATE_USE_CPU": "1", "DDPM_TEST_RECORD_SHARES": str(shares)}, check=True)
+    run_command(["tests/faults.py", "--command", "evaluate", "--record_shares", shares, "--", *flags,
+                 "--output", tmp_path / "two.json"], tmp_path, ranks=2, env={"ACCELERATE_USE_CPU": "1"}, check=True)
     assert json.loads((tmp_path / "two.json").read_text()) == json.loads((tmp_path / "one.json").read_text())
     # each rank sampled its own batches, not all of them nor none: rank 0 images 0-3 and 8-9, rank 1 4-7
     assert read_shares(shares) == {0: [{"firsts": [0, 8], "images": 6}], 1: [{"firsts": [4], "images": 4}]}

@@ -1,14 +1,20 @@
 """The commands a new user types first, through the real command line: every --help, a bad
 --config file, training on an image folder (the model follows the images), diffusers'
-train_unconditional.py command lines, and what the end of a run shows."""
+train_unconditional.py command lines, and what the end of a run shows. The commands run through
+their main() in this process; in processes of their own where the process is the subject: what
+--help and the early refusals import (no torch), and `accelerate launch`."""
+import contextlib
+import io
 import json
 import os
 import re
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 import yaml
+from conftest import command_main, run_command
 from PIL import Image
 
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
@@ -30,16 +36,16 @@ def _one_spaced(text: str) -> str:
 
 @pytest.mark.parametrize("command,flag,words", HELP_CASES, ids=lambda v: v if isinstance(v, str) else None)
 def test_every_cli_help_exits_0_and_describes_its_flags(run_cli, command, flag, words):
-    result = run_cli(command + ["--help"], timeout=120)
+    result = run_cli(command + ["--help"])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Traceback" not in result.stdout + result.stderr
     assert flag in result.stdout and words in _one_spaced(result.stdout)
 
 
-def test_accelerate_launch_help_shows_the_training_flags(run_cli, tmp_path):
-    # config-free, on CPU, offline: what a user types before `accelerate config`
+def test_accelerate_launch_help_shows_the_training_flags(tmp_path):
+    # config-free, on CPU, offline: what a user types before `accelerate config` (the launcher: a process)
     env = {"ACCELERATE_USE_CPU": "1", "ACCELERATE_CONFIG_FILE": None, "HF_HOME": str(tmp_path / "hf_home")}
-    result = run_cli(["launch", "train_ddpm.py", "--help"], launcher=[ACCELERATE], env=env, timeout=180)
+    result = run_command(["launch", "train_ddpm.py", "--help"], tmp_path, launcher=[ACCELERATE], env=env, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Traceback" not in result.stdout + result.stderr
     text = _one_spaced(result.stdout)
@@ -77,8 +83,7 @@ def test_bad_config_file_is_one_line_naming_the_file(run_cli, tmp_path):
     for path, problem in _bad_config_cases(tmp_path):
         if problem.startswith("cannot read") and os.access(path, os.R_OK):
             continue  # root reads any file: permissions cannot be tested here
-        result = run_cli(["train_ddpm.py", "--config", str(path), "--output_dir", str(tmp_path / "out")],
-                         timeout=120)
+        result = run_cli(["train_ddpm.py", "--config", str(path), "--output_dir", str(tmp_path / "out")])
         assert result.returncode == 2, (path, result.stderr[-2000:])
         assert "Traceback" not in result.stderr
         lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -109,17 +114,19 @@ def test_unreadable_config_is_reported_even_as_root(tmp_path, monkeypatch):
 # What --help and a bad flag must not import: the commands' stack (seconds on a laptop). The training
 # config validates against core/choices.py and evaluation/choices.py, the sample and evaluate flags
 # come from cli/arguments.py and evaluation/choices.py; each command imports its work once its flags
-# are good (the report's checks, once they rebuild the noise schedule).
+# are good (the report's checks, once they rebuild the noise schedule). Each runs as a process of its
+# own, started with -X importtime: this one has the stack imported.
 HEAVY = ("torch", "diffusers", "datasets", "transformers", "accelerate", "scipy", "sklearn", "matplotlib", "pandas")
-IMPORT_TIME = [sys.executable, "-X", "importtime"]  # a fresh interpreter listing each module it imports on stderr
+IMPORT_TIME = [sys.executable, "-X", "importtime"]  # a process listing each module it imports on stderr
 
 
-def _run_listing_imports(run_cli, args, module):
-    """(the result, the HEAVY modules the command imported, its stderr lines but the import list)."""
-    result = run_cli(args, launcher=IMPORT_TIME, timeout=120)
+def _run_listing_imports(env_dir, args, module):
+    """(the result, the HEAVY modules the command imported, its stderr lines but the import list) of
+    `python ARGS` in a process of its own."""
+    result = run_command(args, env_dir, launcher=IMPORT_TIME, timeout=120)
     stderr = result.stderr.splitlines()
     imported = {line.rsplit("|", 1)[1].strip() for line in stderr if line.startswith("import time:")}
-    assert module in imported  # a fresh interpreter listed its imports (a forked one lists none)
+    assert module in imported  # the list is there: the command's own module is in it
     heavy = sorted(name for name in imported if name.split(".")[0] in HEAVY)
     return result, heavy, [line for line in stderr if line.strip() and not line.startswith("import time:")]
 
@@ -158,11 +165,11 @@ LIGHT_CASES = [  # (flags, the one line's words; None: --help)
 
 
 @pytest.mark.parametrize("flags,words", LIGHT_CASES, ids=lambda v: None if callable(v) else str(v)[:30])
-def test_help_and_config_errors_answer_without_importing_the_training_stack(run_cli, tmp_path, flags, words):
+def test_help_and_config_errors_answer_without_importing_the_training_stack(tmp_path, flags, words):
     flags = flags(tmp_path)
     before = sorted(os.walk(tmp_path / "out"))  # what the case put there (_earlier_run), else nothing
     result, heavy, lines = _run_listing_imports(
-        run_cli, ["train_ddpm.py", *flags, "--output_dir", str(tmp_path / "out")], "diffusion_extras.training.config")
+        tmp_path, ["train_ddpm.py", *flags, "--output_dir", str(tmp_path / "out")], "diffusion_extras.training.config")
     assert heavy == []
     if words is None:
         assert result.returncode == 0 and lines == [] and "--prediction_type" in result.stdout
@@ -175,11 +182,12 @@ def test_help_and_config_errors_answer_without_importing_the_training_stack(run_
 @pytest.mark.parametrize("command,flag,needed", [
     ("sample", "--scheduler", ["--output", "out"]), ("evaluate", "--scheduler", ["--reference", "images"]),
     ("posthoc_ema", "--feature_extractor", ["--sigma_rels", "0.1"])])
-def test_command_help_and_a_bad_flag_answer_without_importing_torch(run_cli, tmp_path, command, flag, needed):
+def test_command_help_and_a_bad_flag_answer_without_importing_torch(tmp_path, command, flag, needed):
     module, parser = f"diffusion_extras.{command}", f"diffusion_extras.cli.{command}"
-    result, heavy, _ = _run_listing_imports(run_cli, ["-m", module, "--help"], parser)
+    result, heavy, _ = _run_listing_imports(tmp_path, ["-m", module, "--help"], parser)
     assert result.returncode == 0 and flag in result.stdout and heavy == []
-    result, heavy, lines = _run_listing_imports(run_cli, ["-m", module, str(tmp_path), *needed, flag, "euler"], parser)
+    result, heavy, lines = _run_listing_imports(tmp_path, ["-m", module, str(tmp_path), *needed, flag, "euler"],
+                                                parser)
     assert result.returncode == 2 and f"argument {flag}: invalid choice: 'euler'" in lines[-1], lines
     assert heavy == []
 
@@ -203,7 +211,7 @@ PIPELINE_CASES = [  # (command, PIPELINE, its other arguments, the one line); "p
 
 @pytest.mark.parametrize("command,pipeline,rest,words", PIPELINE_CASES, ids=lambda v: str(v)[:24])
 def test_a_pipeline_or_reference_that_cannot_serve_answers_without_importing_torch(
-        run_cli, tmp_path, command, pipeline, rest, words):
+        tmp_path, command, pipeline, rest, words):
     """The files the sample and evaluate commands read are checked before torch loads: one line,
     exit 2, none of the HEAVY libraries imported (the same refusals once loaded: test_sampling,
     test_class_conditional, test_evaluation, test_metric_backbones)."""
@@ -218,17 +226,17 @@ def test_a_pipeline_or_reference_that_cannot_serve_answers_without_importing_tor
     args = [str(tmp_path / part) if part in ("images", "nowhere", "o", "conditional") or part.startswith("plain")
             else part for part in [pipeline, *rest]]
     module, parser = f"diffusion_extras.{command}", f"diffusion_extras.cli.{command}"
-    result, heavy, lines = _run_listing_imports(run_cli, ["-m", module, *args], parser)
+    result, heavy, lines = _run_listing_imports(tmp_path, ["-m", module, *args], parser)
     assert result.returncode == 2 and len(lines) == 1 and words in lines[0].replace(str(tmp_path) + "/", ""), lines
     assert heavy == []
     assert not os.path.exists(tmp_path / "o")
 
 
-def test_report_help_and_a_missing_run_answer_without_importing_torch(run_cli, tmp_path):
+def test_report_help_and_a_missing_run_answer_without_importing_torch(tmp_path):
     module, marker = "diffusion_extras.report", "diffusion_extras.report.health"
-    result, heavy, _ = _run_listing_imports(run_cli, ["-m", module, "--help"], marker)
+    result, heavy, _ = _run_listing_imports(tmp_path, ["-m", module, "--help"], marker)
     assert result.returncode == 0 and "run_dir" in result.stdout and heavy == []
-    result, heavy, lines = _run_listing_imports(run_cli, ["-m", module, str(tmp_path / "no_run")], marker)
+    result, heavy, lines = _run_listing_imports(tmp_path, ["-m", module, str(tmp_path / "no_run")], marker)
     assert result.returncode == 2 and lines == [f"error: {tmp_path / 'no_run'}: no such directory; pass a training "
                                                 "output_dir or a checkpoint in it"], lines
     assert heavy == []
@@ -244,16 +252,27 @@ def _image_folder(folder, mode, count=12, size=20):
     return str(folder)
 
 
+def run_cli_merged(args):
+    """`python ARGS 2>&1` through the command's main() in this process: stderr (the bars) and stdout
+    in one text, in the order written (conftest's run_cli keeps them apart)."""
+    args = [str(arg) for arg in args]
+    name, argv = (args[1], args[2:]) if args[0] == "-m" else (args[0], args[1:])
+    both = io.StringIO()
+    with contextlib.redirect_stdout(both), contextlib.redirect_stderr(both):
+        code = command_main(name)(argv)
+    assert code == 0, both.getvalue()[-4000:]
+    return subprocess.CompletedProcess(args, code, both.getvalue(), "")
+
+
 QUICK = ["--resolution", "16", "--max_train_steps", "2", "--train_batch_size", "4", "--eval_batch_size", "1",
          "--ddpm_num_inference_steps", "1", "--logger", "none"]
 
 
 @pytest.mark.parametrize("mode,channels,colour", [("RGB", 3, "RGB"), ("L", 1, "grayscale")])
-def test_image_folder_without_a_recipe_trains_a_model_of_its_channels(run_cli, tmp_path, mode, channels, colour):
+def test_image_folder_without_a_recipe_trains_a_model_of_its_channels(tmp_path, mode, channels, colour):
     folder = _image_folder(tmp_path / "images", mode)
     out = tmp_path / "run"
-    result = run_cli(["train_ddpm.py", "--train_data_dir", folder, "--output_dir", str(out), *QUICK],
-                     merge_stderr=True, check=True)  # stderr (the bar) and stdout in the order written
+    result = run_cli_merged(["train_ddpm.py", "--train_data_dir", folder, "--output_dir", out, *QUICK])
     model_lines = [line for line in result.stdout.splitlines() if line.startswith("model: ")]
     assert len(model_lines) == 1, result.stdout[-3000:]
     assert f"{channels} channel(s) ({colour})" in model_lines[0] and "1.1M parameters" in model_lines[0]
@@ -371,7 +390,7 @@ def test_diffusers_readme_command_lines_parse_with_the_same_meaning(tmp_path):
 
 def test_contradictory_diffusers_flags_are_one_line_naming_why(run_cli, tmp_path):
     # (--preserve_input_precision is accepted: tests/test_image_formats.py trains 16-bit images with it)
-    both = run_cli(["train_ddpm.py", "--overwrite_output_dir", "--resume_from_checkpoint", "latest"], timeout=120)
+    both = run_cli(["train_ddpm.py", "--overwrite_output_dir", "--resume_from_checkpoint", "latest"])
     assert both.returncode == 2 and "give one of them" in both.stderr
 
 

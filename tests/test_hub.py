@@ -1,21 +1,20 @@
 """Tests for diffusion_extras/hub/push.py against the loopback Hub in tests/hub_server.py.
 
 huggingface_hub reads HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME and HF_HUB_DISABLE_XET once, at import
-(huggingface_hub.constants), so every test that talks to the server runs the client in a fresh
-subprocess with its own environment, exactly as the training script would see it.
+(huggingface_hub.constants), so every test that talks to the server runs the client in a process
+of its own (conftest.run_command) with its own environment, exactly as the training script would see it.
 """
 
 import io
 import json
 import os
 import secrets
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 import yaml
+from conftest import run_command
 from hub_server import HubServer, files_under
 from huggingface_hub import ModelCard
 from PIL import Image
@@ -23,7 +22,6 @@ from safetensors.numpy import save as safetensors_bytes
 
 from diffusion_extras.hub.push import default_repo_id, redact_config, write_model_card
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "hf_" + secrets.token_hex(17)  # the shape of a real user token, random per run
 PIPELINE_FILES = {
     "model_index.json", "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
@@ -83,14 +81,12 @@ def pipeline_dir(tmp_path):
 
 
 def run_client(hub: HubServer, code: str, tmp_path, **env_extra) -> dict:
-    """Runs `code` in a fresh interpreter pointed at `hub`; returns the JSON it prints last."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}  # HF_HUB_OFFLINE too
-    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_DISABLE_PROGRESS_BARS="1",
-               HF_HUB_DISABLE_TELEMETRY="1", PYTHONPATH=REPO_ROOT, **env_extra)
+    """Runs `code` in a process of its own pointed at `hub` (online unless `env_extra` says
+    HF_HUB_OFFLINE=1); returns the JSON it prints last."""
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": None,
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_TELEMETRY": "1", **env_extra}
     preamble = f"import json, time\nfrom diffusion_extras.hub.push import HubPusher, resolve_token\nTOKEN = {TOKEN!r}\n"
-    result = subprocess.run([sys.executable, "-c", preamble + textwrap.dedent(code)], env=env, cwd=str(tmp_path),
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = run_command(["-c", preamble + textwrap.dedent(code)], tmp_path, env=env, timeout=60, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

@@ -6,6 +6,7 @@ import json
 import os
 
 import datasets
+import faults
 import pytest
 from conftest import read_history, run_training, write_tiny_recipe
 from test_data_files import write_tar_shards
@@ -107,7 +108,8 @@ def recorded_pairs(path, num_classes):
 def streamed_runs(tmp_path_factory):
     """Conditional runs streamed from tar shards (8 shards of 4, 8 batches an epoch): `cls` labels
     with 2 workers and a shuffle buffer, 10 steps straight and killed after checkpoint 5 and resumed;
-    `json` labels (class names), 3 steps with no worker. The straight runs record what the UNet saw."""
+    `json` labels (class names), 3 steps with no worker. The straight runs record what the UNet saw
+    (faults' record_labels). All in this process; the loader workers are its children."""
     folder = tmp_path_factory.mktemp("streamed_labels")
     recipe = write_tiny_recipe(folder, train_batch_size=4, checkpointing_steps=5, max_train_samples=None,
                                condition_dropout=0.25)
@@ -115,12 +117,12 @@ def streamed_runs(tmp_path_factory):
     for kind, workers, steps in (("cls", 2, 10), ("json", 0, 3)):
         shards(folder / kind, kind)
         runs[kind], runs[f"{kind}-labels"] = folder / f"{kind}-straight", folder / f"{kind}.jsonl"
-        run_training(folder, recipe, runs[kind], *flags_of(folder, kind, workers, steps),
-                     script="tests/hooked_train.py", env={"DDPM_TEST_RECORD_LABELS": str(runs[f"{kind}-labels"])})
+        run_training(recipe, runs[kind], *flags_of(folder, kind, workers, steps),
+                     hooks=faults.hooks(record_labels=runs[f"{kind}-labels"]))
     resumed, flags = folder / "cls-resumed", flags_of(folder, "cls", 2, 10)
-    run_training(folder, recipe, resumed, *flags, script="tests/hooked_train.py",
-                 env={"DDPM_TEST_STOP_AFTER_STEP": "5"})
-    run_training(folder, recipe, resumed, *flags, "--resume_from_checkpoint", "latest", script="tests/hooked_train.py")
+    with pytest.raises(faults.ProcessDied):
+        run_training(recipe, resumed, *flags, hooks=faults.hooks(stop_after_checkpoint=5))
+    run_training(recipe, resumed, *flags, "--resume_from_checkpoint", "latest")
     runs["cls-resumed"] = resumed
     return runs
 
@@ -170,7 +172,7 @@ def test_a_streamed_label_outside_the_classes_is_one_line_and_the_run_resumes_on
     out = tmp_path / "run"
     flags = ["--train_data_files", data_file, "--streaming", "--class_conditional", "--shuffle_buffer_size", 4,
              "--dataloader_num_workers", 1, "--max_train_steps", 14]
-    failed = run_training(tmp_path, recipe, out, *flags, check=False)
+    failed = run_training(recipe, out, *flags, check=False)
     assert failed.returncode == 2, failed.stderr[-3000:]
     assert "Traceback" not in failed.stderr
     saved = sorted(int(name.split("-")[1]) for name in os.listdir(out) if name.startswith("checkpoint-"))
@@ -180,6 +182,6 @@ def test_a_streamed_label_outside_the_classes_is_one_line_and_the_run_resumes_on
                       f"training). Newest complete checkpoint: {out / f'checkpoint-{saved[-1]}'}. Fix the data, "
                       "then resume with --resume_from_checkpoint latest"], failed.stderr[-3000:]
     write_labelled_parquet(tmp_path / "train.parquet", labelled)
-    run_training(tmp_path, recipe, out, *flags, "--resume_from_checkpoint", "latest")
+    run_training(recipe, out, *flags, "--resume_from_checkpoint", "latest")
     assert os.path.exists(out / "checkpoint-14") and os.path.exists(out / "model_index.json")
     assert [h["step"] for h in read_history(out)][-1] == 14

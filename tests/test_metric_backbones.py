@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import cli_env, read_history, save_random_images, save_tiny_pipeline
+from conftest import cli_env, read_history, run_command, save_random_images, save_tiny_pipeline
 from PIL import Image
 
 from diffusion_extras.evaluation import inception_file
@@ -166,10 +166,11 @@ def test_inception_download_with_a_wrong_checksum_is_refused_and_leaves_nothing(
     assert inception_file.fetch_inception(url, expected_sha256=digest, path=str(target)) == str(target)
 
 
-def test_evaluate_cli_offline_without_inception_weights_names_the_file_url_and_flag(run_cli, tmp_path):
+def test_evaluate_cli_offline_without_inception_weights_names_the_file_url_and_flag(tmp_path):
+    """A process of its own started offline (HF_HUB_OFFLINE=1 is read when huggingface_hub loads)."""
     pipeline = save_tiny_pipeline(tmp_path / "run", channels=3)
-    result = run_cli(["-m", "diffusion_extras.evaluate", pipeline, "--reference", str(tmp_path),
-                      "--eval_metrics", "fid", "--device", "cpu"])
+    result = run_command(["-m", "diffusion_extras.evaluate", pipeline, "--reference", str(tmp_path),
+                          "--eval_metrics", "fid", "--device", "cpu"], tmp_path)
     error = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and error.startswith("error: offline (HF_HUB_OFFLINE=1)")
     assert "inception-2015-12-05.pt" in error and inception_file.INCEPTION_URL in error
@@ -206,14 +207,17 @@ def test_training_evaluates_fd_dinov2_and_cmmd_and_caches_a_reference_per_extrac
         assert (out / "logs" / f"fid_reference_{kind}.npz").is_file()
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--eval_metrics", "fid,bogus"], "--eval_metrics 'fid,bogus': choose a comma list of"),
-    (["--eval_metrics", "fd_dinov2"], "cannot load 'facebook/dinov2-large' for --dinov2_model"),
-    (["--eval_metrics", "cmmd", "--clip_model", "no/such-clip"], "cannot load 'no/such-clip' for --clip_model"),
+@pytest.mark.parametrize("flags, message, offline", [
+    (["--eval_metrics", "fid,bogus"], "--eval_metrics 'fid,bogus': choose a comma list of", False),
+    (["--eval_metrics", "fd_dinov2"], "cannot load 'facebook/dinov2-large' for --dinov2_model", True),
+    (["--eval_metrics", "cmmd", "--clip_model", "no/such-clip"], "cannot load 'no/such-clip' for --clip_model", True),
 ])
-def test_training_refuses_bad_metrics_and_unloadable_backbones_before_any_step(train, tiny_recipe, tmp_path,
-                                                                               flags, message):
+def test_training_refuses_bad_metrics_and_unloadable_backbones_before_any_step(train, launch, tiny_recipe, tmp_path,
+                                                                               flags, message, offline):
+    """The bad list in this process; the backbones are Hub ids, asked for offline: a process of its own
+    started with HF_HUB_OFFLINE=1 (this process is online, and would download them)."""
     out = tmp_path / "run"
-    result = train(tiny_recipe(), out, "--max_train_steps", 2, "--eval_steps", 1, *flags, check=False)
+    result = (launch if offline else train)(tiny_recipe(), out, "--max_train_steps", 2, "--eval_steps", 1, *flags,
+                                            check=False)
     assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
     assert not (out / "checkpoint-1").exists() and not (out / "unet").exists()

@@ -234,7 +234,9 @@ def test_cli_rejects_bad_input_with_one_line(tmp_path, capsys, argv, message):
     assert error.startswith("error: ") and message in error and error.count("\n") == 1
 
 
-def test_module_entry_point_reports_missing_snapshots(run_cli, tmp_path):
+def test_command_line_reports_missing_snapshots(run_cli, tmp_path):
+    """`python -m diffusion_extras.posthoc_ema` through its main() in this process (the module's
+    entry, a process, is test_first_contact's): exit code 2 and one error line."""
     from diffusers import DDPMPipeline, DDPMScheduler
     DDPMPipeline(unet=tiny_unet(), scheduler=DDPMScheduler()).save_pretrained(tmp_path)
     os.makedirs(tmp_path / "posthoc_ema")

@@ -103,7 +103,8 @@ def test_fine_tuning_resumes_exactly_without_reading_the_base_weights(train, tin
 
 
 @pytest.mark.parametrize("weights", ["safetensors", "bin"])
-def test_fine_tuning_from_the_hub_exports_and_pushes_with_the_base_named(train, tiny_recipe, tmp_path, weights):
+def test_fine_tuning_from_the_hub_exports_and_pushes_with_the_base_named(launch, tiny_recipe, tmp_path, weights):
+    """A process of its own, pointed at the local Hub by HF_ENDPOINT (read when huggingface_hub loads)."""
     from diffusers import UNet2DModel
     base = save_base(tmp_path / "base")
     if weights == "bin":  # an older upload: unet/diffusion_pytorch_model.bin
@@ -115,8 +116,8 @@ def test_fine_tuning_from_the_hub_exports_and_pushes_with_the_base_named(train, 
         server.add_repo("someone/ddpm-tiny", base)
         env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
                "HF_HUB_DISABLE_XET": "1"}
-        result = train(tiny_recipe(), tmp_path / "tuned", "--pretrained_model_name_or_path", "someone/ddpm-tiny",
-                       "--max_train_steps", 2, "--push_to_hub", "--hub_token", "hf_test", env=env)
+        result = launch(tiny_recipe(), tmp_path / "tuned", "--pretrained_model_name_or_path", "someone/ddpm-tiny",
+                        "--max_train_steps", 2, "--push_to_hub", "--hub_token", "hf_test", env=env)
         card = server.repos["test-user/tuned"]["files"]["README.md"].decode()
     assert "pretrained UNet of someone/ddpm-tiny" in result.stdout
     assert yaml.safe_load(card.split("---")[1])["base_model"] == "someone/ddpm-tiny"

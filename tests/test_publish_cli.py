@@ -1,4 +1,6 @@
-"""Hub push, model card, secrets, trackers, evaluation and post-hoc EMA, through the real CLI."""
+"""Hub push, model card, secrets, trackers, evaluation and post-hoc EMA, through the real CLI: the
+trainer's main in this process, and a process of its own where the Hub's settings are what is
+tested (huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE once, at import)."""
 import json
 import os
 import secrets
@@ -20,16 +22,17 @@ def all_text(folder) -> str:
     return "\n".join(chunks)
 
 
-def test_push_to_hub_commits_pipeline_and_card_only(train, tiny_recipe, tmp_path):
+def test_push_to_hub_commits_pipeline_and_card_only(launch, tiny_recipe, tmp_path):
     """One command line, with --hub_private_repo: the repo is created private (the default, public,
-    is test_the_repo_privacy_is_the_flags; HubPusher's request is test_hub's)."""
+    is test_the_repo_privacy_is_the_flags; HubPusher's request is test_hub's). A process of its own,
+    pointed at the local server by HF_ENDPOINT."""
     out = tmp_path / "my-digits"
     hub_env = {"HF_ENDPOINT": None, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"}
     with HubServer(token=TOKEN) as server:
         hub_env["HF_ENDPOINT"] = server.url
         flags = ["--max_train_steps", 4, "--save_model_steps", 2, "--save_images_steps", 2, "--checkpointing_steps", 2,
                  "--push_to_hub", "--hub_token", TOKEN, "--logger", "tensorboard", "--hub_private_repo"]
-        result = train(tiny_recipe(), out, *flags, env=hub_env)
+        result = launch(tiny_recipe(), out, *flags, env=hub_env)
         repo_id = "test-user/my-digits"
         commits = server.commits(repo_id)
         created = [r for r in server.requests if r["path"] == "/api/repos/create"]
@@ -68,24 +71,28 @@ def test_the_repo_privacy_is_the_flags(monkeypatch, tmp_path, flags, private):
 
 
 def test_push_to_hub_without_token_fails_before_training(train, tiny_recipe, tmp_path):
+    """(This process is online: the tests clear the caller's HF_HUB_OFFLINE before the Hub client loads.)"""
     result = train(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--push_to_hub",
-                   env={"HF_HUB_OFFLINE": "0", "HF_TOKEN": None}, check=False)
+                   env={"HF_TOKEN": None}, check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--push_to_hub needs a token" in result.stderr
     assert not (tmp_path / "run" / "model_index.json").exists()
 
 
-def test_push_to_hub_while_offline_fails_before_training(train, tiny_recipe, tmp_path):
-    result = train(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--push_to_hub",
-                   "--hub_token", TOKEN, check=False)
+def test_push_to_hub_while_offline_fails_before_training(launch, tiny_recipe, tmp_path):
+    """A process of its own started with HF_HUB_OFFLINE=1 (launch's default)."""
+    result = launch(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--push_to_hub",
+                    "--hub_token", TOKEN, check=False)
     assert result.returncode == 2 and "offline" in result.stderr.lower() and "Traceback" not in result.stderr
     assert TOKEN not in result.stderr
 
 
-def test_wandb_offline_logs_into_output_dir_without_secrets(train, tiny_recipe, tmp_path):
+def test_wandb_offline_logs_into_output_dir_without_secrets(launch, tiny_recipe, tmp_path):
+    """A process of its own: wandb records the process's command line (sys.argv), where the token is
+    (in this process sys.argv is pytest's, and the trainer's redaction of it would go untested)."""
     out = tmp_path / "run"
-    train(tiny_recipe(), out, "--max_train_steps", 2, "--logger", "wandb", "--hub_token", TOKEN,
-          env={"WANDB_MODE": "offline"})
+    launch(tiny_recipe(), out, "--max_train_steps", 2, "--logger", "wandb", "--hub_token", TOKEN,
+           env={"WANDB_MODE": "offline"})
     runs = list((out / "logs").glob("wandb/offline-run-*"))
     assert len(runs) == 1
     text = all_text(runs[0])
@@ -107,13 +114,14 @@ def test_evaluation_during_training_and_posthoc_ema_export(run_cli, train, tiny_
     assert sorted(os.listdir(out / "posthoc_ema")) == [f"phema-{s:09d}.safetensors" for s in (2, 4, 6)]
     export = tmp_path / "phema"
     run_cli(["-m", "diffusion_extras.posthoc_ema", str(out), "--sigma_rels", "0.07", "--export", str(export)],
-                     check=True)
+            check=True)
     from diffusers import DDPMPipeline
     pipeline = DDPMPipeline.from_pretrained(str(export))
     assert pipeline.unet.config.sample_size == 8
     assert json.loads(open(str(export) + ".json").read())["sigma_rel"] == pytest.approx(0.07)
 
 
-def test_eval_with_inception_but_no_weights_is_refused(train, tiny_recipe, tmp_path):
-    result = train(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--eval_steps", 1, check=False)
+def test_eval_with_inception_but_no_weights_is_refused(launch, tiny_recipe, tmp_path):
+    """Offline (a process started with HF_HUB_OFFLINE=1): the detector cannot be downloaded."""
+    result = launch(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--eval_steps", 1, check=False)
     assert result.returncode == 2 and "--inception_weights FILE" in result.stderr
