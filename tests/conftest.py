@@ -104,13 +104,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ----------------------------------------------------------------------------- in this process
-def run_main(main, argv, *extra, env=None):
+def run_main(main, argv, *extra, env=None, merge_stderr=False):
     """`main(argv, *extra)` (a command's main: the trainer's takes hooks) in this process, as its
     command line would run: a CompletedProcess with the exit code it returned (or exited with) and
     what it printed. `env`: variables set for the call (None unsets), for those read while it runs.
-    Warnings print to its stderr, once per place per call, as in a fresh process."""
+    Warnings print to its stderr, once per place per call, as in a fresh process. merge_stderr:
+    stderr into stdout in the order written (`2>&1`); the result's stderr is then ""."""
     argv = [str(arg) for arg in argv]
-    out, err = io.StringIO(), io.StringIO()
+    out = io.StringIO()
+    err = out if merge_stderr else io.StringIO()
     with (contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(),
           environment(env or {})):
         warnings.simplefilter("default")
@@ -123,7 +125,7 @@ def run_main(main, argv, *extra, env=None):
     if isinstance(code, str):  # sys.exit("message") prints it and exits 1
         err.write(code + "\n")
         code = 1
-    return subprocess.CompletedProcess(argv, code or 0, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(argv, code or 0, out.getvalue(), "" if merge_stderr else err.getvalue())
 
 
 @contextlib.contextmanager
@@ -150,12 +152,12 @@ def command_main(name: str):
     return importlib.import_module(mains[name]).main
 
 
-def run_cli_in_process(args, env=None, check=False):
+def run_cli_in_process(args, env=None, check=False, merge_stderr=False):
     """`python ARGS` (train_ddpm.py or -m one of the package's commands) through its main() in this
     process (run_main); check: a non-zero exit fails the test."""
     args = [str(arg) for arg in args]
     name, argv = (args[1], args[2:]) if args[0] == "-m" else (args[0], args[1:])
-    result = run_main(command_main(name), argv, env=env)
+    result = run_main(command_main(name), argv, env=env, merge_stderr=merge_stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return result
@@ -163,7 +165,8 @@ def run_cli_in_process(args, env=None, check=False):
 
 @pytest.fixture
 def run_cli():
-    """run_cli(args, env=None, check=False): a command line run in this process (run_cli_in_process)."""
+    """run_cli(args, env=None, check=False, merge_stderr=False): a command line run in this process
+    (run_cli_in_process)."""
     return run_cli_in_process
 
 

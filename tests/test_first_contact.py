@@ -3,18 +3,15 @@
 train_unconditional.py command lines, and what the end of a run shows. The commands run through
 their main() in this process; in processes of their own where the process is the subject: what
 --help and the early refusals import (no torch), and `accelerate launch`."""
-import contextlib
-import io
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import yaml
-from conftest import command_main, run_command
+from conftest import run_cli_in_process, run_command
 from PIL import Image
 
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
@@ -252,18 +249,6 @@ def _image_folder(folder, mode, count=12, size=20):
     return str(folder)
 
 
-def run_cli_merged(args):
-    """`python ARGS 2>&1` through the command's main() in this process: stderr (the bars) and stdout
-    in one text, in the order written (conftest's run_cli keeps them apart)."""
-    args = [str(arg) for arg in args]
-    name, argv = (args[1], args[2:]) if args[0] == "-m" else (args[0], args[1:])
-    both = io.StringIO()
-    with contextlib.redirect_stdout(both), contextlib.redirect_stderr(both):
-        code = command_main(name)(argv)
-    assert code == 0, both.getvalue()[-4000:]
-    return subprocess.CompletedProcess(args, code, both.getvalue(), "")
-
-
 QUICK = ["--resolution", "16", "--max_train_steps", "2", "--train_batch_size", "4", "--eval_batch_size", "1",
          "--ddpm_num_inference_steps", "1", "--logger", "none"]
 
@@ -272,7 +257,8 @@ QUICK = ["--resolution", "16", "--max_train_steps", "2", "--train_batch_size", "
 def test_image_folder_without_a_recipe_trains_a_model_of_its_channels(tmp_path, mode, channels, colour):
     folder = _image_folder(tmp_path / "images", mode)
     out = tmp_path / "run"
-    result = run_cli_merged(["train_ddpm.py", "--train_data_dir", folder, "--output_dir", out, *QUICK])
+    result = run_cli_in_process(["train_ddpm.py", "--train_data_dir", folder, "--output_dir", out, *QUICK],
+                                check=True, merge_stderr=True)
     model_lines = [line for line in result.stdout.splitlines() if line.startswith("model: ")]
     assert len(model_lines) == 1, result.stdout[-3000:]
     assert f"{channels} channel(s) ({colour})" in model_lines[0] and "1.1M parameters" in model_lines[0]
