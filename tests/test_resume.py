@@ -197,6 +197,7 @@ def two_rank_runs(tmp_path_factory):
     runs["straight_stdout"] = launch(recipe, runs["straight"], "--max_train_steps", 6).stdout
     launch(recipe, runs["resumed"], "--max_train_steps", 6, faults=("--stop_after_checkpoint", 3))
     runs["ranks_saved_at_3"] = set(os.listdir(runs["resumed"] / "checkpoint-3"))
+    runs["exported_before_the_resume"] = (runs["resumed"] / "model_index.json").exists()  # the cut-off run did not
     launch(recipe, runs["resumed"], "--max_train_steps", 6, "--resume_from_checkpoint", "latest")
     # one process with the same global batch of 8, dropout off in both for a like-for-like check
     launch(write_tiny_recipe(folder, checkpointing_steps=3, train_batch_size=4), runs["two"], "--max_train_steps", 4)
@@ -211,6 +212,7 @@ def test_two_ranks_train_checkpoint_resume_and_match_one_rank(two_rank_runs):
     runs = two_rank_runs
     assert "replicas identical on 2 processes" in runs["straight_stdout"]
     assert {f"random_states_{r}.pkl" for r in (0, 1)} <= runs["ranks_saved_at_3"]
+    assert not runs["exported_before_the_resume"]  # the ranks died after checkpoint-3: the resume did the rest
     assert_same_state(runs["straight"], runs["resumed"], 6)
     w2, w1 = load_unet_weights(runs["two"]), load_unet_weights(runs["single"])
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
