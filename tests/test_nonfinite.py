@@ -1,7 +1,9 @@
-"""NaN / Inf guard, through the real command line with injected non-finite inputs."""
+"""NaN / Inf guard, through the trainer's command line (its main() in this process) with non-finite
+inputs injected by faults.hooks(nan_at_steps=...)."""
 import json
 import os
 
+import faults
 import torch
 from conftest import read_history
 from safetensors.torch import load_file
@@ -15,10 +17,10 @@ def checkpoint_state(folder):
     return model, ema, steps
 
 
-def test_nonfinite_steps_are_skipped_and_training_continues(hooked_train, tiny_recipe, tmp_path):
+def test_nonfinite_steps_are_skipped_and_training_continues(train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    result = hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 6,
-                          env={"DDPM_TEST_NAN_AT_STEPS": "3,4"})
+    result = train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 6,
+                   hooks=faults.hooks(nan_at_steps=(3, 4)))
     m2, e2, s2 = checkpoint_state(out / "checkpoint-2")
     m4, e4, s4 = checkpoint_state(out / "checkpoint-4")
     assert all(torch.equal(m2[k], m4[k]) for k in m2), "a skipped step changed the weights"
@@ -35,11 +37,11 @@ def test_nonfinite_steps_are_skipped_and_training_continues(hooked_train, tiny_r
     assert "nonfinite_events" in {f["code"] for f in report["findings"]}
 
 
-def test_consecutive_nonfinite_steps_stop_with_last_good_checkpoint(hooked_train, tiny_recipe, tmp_path):
+def test_consecutive_nonfinite_steps_stop_with_last_good_checkpoint(train, tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    result = hooked_train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 20,
-                          "--max_nonfinite_steps", 3, env={"DDPM_TEST_NAN_AT_STEPS": ",".join(map(str, range(3, 21)))},
-                          check=False)
+    result = train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 20,
+                   "--max_nonfinite_steps", 3, hooks=faults.hooks(nan_at_steps=range(3, 21)),
+                   check=False)
     assert result.returncode == 3, result.stderr[-2000:]
     assert "error: stopped: 3 consecutive non-finite steps by step 5" in result.stderr
     assert "Traceback" not in result.stderr

@@ -1,12 +1,13 @@
 """Every remedy the product prints with "then resume" is a path that works: a non-finite stop is
-provoked (NaN inputs injected by tests/hooked_train.py), then the run is resumed with exactly
+provoked (NaN inputs injected by faults.hooks(nan_at_steps=...)), then the run is resumed with exactly
 the change the message or the health report names, and the change is seen to take effect."""
 import json
 import re
 import shutil
 
+import faults
 import pytest
-from conftest import HOOKED_TRAIN, read_history, run_training, write_tiny_recipe
+from conftest import read_history, run_training, write_tiny_recipe
 from test_resume_policy import cosine_lr, optimizer_state
 
 
@@ -15,22 +16,21 @@ def stopped(tmp_path_factory):
     """Clipping off, NaN inputs from step 3: stops at step 5 (3 in a row) with checkpoints 2, 4, 5."""
     work = tmp_path_factory.mktemp("stopped")
     recipe = write_tiny_recipe(work, checkpointing_steps=2)
-    result = run_training(work, recipe, work / "run", "--max_train_steps", 8, "--max_grad_norm", 0,
-                          "--max_nonfinite_steps", 3, script=HOOKED_TRAIN,
-                          env={"DDPM_TEST_NAN_AT_STEPS": ",".join(map(str, range(3, 9)))}, check=False)
+    result = run_training(recipe, work / "run", "--max_train_steps", 8, "--max_grad_norm", 0,
+                          "--max_nonfinite_steps", 3, hooks=faults.hooks(nan_at_steps=range(3, 9)), check=False)
     assert result.returncode == 3, result.stderr[-3000:]
     return recipe, work / "run", result.stderr
 
 
-def test_nonfinite_stop_message_remedies_apply_on_resume(hooked_train, stopped, tmp_path):
+def test_nonfinite_stop_message_remedies_apply_on_resume(train, stopped, tmp_path):
     recipe, run, stderr = stopped
     assert ("Lower --learning_rate (now 0.001) or set --max_grad_norm 1.0, then resume with "
             "--resume_from_checkpoint latest") in stderr
     assert "--mixed_precision bf16" not in stderr  # only said to fp16 runs, where it applies
     out = tmp_path / "run"
     shutil.copytree(run, out)
-    result = hooked_train(recipe, out, "--max_train_steps", 8, "--max_nonfinite_steps", 3, "--learning_rate", 5e-4,
-                          "--max_grad_norm", 1.0, "--resume_from_checkpoint", "latest", check=False)
+    result = train(recipe, out, "--max_train_steps", 8, "--max_nonfinite_steps", 3, "--learning_rate", 5e-4,
+                   "--max_grad_norm", 1.0, "--resume_from_checkpoint", "latest", check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "at optimizer step 5" in result.stdout
     assert "resuming with --learning_rate 0.0005 (was 0.001): applied from step 6" in result.stdout
@@ -42,7 +42,7 @@ def test_nonfinite_stop_message_remedies_apply_on_resume(hooked_train, stopped, 
     assert optimizer_state(out / "checkpoint-8")["param_groups"][0]["initial_lr"] == 5e-4
 
 
-def test_health_report_stability_recommendation_applies_on_resume(hooked_train, stopped, tmp_path):
+def test_health_report_stability_recommendation_applies_on_resume(train, stopped, tmp_path):
     """The report says: resume from a checkpoint before the first bad step; lower --learning_rate
     to X; lengthen --lr_warmup_steps to Y; clip with --max_grad_norm Z. Take it literally."""
     recipe, run, _ = stopped
@@ -56,8 +56,8 @@ def test_health_report_stability_recommendation_applies_on_resume(hooked_train, 
     out = tmp_path / "run"
     shutil.copytree(run, out)
     before = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if int(p.name.split("-")[1]) < first_bad)
-    result = hooked_train(recipe, out, "--max_train_steps", 4, "--resume_from_checkpoint", out / f"checkpoint-{before}",
-                          *[item for name, value in flags.items() for item in (f"--{name}", value)], check=False)
+    result = train(recipe, out, "--max_train_steps", 4, "--resume_from_checkpoint", out / f"checkpoint-{before}",
+                   *[item for name, value in flags.items() for item in (f"--{name}", value)], check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"at optimizer step {before}" in result.stdout and "abandoned-" in result.stdout
     history = {h["step"]: h for h in read_history(out)}

@@ -5,12 +5,49 @@ import json
 import os
 import re
 
+import faults
 import numpy as np
 import torch
 from conftest import ROOT
 
 from diffusion_extras.data.sources import CachedImages
 from diffusion_extras.training.config import TrainConfig
+
+
+class CountingSource:
+    """A third kind of data source, given through the `data_source` extension point
+    (diffusion_extras.training.hooks): images whose value is the micro-step, a position counted in
+    batches served. If the loop, checkpoints, resume and artifacts use only the data-source
+    interface, it trains."""
+    batches_per_epoch = 5
+    description = "counting"
+    held_out_images = None
+
+    def __init__(self, spec, processes, channels, dataset=None, validation_split=0.0, classes=None):
+        self.spec, self.channels, self.served = spec, channels, 0
+
+    def _batch(self, micro_step):
+        value = micro_step % 255
+        shape = (self.spec.train_batch_size, self.channels, self.spec.resolution, self.spec.resolution)
+        return torch.full(shape, value, dtype=torch.uint8)
+
+    def batches(self, first, last):
+        print(f"counting source: batches from {first} to {last}, served so far {self.served}", flush=True)
+        for micro_step in range(first, last):
+            self.served += 1
+            yield self._batch(micro_step)
+
+    def position(self, micro_step):
+        return {"epoch": micro_step // 5, "batch_in_epoch": micro_step % 5}
+
+    def state_dict(self):
+        return {"served": self.served}
+
+    def load_state_dict(self, state):
+        self.served = state["served"]
+
+    def reference_sample(self, count):
+        return np.stack([self._batch(k)[0].numpy() for k in range(min(count, 8))])
 
 
 class OneProcess:
@@ -48,14 +85,13 @@ def test_loop_and_artifacts_do_not_branch_on_the_kind_of_source():
 
 def test_a_third_source_trains_checkpoints_and_resumes(train, tiny_recipe, tmp_path):
     recipe = tiny_recipe(checkpointing_steps=2, eval_steps=4, feature_extractor="tiny", eval_num_samples=4)
-    script = "tests/custom_source_train.py"
-    first = train(recipe, tmp_path / "run", "--max_train_steps", 2, script=script)
+    first = train(recipe, tmp_path / "run", "--max_train_steps", 2, hooks=faults.hooks(data_source=CountingSource))
     assert "batches from 0 to 2, served so far 0" in first.stdout
     with open(tmp_path / "run" / "checkpoint-2" / "rank_state_0.json") as fh:
         assert json.load(fh) == {"served": 2}
     with open(tmp_path / "run" / "checkpoint-2" / "train_state.json") as fh:
         assert {"epoch": 0, "batch_in_epoch": 2}.items() <= json.load(fh).items()
     second = train(recipe, tmp_path / "run", "--max_train_steps", 4, "--resume_from_checkpoint", "latest",
-                   script=script)
+                   hooks=faults.hooks(data_source=CountingSource))
     assert "batches from 2 to 4, served so far 2" in second.stdout  # the restored state reached the source
     assert os.path.isdir(tmp_path / "run" / "checkpoint-4")
