@@ -4,9 +4,9 @@
     main(["--config", "recipe.yaml"], Hooks(data_source=MySource))
 
 Each field's default is what `train_ddpm.py` does (None: the built-in, or nothing). Tests use them
-to inject a third kind of data source (tests/custom_source_train.py) and faults
-(tests/hooked_train.py: a process that dies after checkpoint N, a SIGKILL inside the atomic save,
-NaN inputs at chosen steps, a SIGTERM after step N, a full disk at a chosen write).
+to inject a third kind of data source (tests/test_sources.py's CountingSource) and faults
+(tests/faults.py: a run that dies after checkpoint N, a SIGKILL inside the atomic save, NaN inputs
+at chosen steps, a SIGTERM after step N, a full disk at a chosen write).
 """
 from __future__ import annotations
 
