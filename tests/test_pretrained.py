@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 import yaml
-from conftest import TINY_RECIPE, load_unet_weights, save_tiny_pipeline, tiny_run, tiny_unet
+from conftest import TINY_RECIPE, load_unet_weights, save_random_images, save_tiny_pipeline, tiny_run, tiny_unet
 from hub_server import HubServer
 
 from diffusion_extras.training import models
@@ -68,12 +68,65 @@ def test_data_that_does_not_fit_is_one_line_naming_both(tmp_path, flags, message
         tiny_run(tmp_path, "--pretrained_model_name_or_path", base, *flags)
 
 
-def test_channels_that_do_not_fit_are_refused(tmp_path):
-    base = save_base(tmp_path / "base", channels=3)
-    with pytest.raises(ConfigError, match=r"its UNet has 3 channel\(s\) \(RGB\) and the images have 1 \(grayscale\)"):
-        tiny_run(tmp_path, "--pretrained_model_name_or_path", base)
+def test_grayscale_images_fine_tune_an_rgb_base_and_other_channel_mismatches_name_their_fix(tmp_path, capsys):
+    rgb_base = save_base(tmp_path / "rgb", channels=3)
+    run = tiny_run(tmp_path, "--pretrained_model_name_or_path", rgb_base)  # the digits: grayscale
+    assert run.data.source.reference_sample(2).shape[1] == 3  # as grey RGB images (N, C, H, W)
+    assert "data: the images are grayscale and the UNet has 3 channel(s): converting them to RGB" in \
+        capsys.readouterr().out
+    colour = save_random_images(tmp_path / "colour", 8, 8, 8)
+    refusals = [
+        (save_base(tmp_path / "gray"), ["--train_data_dir", colour],
+         r"its UNet has 1 channel\(s\) \(grayscale\) and the images have 3 \(RGB\): converting them to grayscale "
+         "would drop their colour: fine-tune on grayscale images, or choose an RGB base"),
+        (save_base(tmp_path / "rgba", channels=4), ["--train_data_dir", colour],
+         r"its UNet has 4 channel\(s\) \(RGBA\) and the images have 3 \(RGB\): add --keep_alpha"),
+        (rgb_base, ["--train_data_dir", colour, "--keep_alpha"],
+         r"its UNet has 3 channel\(s\) \(RGB\) and the images have 4 \(RGBA\): drop --keep_alpha"),
+    ]
+    for index, (base, flags, message) in enumerate(refusals):
+        with pytest.raises(ConfigError, match=message):
+            tiny_run(tmp_path, "--pretrained_model_name_or_path", base, *flags, output_dir=tmp_path / f"r{index}")
     with pytest.raises(ConfigError, match="not a DDPMPipeline folder or Hub id"):
         tiny_run(tmp_path, "--pretrained_model_name_or_path", str(tmp_path))
+
+
+def test_a_home_relative_folder_is_a_folder_not_a_hub_id(tmp_path, monkeypatch):
+    save_base(tmp_path / "base")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run = tiny_run(tmp_path, "--pretrained_model_name_or_path", "~/base")
+    unet = run.accelerator.unwrap_model(run.learner.unet)
+    expected = load_unet_weights(tmp_path / "base")
+    assert all(torch.equal(value, expected[name]) for name, value in unet.state_dict().items())
+    with pytest.raises(ConfigError, match=r"--pretrained_model_name_or_path ~/missing: DDPMPipeline folder "
+                                          r".*/missing does not exist \(nor is it a Hub id"):
+        tiny_run(tmp_path, "--pretrained_model_name_or_path", "~/missing", output_dir=tmp_path / "b")
+
+
+def test_a_hub_id_offline_and_not_in_the_cache_names_hf_hub_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    with pytest.raises(ConfigError, match=r"--pretrained_model_name_or_path someone/ddpm-tiny: cannot download it: "
+                                          r"HF_HUB_OFFLINE is set and someone/ddpm-tiny is not in the Hub cache"):
+        tiny_run(tmp_path, "--pretrained_model_name_or_path", "someone/ddpm-tiny")
+
+
+@pytest.mark.parametrize("sample_size, flags, message", [
+    ([8, 8], ["--resolution", 16], "its UNet samples at 8 px and --resolution is 16: train at --resolution 8"),
+    ([8, 16], [], r"its UNet samples 8x16 px images and this trainer trains square ones"),
+])
+def test_a_list_sample_size_is_checked_as_an_int_one(tmp_path, sample_size, flags, message):
+    import json
+    base = save_base(tmp_path / "base")
+    config_path = os.path.join(base, "unet", "config.json")
+    with open(config_path) as fh:
+        unet_config = json.load(fh)
+    with open(config_path, "w") as fh:
+        json.dump({**unet_config, "sample_size": sample_size}, fh)
+    recipe = {k: v for k, v in TINY_RECIPE.items() if k != "resolution"}
+    with pytest.raises(ConfigError, match=message):
+        tiny_run(tmp_path, "--pretrained_model_name_or_path", base, *flags, **recipe)
 
 
 def test_this_trainers_class_conditional_export_fine_tunes(tmp_path):

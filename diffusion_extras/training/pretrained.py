@@ -12,8 +12,10 @@ huggingface_hub, HF_ENDPOINT and the cache honoured), nothing by hand.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import NamedTuple
 
+from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
 from diffusion_extras.training.config import ConfigError, TrainConfig, validate
 from diffusion_extras.training.models import COLOUR_NAMES, Choice, shown
 
@@ -32,6 +34,7 @@ SCHEDULER_FIELDS = {"num_train_timesteps": "ddpm_num_steps", "beta_schedule": "d
 class Pretrained(NamedTuple):
     """A pipeline's UNet and scheduler configs, and where they came from."""
     name: str              # --pretrained_model_name_or_path as given
+    source: str            # what from_pretrained reads: the folder (`~` expanded) or the Hub id
     unet_config: dict      # UNet2DModel config (diffusers' private keys dropped)
     scheduler_config: dict  # its scheduler's config
 
@@ -43,21 +46,24 @@ class Pretrained(NamedTuple):
         if not with_weights:
             return UNet2DModel.from_config(self.unet_config)
         try:
-            return UNet2DModel.from_pretrained(self.name, subfolder="unet")
+            return UNet2DModel.from_pretrained(self.source, subfolder="unet")
         except Exception as error:  # diffusers raises several types for missing or broken weights
+            offline = not os.path.isdir(self.source) and is_offline_error(error)
             raise ConfigError(f"--pretrained_model_name_or_path {self.name}: cannot load the UNet's weights: "
-                              f"{type(error).__name__}: {_first_line(error)}") from None
+                              f"{offline_reason(self.source) if offline else first_line(error)}") from None
 
     def choice(self, config: TrainConfig, data_channels: int, class_names: list | None) -> Choice:
         """The pipeline's UNet for this data, and the fine-tuning recipe where the user set none.
         Data that does not fit the UNet is refused in one line naming both, before training."""
         unet, flag = self.unet_config, f"--pretrained_model_name_or_path {self.name}"
-        channels, size = unet.get("in_channels", 3), unet.get("sample_size")
-        if channels != data_channels:
+        channels, size = unet.get("in_channels", 3), square_size(unet.get("sample_size"), flag)
+        # grayscale images train an RGB UNet as grey RGB images, as diffusers' train_unconditional.py
+        # converts every image to RGB; any other mismatch has a remedy of the user's (channel_fix)
+        if channels != data_channels and (channels, data_channels) != (3, 1):
             raise ConfigError(f"{flag}: its UNet has {channels} channel(s) ({COLOUR_NAMES.get(channels, '?')}) and "
-                              f"the images have {data_channels} ({COLOUR_NAMES.get(data_channels, '?')}): fine-tune "
-                              "on images of its channels (or --keep_alpha / no --keep_alpha to match)")
-        if isinstance(size, int) and size != config.resolution:
+                              f"the images have {data_channels} ({COLOUR_NAMES.get(data_channels, '?')}): "
+                              + channel_fix(channels, data_channels))
+        if size is not None and size != config.resolution:
             raise ConfigError(f"{flag}: its UNet samples at {size} px and --resolution is {config.resolution}: "
                               f"train at --resolution {size} (or leave --resolution out)")
         embeds = unet.get("num_class_embeds")
@@ -76,24 +82,50 @@ class Pretrained(NamedTuple):
         return Choice(dict(unet), settings, description, optimization)
 
 
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [""])[0]
+def channel_fix(unet_channels: int, data_channels: int) -> str:
+    """What makes images of `data_channels` fit a base UNet of `unet_channels` (1, 3 or 4):
+    data_channels is 4 only with --keep_alpha, else 1 for grayscale images and 3 for colour."""
+    if data_channels == 4:
+        return "drop --keep_alpha (transparency is then composited on --background)"
+    if unet_channels == 4:
+        return "add --keep_alpha (transparency kept as the 4th channel)"
+    if unet_channels == 1:
+        return ("converting them to grayscale would drop their colour: fine-tune on grayscale images, or "
+                "choose an RGB base")
+    return "fine-tune on images of its channels"
+
+
+def square_size(sample_size, flag: str) -> int | None:
+    """The side of a UNet's sample_size (an int, or diffusers' [height, width]); None when unset. A
+    non-square one is refused: this trainer trains square images (--resolution)."""
+    if isinstance(sample_size, (list, tuple)):
+        if len(set(sample_size)) != 1:
+            raise ConfigError(f"{flag}: its UNet samples {sample_size[0]}x{sample_size[1]} px images and this "
+                              "trainer trains square ones (--resolution): fine-tune a square base")
+        return int(sample_size[0])
+    return sample_size
 
 
 def load(name: str) -> Pretrained:
-    """The configs of the pipeline at `name` (a Hub id or a folder with unet/ and scheduler/)."""
+    """The configs of the pipeline at `name` (a Hub id, or a folder with unet/ and scheduler/)."""
     from diffusers import DDPMScheduler, UNet2DModel
 
     flag = f"--pretrained_model_name_or_path {name}"
     try:
-        unet_config = UNet2DModel.load_config(name, subfolder="unet")
-        scheduler_config = DDPMScheduler.load_config(name, subfolder="scheduler")
+        source = local_folder(name, "DDPMPipeline folder") or name
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{flag}: {error}") from None
+    try:
+        unet_config = UNet2DModel.load_config(source, subfolder="unet")
+        scheduler_config = DDPMScheduler.load_config(source, subfolder="scheduler")
     except Exception as error:  # huggingface_hub and diffusers raise many types; the user needs one line
+        if source == name and is_offline_error(error):
+            raise ConfigError(f"{flag}: cannot download it: {offline_reason(name)}") from None
         raise ConfigError(f"{flag}: not a DDPMPipeline folder or Hub id (unet/ and scheduler/ configs): "
-                          f"{type(error).__name__}: {_first_line(error)}") from None
+                          f"{first_line(error)}") from None
     if unet_config.get("_class_name") != "UNet2DModel":
         raise ConfigError(f"{flag}: its unet is a {unet_config.get('_class_name')}, not a UNet2DModel")
-    return Pretrained(name, {k: v for k, v in unet_config.items() if not k.startswith("_")},
+    return Pretrained(name, source, {k: v for k, v in unet_config.items() if not k.startswith("_")},
                       {k: v for k, v in scheduler_config.items() if not k.startswith("_")})
 
 
@@ -106,8 +138,9 @@ def resolve(config: TrainConfig) -> tuple[TrainConfig, Pretrained | None]:
     given = config.given
     values = {field: base.scheduler_config[key] for key, field in SCHEDULER_FIELDS.items()
               if key in base.scheduler_config and field not in given}
-    if "resolution" not in given and isinstance(base.unet_config.get("sample_size"), int):
-        values["resolution"] = base.unet_config["sample_size"]
+    size = square_size(base.unet_config.get("sample_size"), f"--pretrained_model_name_or_path {base.name}")
+    if "resolution" not in given and size is not None:
+        values["resolution"] = size
     resolved = dataclasses.replace(config, **values)
     resolved._given = given  # the pipeline's values are not the user's
     validate(resolved)  # e.g. a variance_type or beta_schedule this trainer does not train
