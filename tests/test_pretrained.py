@@ -176,3 +176,32 @@ def test_fine_tuning_from_the_hub_exports_and_pushes_with_the_base_named(train, 
     assert "Fine-tuned from `someone/ddpm-tiny`." in card
     with open(tmp_path / "tuned" / "scheduler" / "scheduler_config.json") as fh:
         assert '"num_train_timesteps": 100' in fh.read()  # the base's schedule, exported
+
+
+def test_a_fine_tuning_resume_reads_the_base_from_its_checkpoint_not_the_hub(tmp_path, monkeypatch, tiny_recipe):
+    """The base's configs are recorded in the checkpoint: a resume asks the Hub nothing (offline it
+    would work), and a repo changed since (its beta_end, clip_sample) changes nothing."""
+    import json
+
+    from hub_server import HubServer, serve_in_process
+
+    from diffusion_extras.training.main import main
+    base = save_base(tmp_path / "base")  # DDPMScheduler(num_train_timesteps=100): beta_end 0.02
+    out = tmp_path / "tuned"
+    flags = ["--config", tiny_recipe(checkpointing_steps=2), "--output_dir", str(out),
+             "--pretrained_model_name_or_path", "someone/ddpm-tiny"]
+    with HubServer() as server:
+        server.add_repo("someone/ddpm-tiny", base)
+        serve_in_process(monkeypatch, server, tmp_path / "hub_cache")
+        assert main([*flags, "--max_train_steps", "2"]) == 0
+        changed = {**json.loads(server.repos["someone/ddpm-tiny"]["files"]["scheduler/scheduler_config.json"]),
+                   "beta_end": 0.03, "clip_sample": False}
+        server.repos["someone/ddpm-tiny"]["files"]["scheduler/scheduler_config.json"] = json.dumps(changed).encode()
+        serve_in_process(monkeypatch, server, tmp_path / "empty_hub_cache")  # nothing cached either
+        asked_before = len(server.requests)
+        assert main([*flags, "--max_train_steps", "4", "--resume_from_checkpoint", "latest"]) == 0
+        assert server.requests[asked_before:] == []
+    with open(out / "scheduler" / "scheduler_config.json") as fh:
+        exported = json.load(fh)
+    assert (exported["beta_end"], exported["clip_sample"]) == (0.02, True)
+    assert exported["num_train_timesteps"] == 100

@@ -30,9 +30,10 @@ MARKER = "checkpoint_complete.json"
 TRAIN_STATE = "train_state.json"
 SCALER_FILE = "scaler.pt"  # accelerate's SCALER_NAME
 ABANDONED = "abandoned-"
-# A checkpoint records two keys that are not TrainConfig fields: the resolved UNet config (whose
-# shape the weights have) and the world size (every rank's RNG file and stream position).
-RECORDED_KEY_POLICIES = {"unet": REFUSE, "num_processes": REFUSE}
+# A checkpoint records keys that are not TrainConfig fields: the resolved UNet config (whose shape
+# the weights have), the world size (every rank's RNG file and stream position) and, fine-tuning,
+# the pretrained pipeline's configs as they were read (a resume reads them here, not from the Hub).
+RECORDED_KEY_POLICIES = {"unet": REFUSE, "num_processes": REFUSE, "pretrained": REFUSE}
 
 
 def resume_policies() -> dict[str, str]:
@@ -139,6 +140,18 @@ def resume_candidates(output_dir: str, resume_from: str) -> list[str]:
         else:
             candidates.append(path)
     return candidates
+
+
+def recorded_config(output_dir: str, resume_from: str | None) -> dict | None:
+    """The config recorded by the checkpoint a resume would start from (its train_state.json), or
+    None when none would (no --resume_from_checkpoint, or 'latest' and no checkpoint yet). Quiet:
+    resume() names the incomplete checkpoints it passes over."""
+    if not resume_from:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        candidates = resume_candidates(output_dir, resume_from)
+    return read_train_state(candidates[0])["config"] if candidates else None
 
 
 def _fsync_tree(directory: str) -> dict[str, int]:

@@ -12,10 +12,12 @@ huggingface_hub, HF_ENDPOINT and the cache honoured), nothing by hand.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import NamedTuple
 
 from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
+from diffusion_extras.training import checkpointing
 from diffusion_extras.training.config import ConfigError, TrainConfig, validate
 from diffusion_extras.training.models import COLOUR_NAMES, Choice, shown
 
@@ -51,6 +53,11 @@ class Pretrained(NamedTuple):
             offline = not os.path.isdir(self.source) and is_offline_error(error)
             raise ConfigError(f"--pretrained_model_name_or_path {self.name}: cannot load the UNet's weights: "
                               f"{offline_reason(self.source) if offline else first_line(error)}") from None
+
+    def record(self) -> dict:
+        """What a checkpoint records of the pipeline (JSON): its configs as read, so that a resume
+        needs no network and sees the schedule it trained with, whatever the repo holds since."""
+        return json.loads(json.dumps({"unet": self.unet_config, "scheduler": self.scheduler_config}))
 
     def choice(self, config: TrainConfig, data_channels: int, class_names: list | None) -> Choice:
         """The pipeline's UNet for this data, and the fine-tuning recipe where the user set none.
@@ -131,10 +138,17 @@ def load(name: str) -> Pretrained:
 
 def resolve(config: TrainConfig) -> tuple[TrainConfig, Pretrained | None]:
     """(the config with the pipeline's scheduler settings and sample size where the user set none,
-    the pipeline), or (config, None) without --pretrained_model_name_or_path."""
-    if not config.pretrained_model_name_or_path:
+    the pipeline), or (config, None) without --pretrained_model_name_or_path. A resume takes the
+    pipeline's configs from the checkpoint it starts from, as the first run read them: no network,
+    and a repo changed since (its beta_*, clip_sample) changes nothing."""
+    name = config.pretrained_model_name_or_path
+    if not name:
         return config, None
-    base = load(config.pretrained_model_name_or_path)
+    recorded = checkpointing.recorded_config(config.output_dir, config.resume_from_checkpoint) or {}
+    if recorded.get("pretrained") and recorded.get("pretrained_model_name_or_path") == name:
+        base = Pretrained(name, name, recorded["pretrained"]["unet"], recorded["pretrained"]["scheduler"])
+    else:  # a fresh run, or a checkpoint from before the pipeline was recorded (resume() refuses another name)
+        base = load(name)
     given = config.given
     values = {field: base.scheduler_config[key] for key, field in SCHEDULER_FIELDS.items()
               if key in base.scheduler_config and field not in given}
