@@ -23,7 +23,7 @@ import warnings
 import zlib
 from dataclasses import fields
 
-from diffusion_extras.training.config import APPLY, REFUSE, ConfigError, TrainConfig
+from diffusion_extras.training.config import APPLY, REFUSE, ConfigError, TrainConfig, checkpoint_folder
 
 PREFIX = "checkpoint-"
 MARKER = "checkpoint_complete.json"
@@ -122,11 +122,12 @@ def file_checksum(path: str, algorithm: str | None = None, chunk_bytes: int = 1 
 
 def resume_candidates(output_dir: str, resume_from: str) -> list[str]:
     """Checkpoints to try, best first. 'latest': complete ones, newest first, warning about each
-    newer one that is incomplete; a path: that one only, and it must be complete."""
+    newer one that is incomplete; a name in output_dir or a path (config.checkpoint_folder): that
+    one only, and it must be complete."""
     if resume_from != "latest":
-        path = os.path.abspath(os.path.expanduser(resume_from))
+        path = checkpoint_folder(resume_from, output_dir)
         if not os.path.isdir(path):
-            raise CheckpointError(f"--resume_from_checkpoint {resume_from}: no such folder")
+            raise CheckpointError(f"--resume_from_checkpoint {resume_from}: no such folder {path}")
         problem = verify_checkpoint(path)
         if problem:
             raise CheckpointError(f"--resume_from_checkpoint {resume_from} cannot be used: {problem}; "

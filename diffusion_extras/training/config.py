@@ -178,7 +178,7 @@ class TrainConfig:
     save_model_steps: int = _f(1000, "Export the DDPMPipeline to output_dir every N optimizer steps and at the end.", resume=APPLY, group="checkpoints")
     checkpointing_steps: int = _f(500, "Save a resumable checkpoint every N optimizer steps.", resume=APPLY, group="checkpoints")
     checkpoints_total_limit: int | None = _f(None, "Keep only the newest K checkpoints.", resume=APPLY, group="checkpoints")
-    resume_from_checkpoint: str | None = _f(None, "'latest' or a checkpoint folder (anywhere) to resume from.", resume=FREE, group="checkpoints")
+    resume_from_checkpoint: str | None = _f(None, "'latest' (the newest complete checkpoint in --output_dir), a checkpoint's name there (checkpoint-6, as in diffusers) or a checkpoint folder's path (anywhere) to resume from.", resume=FREE, group="checkpoints")
     # --- Hub --------------------------------------------------------------------------
     push_to_hub: bool = _f(False, "Upload the pipeline and model card to the Hub at --save_model_steps and at the end.", resume=APPLY, group="Hub")
     hub_model_id: str | None = _f(None, "Hub repo id (default: the output dir's name).", resume=APPLY, group="Hub")
@@ -460,9 +460,9 @@ def validate(c: TrainConfig) -> None:
     need(not os.path.isfile(c.output_dir),
          f"--output_dir {c.output_dir} is a file; give a folder path (it is created if missing)")
     if c.resume_from_checkpoint not in (None, "latest"):
-        need(os.path.isdir(c.resume_from_checkpoint),
-             f"--resume_from_checkpoint {c.resume_from_checkpoint}: no such checkpoint folder "
-             "(give 'latest' or a checkpoint-<step> folder)")
+        folder = checkpoint_folder(c.resume_from_checkpoint, c.output_dir)
+        need(os.path.isdir(folder), f"--resume_from_checkpoint {c.resume_from_checkpoint}: no such checkpoint "
+             f"folder {folder} (give 'latest', a checkpoint-<step> name in --output_dir or a checkpoint's path)")
     if c.mixed_precision == "fp16":
         import torch
         need(torch.cuda.is_available(),
@@ -472,6 +472,16 @@ def validate(c: TrainConfig) -> None:
     if c.model_config_name_or_path is None and c.pretrained_model_name_or_path is None:
         # a config file's UNet is checked when it is loaded, a pretrained one is what it is
         validate_model_shape(c.model, c.resolution)
+
+
+def checkpoint_folder(resume_from: str, output_dir: str) -> str:
+    """The folder --resume_from_checkpoint names (other than 'latest'): a bare name (checkpoint-6)
+    is a folder of --output_dir, as diffusers' train_unconditional.py reads it; a path (with a
+    separator, or ~) is that folder, wherever it is, this trainer's addition (diffusers keeps only
+    its base name)."""
+    if os.sep in resume_from or "/" in resume_from or resume_from.startswith("~"):
+        return os.path.abspath(os.path.expanduser(resume_from))
+    return os.path.abspath(os.path.join(output_dir, resume_from))
 
 
 def validate_model_shape(model: dict, resolution: int) -> None:
