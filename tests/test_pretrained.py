@@ -11,7 +11,7 @@ import yaml
 from conftest import TINY_RECIPE, load_unet_weights, save_random_images, save_tiny_pipeline, tiny_run, tiny_unet
 from hub_server import HubServer
 
-from diffusion_extras.training import models
+from diffusion_extras.training import models, pretrained
 from diffusion_extras.training.config import ConfigError
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
@@ -42,7 +42,10 @@ def test_a_run_starts_from_the_pipelines_weights_and_scheduler(tmp_path, capsys)
     assert (run.plan.max_train_steps, run.plan.learning_rate, run.plan.lr_warmup_steps) == (600, 1e-3, 2)
     line = [li for li in capsys.readouterr().out.splitlines() if li.startswith("model: ")][0]
     assert f"pretrained UNet of {base}" in line
-    assert "fine-tuning recipe (max_train_steps 600); yours kept: --learning_rate, --lr_warmup_steps" in line
+    assert (f"fine-tuning recipe for {models.count_parameters(unet):,} parameters (max_train_steps 600); "
+            "yours kept: --learning_rate, --lr_warmup_steps; loss unweighted, as the base trained "
+            "(no training config: DDPM's L_simple assumed)") in line
+    assert run.config.snr_gamma == 0.0  # the base's objective, not the trainer's min-SNR default
 
 
 def test_the_fine_tuning_recipe_fills_what_the_user_left_unset(tmp_path):
@@ -54,8 +57,34 @@ def test_the_fine_tuning_recipe_fills_what_the_user_left_unset(tmp_path):
     from diffusion_extras.training.config import parse_config
     run = build.setup(parse_config(["--config", str(path), "--output_dir", str(tmp_path / "run"),
                                     "--pretrained_model_name_or_path", base]))
-    assert (run.plan.learning_rate, run.plan.lr_warmup_steps, run.plan.max_train_steps) == (2e-4, 50, 600)
+    parameters = models.count_parameters(run.accelerator.unwrap_model(run.learner.unet))
+    expected = pretrained.finetune_recipe(parameters)  # the tiny UNet's size, not the digits'
+    assert expected["learning_rate"] > 2e-4 and expected["lr_warmup_steps"] < 50
+    assert (run.plan.learning_rate, run.plan.lr_warmup_steps, run.plan.max_train_steps) == \
+        (expected["learning_rate"], expected["lr_warmup_steps"], 600)
     assert run.config.resolution == 8  # the pipeline's sample_size
+
+
+@pytest.mark.parametrize("parameters, learning_rate, warmup", [
+    (1_112_801, 2e-4, 50),      # the digits recipe's UNet: the measured point (docs/BENCHMARKS.md)
+    (35_746_307, 2e-5, 160),    # google/ddpm-cifar10-32, trained from scratch at 2e-4
+    (113_673_219, 9.2e-6, 235),  # diffusers' train_unconditional.py default UNet, from scratch at 1e-4
+])
+def test_the_recipe_follows_the_bases_size(parameters, learning_rate, warmup):
+    assert pretrained.finetune_recipe(parameters) == {
+        "learning_rate": learning_rate, "lr_warmup_steps": warmup, "max_train_steps": 600}
+
+
+def test_the_model_line_says_whether_the_loss_weighting_changes_the_bases_objective(tmp_path, capsys):
+    base = save_base(tmp_path / "base")
+    run = tiny_run(tmp_path, "--pretrained_model_name_or_path", base, "--snr_gamma", 5)
+    assert run.config.snr_gamma == 5.0
+    assert ("loss min-SNR-5, which changes the base's objective (unweighted; no training config: DDPM's "
+            "L_simple assumed)") in capsys.readouterr().out
+    (tmp_path / "base" / "training_config.yaml").write_text(yaml.safe_dump({"snr_gamma": 5.0}))  # this trainer's
+    run = tiny_run(tmp_path, "--pretrained_model_name_or_path", base, output_dir=tmp_path / "b")
+    assert run.config.snr_gamma == 5.0
+    assert "loss min-SNR-5, as the base trained (its training_config.yaml)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flags, message", [
