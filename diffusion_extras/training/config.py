@@ -27,6 +27,7 @@ from diffusion_extras.core.choices import (
 from diffusion_extras.data.images import DataError, missing_dataset_folder, parse_background, resolve_data_files
 from diffusion_extras.data.spec import DataSpec
 from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, parse_metrics
+from diffusion_extras.hub.download import local_folder
 from diffusion_extras.hub.secrets import redact_config
 
 
@@ -116,7 +117,7 @@ class TrainConfig:
     label_column: str | None = _f(None, "Column of class labels (ints or class names) for --class_conditional; default: the dataset's one ClassLabel column (an imagefolder's subfolder names, the digits' label), else a tar shard sample's cls entry or its json entry's label (json.label: a field of a struct column). Streamed labels that are not a ClassLabel are read once before training.", resume=REFUSE, group="data")
     shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY, group="data")
     # --- model ------------------------------------------------------------------------
-    model_config_name_or_path: str | None = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE, group="model")
+    model_config_name_or_path: str | None = _f(None, "UNet2DModel config: a folder (with config.json, or a pipeline folder's unet/), a JSON file or a Hub id (read with diffusers' load_config, as diffusers does). Default: the recipe's `model`.", resume=FREE, group="model")
     pretrained_model_name_or_path: str | None = _f(None, "Fine-tune a DDPMPipeline: a Hub id (e.g. google/ddpm-cifar10-32) or a local folder (diffusers' or this trainer's export, class-conditional included). The run starts from its UNet's weights (the EMA too) and shape and its scheduler's settings (--resolution defaults to its sample_size); where you set none, its loss weighting (--snr_gamma: its training_config.yaml's, else 0, DDPM's unweighted loss) and a fine-tuning recipe for its size N in parameters: --learning_rate a tenth of 2e-4 (N / 35.7M)^(-2/3), --lr_warmup_steps half of 100 (N / 1.1M)^(1/3), --max_train_steps 600 (README: Fine-tuning a pretrained pipeline).", resume=REFUSE, group="model")
     model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape), trained with that script's optimization where you set none (README: Coming from diffusers).", resume=REFUSE, cli=False, group="model")
     # --- objective --------------------------------------------------------------------
@@ -453,10 +454,12 @@ def validate(c: TrainConfig) -> None:
             resolve_data_files(c.train_data_files)
         except DataError as error:
             raise ConfigError(str(error)) from None
-    if c.model_config_name_or_path is not None:
-        need(os.path.exists(c.model_config_name_or_path),
-             f"--model_config_name_or_path {c.model_config_name_or_path}: no such file or folder "
-             "(give a folder holding config.json or a UNet2DModel JSON config)")
+    if c.model_config_name_or_path is not None and not os.path.isfile(os.path.expanduser(c.model_config_name_or_path)):
+        try:  # a folder or a Hub id (read when the model is built); a path that is neither is refused here
+            local_folder(c.model_config_name_or_path, "UNet config folder or file")
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"--model_config_name_or_path {c.model_config_name_or_path}: {error} (give a folder "
+                              "holding config.json, a UNet2DModel JSON config or a Hub id)") from None
     need(not os.path.isfile(c.output_dir),
          f"--output_dir {c.output_dir} is a file; give a folder path (it is created if missing)")
     if c.resume_from_checkpoint not in (None, "latest"):
