@@ -1,13 +1,16 @@
 """Fine-tuning: a saved DDPMPipeline (a Hub id or a local folder: diffusers' own, or this trainer's
 export, class-conditional included) as the start of a run. Its UNet's weights and shape, its
-scheduler's settings and, where the user set none, a fine-tuning recipe.
+scheduler's settings, its loss weighting and, where the user set none, a fine-tuning recipe for
+its size. A resume takes the pipeline's configs from its checkpoint (no network).
 
-    config, base = resolve(config)              # scheduler settings and resolution from the pipeline
+    config, base = resolve(config)              # scheduler settings, loss weighting, resolution
     choice = base.choice(config, data_channels, class_names)   # refuses data that does not fit
     unet = base.load_unet(with_weights=True)    # diffusers' from_pretrained: safetensors or .bin
 
-Everything is read with diffusers' from_pretrained / load_config machinery (the Hub through
-huggingface_hub, HF_ENDPOINT and the cache honoured), nothing by hand.
+The configs and weights are read with diffusers' from_pretrained / load_config machinery (the Hub
+through huggingface_hub, HF_ENDPOINT and the cache honoured). By hand, for want of a diffusers
+notion of it: the loss weighting the base trained with, from the training_config.yaml this
+trainer saves beside its exports (hf_hub_download for a Hub id).
 """
 from __future__ import annotations
 
