@@ -9,6 +9,14 @@ scratch for the same --steps (the digits recipe). Both sets of samples are score
 bench/quality.py scores them (the classifier FID of a digit classifier's logits, DDIM 50, seed 1)
 against real 5-9 digits that neither run trained on (the fifth quality.py holds out), and reported
 as the ratio to the real-data floor (real training-split 5-9 digits vs those held-out ones).
+
+The fine-tuning recipe's size rule (training/pretrained.py finetune_recipe) is measured with a
+UNet of another size (--recipe: a YAML with its `model:`), --seed, and fine-tunes at the listed
+--learning_rates (the recipe's rate and others) instead of the recipe's alone:
+
+    python bench/finetune_digits.py --base_steps 150 --steps 75 --num_samples 500 --seed 1 \
+        --recipe bench/digits_half_width.yaml --learning_rates 2e-4,5.1e-4 --no_scratch \
+        --out bench/results/rule_half_width_seed1
 """
 from __future__ import annotations
 
@@ -67,21 +75,32 @@ def main(argv=None) -> None:
     parser.add_argument("--base_steps", type=int, default=500, help="steps of the 0-4 base model")
     parser.add_argument("--steps", type=int, default=200, help="steps of both 5-9 runs (fine-tune and scratch)")
     parser.add_argument("--num_samples", type=int, default=1000, help="generated images scored per run")
+    parser.add_argument("--recipe", default=None,
+                        help="a training recipe YAML for the base and scratch runs (its `model:` sets the UNet "
+                             "size); default: the digits recipe")
+    parser.add_argument("--seed", type=int, default=0, help="--seed of every run")
+    parser.add_argument("--learning_rates", default=None,
+                        help="comma list: one fine-tune at each --learning_rate; default: one, at the recipe's")
+    parser.add_argument("--no_scratch", action="store_true", help="skip the from-scratch 5-9 run")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "finetune_digits"))
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     folders = split_datasets(args.out)
+    seed = ["--seed", str(args.seed)]
     # quality.train adds --validation_split 0.2: each run holds out a fifth of its (already split) data
     base = os.path.join(args.out, f"base04-{args.base_steps}")
-    seconds = {"base": train(base, args.base_steps, None, ["--dataset_name", folders["digits04"]])}
-    runs = {"finetuned": ["--dataset_name", folders["digits59"], "--pretrained_model_name_or_path", base],
-            "scratch": ["--dataset_name", folders["digits59"]]}
+    seconds = {"base": train(base, args.base_steps, args.recipe, ["--dataset_name", folders["digits04"], *seed])}
+    tune = ["--dataset_name", folders["digits59"], "--pretrained_model_name_or_path", base, *seed]
+    runs = {"finetuned": (None, tune)} if args.learning_rates is None else {
+        f"finetuned-lr{rate}": (None, [*tune, "--learning_rate", rate]) for rate in args.learning_rates.split(",")}
+    if not args.no_scratch:
+        runs["scratch"] = (args.recipe, ["--dataset_name", folders["digits59"], *seed])
     scorer = scorer_for_5_to_9(args.num_samples)
-    result = {"base_steps": args.base_steps, "steps": args.steps, "num_samples": args.num_samples,
-              "floor": scorer.floor, "reference_images": len(scorer.held_out), "runs": {}}
-    for name, flags in runs.items():
+    result = {"base_steps": args.base_steps, "steps": args.steps, "num_samples": args.num_samples, "seed": args.seed,
+              "recipe": args.recipe, "floor": scorer.floor, "reference_images": len(scorer.held_out), "runs": {}}
+    for name, (recipe, flags) in runs.items():
         run_dir = os.path.join(args.out, f"{name}59-{args.steps}")
-        seconds[name] = train(run_dir, args.steps, None, flags)
+        seconds[name] = train(run_dir, args.steps, recipe, flags)
         scores = evaluate(run_dir, scorer, args.num_samples)
         result["runs"][name] = {"fid_classifier": scores["fid_classifier"],
                                 "fid_ratio": scores["fid_classifier"] / scorer.floor,

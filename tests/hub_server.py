@@ -1,14 +1,19 @@
 """A loopback stand-in for the Hugging Face Hub API, for testing pushes without a network.
 
-It answers the calls huggingface_hub 2.4.0 makes for `create_repo`, `upload_folder` and
-`repo_info`/`whoami`: repo creation, preupload (upload modes), the NDJSON commit, YAML
-validation, and the git-LFS batch / basic-transfer upload. Every request is recorded, and the
-repos keep their committed files, so tests can assert on exactly what a client sent.
+It answers the calls huggingface_hub 2.4.0 makes for `create_repo`, `upload_folder`,
+`repo_info`/`whoami` and the downloads (`hf_hub_download`; `snapshot_download`'s file tree):
+repo creation, preupload (upload modes), the NDJSON commit, YAML validation, and the git-LFS
+batch / basic-transfer upload. Every request is recorded, and the repos keep their committed
+files, so tests can assert on exactly what a client sent.
 
 Preupload answers "regular" (file content inlined as base64 in the commit) unless the server is
 built with `lfs_min_size`: then files of at least that many bytes are answered "lfs". Under
 huggingface_hub's default xet path an "lfs" answer means an upload to a xet CAS, which this
 server does not implement; tests that exercise LFS must set HF_HUB_DISABLE_XET=1.
+
+`serve_in_process` points this interpreter's huggingface_hub at a server for downloads (what
+HF_ENDPOINT and HF_HUB_CACHE would set at import), for tests that call a function or a command's
+main(argv) in-process instead of starting a process.
 """
 
 import base64
@@ -32,6 +37,7 @@ _ROUTES = [  # (method, regex, handler name); first match wins
     ("POST", r"/api/validate-yaml", "validate_yaml"),
     ("POST", rf"/api/models/{_REPO}/preupload/(?P<rev>[^/]+)", "preupload"),
     ("POST", rf"/api/models/{_REPO}/commit/(?P<rev>[^/]+)", "commit"),
+    ("GET", rf"/api/models/{_REPO}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?", "tree"),
     ("GET", rf"/api/models/{_REPO}(?:/revision/(?P<rev>[^/]+))?", "repo_info"),
     ("POST", rf"/{_REPO}\.git/info/lfs/objects/batch", "lfs_batch"),
     ("PUT", r"/_lfs/(?P<oid>[0-9a-f]{64})", "lfs_put"),
@@ -113,6 +119,20 @@ class HubServer:
 
     def authorizations(self) -> set[str]:
         return {r["headers"]["authorization"] for r in self.requests if "authorization" in r["headers"]}
+
+
+def serve_in_process(monkeypatch, server: HubServer, cache_dir) -> None:
+    """Downloads in this interpreter go to `server`, into the Hub cache `cache_dir`, online: the
+    module globals huggingface_hub reads at call time, set as HF_ENDPOINT, HF_HUB_CACHE and
+    HF_HUB_OFFLINE=0 would have set them at import (monkeypatch restores them)."""
+    from huggingface_hub import constants, hf_api
+
+    monkeypatch.setattr(constants, "ENDPOINT", server.url)
+    monkeypatch.setattr(hf_api.api, "endpoint", server.url)  # huggingface_hub.model_info & co., made at import
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        server.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache_dir))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
 
 
 class _HubHandler(BaseHTTPRequestHandler):
@@ -250,6 +270,16 @@ class _HubHandler(BaseHTTPRequestHandler):
         sha = state["commits"][-1]["oid"] if state["commits"] else "0" * 40
         siblings = [{"rfilename": path} for path in sorted(state["files"])]
         self._send_json(200, {"id": repo, "sha": sha, "private": state["private"], "siblings": siblings})
+
+    def _tree(self, body: bytes, repo: str, rev: str, path: str | None) -> None:
+        """list_repo_tree (snapshot_download lists the files it then fetches): every file under
+        `path`, recursively, in one page."""
+        if (state := self._repo_or_404(repo)) is None:
+            return
+        prefix = f"{path.rstrip('/')}/" if path else ""
+        entries = [{"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                   for name, data in sorted(state["files"].items()) if name.startswith(prefix)]
+        self._send_json(200, entries)
 
     def _preupload(self, body: bytes, repo: str, rev: str) -> None:
         if self._repo_or_404(repo) is None:

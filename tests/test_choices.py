@@ -15,6 +15,15 @@ def test_lr_schedulers_are_diffusers_get_scheduler_names_but_piecewise_constant(
     assert set(choices.LR_SCHEDULERS) == {kind.value for kind in SchedulerType} - {"piecewise_constant"}
 
 
+def test_every_beta_schedule_ddpm_scheduler_implements_is_offered():
+    """diffusers' train_unconditional.py passes --ddpm_beta_schedule to DDPMScheduler unchecked: a
+    name it implements must be accepted here too (the names read from DDPMScheduler's source)."""
+    import inspect
+    import re
+    implemented = set(re.findall(r'beta_schedule == "(\w+)"', inspect.getsource(DDPMScheduler.__init__)))
+    assert "linear" in implemented and implemented == set(choices.BETA_SCHEDULES)
+
+
 def test_beta_schedules_prediction_and_variance_types_are_ddpm_schedulers():
     for beta_schedule in choices.BETA_SCHEDULES:
         DDPMScheduler(beta_schedule=beta_schedule)  # raises NotImplementedError on a name it lacks

@@ -2,11 +2,12 @@
 end-to-end tests are in test_sampling.py, test_evaluation.py and test_posthoc_ema.py."""
 import argparse
 import json
+import os
 
 import pytest
 import torch
 import yaml
-from conftest import TINY_RECIPE, run_command, save_tiny_pipeline
+from conftest import TINY_RECIPE, run_command, save_tiny_pipeline, tiny_unet
 from diffusers import UNet2DModel
 
 from diffusion_extras.cli.arguments import one_line_errors, positive_int
@@ -60,7 +61,7 @@ def test_load_pipeline_rejects_bad_inputs(tmp_path, monkeypatch):
     import huggingface_hub.constants
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ValueError, match="is not a local folder and the Hub is offline"):
+    with pytest.raises(ValueError, match="is not a local folder and cannot be downloaded: HF_HUB_OFFLINE is set"):
         load_pipeline("someone/ddpm-model-that-is-not-cached")
 
 
@@ -136,3 +137,49 @@ def test_the_trainer_imports_its_stack_inside_importing_the_stack(monkeypatch, t
     recipe.write_text(yaml.safe_dump(TINY_RECIPE))
     assert main(["--config", str(recipe), "--output_dir", str(tmp_path / "run")]) == 2
     assert events == ["importing", "imported", "setup"]
+
+
+def test_load_pipeline_reads_the_trainers_class_conditional_export_from_the_hub(tmp_path, monkeypatch, capsys):
+    """What the trainer's --push_to_hub uploads (model_index.json naming its pipeline file) loads
+    by Hub id as the package's ClassConditionalPipeline, its classes with it, without running the
+    uploaded file; the sample command samples it by class name. An unconditional repo loads as a
+    DDPMPipeline and a foreign custom pipeline is refused before its weights are downloaded."""
+    from diffusers import DDPMPipeline, DDPMScheduler
+    from hub_server import HubServer, serve_in_process
+
+    from diffusion_extras.cli import sample
+    from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline
+    from diffusion_extras.training.models import save_class_conditional
+
+    save_class_conditional(tiny_unet(num_class_embeds=4), DDPMScheduler(num_train_timesteps=100), ["ant", "bee", "cat"],
+                           str(tmp_path / "conditional"))
+    foreign = tmp_path / "foreign"
+    save_tiny_pipeline(foreign)
+    (foreign / "model_index.json").write_text(json.dumps({
+        "_class_name": ["pipeline_other", "OtherPipeline"], "unet": ["diffusers", "UNet2DModel"],
+        "scheduler": ["diffusers", "DDPMScheduler"]}))
+    with HubServer() as server:
+        server.add_repo("someone/conditional", str(tmp_path / "conditional"))
+        server.add_repo("someone/unconditional", save_tiny_pipeline(tmp_path / "unconditional"))
+        server.add_repo("someone/foreign", str(foreign))
+        serve_in_process(monkeypatch, server, tmp_path / "hub_cache")
+        pipeline = load_pipeline("someone/conditional")
+        assert type(pipeline) is ClassConditionalPipeline and pipeline.id2label == {0: "ant", 1: "bee", 2: "cat"}
+        assert type(load_pipeline("someone/unconditional")) is DDPMPipeline
+        with pytest.raises(ValueError, match=r"holds a custom pipeline \['pipeline_other', 'OtherPipeline'\]"):
+            load_pipeline("someone/foreign")
+        assert not any("foreign/resolve/main/unet" in request["path"] for request in server.requests)
+        assert sample.main(["someone/conditional", "--class_labels", "bee", "--num_images", "2", "--output",
+                            str(tmp_path / "images"), "--num_inference_steps", "2", "--device", "cpu"]) == 0
+    assert "wrote 2 images" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "images")) == ["000000.png", "000001.png", "grid.png"]
+
+
+def test_a_hub_id_offline_and_not_in_the_cache_names_hf_hub_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    with pytest.raises(ValueError, match=r"HF_HUB_OFFLINE is set and someone/ddpm-tiny is not in the Hub cache "
+                                         r"\(.*empty_cache\): unset HF_HUB_OFFLINE to download it"):
+        load_pipeline("someone/ddpm-tiny")
+

@@ -128,7 +128,7 @@ def test_unknown_yaml_key_and_bad_types(tmp_path):
     (["--snr_gamma=-1"], "--snr_gamma must be >= 0"),
     (["--loss_type", "l1"], "--loss_type 'l1' is not one of"),
     (["--dataset_name", "a", "--train_data_dir", "."], "not both"),
-    (["--model_config_name_or_path", "/no/such/unet"], "no such file or folder"),
+    (["--model_config_name_or_path", "/no/such/unet"], "UNet config folder or file /no/such/unet does not exist"),
     (["--resolution", "30"], "--resolution 30 cannot be halved 2 times"),
 ])
 def test_validation_messages(flags, message):
@@ -144,6 +144,23 @@ def test_model_config_from_json_file_and_pipeline_folder(tmp_path):
         config = parse_config(["--model_config_name_or_path", str(path), "--resolution", "12"])
         built = models.build_unet(config)
         assert list(built.config.block_out_channels) == [8, 16] and built.config.sample_size == 12
+
+
+def test_model_config_from_a_hub_id_as_diffusers_reads_it(tmp_path, monkeypatch):
+    """diffusers' train_unconditional.py reads --model_config_name_or_path with load_config: a Hub
+    id of a UNet repo works there, so here (a pipeline repo's unet/ too)."""
+    from hub_server import HubServer, serve_in_process
+    tiny_unet().save_config(str(tmp_path / "unet_repo"))
+    tiny_unet().save_config(str(tmp_path / "pipeline_repo" / "unet"))
+    with HubServer() as server:
+        server.add_repo("someone/unet", str(tmp_path / "unet_repo"))
+        server.add_repo("someone/pipeline", str(tmp_path / "pipeline_repo"))
+        serve_in_process(monkeypatch, server, tmp_path / "hub_cache")
+        for repo_id in ("someone/unet", "someone/pipeline"):
+            built = models.build_unet(parse_config(["--model_config_name_or_path", repo_id, "--resolution", "12"]))
+            assert list(built.config.block_out_channels) == [8, 16] and built.config.sample_size == 12
+        with pytest.raises(ConfigError, match="someone/missing: no UNet2DModel config.json there"):
+            models.build_unet(parse_config(["--model_config_name_or_path", "someone/missing"]))
 
 
 def test_abbreviated_flags_are_refused():

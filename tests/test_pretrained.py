@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 import yaml
-from conftest import TINY_RECIPE, load_unet_weights, save_tiny_pipeline, tiny_run, tiny_unet
+from conftest import TINY_RECIPE, load_unet_weights, save_random_images, save_tiny_pipeline, tiny_run, tiny_unet
 from hub_server import HubServer
 
-from diffusion_extras.training import models
+from diffusion_extras.training import models, pretrained
 from diffusion_extras.training.config import ConfigError
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
@@ -42,7 +42,10 @@ def test_a_run_starts_from_the_pipelines_weights_and_scheduler(tmp_path, capsys)
     assert (run.plan.max_train_steps, run.plan.learning_rate, run.plan.lr_warmup_steps) == (600, 1e-3, 2)
     line = [li for li in capsys.readouterr().out.splitlines() if li.startswith("model: ")][0]
     assert f"pretrained UNet of {base}" in line
-    assert "fine-tuning recipe (max_train_steps 600); yours kept: --learning_rate, --lr_warmup_steps" in line
+    assert (f"fine-tuning recipe for {models.count_parameters(unet):,} parameters (max_train_steps 600); "
+            "yours kept: --learning_rate, --lr_warmup_steps; loss unweighted, as the base trained "
+            "(no training config: DDPM's L_simple assumed)") in line
+    assert run.config.snr_gamma == 0.0  # the base's objective, not the trainer's min-SNR default
 
 
 def test_the_fine_tuning_recipe_fills_what_the_user_left_unset(tmp_path):
@@ -54,8 +57,34 @@ def test_the_fine_tuning_recipe_fills_what_the_user_left_unset(tmp_path):
     from diffusion_extras.training.config import parse_config
     run = build.setup(parse_config(["--config", str(path), "--output_dir", str(tmp_path / "run"),
                                     "--pretrained_model_name_or_path", base]))
-    assert (run.plan.learning_rate, run.plan.lr_warmup_steps, run.plan.max_train_steps) == (2e-4, 50, 600)
+    parameters = models.count_parameters(run.accelerator.unwrap_model(run.learner.unet))
+    expected = pretrained.finetune_recipe(parameters)  # the tiny UNet's size, not the digits'
+    assert expected["learning_rate"] > 2e-4 and expected["lr_warmup_steps"] < 50
+    assert (run.plan.learning_rate, run.plan.lr_warmup_steps, run.plan.max_train_steps) == \
+        (expected["learning_rate"], expected["lr_warmup_steps"], 600)
     assert run.config.resolution == 8  # the pipeline's sample_size
+
+
+@pytest.mark.parametrize("parameters, learning_rate, warmup", [
+    (1_112_801, 2e-4, 50),      # the digits recipe's UNet: the measured point (docs/BENCHMARKS.md)
+    (35_746_307, 2e-5, 160),    # google/ddpm-cifar10-32, trained from scratch at 2e-4
+    (113_673_219, 9.2e-6, 235),  # diffusers' train_unconditional.py default UNet, from scratch at 1e-4
+])
+def test_the_recipe_follows_the_bases_size(parameters, learning_rate, warmup):
+    assert pretrained.finetune_recipe(parameters) == {
+        "learning_rate": learning_rate, "lr_warmup_steps": warmup, "max_train_steps": 600}
+
+
+def test_the_model_line_says_whether_the_loss_weighting_changes_the_bases_objective(tmp_path, capsys):
+    base = save_base(tmp_path / "base")
+    run = tiny_run(tmp_path, "--pretrained_model_name_or_path", base, "--snr_gamma", 5)
+    assert run.config.snr_gamma == 5.0
+    assert ("loss min-SNR-5, which changes the base's objective (unweighted; no training config: DDPM's "
+            "L_simple assumed)") in capsys.readouterr().out
+    (tmp_path / "base" / "training_config.yaml").write_text(yaml.safe_dump({"snr_gamma": 5.0}))  # this trainer's
+    run = tiny_run(tmp_path, "--pretrained_model_name_or_path", base, output_dir=tmp_path / "b")
+    assert run.config.snr_gamma == 5.0
+    assert "loss min-SNR-5, as the base trained (its training_config.yaml)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -68,12 +97,65 @@ def test_data_that_does_not_fit_is_one_line_naming_both(tmp_path, flags, message
         tiny_run(tmp_path, "--pretrained_model_name_or_path", base, *flags)
 
 
-def test_channels_that_do_not_fit_are_refused(tmp_path):
-    base = save_base(tmp_path / "base", channels=3)
-    with pytest.raises(ConfigError, match=r"its UNet has 3 channel\(s\) \(RGB\) and the images have 1 \(grayscale\)"):
-        tiny_run(tmp_path, "--pretrained_model_name_or_path", base)
+def test_grayscale_images_fine_tune_an_rgb_base_and_other_channel_mismatches_name_their_fix(tmp_path, capsys):
+    rgb_base = save_base(tmp_path / "rgb", channels=3)
+    run = tiny_run(tmp_path, "--pretrained_model_name_or_path", rgb_base)  # the digits: grayscale
+    assert run.data.source.reference_sample(2).shape[1] == 3  # as grey RGB images (N, C, H, W)
+    assert "data: the images are grayscale and the UNet has 3 channel(s): converting them to RGB" in \
+        capsys.readouterr().out
+    colour = save_random_images(tmp_path / "colour", 8, 8, 8)
+    refusals = [
+        (save_base(tmp_path / "gray"), ["--train_data_dir", colour],
+         r"its UNet has 1 channel\(s\) \(grayscale\) and the images have 3 \(RGB\): converting them to grayscale "
+         "would drop their colour: fine-tune on grayscale images, or choose an RGB base"),
+        (save_base(tmp_path / "rgba", channels=4), ["--train_data_dir", colour],
+         r"its UNet has 4 channel\(s\) \(RGBA\) and the images have 3 \(RGB\): add --keep_alpha"),
+        (rgb_base, ["--train_data_dir", colour, "--keep_alpha"],
+         r"its UNet has 3 channel\(s\) \(RGB\) and the images have 4 \(RGBA\): drop --keep_alpha"),
+    ]
+    for index, (base, flags, message) in enumerate(refusals):
+        with pytest.raises(ConfigError, match=message):
+            tiny_run(tmp_path, "--pretrained_model_name_or_path", base, *flags, output_dir=tmp_path / f"r{index}")
     with pytest.raises(ConfigError, match="not a DDPMPipeline folder or Hub id"):
         tiny_run(tmp_path, "--pretrained_model_name_or_path", str(tmp_path))
+
+
+def test_a_home_relative_folder_is_a_folder_not_a_hub_id(tmp_path, monkeypatch):
+    save_base(tmp_path / "base")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run = tiny_run(tmp_path, "--pretrained_model_name_or_path", "~/base")
+    unet = run.accelerator.unwrap_model(run.learner.unet)
+    expected = load_unet_weights(tmp_path / "base")
+    assert all(torch.equal(value, expected[name]) for name, value in unet.state_dict().items())
+    with pytest.raises(ConfigError, match=r"--pretrained_model_name_or_path ~/missing: DDPMPipeline folder "
+                                          r".*/missing does not exist \(nor is it a Hub id"):
+        tiny_run(tmp_path, "--pretrained_model_name_or_path", "~/missing", output_dir=tmp_path / "b")
+
+
+def test_a_hub_id_offline_and_not_in_the_cache_names_hf_hub_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    with pytest.raises(ConfigError, match=r"--pretrained_model_name_or_path someone/ddpm-tiny: cannot download it: "
+                                          r"HF_HUB_OFFLINE is set and someone/ddpm-tiny is not in the Hub cache"):
+        tiny_run(tmp_path, "--pretrained_model_name_or_path", "someone/ddpm-tiny")
+
+
+@pytest.mark.parametrize("sample_size, flags, message", [
+    ([8, 8], ["--resolution", 16], "its UNet samples at 8 px and --resolution is 16: train at --resolution 8"),
+    ([8, 16], [], r"its UNet samples 8x16 px images and this trainer trains square ones"),
+])
+def test_a_list_sample_size_is_checked_as_an_int_one(tmp_path, sample_size, flags, message):
+    import json
+    base = save_base(tmp_path / "base")
+    config_path = os.path.join(base, "unet", "config.json")
+    with open(config_path) as fh:
+        unet_config = json.load(fh)
+    with open(config_path, "w") as fh:
+        json.dump({**unet_config, "sample_size": sample_size}, fh)
+    recipe = {k: v for k, v in TINY_RECIPE.items() if k != "resolution"}
+    with pytest.raises(ConfigError, match=message):
+        tiny_run(tmp_path, "--pretrained_model_name_or_path", base, *flags, **recipe)
 
 
 def test_this_trainers_class_conditional_export_fine_tunes(tmp_path):
@@ -124,3 +206,32 @@ def test_fine_tuning_from_the_hub_exports_and_pushes_with_the_base_named(launch,
     assert "Fine-tuned from `someone/ddpm-tiny`." in card
     with open(tmp_path / "tuned" / "scheduler" / "scheduler_config.json") as fh:
         assert '"num_train_timesteps": 100' in fh.read()  # the base's schedule, exported
+
+
+def test_a_fine_tuning_resume_reads_the_base_from_its_checkpoint_not_the_hub(tmp_path, monkeypatch, tiny_recipe):
+    """The base's configs are recorded in the checkpoint: a resume asks the Hub nothing (offline it
+    would work), and a repo changed since (its beta_end, clip_sample) changes nothing."""
+    import json
+
+    from hub_server import HubServer, serve_in_process
+
+    from diffusion_extras.training.main import main
+    base = save_base(tmp_path / "base")  # DDPMScheduler(num_train_timesteps=100): beta_end 0.02
+    out = tmp_path / "tuned"
+    flags = ["--config", tiny_recipe(checkpointing_steps=2), "--output_dir", str(out),
+             "--pretrained_model_name_or_path", "someone/ddpm-tiny"]
+    with HubServer() as server:
+        server.add_repo("someone/ddpm-tiny", base)
+        serve_in_process(monkeypatch, server, tmp_path / "hub_cache")
+        assert main([*flags, "--max_train_steps", "2"]) == 0
+        changed = {**json.loads(server.repos["someone/ddpm-tiny"]["files"]["scheduler/scheduler_config.json"]),
+                   "beta_end": 0.03, "clip_sample": False}
+        server.repos["someone/ddpm-tiny"]["files"]["scheduler/scheduler_config.json"] = json.dumps(changed).encode()
+        serve_in_process(monkeypatch, server, tmp_path / "empty_hub_cache")  # nothing cached either
+        asked_before = len(server.requests)
+        assert main([*flags, "--max_train_steps", "4", "--resume_from_checkpoint", "latest"]) == 0
+        assert server.requests[asked_before:] == []
+    with open(out / "scheduler" / "scheduler_config.json") as fh:
+        exported = json.load(fh)
+    assert (exported["beta_end"], exported["clip_sample"]) == (0.02, True)
+    assert exported["num_train_timesteps"] == 100

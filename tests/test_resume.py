@@ -231,3 +231,20 @@ def test_resume_with_other_process_count_is_refused(train, tiny_recipe, tmp_path
 def _tiny_model():
     from conftest import TINY_RECIPE
     return dict(TINY_RECIPE["model"])
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_a_checkpoint_name_resumes_from_the_output_dir_as_in_diffusers(tiny_recipe, tmp_path, monkeypatch, capsys):
+    """diffusers' train_unconditional.py reads `--resume_from_checkpoint checkpoint-1` as that folder
+    of --output_dir, whatever the working directory; the same command line resumes here."""
+    from diffusion_extras.training.main import main
+    out = tmp_path / "run"
+    flags = ["--config", tiny_recipe(checkpointing_steps=1), "--output_dir", str(out)]
+    assert main([*flags, "--max_train_steps", "1"]) == 0
+    monkeypatch.chdir(tmp_path / "..")  # nothing named checkpoint-1 here
+    assert main([*flags, "--max_train_steps", "2", "--resume_from_checkpoint", "checkpoint-1"]) == 0
+    assert f"resumed from {out / 'checkpoint-1'} at optimizer step 1" in capsys.readouterr().out
+    assert checkpointing.list_checkpoints(str(out)) == [str(out / "checkpoint-1"), str(out / "checkpoint-2")]
+    assert main([*flags, "--max_train_steps", "3", "--resume_from_checkpoint", "checkpoint-9"]) == 2
+    assert (f"error: --resume_from_checkpoint checkpoint-9: no such checkpoint folder {out / 'checkpoint-9'}"
+            in capsys.readouterr().err)

@@ -37,8 +37,24 @@ def test_epoch_intervals_do_not_touch_the_config():
     config = TrainConfig(save_images_epochs=3, save_model_steps=7)
     intervals, lines = compat.epoch_intervals(config, steps_per_epoch=5)
     assert intervals == {"save_images_steps": 15, "save_model_steps": 7}
-    assert lines == ["--save_images_epochs 3 -> --save_images_steps 15 (5 optimizer steps per epoch)"]
+    assert lines == ["--save_images_epochs 3 -> --save_images_steps 15 (5 optimizer steps per epoch) from step 5, "
+                     "the end of the first epoch, as diffusers"]
     assert config.save_images_steps == TrainConfig().save_images_steps
+
+
+def test_epoch_intervals_save_where_diffusers_saves():
+    """train_unconditional.py saves after epoch `epoch` (0-based) when `epoch % N == 0 or epoch ==
+    num_epochs - 1`; the steps mapped from --save_*_epochs N are due at the ends of those epochs."""
+    from diffusion_extras.training.periodic import interval_due
+    steps_per_epoch, num_epochs, every = 5, 10, 3
+    diffusers = [(epoch + 1) * steps_per_epoch for epoch in range(num_epochs)
+                 if epoch % every == 0 or epoch == num_epochs - 1]
+    last = num_epochs * steps_per_epoch
+    ours = [step for step in range(1, last + 1)
+            if interval_due(every * steps_per_epoch, step, step == last, epochs=every)]
+    assert ours == diffusers == [5, 20, 35, 50]
+    assert [step for step in range(1, 13) if interval_due(4, step, step == 12)] == [4, 8, 12]  # steps: no phase
+    assert not any(interval_due(0, step, step == 12) for step in range(1, 13))  # 0: never, the end neither
 
 
 def test_images_seen_counts_processes_and_accumulation():

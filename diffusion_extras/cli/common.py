@@ -4,6 +4,7 @@ pipeline (a local folder or a Hub id), loading reference images or statistics fo
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -14,6 +15,7 @@ import torch
 from PIL import Image
 
 from diffusion_extras.cli.inputs import (
+    check_pipeline_folder,
     check_reference,
     is_package_pipeline,
     local_pipeline_folder,
@@ -26,6 +28,7 @@ from diffusion_extras.evaluation.pipeline_class_conditional import (
     ClassConditionalPipeline,
     check_guide,
 )
+from diffusion_extras.hub.download import first_line, is_offline_error, offline_reason
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -44,46 +47,57 @@ def resolve_device(name: str) -> torch.device:
 
 
 # ----------------------------------------------------------------------------- pipelines
-def _is_offline_error(error: BaseException) -> bool:
-    """True when loading failed for want of a network (offline mode, DNS, refused, timeout)."""
-    while error is not None:
-        name = type(error).__name__
-        if isinstance(error, (ConnectionError, TimeoutError)) or name in (
-                "OfflineModeIsEnabled", "ConnectError", "ConnectTimeout", "gaierror", "LocalEntryNotFoundError"):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+def _pipeline_class(folder: str):
+    """The class a checked pipeline folder loads as: the package's own ClassConditionalPipeline
+    for the trainer's class-conditional export (its model_index.json names the saved copy of that
+    file, which diffusers would refuse to run without trust_remote_code; the class is already at
+    hand here), else DDPMPipeline."""
+    from diffusers import DDPMPipeline
+
+    return ClassConditionalPipeline if is_package_pipeline(folder) else DDPMPipeline
 
 
 def _load_from_hub(repo_id: str, dtype):
-    from diffusers import DDPMPipeline
+    """A Hub id (the Hub cache and HF_ENDPOINT honoured): its model_index.json is read and checked
+    as a folder's is, then the pipeline loads through the class it names."""
+    from huggingface_hub import hf_hub_download
+
+    with _hub_errors(repo_id):
+        index_folder = os.path.dirname(hf_hub_download(repo_id, "model_index.json"))
+    check_pipeline_folder(index_folder)
+    with _hub_errors(repo_id):
+        return _pipeline_class(index_folder).from_pretrained(repo_id, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str):
+    """A failed download as one ValueError: HF_HUB_OFFLINE or an unreachable Hub named, else the
+    library's first line."""
     from diffusers.utils import logging as diffusers_logging
 
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # its "Couldn't connect" warning would repeat our error
     try:
-        return DDPMPipeline.from_pretrained(repo_id, dtype=dtype)
+        yield
     except Exception as error:  # noqa: BLE001 - hub failures come as OSError, HTTP or value errors
-        if _is_offline_error(error):
-            raise ValueError(f"{repo_id!r} is not a local folder and the Hub is offline (nor is it in "
-                             "the local Hub cache); pass the folder that train_ddpm.py saved") from None
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if is_offline_error(error):
+            raise ValueError(f"{repo_id!r} is not a local folder and cannot be downloaded: "
+                             f"{offline_reason(repo_id)}") from None
         raise ValueError(f"{repo_id!r} is not a local folder and could not be loaded from the Hub: "
-                         f"{first_line}") from None
+                         f"{first_line(error)}") from None
     finally:
         diffusers_logging.set_verbosity(verbosity)
 
 
 def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
-    """A DDPMPipeline from a local save_pretrained folder or a Hub id, moved to `device`."""
-    from diffusers import DDPMPipeline, UNet2DModel
+    """A DDPMPipeline, or the trainer's ClassConditionalPipeline, from a local save_pretrained folder
+    or a Hub id, moved to `device`."""
+    from diffusers import UNet2DModel
 
     path = local_pipeline_folder(name_or_path)
     if path is not None:
-        pipeline_class = ClassConditionalPipeline if is_package_pipeline(path) else DDPMPipeline
         try:
-            # the package's own copy of the class loads a class-conditional folder without running its code
-            pipeline = pipeline_class.from_pretrained(path, dtype=dtype)
+            pipeline = _pipeline_class(path).from_pretrained(path, dtype=dtype)
         except (OSError, ValueError) as error:
             raise ValueError(f"could not load the pipeline in {path}: "
                              f"{str(error).strip().splitlines()[0]}") from None

@@ -10,6 +10,7 @@ import json
 import os
 
 from diffusion_extras.evaluation.choices import PIPELINE_CLASS
+from diffusion_extras.hub.download import local_folder
 
 UNCONDITIONAL = "DDPMPipeline"  # the class an unconditional folder loads as (load_pipeline)
 
@@ -57,19 +58,10 @@ def is_package_pipeline(path: str) -> bool:
 def local_pipeline_folder(name_or_path: str) -> str | None:
     """The checked pipeline folder that the PIPELINE argument names, or None for a Hub id; a
     one-line error for a file, or for a path that is not there and cannot be a Hub id."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id  # (no torch)
-
-    path = os.path.expanduser(name_or_path)
-    if os.path.isdir(path):
+    path = local_folder(name_or_path, "pipeline folder")
+    if path is not None:
         check_pipeline_folder(path)
-        return path
-    if os.path.exists(path):
-        raise ValueError(f"{path} is a file; pass the pipeline folder (the one with model_index.json)")
-    try:
-        validate_repo_id(name_or_path)
-    except HFValidationError:
-        raise FileNotFoundError(f"pipeline folder {path} does not exist") from None
-    return None
+    return path
 
 
 def refuse_guidance_flags(pipeline_name: str, args, **class_flags) -> None:

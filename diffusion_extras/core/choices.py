@@ -4,7 +4,7 @@ and the modules that implement the options import them from here. tests/test_cho
 them against diffusers' own names and against the implementations."""
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")  # what the UNet predicts (diffusers' names)
-BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid")  # DDPMScheduler's
+BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid", "laplace")  # DDPMScheduler's
 LOSS_TYPES = ("l2", "huber")  # losses.per_sample_loss
 VARIANCE_TYPES = ("fixed_small", "fixed_large", "learned_range")  # DDPMScheduler's names; vlb.py's bound
 TIMESTEP_SAMPLING = ("uniform", "loss_aware")  # timesteps.SAMPLERS

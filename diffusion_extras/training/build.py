@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import torch
 
@@ -119,7 +118,7 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
                                                 switches["validation_split"], classes,
                                                 hooks.data_source or sources.build_source)
     plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
-    learner = build_learner(config, accelerator, plan, unet, lr_schedule)
+    learner = build_learner(config, accelerator, plan, unet, lr_schedule, base)
     objective = build_objective(config, accelerator, noise_scheduler)
     extras = build_extras(config, accelerator, plan, learner.unet, held_out_images, training_data.class_names)
     register_checkpointed_state(accelerator, learner, objective, extras)
@@ -148,10 +147,7 @@ def build_model(config: TrainConfig, accelerator, data_channels: int, class_name
     announced in one line with its size."""
     if base is not None:
         choice = base.choice(config, data_channels, class_names)
-        with warnings.catch_warnings():  # resume() names the incomplete checkpoints it passes over
-            warnings.simplefilter("ignore")
-            resuming = bool(config.resume_from_checkpoint and
-                            checkpointing.resume_candidates(config.output_dir, config.resume_from_checkpoint))
+        resuming = checkpointing.recorded_config(config.output_dir, config.resume_from_checkpoint) is not None
         unet = base.load_unet(with_weights=not resuming)  # the checkpoint's weights, not re-read pretrained ones
     else:
         choice = models.follow_data(config, data_channels, class_names)
@@ -190,8 +186,10 @@ def make_plan(config: TrainConfig, accelerator, source, choice: models.Choice, s
     return Plan(max_train_steps=max_train_steps, model=choice.model, **optimization, **intervals, **switches)
 
 
-def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedule) -> Learner:
-    """UNet switches, AdamW, the LR schedule, accelerate's prepare."""
+def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedule,
+                  base: pretrained.Pretrained | None = None) -> Learner:
+    """UNet switches, AdamW, the LR schedule, accelerate's prepare; what checkpoints record of the
+    config (with the `base` pipeline's configs when fine-tuning)."""
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     if config.allow_tf32:  # Ampere+ only; ignored on CPU
@@ -212,7 +210,7 @@ def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedul
     if config.torch_compile:  # in place: state-dict keys (and so checkpoints) stay those of the plain UNet
         accelerator.unwrap_model(unet).compile(**compile_options(config))
     return Learner(unet=unet, optimizer=optimizer, lr_scheduler=lr_scheduler, peak_lr=peak_lr,
-                   state_config=state_config(plan.resolved_config(config), unet, accelerator))
+                   state_config=state_config(plan.resolved_config(config), unet, accelerator, base))
 
 
 def compile_options(config: TrainConfig) -> dict:
@@ -282,9 +280,11 @@ def start_trackers(run: Run) -> None:
                           f"{type(error).__name__}: {error}") from None
 
 
-def state_config(resolved_config: dict, unet, accelerator) -> dict:
+def state_config(resolved_config: dict, unet, accelerator, base: pretrained.Pretrained | None = None) -> dict:
     """What a checkpoint records of the config (checked on resume). The UNet config drops
-    diffusers' private keys (`_use_default_values` varies in order between runs)."""
+    diffusers' private keys (`_use_default_values` varies in order between runs). Fine-tuning, the
+    `base` pipeline's configs as read: a resume takes them from here (pretrained.resolve)."""
     unet_values = {k: v for k, v in dict(accelerator.unwrap_model(unet).config).items() if not k.startswith("_")}
     values = tracking.hyperparameters({k: v for k, v in resolved_config.items() if k != "model"})
-    return values | {"unet": json.loads(json.dumps(unet_values)), "num_processes": accelerator.num_processes}
+    return values | {"unet": json.loads(json.dumps(unet_values)), "num_processes": accelerator.num_processes,
+                     "pretrained": base.record() if base else None}

@@ -23,16 +23,17 @@ import warnings
 import zlib
 from dataclasses import fields
 
-from diffusion_extras.training.config import APPLY, REFUSE, ConfigError, TrainConfig
+from diffusion_extras.training.config import APPLY, REFUSE, ConfigError, TrainConfig, checkpoint_folder
 
 PREFIX = "checkpoint-"
 MARKER = "checkpoint_complete.json"
 TRAIN_STATE = "train_state.json"
 SCALER_FILE = "scaler.pt"  # accelerate's SCALER_NAME
 ABANDONED = "abandoned-"
-# A checkpoint records two keys that are not TrainConfig fields: the resolved UNet config (whose
-# shape the weights have) and the world size (every rank's RNG file and stream position).
-RECORDED_KEY_POLICIES = {"unet": REFUSE, "num_processes": REFUSE}
+# A checkpoint records keys that are not TrainConfig fields: the resolved UNet config (whose shape
+# the weights have), the world size (every rank's RNG file and stream position) and, fine-tuning,
+# the pretrained pipeline's configs as they were read (a resume reads them here, not from the Hub).
+RECORDED_KEY_POLICIES = {"unet": REFUSE, "num_processes": REFUSE, "pretrained": REFUSE}
 
 
 def resume_policies() -> dict[str, str]:
@@ -121,11 +122,12 @@ def file_checksum(path: str, algorithm: str | None = None, chunk_bytes: int = 1 
 
 def resume_candidates(output_dir: str, resume_from: str) -> list[str]:
     """Checkpoints to try, best first. 'latest': complete ones, newest first, warning about each
-    newer one that is incomplete; a path: that one only, and it must be complete."""
+    newer one that is incomplete; a name in output_dir or a path (config.checkpoint_folder): that
+    one only, and it must be complete."""
     if resume_from != "latest":
-        path = os.path.abspath(os.path.expanduser(resume_from))
+        path = checkpoint_folder(resume_from, output_dir)
         if not os.path.isdir(path):
-            raise CheckpointError(f"--resume_from_checkpoint {resume_from}: no such folder")
+            raise CheckpointError(f"--resume_from_checkpoint {resume_from}: no such folder {path}")
         problem = verify_checkpoint(path)
         if problem:
             raise CheckpointError(f"--resume_from_checkpoint {resume_from} cannot be used: {problem}; "
@@ -139,6 +141,18 @@ def resume_candidates(output_dir: str, resume_from: str) -> list[str]:
         else:
             candidates.append(path)
     return candidates
+
+
+def recorded_config(output_dir: str, resume_from: str | None) -> dict | None:
+    """The config recorded by the checkpoint a resume would start from (its train_state.json), or
+    None when none would (no --resume_from_checkpoint, or 'latest' and no checkpoint yet). Quiet:
+    resume() names the incomplete checkpoints it passes over."""
+    if not resume_from:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        candidates = resume_candidates(output_dir, resume_from)
+    return read_train_state(candidates[0])["config"] if candidates else None
 
 
 def _fsync_tree(directory: str) -> dict[str, int]:

@@ -19,9 +19,9 @@ from diffusion_extras.training.config import ConfigError, TrainConfig
 
 def epoch_intervals(config: TrainConfig, steps_per_epoch: int | None) -> tuple[dict, list[str]]:
     """({"save_images_steps": ..., "save_model_steps": ...}, the lines saying how diffusers' epoch
-    intervals became steps). diffusers saves at the end of every N-th epoch and at the last; ours:
-    every N x steps_per_epoch optimizer steps and at the last step, the same points for whole
-    epochs. The config is left as given."""
+    intervals became steps): N x steps_per_epoch optimizer steps, which periodic.interval_due counts
+    from the end of the first epoch, as diffusers saves (`epoch % N == 0`, 0-based: the epochs 1,
+    N + 1, 2N + 1, ...) and at the last step. The config is left as given."""
     intervals, lines = {}, []
     for unit in ("images", "model"):
         epochs = getattr(config, f"save_{unit}_epochs")
@@ -33,7 +33,8 @@ def epoch_intervals(config: TrainConfig, steps_per_epoch: int | None) -> tuple[d
                               f"give --save_{unit}_steps instead")
         intervals[f"save_{unit}_steps"] = epochs * steps_per_epoch
         lines.append(f"--save_{unit}_epochs {epochs} -> --save_{unit}_steps {epochs * steps_per_epoch} "
-                     f"({steps_per_epoch} optimizer steps per epoch)")
+                     f"({steps_per_epoch} optimizer steps per epoch) from step {steps_per_epoch}, the end of "
+                     "the first epoch, as diffusers")
     return intervals, lines
 
 

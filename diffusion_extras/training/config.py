@@ -27,6 +27,7 @@ from diffusion_extras.core.choices import (
 from diffusion_extras.data.images import DataError, missing_dataset_folder, parse_background, resolve_data_files
 from diffusion_extras.data.spec import DataSpec
 from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, parse_metrics
+from diffusion_extras.hub.download import local_folder
 from diffusion_extras.hub.secrets import redact_config
 
 
@@ -116,8 +117,8 @@ class TrainConfig:
     label_column: str | None = _f(None, "Column of class labels (ints or class names) for --class_conditional; default: the dataset's one ClassLabel column (an imagefolder's subfolder names, the digits' label), else a tar shard sample's cls entry or its json entry's label (json.label: a field of a struct column). Streamed labels that are not a ClassLabel are read once before training.", resume=REFUSE, group="data")
     shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY, group="data")
     # --- model ------------------------------------------------------------------------
-    model_config_name_or_path: str | None = _f(None, "UNet2DModel config: a folder (with config.json) or a JSON file. Default: the recipe's `model`.", resume=FREE, group="model")
-    pretrained_model_name_or_path: str | None = _f(None, "Fine-tune a DDPMPipeline: a Hub id (e.g. google/ddpm-cifar10-32) or a local folder (diffusers' or this trainer's export, class-conditional included). The run starts from its UNet's weights (the EMA too) and shape and its scheduler's settings (--resolution defaults to its sample_size); where you set none, a fine-tuning recipe: --learning_rate 2e-4, --lr_warmup_steps 50, --max_train_steps 600 (docs/hub.md: Fine-tuning a pretrained pipeline).", resume=REFUSE, group="model")
+    model_config_name_or_path: str | None = _f(None, "UNet2DModel config: a folder (with config.json, or a pipeline folder's unet/), a JSON file or a Hub id (read with diffusers' load_config, as diffusers does). Default: the recipe's `model`.", resume=FREE, group="model")
+    pretrained_model_name_or_path: str | None = _f(None, "Fine-tune a DDPMPipeline: a Hub id (e.g. google/ddpm-cifar10-32) or a local folder (diffusers' or this trainer's export, class-conditional included). The run starts from its UNet's weights (the EMA too) and shape and its scheduler's settings (--resolution defaults to its sample_size); where you set none, its loss weighting (--snr_gamma: its training_config.yaml's, else 0, DDPM's unweighted loss) and a fine-tuning recipe for its size N in parameters: --learning_rate a tenth of 2e-4 (N / 35.7M)^(-2/3), --lr_warmup_steps half of 100 (N / 1.1M)^(1/3), --max_train_steps 600 (docs/hub.md: Fine-tuning a pretrained pipeline).", resume=REFUSE, group="model")
     model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape), trained with that script's optimization where you set none (docs/flags.md: Coming from diffusers).", resume=REFUSE, cli=False, group="model")
     # --- objective --------------------------------------------------------------------
     prediction_type: str = _f("epsilon", "What the UNet predicts: the noise, v (Salimans & Ho 2022) or the clean image.", choices=PREDICTION_TYPES, resume=REFUSE, group="objective")
@@ -178,7 +179,7 @@ class TrainConfig:
     save_model_steps: int = _f(1000, "Export the DDPMPipeline to output_dir every N optimizer steps and at the end.", resume=APPLY, group="checkpoints")
     checkpointing_steps: int = _f(500, "Save a resumable checkpoint every N optimizer steps.", resume=APPLY, group="checkpoints")
     checkpoints_total_limit: int | None = _f(None, "Keep only the newest K checkpoints.", resume=APPLY, group="checkpoints")
-    resume_from_checkpoint: str | None = _f(None, "'latest' or a checkpoint folder (anywhere) to resume from.", resume=FREE, group="checkpoints")
+    resume_from_checkpoint: str | None = _f(None, "'latest' (the newest complete checkpoint in --output_dir), a checkpoint's name there (checkpoint-6, as in diffusers) or a checkpoint folder's path (anywhere) to resume from.", resume=FREE, group="checkpoints")
     # --- Hub --------------------------------------------------------------------------
     push_to_hub: bool = _f(False, "Upload the pipeline and model card to the Hub at --save_model_steps and at the end.", resume=APPLY, group="Hub")
     hub_model_id: str | None = _f(None, "Hub repo id (default: the output dir's name).", resume=APPLY, group="Hub")
@@ -453,16 +454,18 @@ def validate(c: TrainConfig) -> None:
             resolve_data_files(c.train_data_files)
         except DataError as error:
             raise ConfigError(str(error)) from None
-    if c.model_config_name_or_path is not None:
-        need(os.path.exists(c.model_config_name_or_path),
-             f"--model_config_name_or_path {c.model_config_name_or_path}: no such file or folder "
-             "(give a folder holding config.json or a UNet2DModel JSON config)")
+    if c.model_config_name_or_path is not None and not os.path.isfile(os.path.expanduser(c.model_config_name_or_path)):
+        try:  # a folder or a Hub id (read when the model is built); a path that is neither is refused here
+            local_folder(c.model_config_name_or_path, "UNet config folder or file")
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"--model_config_name_or_path {c.model_config_name_or_path}: {error} (give a folder "
+                              "holding config.json, a UNet2DModel JSON config or a Hub id)") from None
     need(not os.path.isfile(c.output_dir),
          f"--output_dir {c.output_dir} is a file; give a folder path (it is created if missing)")
     if c.resume_from_checkpoint not in (None, "latest"):
-        need(os.path.isdir(c.resume_from_checkpoint),
-             f"--resume_from_checkpoint {c.resume_from_checkpoint}: no such checkpoint folder "
-             "(give 'latest' or a checkpoint-<step> folder)")
+        folder = checkpoint_folder(c.resume_from_checkpoint, c.output_dir)
+        need(os.path.isdir(folder), f"--resume_from_checkpoint {c.resume_from_checkpoint}: no such checkpoint "
+             f"folder {folder} (give 'latest', a checkpoint-<step> name in --output_dir or a checkpoint's path)")
     if c.mixed_precision == "fp16":
         import torch
         need(torch.cuda.is_available(),
@@ -472,6 +475,16 @@ def validate(c: TrainConfig) -> None:
     if c.model_config_name_or_path is None and c.pretrained_model_name_or_path is None:
         # a config file's UNet is checked when it is loaded, a pretrained one is what it is
         validate_model_shape(c.model, c.resolution)
+
+
+def checkpoint_folder(resume_from: str, output_dir: str) -> str:
+    """The folder --resume_from_checkpoint names (other than 'latest'): a bare name (checkpoint-6)
+    is a folder of --output_dir, as diffusers' train_unconditional.py reads it; a path (with a
+    separator, or ~) is that folder, wherever it is, this trainer's addition (diffusers keeps only
+    its base name)."""
+    if os.sep in resume_from or "/" in resume_from or resume_from.startswith("~"):
+        return os.path.abspath(os.path.expanduser(resume_from))
+    return os.path.abspath(os.path.join(output_dir, resume_from))
 
 
 def validate_model_shape(model: dict, resolution: int) -> None:

@@ -1,12 +1,12 @@
 """The UNet and the noise scheduler, built from the config."""
 from __future__ import annotations
 
-import json
 import os
 from typing import NamedTuple
 
 from diffusion_extras.core import losses, vlb
 from diffusion_extras.evaluation import pipeline_class_conditional as conditional
+from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
 from diffusion_extras.training.config import DIGITS_UNET, ConfigError, TrainConfig, validate_model_shape
 
 # diffusers' examples/unconditional_image_generation/train_unconditional.py builds this UNet when no
@@ -24,18 +24,7 @@ def unet_config(config: TrainConfig, model: dict | None = None) -> dict:
     """UNet2DModel kwargs from --model_config_name_or_path (folder or JSON) or `model` (default: the
     recipe's), with sample_size set to the training resolution (the pipeline samples at sample_size)."""
     if config.model_config_name_or_path:
-        path = config.model_config_name_or_path
-        if os.path.isdir(path):
-            path = os.path.join(path, "unet", "config.json") if os.path.isdir(os.path.join(path, "unet")) \
-                else os.path.join(path, "config.json")
-        if not os.path.isfile(path):
-            raise ConfigError(f"--model_config_name_or_path: no config.json in {config.model_config_name_or_path}")
-        try:
-            with open(path) as fh:
-                values = json.load(fh)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"--model_config_name_or_path {path}: not valid JSON ({error})") from None
-        values = {k: v for k, v in values.items() if not k.startswith("_")}
+        values = {k: v for k, v in load_unet_config(config.model_config_name_or_path).items() if not k.startswith("_")}
     else:
         values = dict(config.model if model is None else model)
     values["sample_size"] = config.resolution
@@ -51,6 +40,29 @@ def unet_config(config: TrainConfig, model: dict | None = None) -> dict:
     values["out_channels"] = expected  # the prediction and, with a learned variance, its C values
     validate_model_shape(values, config.resolution)
     return values
+
+
+def load_unet_config(name: str) -> dict:
+    """--model_config_name_or_path through diffusers' UNet2DModel.load_config, as diffusers'
+    train_unconditional.py reads it: a JSON file, a folder with config.json or a Hub id (the Hub
+    cache and HF_HUB_OFFLINE honoured); else a pipeline's unet/ (folder or repo), this trainer's addition."""
+    from diffusers import UNet2DModel
+
+    flag = f"--model_config_name_or_path {name}"
+    path = os.path.expanduser(name)
+    try:
+        folder = path if os.path.isfile(path) else local_folder(name, "UNet config folder or file")
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{flag}: {error}") from None
+    first_error = None
+    for subfolder in (None, "unet"):
+        try:
+            return UNet2DModel.load_config(folder or name, subfolder=subfolder)
+        except Exception as error:  # noqa: BLE001 - huggingface_hub and diffusers raise many types
+            if folder is None and is_offline_error(error):
+                raise ConfigError(f"{flag}: cannot download it: {offline_reason(name)}") from None
+            first_error = first_error or error
+    raise ConfigError(f"{flag}: no UNet2DModel config.json there (nor in its unet/): {first_line(first_error)}")
 
 
 # diffusers' train_unconditional.py optimization for that UNet: its argparse defaults (its gradient

@@ -42,7 +42,7 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
             with end_of_run_work(run, "final post-hoc EMA snapshot", last):
                 artifacts.posthoc_snapshot(unet, extras.posthoc_ema, target)
         work.append(snapshot)
-    if images_due(plan.save_images_steps, step, last):
+    if interval_due(plan.save_images_steps, step, last, config.save_images_epochs):
         def debug_images():
             with end_of_run_work(run, "final debug images and loss plot", last), \
                     guarded_write(run, "sample grid", artifacts.debug_image_paths(config.output_dir, step)):
@@ -57,7 +57,7 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
         work.append(lambda: artifacts.held_out_loss(unet, extras.ema, extras.held_out, extras.diagnostics,
                                                     objective.schedule, run.data.sigma_data, config.prediction_type,
                                                     target, extras.sampling_copy))
-    if step % plan.save_model_steps == 0 or last:
+    if interval_due(plan.save_model_steps, step, last, config.save_model_epochs):
         def export():
             with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last), \
                     guarded_write(run, "pipeline export", [os.path.join(config.output_dir, models.EXPORT_STAGING)]):
@@ -67,9 +67,14 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
     return work
 
 
-def images_due(save_images_steps: int, step: int, last: bool) -> bool:
-    """Grids and debug images every --save_images_steps and at the end; never with 0."""
-    return save_images_steps > 0 and (step % save_images_steps == 0 or last)
+def interval_due(interval: int, step: int, last: bool, epochs: int | None = None) -> bool:
+    """Every `interval` optimizer steps and at the last; never with 0 (--save_images_steps 0).
+    With diffusers' --save_*_epochs N (`epochs`; interval = N epochs of steps): at the end of the
+    epochs 1, N + 1, 2N + 1, ..., where train_unconditional.py's `epoch % N == 0` (0-based) saves."""
+    if interval <= 0:
+        return False
+    phase = interval // epochs if epochs else 0  # one epoch of steps, or none
+    return last or (step >= phase and (step - phase) % interval == 0)
 
 
 def run_main_process_extras(run: Run, step: int, last: bool) -> None:
@@ -89,7 +94,7 @@ def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
     """The sample grid at --save_images_steps and at the end: a collective, every rank samples its
     rows (artifacts.save_sample_grid); the main process writes it."""
     config, extras, accelerator = run.config, run.extras, run.accelerator
-    if not images_due(run.plan.save_images_steps, step, last):
+    if not interval_due(run.plan.save_images_steps, step, last, config.save_images_epochs):
         return
     target = artifacts.Target(config.output_dir, step, accelerator, run.history)
     writes = (guarded_write(run, "sample grid", [artifacts.sample_grid_path(config.output_dir, step)])

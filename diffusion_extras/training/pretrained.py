@@ -1,27 +1,55 @@
 """Fine-tuning: a saved DDPMPipeline (a Hub id or a local folder: diffusers' own, or this trainer's
 export, class-conditional included) as the start of a run. Its UNet's weights and shape, its
-scheduler's settings and, where the user set none, a fine-tuning recipe.
+scheduler's settings, its loss weighting and, where the user set none, a fine-tuning recipe for
+its size. A resume takes the pipeline's configs from its checkpoint (no network).
 
-    config, base = resolve(config)              # scheduler settings and resolution from the pipeline
+    config, base = resolve(config)              # scheduler settings, loss weighting, resolution
     choice = base.choice(config, data_channels, class_names)   # refuses data that does not fit
     unet = base.load_unet(with_weights=True)    # diffusers' from_pretrained: safetensors or .bin
 
-Everything is read with diffusers' from_pretrained / load_config machinery (the Hub through
-huggingface_hub, HF_ENDPOINT and the cache honoured), nothing by hand.
+The configs and weights are read with diffusers' from_pretrained / load_config machinery (the Hub
+through huggingface_hub, HF_ENDPOINT and the cache honoured). By hand, for want of a diffusers
+notion of it: the loss weighting the base trained with, from the training_config.yaml this
+trainer saves beside its exports (hf_hub_download for a Hub id).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import NamedTuple
 
+from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
+from diffusion_extras.training import checkpointing
 from diffusion_extras.training.config import ConfigError, TrainConfig, validate
 from diffusion_extras.training.models import COLOUR_NAMES, Choice, shown
 
-# What a fine-tune trains with where the user sets none: a tenth of a from-scratch learning rate
-# for this size of model (the digits recipe's 2e-3, diffusers' 1e-4 for its 114M UNet sits lower
-# still: the user's flag wins), a short warmup so Adam's first moments settle before full steps
-# move the pretrained weights, and a short run. docs/BENCHMARKS.md measures it on digits.
-FINETUNE_RECIPE = dict(learning_rate=2e-4, lr_warmup_steps=50, max_train_steps=600)
+# What a fine-tune trains with where the user sets none: a tenth of the from-scratch learning rate
+# and half the from-scratch warmup for the base's size N (parameters), so Adam's moments settle
+# before full steps move the pretrained weights, and a short run. The from-scratch values are power
+# laws through the recipes they come from:
+#   lr(N)     = 2e-4 (N / 35.7M)^(-2/3)  the digits recipe's 2e-3 at 1.1M, DDPM's CIFAR-10 UNet
+#                                        (google/ddpm-cifar10-32) 2e-4 at 35.7M, diffusers'
+#                                        train_unconditional.py 1e-4 at 113.7M (the law gives 9.2e-5)
+#   warmup(N) = 100 (N / 1.1M)^(1/3)     the digits recipe's 100 steps, diffusers' 500 at 113.7M (DDPM's
+#                                        5000, for an 800k-step run at batch 128, is not followed)
+# A digits-size base gets 2e-4 and 50 steps (docs/BENCHMARKS.md measures that point);
+# google/ddpm-cifar10-32 2e-5 and 160; a 114M UNet 9.2e-6 and 235. The user's flags win.
+FINETUNE_MAX_TRAIN_STEPS = 600
+RECIPE_LR_ANCHOR = (35.7e6, 2e-4)      # (parameters, from-scratch learning rate)
+RECIPE_WARMUP_ANCHOR = (1.1e6, 100)    # (parameters, from-scratch warmup steps)
+FINETUNE_LR_FRACTION, FINETUNE_WARMUP_FRACTION = 0.1, 0.5
+TRAINING_CONFIG = "training_config.yaml"  # what this trainer saves (and pushes) beside an export
+
+
+def finetune_recipe(parameters: int) -> dict:
+    """The fine-tuning recipe for a base UNet of `parameters` parameters (the rule above)."""
+    (lr_size, lr), (warmup_size, warmup) = RECIPE_LR_ANCHOR, RECIPE_WARMUP_ANCHOR
+    learning_rate = FINETUNE_LR_FRACTION * lr * (parameters / lr_size) ** (-2 / 3)
+    return dict(learning_rate=float(f"{learning_rate:.2g}"),
+                lr_warmup_steps=round(FINETUNE_WARMUP_FRACTION * warmup * (parameters / warmup_size) ** (1 / 3)),
+                max_train_steps=FINETUNE_MAX_TRAIN_STEPS)
+
 
 # the config fields that the pipeline's scheduler sets, by its config key
 SCHEDULER_FIELDS = {"num_train_timesteps": "ddpm_num_steps", "beta_schedule": "ddpm_beta_schedule",
@@ -32,8 +60,10 @@ SCHEDULER_FIELDS = {"num_train_timesteps": "ddpm_num_steps", "beta_schedule": "d
 class Pretrained(NamedTuple):
     """A pipeline's UNet and scheduler configs, and where they came from."""
     name: str              # --pretrained_model_name_or_path as given
+    source: str            # what from_pretrained reads: the folder (`~` expanded) or the Hub id
     unet_config: dict      # UNet2DModel config (diffusers' private keys dropped)
     scheduler_config: dict  # its scheduler's config
+    trained_snr_gamma: float | None = None  # its min-SNR gamma (0: unweighted) if its training_config.yaml says
 
     def load_unet(self, with_weights: bool):
         """The pipeline's UNet with its weights (from_pretrained), or its shape only (a resume:
@@ -43,21 +73,51 @@ class Pretrained(NamedTuple):
         if not with_weights:
             return UNet2DModel.from_config(self.unet_config)
         try:
-            return UNet2DModel.from_pretrained(self.name, subfolder="unet")
+            return UNet2DModel.from_pretrained(self.source, subfolder="unet")
         except Exception as error:  # diffusers raises several types for missing or broken weights
+            offline = not os.path.isdir(self.source) and is_offline_error(error)
             raise ConfigError(f"--pretrained_model_name_or_path {self.name}: cannot load the UNet's weights: "
-                              f"{type(error).__name__}: {_first_line(error)}") from None
+                              f"{offline_reason(self.source) if offline else first_line(error)}") from None
+
+    def record(self) -> dict:
+        """What a checkpoint records of the pipeline (JSON): its configs as read, so that a resume
+        needs no network and sees the schedule it trained with, whatever the repo holds since."""
+        return json.loads(json.dumps({"unet": self.unet_config, "scheduler": self.scheduler_config,
+                                      "snr_gamma": self.trained_snr_gamma}))
+
+    def parameter_count(self) -> int:
+        """The UNet's parameters, counted on the meta device (no memory, no weights read)."""
+        from accelerate import init_empty_weights
+        from diffusers import UNet2DModel
+
+        with init_empty_weights():
+            return sum(parameter.numel() for parameter in UNet2DModel.from_config(self.unet_config).parameters())
+
+    def objective_note(self, snr_gamma: float | None) -> str:
+        """Whether the run's loss weighting (`snr_gamma`) is the one the base trained with: its
+        training_config.yaml says, else DDPM's unweighted L_simple, which diffusers' pipelines (the
+        Google models, train_unconditional.py's epsilon loss) train with."""
+        def weighting(gamma):
+            return f"min-SNR-{gamma:g}" if gamma else "unweighted"
+        known = self.trained_snr_gamma is not None
+        base = self.trained_snr_gamma or 0.0
+        source = "its training_config.yaml" if known else "no training config: DDPM's L_simple assumed"
+        if (snr_gamma or 0.0) == base:
+            return f"loss {weighting(snr_gamma)}, as the base trained ({source})"
+        return f"loss {weighting(snr_gamma)}, which changes the base's objective ({weighting(base)}; {source})"
 
     def choice(self, config: TrainConfig, data_channels: int, class_names: list | None) -> Choice:
         """The pipeline's UNet for this data, and the fine-tuning recipe where the user set none.
         Data that does not fit the UNet is refused in one line naming both, before training."""
         unet, flag = self.unet_config, f"--pretrained_model_name_or_path {self.name}"
-        channels, size = unet.get("in_channels", 3), unet.get("sample_size")
-        if channels != data_channels:
+        channels, size = unet.get("in_channels", 3), square_size(unet.get("sample_size"), flag)
+        # grayscale images train an RGB UNet as grey RGB images, as diffusers' train_unconditional.py
+        # converts every image to RGB; any other mismatch has a remedy of the user's (channel_fix)
+        if channels != data_channels and (channels, data_channels) != (3, 1):
             raise ConfigError(f"{flag}: its UNet has {channels} channel(s) ({COLOUR_NAMES.get(channels, '?')}) and "
-                              f"the images have {data_channels} ({COLOUR_NAMES.get(data_channels, '?')}): fine-tune "
-                              "on images of its channels (or --keep_alpha / no --keep_alpha to match)")
-        if isinstance(size, int) and size != config.resolution:
+                              f"the images have {data_channels} ({COLOUR_NAMES.get(data_channels, '?')}): "
+                              + channel_fix(channels, data_channels))
+        if size is not None and size != config.resolution:
             raise ConfigError(f"{flag}: its UNet samples at {size} px and --resolution is {config.resolution}: "
                               f"train at --resolution {size} (or leave --resolution out)")
         embeds = unet.get("num_class_embeds")
@@ -66,48 +126,109 @@ class Pretrained(NamedTuple):
         if class_names is not None and embeds != len(class_names) + 1:
             raise ConfigError(f"{flag}: its UNet has {'no class embedding' if not embeds else f'{embeds - 1} classes'} "
                               f"and the data has {len(class_names)} classes: fine-tune on data of its classes")
-        settings = {name: value for name, value in FINETUNE_RECIPE.items() if name not in config.given}
-        kept = [f"--{name}" for name in FINETUNE_RECIPE if name in config.given]
+        parameters = self.parameter_count()
+        recipe = finetune_recipe(parameters)
+        settings = {name: value for name, value in recipe.items() if name not in config.given}
+        kept = [f"--{name}" for name in recipe if name in config.given]
         optimization = ""
         if settings:
-            optimization = (f"fine-tuning recipe ({', '.join(f'{n} {shown(v)}' for n, v in settings.items())})"
-                            + (f"; yours kept: {', '.join(kept)}" if kept else ""))
+            optimization = (f"fine-tuning recipe for {parameters:,} parameters "
+                            f"({', '.join(f'{n} {shown(v)}' for n, v in settings.items())})"
+                            + (f"; yours kept: {', '.join(kept)}" if kept else "") + "; ")
+        optimization += self.objective_note(config.snr_gamma)
         description = f"pretrained UNet of {self.name}" + (f", {len(class_names)} classes" if class_names else "")
         return Choice(dict(unet), settings, description, optimization)
 
 
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [""])[0]
+def channel_fix(unet_channels: int, data_channels: int) -> str:
+    """What makes images of `data_channels` fit a base UNet of `unet_channels` (1, 3 or 4):
+    data_channels is 4 only with --keep_alpha, else 1 for grayscale images and 3 for colour."""
+    if data_channels == 4:
+        return "drop --keep_alpha (transparency is then composited on --background)"
+    if unet_channels == 4:
+        return "add --keep_alpha (transparency kept as the 4th channel)"
+    if unet_channels == 1:
+        return ("converting them to grayscale would drop their colour: fine-tune on grayscale images, or "
+                "choose an RGB base")
+    return "fine-tune on images of its channels"
+
+
+def square_size(sample_size, flag: str) -> int | None:
+    """The side of a UNet's sample_size (an int, or diffusers' [height, width]); None when unset. A
+    non-square one is refused: this trainer trains square images (--resolution)."""
+    if isinstance(sample_size, (list, tuple)):
+        if len(set(sample_size)) != 1:
+            raise ConfigError(f"{flag}: its UNet samples {sample_size[0]}x{sample_size[1]} px images and this "
+                              "trainer trains square ones (--resolution): fine-tune a square base")
+        return int(sample_size[0])
+    return sample_size
 
 
 def load(name: str) -> Pretrained:
-    """The configs of the pipeline at `name` (a Hub id or a folder with unet/ and scheduler/)."""
+    """The configs of the pipeline at `name` (a Hub id, or a folder with unet/ and scheduler/)."""
     from diffusers import DDPMScheduler, UNet2DModel
 
     flag = f"--pretrained_model_name_or_path {name}"
     try:
-        unet_config = UNet2DModel.load_config(name, subfolder="unet")
-        scheduler_config = DDPMScheduler.load_config(name, subfolder="scheduler")
+        source = local_folder(name, "DDPMPipeline folder") or name
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{flag}: {error}") from None
+    try:
+        unet_config = UNet2DModel.load_config(source, subfolder="unet")
+        scheduler_config = DDPMScheduler.load_config(source, subfolder="scheduler")
     except Exception as error:  # huggingface_hub and diffusers raise many types; the user needs one line
+        if source == name and is_offline_error(error):
+            raise ConfigError(f"{flag}: cannot download it: {offline_reason(name)}") from None
         raise ConfigError(f"{flag}: not a DDPMPipeline folder or Hub id (unet/ and scheduler/ configs): "
-                          f"{type(error).__name__}: {_first_line(error)}") from None
+                          f"{first_line(error)}") from None
     if unet_config.get("_class_name") != "UNet2DModel":
         raise ConfigError(f"{flag}: its unet is a {unet_config.get('_class_name')}, not a UNet2DModel")
-    return Pretrained(name, {k: v for k, v in unet_config.items() if not k.startswith("_")},
-                      {k: v for k, v in scheduler_config.items() if not k.startswith("_")})
+    return Pretrained(name, source, {k: v for k, v in unet_config.items() if not k.startswith("_")},
+                      {k: v for k, v in scheduler_config.items() if not k.startswith("_")},
+                      trained_snr_gamma(source))
+
+
+def trained_snr_gamma(source: str) -> float | None:
+    """The min-SNR gamma (0.0: unweighted) that the pipeline at `source` trained with, from the
+    training_config.yaml this trainer saves and pushes beside its exports; None for a pipeline
+    without one (diffusers' own)."""
+    import yaml
+    from huggingface_hub import hf_hub_download
+
+    try:
+        path = (os.path.join(source, TRAINING_CONFIG) if os.path.isdir(source)
+                else hf_hub_download(source, TRAINING_CONFIG))
+        with open(path) as fh:
+            values = yaml.safe_load(fh)
+    except Exception:  # noqa: BLE001 - absent (EntryNotFound, OSError) or unreadable: the base does not say
+        return None
+    if not isinstance(values, dict) or "snr_gamma" not in values:
+        return None
+    return float(values["snr_gamma"] or 0.0)
 
 
 def resolve(config: TrainConfig) -> tuple[TrainConfig, Pretrained | None]:
-    """(the config with the pipeline's scheduler settings and sample size where the user set none,
-    the pipeline), or (config, None) without --pretrained_model_name_or_path."""
-    if not config.pretrained_model_name_or_path:
+    """(the config with the pipeline's scheduler settings, loss weighting and sample size where the
+    user set none, the pipeline), or (config, None) without --pretrained_model_name_or_path. A resume takes the
+    pipeline's configs from the checkpoint it starts from, as the first run read them: no network,
+    and a repo changed since (its beta_*, clip_sample) changes nothing."""
+    name = config.pretrained_model_name_or_path
+    if not name:
         return config, None
-    base = load(config.pretrained_model_name_or_path)
+    recorded = checkpointing.recorded_config(config.output_dir, config.resume_from_checkpoint) or {}
+    if recorded.get("pretrained") and recorded.get("pretrained_model_name_or_path") == name:
+        record = recorded["pretrained"]
+        base = Pretrained(name, name, record["unet"], record["scheduler"], record.get("snr_gamma"))
+    else:  # a fresh run, or a checkpoint from before the pipeline was recorded (resume() refuses another name)
+        base = load(name)
     given = config.given
     values = {field: base.scheduler_config[key] for key, field in SCHEDULER_FIELDS.items()
               if key in base.scheduler_config and field not in given}
-    if "resolution" not in given and isinstance(base.unet_config.get("sample_size"), int):
-        values["resolution"] = base.unet_config["sample_size"]
+    if "snr_gamma" not in given:  # the base's loss weighting: its objective is what was pretrained
+        values["snr_gamma"] = base.trained_snr_gamma or 0.0
+    size = square_size(base.unet_config.get("sample_size"), f"--pretrained_model_name_or_path {base.name}")
+    if "resolution" not in given and size is not None:
+        values["resolution"] = size
     resolved = dataclasses.replace(config, **values)
     resolved._given = given  # the pipeline's values are not the user's
     validate(resolved)  # e.g. a variance_type or beta_schedule this trainer does not train
