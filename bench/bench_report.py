@@ -5,15 +5,15 @@ import os
 import platform
 import shlex
 import subprocess
-import sys
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def command_line() -> str:
-    return " ".join(shlex.quote(a) for a in ["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+def command_line(script: str, argv: list[str]) -> str:
+    """`python SCRIPT ARGV...`: the command line that made a report (argv: what the script's main got)."""
+    return " ".join(shlex.quote(a) for a in ["python", os.path.relpath(script, ROOT), *argv])
 
 
 def _cpu_model() -> str:

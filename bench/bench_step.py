@@ -27,7 +27,8 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the Hub; fail fast instead of retrying
+if __name__ == "__main__":  # not in a program that loads this module (a test): its environment stays its own
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the Hub; fail fast instead of retrying
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
@@ -38,6 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_report  # noqa: E402
 import device_figures  # noqa: E402
 import diffusers_reference  # noqa: E402
+
+from diffusion_extras.core import commands  # noqa: E402
 
 TARGET_EXTRAS_PERCENT = 5.0  # the targets, set for the CPU digits recipe
 TARGET_DATA_RATIO = 10.0
@@ -245,7 +248,9 @@ def measure_data_pipeline(run, seconds: float, synchronize, windows: int = 3) ->
 
 
 # ----------------------------------------------------------------------------- main
+@commands.leaves_the_process_as_found  # a program may call it (a test does): accelerate's state reset after
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, trainer_flags = parse_args(argv)
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_step-") as workdir:
@@ -254,7 +259,8 @@ def main(argv=None) -> int:
         run = make_run(config)
         results = measure(args, config, run, workdir)
         results["machine"] = bench_report.machine_info(run.accelerator.device, load_start)
-    results = {"command": bench_report.command_line(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **results}
+    results = {"command": bench_report.command_line(__file__, argv), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               **results}
     print(bench_report.table(results))
     path = args.json or os.path.join(ROOT, "bench", "results", "{}-{}-{}.json".format(
         "tiny" if args.tiny else args.recipe, results["machine"]["device"], config.mixed_precision))

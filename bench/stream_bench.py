@@ -83,7 +83,7 @@ def recipe_gflop_per_image(path: str) -> float:
     return counter.get_total_flops() / 1e9
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resolutions", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
@@ -92,8 +92,9 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=20, help="timed batches per setting")
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed fraction of the bf16 peak the GPU reaches")
     parser.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "stream_bench.json"))
-    args = parser.parse_args()
-    results = {"command": " ".join(["python", "bench/stream_bench.py", *sys.argv[1:]]),
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    results = {"command": " ".join(["python", "bench/stream_bench.py", *argv]),
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or
                platform.machine(), "cpus": os.cpu_count(), "load_average": os.getloadavg(), "rows": []}
     for resolution in args.resolutions:

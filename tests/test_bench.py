@@ -1,6 +1,7 @@
-"""bench/bench_step.py runs end to end on a tiny UNet and writes well-formed JSON; the diffusers
-reference runner reads tqdm progress live and stops the whole process group. No timing is asserted:
-the figures are measurements, only their presence and sanity are checked."""
+"""bench/bench_step.py runs end to end on a tiny UNet (its main() in this process) and writes
+well-formed JSON; the diffusers reference runner reads tqdm progress live and stops the whole process
+group (real processes). No timing is asserted: the figures are measurements, only their presence
+and sanity are checked."""
 import json
 import math
 import os
@@ -9,13 +10,14 @@ import textwrap
 import time
 
 import pytest
-from conftest import load_bench_module, run_command
+from conftest import load_bench_module, run_main
 
 diffusers_reference = load_bench_module("diffusers_reference")
 
 
-def run_bench(tmp_path, *args):
-    return run_command([os.path.join("bench", "bench_step.py"), *args], tmp_path)
+def run_bench(*args):
+    """`python bench/bench_step.py ARGS` through its main() in this process: a CompletedProcess."""
+    return run_main(load_bench_module("bench_step").main, args)
 
 
 def positive_finite(value) -> bool:
@@ -27,7 +29,7 @@ def tiny_run(tmp_path_factory):
     """One run of the bench on the tiny UNet: (its stdout, its JSON report)."""
     tmp_path = tmp_path_factory.mktemp("bench")
     out = tmp_path / "bench.json"
-    result = run_bench(tmp_path, "--tiny", "--steps", "2", "--warmup", "1", "--data_seconds", "0.2",
+    result = run_bench("--tiny", "--steps", "2", "--warmup", "1", "--data_seconds", "0.2",
                        "--json", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout, json.loads(out.read_text())
@@ -135,8 +137,8 @@ def test_flop_count_leaves_a_compiled_unet_compiled(tmp_path, fresh_accelerate):
 @pytest.mark.parametrize("args, needle", [(["--steps", "0"], "--steps"),
                                           (["--diffusers_script", "/nonexistent/train_unconditional.py"],
                                            "--diffusers_script")])
-def test_bad_input_is_one_line_error(tmp_path, args, needle):
-    result = run_bench(tmp_path, *args)
+def test_bad_input_is_one_line_error(args, needle):
+    result = run_bench(*args)
     assert result.returncode == 2
     assert result.stderr.startswith("error:") and needle in result.stderr
     assert "Traceback" not in result.stderr

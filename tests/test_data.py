@@ -4,6 +4,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
+from conftest import run_command
 from PIL import Image
 
 from diffusion_extras.data import batch_order, decode_cache
@@ -71,12 +72,13 @@ def test_max_train_samples_is_seeded_subset():
     assert len(a) == 10 and a["label"] == b["label"]
 
 
-def test_hub_id_offline_is_a_clear_error(run_cli, tmp_path):
-    """A Hub id under HF_HUB_OFFLINE=1 (the test commands' environment: conftest.cli_env), which the
-    libraries read at import, hence a command: one line naming the id and the variable, exit 2, before
-    anything is written. (In this process the libraries were imported online: a Hub id would wait on
-    the network instead.)"""
-    result = run_cli(["train_ddpm.py", "--dataset_name", "someone/no-such-dataset", "--output_dir", tmp_path / "run"])
+def test_hub_id_offline_is_a_clear_error(tmp_path):
+    """A Hub id under HF_HUB_OFFLINE=1, which the libraries read at import, hence a process of its
+    own (conftest.run_command; its environment, conftest.cli_env, is offline): one line naming the id
+    and the variable, exit 2, before anything is written. (In this process the libraries were
+    imported online: a Hub id would wait on the network instead.)"""
+    command = ["train_ddpm.py", "--dataset_name", "someone/no-such-dataset", "--output_dir", tmp_path / "run"]
+    result = run_command(command, tmp_path, env={"HF_HUB_OFFLINE": "1"})
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-2000:]
     assert result.stderr.startswith("error: --dataset_name someone/no-such-dataset: could not load it: ")
     assert "(HF_HUB_OFFLINE is set: Hub ids cannot be downloaded; give a local folder)" in result.stderr

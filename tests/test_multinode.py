@@ -1,13 +1,15 @@
 """The decode cache at scale: built once per node, published race-free, guarded against a full
-disk; two nodes on one machine (two torch.distributed.run launches) train, checkpoint, resume."""
+disk (a disk that reports little free space, in this process); two nodes on one machine (two
+torch.distributed.run launches, processes) train, checkpoint, resume."""
 import os
 import socket
 import subprocess
 import sys
 
+import faults
 import numpy as np
 import pytest
-from conftest import HOOKED_TRAIN, ROOT, cli_env
+from conftest import ROOT, cli_env
 from test_data_files import write_tar_shards
 
 from diffusion_extras.data import decode_cache
@@ -32,17 +34,20 @@ def test_disk_guard_message_names_streaming(tmp_path, monkeypatch):
         decode_cache.check_cache_space(str(tmp_path), 100, 8, 3)  # 19,200 bytes do not
 
 
-def test_cli_refuses_a_cache_that_does_not_fit_and_streams_instead(train, tiny_recipe, tmp_path):
+def test_cli_refuses_a_cache_that_does_not_fit_and_streams_instead(train, tiny_recipe, tmp_path, monkeypatch):
+    import shutil
     folder = write_tar_shards(tmp_path / "shards", shards=2, per_shard=8)
     recipe = tiny_recipe(train_batch_size=4, max_train_samples=None)
     flags = ["--train_data_files", f"{folder}/train-*.tar", "--max_train_steps", 2]
-    env = {"DDPM_TEST_FREE_BYTES": "500"}  # 16 images of 8x8x1 = 1,024 bytes
-    result = train(recipe, tmp_path / "cached", *flags, script="tests/low_disk_train.py", env=env, check=False)
+    # the disk reports 500 free bytes (shutil.disk_usage patched; the trainer untouched): 16 images of
+    # 8x8x1 = 1,024 bytes do not fit
+    monkeypatch.setattr(shutil, "disk_usage", faults.report_free_bytes(500, shutil.disk_usage))
+    result = train(recipe, tmp_path / "cached", *flags, check=False)
     assert result.returncode == 2
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("error: the decoded-image cache needs") and "--streaming" in line
     assert not os.path.exists(tmp_path / "cached" / "checkpoint-2")
-    train(recipe, tmp_path / "streamed", *flags, "--streaming", script="tests/low_disk_train.py", env=env)
+    train(recipe, tmp_path / "streamed", *flags, "--streaming")
     assert os.path.isfile(tmp_path / "streamed" / "unet" / "diffusion_pytorch_model.safetensors")
 
 
@@ -62,7 +67,7 @@ def launch_two_nodes(tmp_path, output_dir, *flags):
         env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "HF_DATASETS_CACHE": str(tmp_path / f"node{node}")}
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                    "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-                   HOOKED_TRAIN, "--output_dir", str(output_dir), *map(str, flags)]
+                   "train_ddpm.py", "--output_dir", str(output_dir), *map(str, flags)]
         procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     results = []

@@ -1,13 +1,16 @@
 """Preemption (training/preemption.py): SIGTERM or SIGUSR1 after step N saves checkpoint-N through
 the atomic save, prints one line and exits 4; resuming gives the uninterrupted run's weights, bit
-for bit. 1 and 2 ranks, cached and streamed data. The signal is sent in-process by
-tests/hooked_train.py (DDPM_TEST_SIGNAL_AT_STEP) after a chosen step: deterministic."""
+for bit. 1 and 2 ranks, cached and streamed data. A signal at a chosen step is one the run sends
+itself (faults.hooks(signal_at_step=N)): deterministic, and for one rank in this process (the trainer's
+main() takes the signal and gives the test process its handlers back). Two ranks, and signals from
+outside (a scheduler, a process group), are processes."""
 import os
 import re
 
+import faults
 import pytest
 import torch
-from conftest import HOOKED_TRAIN, read_history, run_training, write_tiny_recipe
+from conftest import launch_training, read_history, run_training, write_tiny_recipe
 from test_resume import assert_same_state, torchrun
 
 from diffusion_extras.training.checkpointing import verify_checkpoint
@@ -23,6 +26,22 @@ def stop_lines(result):
     return STOP_LINE.findall(result.stderr)
 
 
+def fault_flags(named: dict) -> tuple:
+    """faults.hooks' keywords as tests/faults.py's flags: {"signal_at_step": 2} -> ("--signal_at_step", 2)."""
+    return tuple(part for name, value in named.items()
+                 for part in (f"--{name}", *(value if isinstance(value, (list, tuple)) else [value])))
+
+
+def train_ranks(train, launch, recipe, output_dir, *flags, ranks=1, check=True, **named):
+    """The trainer with the faults `named` (faults.hooks' keywords): one rank in this process, more as
+    that many processes (launch, tests/faults.py). A CompletedProcess; `returncodes`, each rank's."""
+    if ranks == 1:
+        result = train(recipe, output_dir, *flags, hooks=faults.hooks(**named), check=check)
+        result.returncodes = [result.returncode]
+        return result
+    return launch(recipe, output_dir, *flags, ranks=ranks, env=CPU, faults=fault_flags(named), check=check)
+
+
 def assert_preempted_at(result, output_dir, step, signal="SIGTERM", ranks=1):
     assert result.returncodes == [4] * ranks and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert stop_lines(result) == [(signal, str(step), str(output_dir / f"checkpoint-{step}"))]
@@ -36,58 +55,58 @@ def straight(tmp_path_factory):
     """The uninterrupted 1-rank cached run every test compares with."""
     folder = tmp_path_factory.mktemp("straight")
     recipe = write_tiny_recipe(folder, max_train_steps=STEPS, checkpointing_steps=EVERY)
-    run_training(folder, recipe, folder / "run", script=HOOKED_TRAIN)
+    run_training(recipe, folder / "run")
     return recipe, folder / "run"
 
 
-def test_sigterm_saves_at_the_step_and_resumes_bit_identical(straight, hooked_train, tmp_path):
+def test_sigterm_saves_at_the_step_and_resumes_bit_identical(straight, train, tmp_path):
     recipe, reference = straight
     out = tmp_path / "run"
-    result = hooked_train(recipe, out, env={"DDPM_TEST_SIGNAL_AT_STEP": "2"}, check=False)
+    result = train_ranks(train, None, recipe, out, check=False, signal_at_step=2)
     assert_preempted_at(result, out, 2)
-    hooked_train(recipe, out, "--resume_from_checkpoint", "latest")
+    train(recipe, out, "--resume_from_checkpoint", "latest")
     assert_same_state(reference, out, STEPS)
 
 
-def test_sigusr1_at_a_checkpoint_step_with_a_second_signal_in_the_save(straight, hooked_train, tmp_path):
+def test_sigusr1_at_a_checkpoint_step_with_a_second_signal_in_the_save(straight, train, tmp_path):
     """Stop at a step that checkpoints anyway: one save, not two; a SIGTERM while it is completed
     (files written, marker not yet) is ignored and the checkpoint is whole."""
     recipe, reference = straight
     out = tmp_path / "run"
-    result = hooked_train(recipe, out, env={"DDPM_TEST_SIGNAL_AT_STEP": f"{EVERY}:SIGUSR1",
-                                            "DDPM_TEST_SIGNAL_IN_SAVE": str(EVERY)}, check=False)
+    result = train_ranks(train, None, recipe, out, check=False, signal_at_step=EVERY, signal_name="SIGUSR1",
+                         signal_in_save=EVERY)
     assert_preempted_at(result, out, EVERY, signal="SIGUSR1")
     assert result.stdout.count(f"saved {out / f'checkpoint-{EVERY}'}") == 1
-    hooked_train(recipe, out, "--resume_from_checkpoint", "latest")
+    train(recipe, out, "--resume_from_checkpoint", "latest")
     assert_same_state(reference, out, STEPS)
 
 
-def test_two_ranks_agree_on_the_stop_step_when_one_rank_is_signalled(hooked_train, tiny_recipe, tmp_path):
+def test_two_ranks_agree_on_the_stop_step_when_one_rank_is_signalled(launch, tiny_recipe, tmp_path):
     """Only rank 1 receives the signal: rank 0 learns it through the per-step flag all-reduce and
     both stop after the same step, each exiting 4; the resumed run equals an uninterrupted 2-rank run."""
     recipe = tiny_recipe(train_batch_size=4, max_train_steps=STEPS, checkpointing_steps=EVERY)
     reference, out = tmp_path / "straight", tmp_path / "run"
-    hooked_train(recipe, reference, ranks=2, env=CPU)
-    result = hooked_train(recipe, out, ranks=2, env={**CPU, "DDPM_TEST_SIGNAL_AT_STEP": "2:SIGTERM:1"}, check=False)
+    launch(recipe, reference, ranks=2, env=CPU)
+    result = launch(recipe, out, ranks=2, env=CPU, faults=("--signal_at_step", 2, "--signal_ranks", 1), check=False)
     assert result.returncodes == [4, 4] and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert stop_lines(result) == [("a stop signal (on another rank)", "2", str(out / "checkpoint-2"))]  # rank 0 speaks
     assert verify_checkpoint(str(out / "checkpoint-2")) is None and not os.path.exists(out / ".checkpoint-2.tmp")
-    hooked_train(recipe, out, "--resume_from_checkpoint", "latest", ranks=2, env=CPU)
+    launch(recipe, out, "--resume_from_checkpoint", "latest", ranks=2, env=CPU)
     assert_same_state(reference, out, STEPS)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_streamed_data_preempted_and_resumed_exactly(hooked_train, tiny_recipe, tmp_path, parquet_images, ranks):
+def test_streamed_data_preempted_and_resumed_exactly(train, launch, tiny_recipe, tmp_path, parquet_images, ranks):
     """Each rank's stream position is saved at the stop step; the resumed run equals an
     uninterrupted streamed run with the same number of ranks, bit for bit."""
     recipe = tiny_recipe(train_batch_size=4, checkpointing_steps=EVERY, max_train_samples=None)
     flags = ["--streaming", "--dataset_name", parquet_images, "--shuffle_buffer_size", 0, "--max_train_steps", STEPS]
     reference, out = tmp_path / "straight", tmp_path / "run"
-    hooked_train(recipe, reference, *flags, ranks=ranks, env=CPU)
-    result = hooked_train(recipe, out, *flags, ranks=ranks, env={**CPU, "DDPM_TEST_SIGNAL_AT_STEP": "2"}, check=False)
+    train_ranks(train, launch, recipe, reference, *flags, ranks=ranks)
+    result = train_ranks(train, launch, recipe, out, *flags, ranks=ranks, check=False, signal_at_step=2)
     assert_preempted_at(result, out, 2, ranks=ranks)
     assert {f"rank_state_{rank}.json" for rank in range(ranks)} <= set(os.listdir(out / "checkpoint-2"))
-    hooked_train(recipe, out, *flags, "--resume_from_checkpoint", "latest", ranks=ranks, env=CPU)
+    train_ranks(train, launch, recipe, out, *flags, "--resume_from_checkpoint", "latest", ranks=ranks)
     assert_same_state(reference, out, STEPS)
 
 
@@ -124,8 +143,9 @@ def wait_while_running(process, done, read_stderr=str, seconds=300) -> None:
 
 
 def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, signal_name="SIGTERM", group=False,
-                             script="train_ddpm.py", env=None, ready=None, ranks=1):
-    """Start the training command line (`script`, with `env` added; `ranks` > 1: that many ranks
+                             with_faults=(), ready=None, ranks=1):
+    """Start the training command line (train_ddpm.py, or with `with_faults`, flags of tests/faults.py,
+    the trainer with those faults and probes; `ranks` > 1: that many ranks
     started as srun starts a job step's tasks, conftest.start_command) in a session of its own, wait
     for checkpoint-2 (training is under way), then send `signal_name` to the command (`group=False`:
     as a scheduler that signals the launched process) or to its whole process group (`group=True`:
@@ -139,8 +159,10 @@ def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, sig
     import time
 
     from conftest import cli_env, start_command
-    env = {**cli_env(), **CPU, **(env or {})}  # cli_env: its lines written as they are printed
-    command = [*(launcher or [sys.executable]), script, "--config", recipe, "--output_dir", str(out), *map(str, flags)]
+    env = {**cli_env(), **CPU}  # cli_env: its lines written as they are printed
+    script = ["tests/faults.py", *map(str, with_faults), "--"] if with_faults else ["train_ddpm.py"]
+    command = [*(launcher or [sys.executable]), *script, "--config", recipe, "--output_dir", str(out),
+               *map(str, flags)]
     stdout_path, stderr_path = tmp_path / "command.stdout", tmp_path / "command.stderr"
     read_stdout = stdout_path.read_text
     with start_command(command, env, stdout_path, stderr_path, ranks=ranks) as process:
@@ -157,12 +179,17 @@ def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, sig
             process.wait(timeout=120)
         finally:  # a failed test leaves nothing running (torch.distributed.run gives each rank a session)
             if process.poll() is None:
-                for pid in [pid for rank in process.pids for pid in [rank, *descendants(rank)]]:
+                for pid in [pid for rank in pids_of(process) for pid in [rank, *descendants(rank)]]:
                     os.kill(pid, signal.SIGKILL)
         return process.returncodes, read_stdout(), stderr_path.read_text(), time.monotonic() - signalled
 
 
-def assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, signal_name, flags=(),
+def pids_of(ranks) -> list[int]:
+    """The pid of each rank (conftest.start_command's Ranks)."""
+    return [process.pid for process in ranks.processes]
+
+
+def assert_stopped_and_resume_equals_straight(train, launch, recipe, out, tmp_path, result, signal_name, flags=(),
                                               launcher=None):
     """One stop line naming the signal, a whole checkpoint at the stop step within a 30-s grace
     period, no traceback; resumed to a later checkpoint step, the run equals a straight run to it
@@ -178,8 +205,9 @@ def assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, resu
     assert verify_checkpoint(path) is None and seconds < 30  # well inside a 30-second grace period
     end = (int(step) // 2 + 2) * 2  # a later checkpoint step (every 2): both runs save their state there
     ranks = 1 if launcher is None else 2  # what is compared is the ranks' training: no launcher needed
-    train(recipe, out, *flags, "--resume_from_checkpoint", "latest", "--max_train_steps", end, ranks=ranks, env=CPU)
-    train(recipe, tmp_path / "straight", *flags, "--max_train_steps", end, ranks=ranks, env=CPU)
+    train_ranks(train, launch, recipe, out, *flags, "--resume_from_checkpoint", "latest", "--max_train_steps", end,
+                ranks=ranks)
+    train_ranks(train, launch, recipe, tmp_path / "straight", *flags, "--max_train_steps", end, ranks=ranks)
     assert_same_state(tmp_path / "straight", out, end)
 
 
@@ -189,37 +217,39 @@ def endless_recipe(tiny_recipe, **overrides):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_a_scheduler_sigterm_to_the_launched_command_saves_and_resumes_bit_identical(train, tiny_recipe, tmp_path,
-                                                                                       ranks):
+def test_a_scheduler_sigterm_to_the_launched_command_saves_and_resumes_bit_identical(train, launch, tiny_recipe,
+                                                                                       tmp_path, ranks):
     """The signal from outside, as a job scheduler sends it: to `python train_ddpm.py`, or to the
     torch.distributed.run launcher, which forwards it to every rank. The run is signalled once
     checkpoint-2 is saved and stops at whatever step it has reached with a checkpoint there."""
     recipe, out, launcher = endless_recipe(tiny_recipe), tmp_path / "run", torchrun() if ranks == 2 else None
     result = signal_a_running_command(recipe, out, tmp_path, launcher=launcher)
-    assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, "SIGTERM", launcher=launcher)
+    assert_stopped_and_resume_equals_straight(train, launch, recipe, out, tmp_path, result, "SIGTERM",
+                                              launcher=launcher)
 
 
 # 1 to 3 loader workers, each signal once, cached and streamed (issue 33): a run per pair, not per product
 @pytest.mark.parametrize("workers, signal_name", [(1, "SIGTERM"), (2, "SIGUSR1"), (3, "SIGINT")])
-def test_a_signal_to_the_process_group_with_loader_workers(train, tiny_recipe, tmp_path, workers, signal_name):
+def test_a_signal_to_the_process_group_with_loader_workers(train, launch, tiny_recipe, tmp_path, workers,
+                                                           signal_name):
     """Slurm and Ctrl-C signal every process, the DataLoader workers included (issue 33): the
     workers ignore it (data/workers.py), the trainer saves at the step, exits 4 with one line and no
     traceback, and the resume equals the straight run."""
     recipe, out = endless_recipe(tiny_recipe, dataloader_num_workers=workers), tmp_path / "run"
     result = signal_a_running_command(recipe, out, tmp_path, signal_name=signal_name, group=True)
-    assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, signal_name)
+    assert_stopped_and_resume_equals_straight(train, launch, recipe, out, tmp_path, result, signal_name)
 
 
 @pytest.mark.parametrize("workers, signal_name", [(1, "SIGUSR1"), (2, "SIGTERM"), (3, "SIGUSR1")])
-def test_a_process_group_signal_to_a_streamed_run_with_loader_workers(train, tiny_recipe, tmp_path, parquet_images,
-                                                                      workers, signal_name):
+def test_a_process_group_signal_to_a_streamed_run_with_loader_workers(train, launch, tiny_recipe, tmp_path,
+                                                                      parquet_images, workers, signal_name):
     """As above with streamed data: 4 parquet shards over 1, 2 or 3 workers (3: two workers read one
     shard each, one reads two), every worker's place in the stream saved at the stop."""
     recipe, out = endless_recipe(tiny_recipe, max_train_samples=None), tmp_path / "run"
     flags = ["--streaming", "--dataset_name", parquet_images, "--shuffle_buffer_size", 0,
              "--dataloader_num_workers", workers]
     result = signal_a_running_command(recipe, out, tmp_path, flags, signal_name=signal_name, group=True)
-    assert_stopped_and_resume_equals_straight(train, recipe, out, tmp_path, result, signal_name, flags)
+    assert_stopped_and_resume_equals_straight(train, launch, recipe, out, tmp_path, result, signal_name, flags)
 
 
 def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_resume_does_the_end_work(
@@ -245,10 +275,10 @@ def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_res
     # The end-of-run grid's length shapes no weight: the resume and the reference draw theirs in 2
     # steps (1000 CPU steps each would add a minute to the test and test nothing more).
     short_grid = ("--ddpm_num_inference_steps", 2)
-    resumed = train(recipe, out, "--resume_from_checkpoint", "latest", *short_grid, env=CPU)
+    resumed = train(recipe, out, "--resume_from_checkpoint", "latest", *short_grid)
     assert "resumed at the last step (3)" in resumed.stdout
     assert os.path.exists(out / "samples" / "step_000003.png") and os.path.exists(out / "unet")
-    train(recipe, tmp_path / "straight", *short_grid, env=CPU)
+    train(recipe, tmp_path / "straight", *short_grid)
     assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
     exported, straight = load_unet_weights(out), load_unet_weights(tmp_path / "straight")
     assert all(torch.equal(exported[k], straight[k]) for k in straight)
@@ -258,25 +288,25 @@ def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_res
 # all at step 2: FID/KID of 12 images in batches of 4 (batch k to rank k mod 2: rank 0 samples 8,
 # rank 1 4), a 4-image grid of rows (one row of 2 a rank), then the held-out loss and gradient
 # monitor on rank 0 alone. Each denoising step of the signalled run sleeps 0.25 s
-# (hooked_train's DDPM_TEST_DENOISE_SECONDS), so each batch's 100 DDIM steps take 25 s on little CPU:
+# (tests/faults.py --denoise_seconds), so each batch's 100 DDIM steps take 25 s on little CPU:
 # the work at step 2 would take 75 s (50 s with the grid test's own FID), and the stop must come
 # within seconds at step 2 on both ranks. The resume, and the uninterrupted run it is compared
 # with, sample with 2 DDIM steps unslowed (sampling never touches the training state).
 IN_WORK = dict(train_batch_size=4, dataloader_num_workers=1, max_train_steps=4, checkpointing_steps=2,
                save_images_steps=2, eval_steps=2, eval_num_samples=12, eval_batch_size=4, feature_extractor="tiny",
                ddpm_num_inference_steps=100, validation_split=0.1, validation_steps=2, grad_diagnostics_steps=2)
-SLOW_DENOISING = {"DDPM_TEST_DENOISE_SECONDS": "0.25"}
+SLOW_DENOISING = ("--denoise_seconds", 0.25)
 QUICK_SAMPLING = ("--ddpm_num_inference_steps", 2)
 
 
 @pytest.fixture(scope="module")
 def straight_two_ranks_with_work(tmp_path_factory):
     folder = tmp_path_factory.mktemp("straight_with_work")
-    run_training(folder, write_tiny_recipe(folder, **IN_WORK), folder / "run", *QUICK_SAMPLING, ranks=2, env=CPU)
+    launch_training(folder, write_tiny_recipe(folder, **IN_WORK), folder / "run", *QUICK_SAMPLING, ranks=2, env=CPU)
     return folder / "run"
 
 
-def assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straight, result, signal_name):
+def assert_stopped_in_work_and_resume_equals_straight(launch, recipe, out, straight, result, signal_name):
     """Stopped at step 2 within 10 s (uninterrupted, the work at step 2 takes 50 s or more), one
     stop line, exit code 4 on both ranks, no traceback, checkpoint-2 whole and nothing of the step-2
     grid or export written; the resumed run's losses, weights and checkpoint-4 equal the
@@ -288,12 +318,12 @@ def assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straig
     assert verify_checkpoint(str(out / "checkpoint-2")) is None
     assert not os.path.exists(out / "samples") and not os.path.exists(out / "unet")
     assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
-    train(recipe, out, *QUICK_SAMPLING, "--resume_from_checkpoint", "latest", ranks=2, env=CPU)
+    launch(recipe, out, *QUICK_SAMPLING, "--resume_from_checkpoint", "latest", ranks=2, env=CPU)
     assert_same_state(straight, out, IN_WORK["max_train_steps"])
 
 
 def test_two_ranks_sigterm_to_every_rank_and_worker_during_the_sample_grid_stops_both_within_seconds(
-        train, straight_two_ranks_with_work, tmp_path):
+        launch, straight_two_ranks_with_work, tmp_path):
     """SIGTERM to both ranks and their loader workers at once, as srun delivers it to the tasks of
     examples/slurm/train_multi_node.sbatch, once the FID at step 2 is scored, while the grid's rows
     are sampled on both ranks: each gives up between denoising steps and they agree before the
@@ -304,15 +334,14 @@ def test_two_ranks_sigterm_to_every_rank_and_worker_during_the_sample_grid_stops
 
     def after_the_fid(process, read_stdout):
         wait_while_running(process, lambda: "step 2: fid" in read_stdout())
-        return [pid for rank in process.pids for pid in [rank, *descendants(rank)]]  # its loader worker too
-    result = signal_a_running_command(recipe, out, tmp_path, ranks=2, ready=after_the_fid, script=HOOKED_TRAIN,
-                                      env=SLOW_DENOISING)
-    assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straight_two_ranks_with_work, result,
+        return [pid for rank in pids_of(process) for pid in [rank, *descendants(rank)]]  # its loader worker too
+    result = signal_a_running_command(recipe, out, tmp_path, ranks=2, ready=after_the_fid, with_faults=SLOW_DENOISING)
+    assert_stopped_in_work_and_resume_equals_straight(launch, recipe, out, straight_two_ranks_with_work, result,
                                                       "SIGTERM")
 
 
 def test_two_ranks_a_sigusr1_to_rank_1_alone_waiting_for_rank_0s_fid_share_stops_both(
-        train, straight_two_ranks_with_work, tmp_path):
+        launch, straight_two_ranks_with_work, tmp_path):
     """SIGUSR1 to rank 1 alone once it has sampled its batch of FID images (25 s) and waits for rank
     0's two (50 s): rank 1 publishes the stop while it waits, rank 0 gives its share up, and rank 0's
     share is never done."""
@@ -321,12 +350,10 @@ def test_two_ranks_a_sigusr1_to_rank_1_alone_waiting_for_rank_0s_fid_share_stops
     def when_rank_1_waits(process, read_stdout):
         wait_while_running(process, lambda: os.path.exists(shares / "rank1.jsonl"))
         assert not os.path.exists(shares / "rank0.jsonl")  # rank 0 is still sampling
-        return process.pids[1:]
+        return pids_of(process)[1:]
     result = signal_a_running_command(recipe, out, tmp_path, ranks=2, signal_name="SIGUSR1",
-                                      script=HOOKED_TRAIN,
-                                      env={"DDPM_TEST_RECORD_SHARES": str(shares), **SLOW_DENOISING},
-                                      ready=when_rank_1_waits)
+                                      with_faults=("--record_shares", shares, *SLOW_DENOISING), ready=when_rank_1_waits)
     assert not os.path.exists(shares / "rank0.jsonl")  # gave up, not finished
     assert not [h for h in read_history(out) if any(key.startswith("eval/") for key in h)]  # no FID logged
-    assert_stopped_in_work_and_resume_equals_straight(train, recipe, out, straight_two_ranks_with_work, result,
+    assert_stopped_in_work_and_resume_equals_straight(launch, recipe, out, straight_two_ranks_with_work, result,
                                                       "a stop signal (on another rank)")

@@ -5,12 +5,15 @@ minute) with --signal=USR1@15 stops with a checkpoint, requeues itself (exit 4 -
 `scontrol requeue`, examples/slurm/train_one_node.sbatch) and continues until done; its weights
 equal an uninterrupted run's, bit for bit. A 2-rank job (examples/slurm/train_multi_node.sbatch,
 ranks started by srun) cancelled with `scancel --signal=TERM` does the same. The jobs run the
-examples with tests/hooked_train.py for train_ddpm.py, whose steps sleep until the first stop
-(DDPM_TEST_STEP_SECONDS): the first segment lasts as long as the scheduler needs, at little CPU, and
-the requeued one finishes in seconds."""
+examples with tests/faults.py --step_seconds S for train_ddpm.py, whose steps sleep until the first
+stop: the first segment lasts as long as the scheduler needs, at little CPU, and the requeued one
+finishes in seconds. The jobs' interpreter is this one (the examples' PYTHON variable), whichever
+python is first on PATH. The uninterrupted runs compared with: one rank in this process, two as
+processes."""
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -58,15 +61,25 @@ def wait_for_job(job_id: str, timeout: float) -> str:
     raise AssertionError(f"job {job_id} still queued after {timeout:.0f} s")
 
 
-def slurm_script(tmp_path, example: str) -> str:
-    """examples/slurm/EXAMPLE with `python tests/hooked_train.py` (the trainer with the test hooks, here
-    DDPM_TEST_STEP_SECONDS) in place of `python train_ddpm.py`, in tmp_path; the rest is the example's."""
+TRAINER = '"${PYTHON:-python}" train_ddpm.py'  # how the examples start the trainer
+
+
+def slurm_script(tmp_path, example: str, step_seconds: float) -> str:
+    """examples/slurm/EXAMPLE with tests/faults.py --step_seconds S (the trainer whose steps sleep S
+    seconds until its first stop) in place of train_ddpm.py, in tmp_path; the rest is the example's."""
     with open(os.path.join(ROOT, "examples", "slurm", example)) as fh:
         text = fh.read()
-    assert text.count("python train_ddpm.py") == 1, example
+    assert text.count(TRAINER) == 1, example
     path = tmp_path / example
-    path.write_text(text.replace("python train_ddpm.py", "python tests/hooked_train.py"))
+    path.write_text(text.replace(TRAINER, f'"${{PYTHON:-python}}" tests/faults.py --step_seconds {step_seconds} --'))
     return str(path)
+
+
+def job_environment() -> dict:
+    """The environment sbatch passes on to the job: the test commands' (conftest.cli_env), on the CPU,
+    with this interpreter as the examples' PYTHON (not whichever python is first on PATH: a venv's
+    python run without activating the venv is not) and this checkout importable."""
+    return {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT, "PYTHON": sys.executable}
 
 
 def test_a_time_limited_job_requeues_itself_until_done_bit_identical(slurm, tmp_path, train):
@@ -74,17 +87,17 @@ def test_a_time_limited_job_requeues_itself_until_done_bit_identical(slurm, tmp_
     # once now + W + 30 s >= the end (send_job_warn_signal in its job_mgr.c): with --time=1, W=15 puts it
     # 15 to ~45 s into the job, before the limit at 60 s. (W=40 allowed it at once: a job started just
     # before a check got USR1 0.2 s in, before the interpreter had a handler, and died of it.) Until
-    # the stop each step sleeps 0.6 s (DDPM_TEST_STEP_SECONDS), so the 100 steps would last over 60 s on
+    # the stop each step sleeps 0.6 s (--step_seconds), so the 100 steps would last over 60 s on
     # any machine (plus the start-up) at little CPU, as a slow job does; the requeued job resumes
     # unslowed and finishes in seconds (a tiny step is ~40 ms of CPU). The reference run takes the same
     # steps unslowed (the sleep changes no number).
     recipe = write_tiny_recipe(tmp_path, train_batch_size=4, max_train_steps=100, checkpointing_steps=25,
                                lr_scheduler="constant", dataloader_num_workers=2)
     out, log = tmp_path / "run", tmp_path / "slurm.out"
-    env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT, "DDPM_TEST_STEP_SECONDS": "0.6"}
     job_id = subprocess.check_output(["sbatch", "--parsable", "--time=1", "--signal=USR1@15", f"--output={log}",
-                                      slurm_script(tmp_path, "train_one_node.sbatch"), "--config", recipe,
-                                      "--output_dir", str(out)], cwd=ROOT, env=env, text=True).strip().split(";")[0]
+                                      slurm_script(tmp_path, "train_one_node.sbatch", 0.6), "--config", recipe,
+                                      "--output_dir", str(out)], cwd=ROOT, env=job_environment(),
+                                     text=True).strip().split(";")[0]
     state = wait_for_job(job_id, timeout=900)
     text = log.read_text(errors="replace")  # tqdm bars cut mid-character by a stop
     assert state == "COMPLETED" and "done: 100 optimizer steps" in text, text[-3000:]
@@ -96,20 +109,20 @@ def test_a_time_limited_job_requeues_itself_until_done_bit_identical(slurm, tmp_
     assert all(torch.equal(exported[k], straight[k]) for k in straight)
 
 
-def test_a_two_rank_job_cancelled_with_sigterm_requeues_and_ends_bit_identical(slurm, tmp_path, train):
+def test_a_two_rank_job_cancelled_with_sigterm_requeues_and_ends_bit_identical(slurm, tmp_path, launch):
     """`scancel --signal=TERM JOB` signals every process of the job's steps at once: both ranks and
     their loader workers. The ranks agree on a stop step, write checkpoint-N, exit 4, srun exits 4,
     the script requeues the job, and the requeued job finishes the run."""
     recipe = write_tiny_recipe(tmp_path, train_batch_size=4, max_train_steps=100, checkpointing_steps=25,
                                lr_scheduler="constant", dataloader_num_workers=2)
     out, log = tmp_path / "run", tmp_path / "slurm.out"
-    # 0.1 s of sleep per step until the stop (DDPM_TEST_STEP_SECONDS): the signal, sent once checkpoint-25
+    # 0.1 s of sleep per step until the stop (--step_seconds): the signal, sent once checkpoint-25
     # is written, reaches the ranks mid-run (75 steps, 7.5 s, before the end)
-    env = {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT, "DDPM_TEST_STEP_SECONDS": "0.1"}
     job_id = subprocess.check_output(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
                                       "--gpus-per-node=0", "--time=30", f"--output={log}",
-                                      slurm_script(tmp_path, "train_multi_node.sbatch"), "--config", recipe,
-                                      "--output_dir", str(out)], cwd=ROOT, env=env, text=True).strip().split(";")[0]
+                                      slurm_script(tmp_path, "train_multi_node.sbatch", 0.1), "--config", recipe,
+                                      "--output_dir", str(out)], cwd=ROOT, env=job_environment(),
+                                     text=True).strip().split(";")[0]
     deadline = time.monotonic() + 300
     while not (out / "checkpoint-25").is_dir():  # training, past start-up, before the end
         assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:] if log.exists() else "no log"
@@ -121,7 +134,7 @@ def test_a_two_rank_job_cancelled_with_sigterm_requeues_and_ends_bit_identical(s
     assert text.count("preempted: SIGTERM received") == 1 and "Traceback" not in text, text[-3000:]
     stopped_at = int(text.split("stopped after optimizer step ")[1].split()[0])
     assert 25 <= stopped_at < 100 and (out / f"checkpoint-{stopped_at}").is_dir()
-    train(recipe, tmp_path / "straight", ranks=2, env={"ACCELERATE_USE_CPU": "1"})
+    launch(recipe, tmp_path / "straight", ranks=2, env={"ACCELERATE_USE_CPU": "1"})
     assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
     exported, straight = load_unet_weights(out), load_unet_weights(tmp_path / "straight")
     import torch

@@ -6,7 +6,7 @@
 # in a container. The signal paths are those of a cluster: slurmstepd signals every process of a step.
 set -euo pipefail
 host=$(hostname -s)
-cpus=$(nproc)
+cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc obeys these (a test session sets OMP_NUM_THREADS=1)
 memory=$(free -m | awk '/^Mem:/ {print int($2 * 0.8)}')
 mkdir -p /etc/slurm /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/munge /var/lib/munge /var/log/munge
 if [ ! -s /etc/munge/munge.key ]; then
