@@ -255,6 +255,10 @@ class Ranks:
         self.processes, self.store, self.pid = processes, store, processes[0].pid
         self.failed_at = self.returncode = self.returncodes = None
 
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
     def poll(self):
         codes = [process.poll() for process in self.processes]
         if self.failed_at is None and any(codes):

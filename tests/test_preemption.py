@@ -179,14 +179,9 @@ def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, sig
             process.wait(timeout=120)
         finally:  # a failed test leaves nothing running (torch.distributed.run gives each rank a session)
             if process.poll() is None:
-                for pid in [pid for rank in pids_of(process) for pid in [rank, *descendants(rank)]]:
+                for pid in [pid for rank in process.pids for pid in [rank, *descendants(rank)]]:
                     os.kill(pid, signal.SIGKILL)
         return process.returncodes, read_stdout(), stderr_path.read_text(), time.monotonic() - signalled
-
-
-def pids_of(ranks) -> list[int]:
-    """The pid of each rank (conftest.start_command's Ranks)."""
-    return [process.pid for process in ranks.processes]
 
 
 def assert_stopped_and_resume_equals_straight(train, launch, recipe, out, tmp_path, result, signal_name, flags=(),
@@ -334,7 +329,7 @@ def test_two_ranks_sigterm_to_every_rank_and_worker_during_the_sample_grid_stops
 
     def after_the_fid(process, read_stdout):
         wait_while_running(process, lambda: "step 2: fid" in read_stdout())
-        return [pid for rank in pids_of(process) for pid in [rank, *descendants(rank)]]  # its loader worker too
+        return [pid for rank in process.pids for pid in [rank, *descendants(rank)]]  # its loader worker too
     result = signal_a_running_command(recipe, out, tmp_path, ranks=2, ready=after_the_fid, with_faults=SLOW_DENOISING)
     assert_stopped_in_work_and_resume_equals_straight(launch, recipe, out, straight_two_ranks_with_work, result,
                                                       "SIGTERM")
@@ -350,7 +345,7 @@ def test_two_ranks_a_sigusr1_to_rank_1_alone_waiting_for_rank_0s_fid_share_stops
     def when_rank_1_waits(process, read_stdout):
         wait_while_running(process, lambda: os.path.exists(shares / "rank1.jsonl"))
         assert not os.path.exists(shares / "rank0.jsonl")  # rank 0 is still sampling
-        return pids_of(process)[1:]
+        return process.pids[1:]
     result = signal_a_running_command(recipe, out, tmp_path, ranks=2, signal_name="SIGUSR1",
                                       with_faults=("--record_shares", shares, *SLOW_DENOISING), ready=when_rank_1_waits)
     assert not os.path.exists(shares / "rank0.jsonl")  # gave up, not finished
