@@ -4,7 +4,7 @@ every host sync the CUDA runtime sees (scalar reads, device-to-host and pageable
 synchronizations) into an error, around the real `optimizer_step` of each precision.
 
 Run on an NVIDIA H200 (torch 2.11.0+cu130) on 2026-11-26: 8 passed (docs/BENCHMARKS.md, "GPU"); the
-compile test's graph-count assertion was added after that run.
+compile test's graph-count assertion and the reduce-overhead test were added after that run.
 """
 import contextlib
 
@@ -124,3 +124,50 @@ def test_save_and_resume_continue_bit_exactly(tmp_path, fresh_accelerate, monkey
     assert all(torch.equal(a, b) for a, b in zip(expected_ema, resumed.extras.ema.shadow_params))
     if expected_scale is not None:
         assert resumed.accelerator.scaler.get_scale() == expected_scale
+
+
+def test_reduce_overhead_replays_cuda_graphs_and_resumes_bit_exactly(tmp_path, fresh_accelerate, monkeypatch):
+    """--torch_compile_mode reduce-overhead: every region of the step (forward with the loss, the
+    backward through compiled autograd, the clipping, the EMA with the diagnostics) replays a CUDA
+    graph, none skipped; after warm-up no graph is captured, nothing recompiles and nothing syncs.
+    A checkpoint at step 6, resumed in a fresh compile, gives step 9's weights and EMA bit for bit
+    (the EMA, which a graph writes in place, is loaded in place). Not the diagnostics window: its
+    float64 index_add_ uses atomics on CUDA, whose summation order is not fixed."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    flags = ("--torch_compile", "--torch_compile_mode", "reduce-overhead", "--use_ema", "--snr_gamma", 5,
+             "--mixed_precision", "bf16", "--max_train_steps", 12)
+
+    def fresh_compile():
+        torch._dynamo.reset()
+        counters.clear()
+
+    fresh_compile()
+    run = tiny_run(tmp_path, *flags)
+    assert run.learner.step_functions.cuda_graphs
+    batches = loop.make_batches(run)
+    for _ in range(3):  # compile, then CUDA graph trees' warm-up run and recording
+        step.optimizer_step(run, batches)
+    warm = dynamo_counts()
+    with no_host_sync():
+        for _ in range(3):
+            step.optimizer_step(run, batches)
+    assert dynamo_counts() == warm and warm["breaks"] == 0, warm
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    loop.save_checkpoint(run)
+    for _ in range(3):
+        step.optimizer_step(run, batches)
+    expected = weights(run), [s.clone() for s in run.extras.ema.shadow_params]
+
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True), GradientState._reset_state()
+    fresh_compile()
+    resumed = tiny_run(tmp_path, *flags, "--resume_from_checkpoint", "latest")
+    assert resumed.progress.global_step == 6
+    batches = loop.make_batches(resumed)
+    for _ in range(3):
+        step.optimizer_step(resumed, batches)
+    assert all(torch.equal(a, b) for a, b in zip(expected[0], weights(resumed)))
+    assert all(torch.equal(a, b) for a, b in zip(expected[1], resumed.extras.ema.shadow_params))
+    fresh_compile()

@@ -48,8 +48,11 @@ def same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_overflow_skips_the_step_and_the_scale_halves_then_grows(tmp_path, fresh_accelerate, fp16_on_cpu):
-    run = tiny_run(tmp_path, *FLAGS)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_overflow_skips_the_step_and_the_scale_halves_then_grows(tmp_path, fresh_accelerate, fp16_on_cpu, compiled):
+    """Also with the step compiled (the eager backend: the same graphs as inductor): the scaler's
+    unscale and step stay eager between the compiled regions, which read its scale as a tensor."""
+    run = tiny_run(tmp_path, *FLAGS, *(("--torch_compile", "--torch_compile_backend", "eager") if compiled else ()))
     scaler = run.accelerator.scaler
     assert run.learner.optimizer.scaler is scaler and next(run.learner.unet.parameters()).dtype == torch.float32
     batches = loop.make_batches(run)

@@ -23,6 +23,7 @@ class ExponentialMovingAverage:
         self.min_decay = min_decay
         self.optimization_step = 0      # updates applied so far
         self.shadow_params = [p.detach().float().clone() for p in parameters]
+        self.update_weight = torch.zeros((), device=self.shadow_params[0].device)  # 1 - decay of the last step
 
     def decay(self, optimization_step: int) -> float:
         """Decay for the `optimization_step`-th update (1-based): 0 for the first, so the average
@@ -33,22 +34,34 @@ class ExponentialMovingAverage:
 
     @torch.no_grad()
     def step(self, parameters: Iterable[torch.nn.Parameter], finite: torch.Tensor | None = None) -> None:
-        """One update per optimizer step. `finite` (0-dim bool tensor on the device) makes a skipped
-        optimizer step a no-op here too, without reading it on the host."""
+        """One update per optimizer step: `advance`, then `lerp`. `finite` (0-dim bool tensor on the
+        device) makes a skipped optimizer step a no-op here too, without reading it on the host."""
+        self.advance()
+        self.lerp(parameters, finite)
+
+    def advance(self) -> None:
+        """Count the update and write its weight 1 - decay into a device tensor: the host-side half of
+        a step. A compiled `lerp` reads the weight as a tensor, so the warm-up changes no graph
+        (a Python float would be baked in, and recompiled at every step)."""
         self.optimization_step += 1
-        weight = 1.0 - self.decay(self.optimization_step)
-        params = [p.detach() for p in parameters]
+        if self.update_weight.device != self.shadow_params[0].device:  # after `to` or a load onto another device
+            self.update_weight = torch.zeros((), device=self.shadow_params[0].device)
+        # fill_ passes the number as a kernel argument: no host-to-device copy, no sync
+        self.update_weight.fill_(1.0 - self.decay(self.optimization_step))
+
+    @torch.no_grad()
+    def lerp(self, parameters: Iterable[torch.nn.Parameter], finite: torch.Tensor | None = None) -> None:
+        """shadow += update_weight * (parameter - shadow), as one multi-tensor lerp; the device-side
+        half of a step, compiled with the rest of the update under --torch_compile."""
+        params = list(parameters)  # in no_grad: the parameters are read as they are, no detach needed
         if any(p.dtype != torch.float32 for p in params):
             params = [p.float() for p in params]
-        if finite is None:
-            torch._foreach_lerp_(self.shadow_params, params, weight)
-            return
         # A skipped step lerps by 0; the decay clock still advances (it counts optimizer steps, like
-        # the LR schedule). The weight must be a LIST of 0-dim tensors: torch has no overload taking
-        # one tensor weight, and its argument parser would read that one on the host (.item(), a
-        # sync every step; tests/test_host_sync.py). The list overload lerps tensor by tensor
-        # (one kernel each) but never leaves the device.
-        weight = finite.to(torch.float32) * weight
+        # the LR schedule). The weight is a LIST of 0-dim tensors: torch has no overload taking one
+        # tensor weight, and its argument parser would read that one on the host (.item(), a sync
+        # every step; tests/test_host_sync.py). Eager, the list overload lerps tensor by tensor
+        # (one kernel each) but never leaves the device; compiled, it is fused.
+        weight = self.update_weight if finite is None else finite.to(torch.float32) * self.update_weight
         torch._foreach_lerp_(self.shadow_params, params, [weight] * len(params))
 
     @torch.no_grad()
@@ -85,4 +98,6 @@ class ExponentialMovingAverage:
         # the decay settings are the current run's (from its config); the checkpoint supplies the
         # position and the average. A resume warns when they differ (their resume policy is apply).
         self.optimization_step = state["optimization_step"]
-        self.shadow_params = [s.to(device=p.device, dtype=torch.float32) for s, p in zip(shadow, self.shadow_params)]
+        with torch.no_grad():  # in place: a compiled step (CUDA graphs) keeps the addresses it captured
+            for average, saved in zip(self.shadow_params, shadow):
+                average.copy_(saved)

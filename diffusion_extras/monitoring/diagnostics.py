@@ -57,12 +57,13 @@ class TimestepDiagnostics:
         self._window = torch.zeros(self._bound_start + 2 * n * self.bound_terms, dtype=self.dtype, device=self.device)
         self._bin_sum, self._bin_sumsq, self._bin_count, self.nonfinite_per_bin = (
             self._window[k * n:(k + 1) * n] for k in range(4))
-        self._step = {name: self._window[4 * n + j] for j, name in enumerate(_STEP_FIELDS)}
         self._class_sum, self._class_count = (self._window[self._classes_start + k * cells:][:cells] for k in range(2))
         self._bound_sum, self._bound_count = (self._window[self._bound_start:].view(2, n)
                                               if self.bound_terms else (None, None))
-        # The non-finite streak spans logging windows, so it lives outside the window buffer.
-        self._consecutive_nonfinite = torch.zeros((), dtype=self.dtype, device=self.device)
+        # The non-finite streak spans logging windows, so it lives outside the window buffer. A
+        # 1-element buffer, not a 0-dim tensor: torch.compile takes a 0-dim float64 CPU input for a
+        # Python float and guards on its value (an .item() per call, and a recompile per change).
+        self._streak = torch.zeros(1, dtype=self.dtype, device=self.device)
         self.running_bin_loss = np.full(n, np.nan)
         self.total_steps = self.total_clipped = self.total_nonfinite = 0
 
@@ -106,22 +107,28 @@ class TimestepDiagnostics:
         grad_norm = torch.as_tensor(grad_norm).detach().to(self.device, self.dtype)
         # A step whose norm is inf/NaN cannot have been applied as a finite update.
         finite = torch.as_tensor(finite).to(self.device, torch.bool) & torch.isfinite(grad_norm)
-        step = self._step
+        # the counters as views made here, not kept 0-dim views: see _streak
+        step = dict(zip(_STEP_FIELDS, self._window[4 * self.num_bins:self._classes_start].unbind()))
+        streak = self._streak[0]
         step["steps"].add_(1)
         step["finite_steps"].add_(finite)
         step["nonfinite_steps"].add_(~finite)
         step["grad_norm_sum"].add_(torch.where(finite, grad_norm, torch.zeros_like(grad_norm)))
         if max_grad_norm:  # None or 0: clipping is off (--max_grad_norm 0 disables it)
             step["clipped_steps"].add_(finite & (grad_norm > max_grad_norm))
-        self._consecutive_nonfinite.add_(1).mul_(~finite)
+        streak.add_(1).mul_(~finite)
         peak = step["max_consecutive_nonfinite"]
-        peak.copy_(torch.maximum(peak, self._consecutive_nonfinite))
+        peak.copy_(torch.maximum(peak, streak))
         if loss_scale is not None:
             if isinstance(loss_scale, torch.Tensor):
                 step["loss_scale"].copy_(loss_scale.detach().reshape(()))
             else:  # fill_ passes a Python number as a kernel argument: no host-to-device copy
                 step["loss_scale"].fill_(float(loss_scale))
             step["loss_scale_known"].fill_(1.0)
+
+    def device_state(self) -> list[torch.Tensor]:
+        """The device tensors the updates write in place (a CUDA graph must keep their addresses)."""
+        return [self._window, self._streak]
 
     def reduce_and_reset(self, accelerator=None) -> dict[str, float]:
         """Combine the window over processes, bring it to the host once, and start a new window.
@@ -222,7 +229,7 @@ class TimestepDiagnostics:
         return {"num_train_timesteps": self.num_train_timesteps, "num_bins": self.num_bins,
                 "num_classes": self.num_classes,
                 "running_decay": self.running_decay, "window": self._window.cpu().clone(),
-                "consecutive_nonfinite": self._consecutive_nonfinite.cpu().clone(),
+                "consecutive_nonfinite": self._streak[0].cpu().clone(),
                 "running_bin_loss": torch.from_numpy(self.running_bin_loss.copy()),
                 "total_steps": self.total_steps, "total_clipped": self.total_clipped,
                 "total_nonfinite": self.total_nonfinite}
@@ -235,7 +242,7 @@ class TimestepDiagnostics:
                              f"{self.num_classes}; resume with the same settings")
         self.running_decay = float(state["running_decay"])
         self._window.copy_(state["window"])  # copy_ keeps the views into the packed buffer valid
-        self._consecutive_nonfinite.copy_(state["consecutive_nonfinite"])
+        self._streak[0].copy_(state["consecutive_nonfinite"])
         self.running_bin_loss = state["running_bin_loss"].double().numpy().copy()
         self.total_steps = int(state["total_steps"])
         self.total_clipped = int(state["total_clipped"])

@@ -16,12 +16,12 @@ from diffusion_extras.data import batch_order, sources
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
-from diffusion_extras.training import artifacts, checkpointing, compat, models, pretrained, run_state, tracking
+from diffusion_extras.training import artifacts, checkpointing, compat, models, pretrained, run_state, step, tracking
 from diffusion_extras.training.config import ConfigError, TrainConfig
 from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.periodic import write_reference_bins
 from diffusion_extras.training.resume import resume
-from diffusion_extras.training.run_state import Data, Extras, Learner, Objective, Plan, Progress, Run
+from diffusion_extras.training.run_state import Data, Extras, Learner, Objective, Plan, Progress, Run, StepFunctions
 from diffusion_extras.training.sampling_copy import SamplingCopy
 
 COLLECTIVE_TIMEOUT_MINUTES = 30  # see make_accelerator: what a rank may wait for at a collective
@@ -123,7 +123,9 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     extras = build_extras(config, accelerator, plan, learner.unet, held_out_images, training_data.class_names)
     register_checkpointed_state(accelerator, learner, objective, extras)
     progress = Progress(step_lr=learner.peak_lr,
+                        input_statistics=torch.full((4,), float("nan"), device=accelerator.device),
                         nonfinite_inputs=torch.full((4,), float("nan"), device=accelerator.device))
+    learner.step_functions = step_functions(config, accelerator, learner, extras, progress)
     return Run(config=config, plan=plan, accelerator=accelerator, learner=learner, objective=objective,
                data=training_data, extras=extras, progress=progress, history=tracking.History(config.output_dir),
                hooks=hooks)
@@ -211,6 +213,39 @@ def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedul
         accelerator.unwrap_model(unet).compile(**compile_options(config))
     return Learner(unet=unet, optimizer=optimizer, lr_scheduler=lr_scheduler, peak_lr=peak_lr,
                    state_config=state_config(plan.resolved_config(config), unet, accelerator, base))
+
+
+def step_functions(config: TrainConfig, accelerator, learner: Learner, extras: Extras,
+                   progress: Progress) -> StepFunctions:
+    """The step's tensor code, compiled whole under --torch_compile: the UNet with the loss, its
+    weights and the diagnostics' accumulation (one region), its backward with the gradients'
+    accumulation (compiled autograd), the clipping, and the EMA with the step's diagnostics.
+    Between them run the randomness draws and the fused AdamW."""
+    parts = (step.micro_batch_loss, step.clip_gradients, step.record_update)
+    if not config.torch_compile:
+        return StepFunctions(*parts)
+    options = compile_options(config)
+    cuda_graphs = options["mode"] == "reduce-overhead" and accelerator.device.type == "cuda"
+    if cuda_graphs:  # CUDA graphs replay fixed addresses: the state a step mutates must stay where it is
+        for tensor in step_state(extras, progress):
+            torch._dynamo.mark_static_address(tensor)
+    # dynamic=False: every call has the shapes of the first (full micro-batches: the last partial one is dropped)
+    loss, clip, record = (torch.compile(part, dynamic=False, **options) for part in parts)
+    if accelerator.num_processes > 1:
+        # DDP: the forward and backward stay those of the UNet compiled in place (build_learner), as
+        # torch compiles DDP models: the wrapper runs eager and splits the graph at its gradient
+        # buckets (DDPOptimizer), and its C++ reducer hooks the autograd engine's accumulation,
+        # which compiled autograd would take over. Only the clipping and the EMA are compiled here.
+        return StepFunctions(step.micro_batch_loss, clip, record, None, cuda_graphs)
+    return StepFunctions(loss, clip, record, torch.compile(dynamic=False, **options), cuda_graphs)
+
+
+def step_state(extras: Extras, progress: Progress) -> list:
+    """The tensors outside the model and optimizer that a step writes in place."""
+    state = [*extras.diagnostics.device_state(), progress.input_statistics, progress.nonfinite_inputs]
+    if extras.ema is not None:
+        state += [*extras.ema.shadow_params, extras.ema.update_weight]
+    return state
 
 
 def compile_options(config: TrainConfig) -> dict:

@@ -14,8 +14,9 @@ function of the trainer may read is declared here, with its unit.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -93,6 +94,16 @@ def extras_switches(config, embedded_digits: bool) -> dict:
     return {"validation_split": split, "grad_diagnostics_steps": grad_steps}
 
 
+class StepFunctions(NamedTuple):
+    """The tensor-only parts of an optimizer step (training/step.py), torch.compile'd under
+    --torch_compile (training/build.py: step_functions), else the plain functions."""
+    micro_batch_loss: Callable   # (run, clean, noise, timesteps, importance, class_labels) -> (loss, mse)
+    clip_gradients: Callable     # (run, loss, max_norm) -> (grad_norm, finite)
+    record_update: Callable      # (run, grad_norm, finite): EMA, the step's diagnostics
+    backward_compiler: Callable | None = None  # compiled autograd's compiler (step.backward); None: the engine's
+    cuda_graphs: bool = False    # --torch_compile_mode reduce-overhead on CUDA: a step marks its start
+
+
 @dataclass
 class Learner:
     """What learns: the network, its optimizer and LR schedule."""
@@ -101,6 +112,7 @@ class Learner:
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler   # stepped once per optimizer step, for any P and accumulation
     peak_lr: float                                       # after --scale_lr; a resume rewrites the schedule to it
     state_config: dict                                   # what checkpoints record of the config (checked on resume)
+    step_functions: StepFunctions | None = None          # set by build.build_run once the extras exist
 
 
 @dataclass

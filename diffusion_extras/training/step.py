@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._dynamo import compiled_autograd
 
 from diffusion_extras.core import losses, vlb
 from diffusion_extras.core.optimization import step_unless_nonfinite
@@ -37,8 +38,10 @@ def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
 
 
 def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool) -> torch.Tensor:
-    """sample t, noise, predict, loss, backward. Returns the (weighted) loss, detached, on device."""
-    config, accelerator, schedule, unet = run.config, run.accelerator, run.objective.schedule, run.learner.unet
+    """sample t, noise, predict, loss, backward. Returns the (weighted) loss, detached, on device.
+    The randomness is drawn here, from generators (which a compiled graph does not take); the rest
+    is `micro_batch_loss`, one compiled region with its backward under --torch_compile."""
+    config, accelerator = run.config, run.accelerator
     batch, labels = batch_order.split_batch(batch)
     noise, timesteps, importance, flips, drops, global_timesteps = micro_step_randomness(run, micro_step,
                                                                                         batch.shape[1:])
@@ -46,24 +49,47 @@ def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool)
     class_labels = conditioning_labels(run, labels, drops)
     if hook(run, "model_input") is not None:
         clean = run.hooks.model_input(run, clean, micro_step)
+    with accelerator.no_sync(run.learner.unet) if not sync else contextlib.nullcontext():
+        loss, mse = run.learner.step_functions.micro_batch_loss(run, clean, noise, timesteps, importance,
+                                                               class_labels)
+        backward(run, loss / config.gradient_accumulation_steps)
+    if run.objective.timestep_sampler.learns_from_losses:  # one small gather: every rank keeps the same distribution
+        run.objective.timestep_sampler.update(global_timesteps, accelerator.gather(mse))
+    return loss.detach()
+
+
+def backward(run: Run, loss: torch.Tensor) -> None:
+    """accelerate's backward (the GradScaler's scaling with fp16); under --torch_compile with one
+    process through compiled autograd, so that the gradients' accumulation into .grad runs in the
+    compiled backward too: AOTAutograd's backward graph leaves it to the autograd engine, one op
+    per parameter (AccumulateGrad). torch's documented entry is config.compiled_autograd for a
+    backward called inside a compiled function, where it is a graph break; its context manager
+    `_enable` (private) compiles the backward called here, next to the compiled forward."""
+    compiler = run.learner.step_functions.backward_compiler
+    with compiled_autograd._enable(compiler, dynamic=False) if compiler else contextlib.nullcontext():
+        run.accelerator.backward(loss)
+
+
+def micro_batch_loss(run: Run, clean, noise, timesteps, importance, class_labels) -> tuple:
+    """noise, predict, loss (min-SNR and importance weights; with a learned variance the bound's
+    term), and the diagnostics' accumulation. Returns (the loss, the unweighted MSE per sample, detached)."""
+    config, schedule, unet = run.config, run.objective.schedule, run.learner.unet
     if config.channels_last:
         clean = clean.contiguous(memory_format=torch.channels_last)
     noisy = schedule.add_noise(clean, noise, timesteps)  # fp32, outside autocast
     target = schedule.target(config.prediction_type, clean, noise, timesteps)
-    with accelerator.no_sync(unet) if not sync else contextlib.nullcontext():
-        output = unet(noisy, timesteps, class_labels=class_labels).sample  # autocast inside when mixed precision
-        prediction, variance_values = vlb.split_output(output, clean.shape[1])  # values: learned variance only
-        error = losses.per_sample_loss(prediction, target, config.loss_type, config.huber_c)
-        per_sample = error * simple_loss_weights(run, timesteps)
-        bound = None
-        if variance_values is not None:  # improved-diffusion's L_hybrid: T x L_{t-1} (uniform t) estimates the sum
-            bound = bound_term(run, prediction, variance_values, clean, noisy, timesteps)
-            per_sample = per_sample + config.vlb_weight * config.ddpm_num_steps * bound
-        loss = (per_sample * importance if importance is not None else per_sample).mean()
-        accelerator.backward(loss / config.gradient_accumulation_steps)
-    mse = error if config.loss_type == "l2" else losses.per_sample_loss(prediction, target)
-    record_micro_batch(run, timesteps, global_timesteps, mse.detach(), clean, class_labels, bound)
-    return loss.detach()
+    output = unet(noisy, timesteps, class_labels=class_labels).sample  # autocast inside when mixed precision
+    prediction, variance_values = vlb.split_output(output, clean.shape[1])  # values: learned variance only
+    error = losses.per_sample_loss(prediction, target, config.loss_type, config.huber_c)
+    per_sample = error * simple_loss_weights(run, timesteps)
+    bound = None
+    if variance_values is not None:  # improved-diffusion's L_hybrid: T x L_{t-1} (uniform t) estimates the sum
+        bound = bound_term(run, prediction, variance_values, clean, noisy, timesteps)
+        per_sample = per_sample + config.vlb_weight * config.ddpm_num_steps * bound
+    loss = (per_sample * importance if importance is not None else per_sample).mean()
+    mse = (error if config.loss_type == "l2" else losses.per_sample_loss(prediction, target)).detach()
+    record_micro_batch(run, timesteps, mse, clean, class_labels, bound)
+    return loss, mse
 
 
 def conditioning_labels(run: Run, labels, drops):
@@ -91,30 +117,35 @@ def bound_term(run: Run, prediction, variance_values, clean, noisy, timesteps):
                                                     run.config.prediction_type, run.config.variance_type)
 
 
-def record_micro_batch(run: Run, timesteps, global_timesteps, mse, clean, class_labels, bound=None) -> None:
+def record_micro_batch(run: Run, timesteps, mse, clean, class_labels, bound=None) -> None:
     """Diagnostics see the unweighted MSE (per class too, when conditional; and a learned variance's
-    bound terms); a loss-aware sampler learns from the whole global batch (one small gather) so
-    every rank keeps the same distribution."""
+    bound terms); the input statistics are written in place (a compiled step's outputs are its own)."""
     run.extras.diagnostics.update_loss(timesteps, mse, class_labels)
     if bound is not None:
         run.extras.diagnostics.update_bound(timesteps, bound)
-    if run.objective.timestep_sampler.learns_from_losses:
-        run.objective.timestep_sampler.update(global_timesteps, run.accelerator.gather(mse))
-    run.progress.input_statistics = torch.stack([clean.mean(), clean.std(), clean.amin(), clean.amax()])
+    run.progress.input_statistics.copy_(torch.stack([clean.mean(), clean.std(), clean.amin(), clean.amax()]))
 
 
 def optimizer_step(run: Run, batches) -> torch.Tensor:
     """One optimizer step over `gradient_accumulation_steps` micro-batches; no host sync.
-    A non-finite loss or gradient skips the update on the device (weights, moments, EMA untouched)."""
+    A non-finite loss or gradient skips the update on the device (weights, moments, EMA untouched).
+    Under --torch_compile each micro-batch is one compiled region (and its backward), and the
+    clipping and the EMA with the step's diagnostics two more; what runs here between them is
+    Python bookkeeping and a few launches (tests/test_step_ops.py counts them)."""
     config, accelerator, learner, extras, progress = run.config, run.accelerator, run.learner, run.extras, run.progress
+    if learner.step_functions.cuda_graphs:  # a new iteration: the last one's graph outputs may be overwritten
+        torch.compiler.cudagraph_mark_step_begin()
     accumulation = config.gradient_accumulation_steps
     loss = torch.zeros((), device=accelerator.device)
     for micro in range(accumulation):
         micro_step = progress.global_step * accumulation + micro
         loss += forward_backward(run, next(batches), micro_step, sync=micro == accumulation - 1) / accumulation
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
-    grad_norm = accelerator.clip_grad_norm_(learner.unet.parameters(), max_norm)  # unscales fp16 grads first
-    finite = torch.isfinite(grad_norm) & torch.isfinite(loss)
+    accelerator.unscale_gradients()  # fp16: the GradScaler's unscale (host-side state: never compiled)
+    grad_norm, finite = learner.step_functions.clip_gradients(run, loss, max_norm)
+    # Fused AdamW, eager between the compiled regions: one multi-tensor kernel already, and the only
+    # AdamW with found_inf, the on-device skip; torch.compile does not trace fused optimizers (torch
+    # wraps _fused_adam in torch.compiler.disable), and the foreach one it compiles knows no found_inf.
     step_unless_nonfinite(learner.optimizer, accelerator.scaler, finite)
     learner.optimizer.zero_grad(set_to_none=True)
     progress.step_lr = learner.lr_scheduler.get_last_lr()[0]  # the lr this step used (a float: no sync)
@@ -125,10 +156,27 @@ def optimizer_step(run: Run, batches) -> torch.Tensor:
     learner.lr_scheduler.step()
     progress.global_step += 1
     if extras.ema is not None:
-        extras.ema.step(learner.unet.parameters(), finite=finite)
+        extras.ema.advance()  # the decay clock, and the decay into the tensor the compiled lerp reads
+    learner.step_functions.record_update(run, grad_norm, finite)
     if extras.posthoc_ema is not None:
         extras.posthoc_ema.update(learner.unet.parameters(), progress.global_step, finite=finite)
-    scale = getattr(accelerator.scaler, "_scale", None)  # device tensor: reading it would sync
-    extras.diagnostics.update_step(grad_norm, config.max_grad_norm or None, finite, scale)
-    progress.nonfinite_inputs = torch.where(finite, progress.nonfinite_inputs, progress.input_statistics)
     return loss
+
+
+def clip_gradients(run: Run, loss: torch.Tensor, max_norm: float) -> tuple:
+    """(the total gradient norm before clipping, whether it and the loss are finite), the gradients
+    clipped to `max_norm`: torch's clip, which accelerate's clip_grad_norm_ calls for one process and
+    DDP once the gradients are unscaled (its FSDP and DeepSpeed paths are refused in build)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(list(run.learner.unet.parameters()), max_norm)
+    return grad_norm, torch.isfinite(grad_norm) & torch.isfinite(loss)
+
+
+def record_update(run: Run, grad_norm: torch.Tensor, finite: torch.Tensor) -> None:
+    """After the optimizer step: the EMA (a no-op when the step was skipped), the step's
+    diagnostics and the inputs of a skipped step, all on the device."""
+    extras, progress, scaler = run.extras, run.progress, run.accelerator.scaler
+    if extras.ema is not None:
+        extras.ema.lerp(run.learner.unet.parameters(), finite)
+    scale = getattr(scaler, "_scale", None)  # device tensor: reading it would sync
+    extras.diagnostics.update_step(grad_norm, run.config.max_grad_norm or None, finite, scale)
+    progress.nonfinite_inputs.copy_(torch.where(finite, progress.nonfinite_inputs, progress.input_statistics))
