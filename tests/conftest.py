@@ -379,14 +379,6 @@ def tiny_run(tmp_path, *flags, hooks=None, output_dir=None, **recipe):
                                      *map(str, flags)]), hooks)
 
 
-def dynamo_counts() -> dict:
-    """torch.compile's tallies in this process so far (torch._dynamo.utils.counters): graphs
-    captured, graph breaks, and frames compiled (a recompile compiles a frame again)."""
-    from torch._dynamo.utils import counters
-    return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values()),
-            "frames": counters["frames"]["total"]}
-
-
 def tiny_unet(channels: int = 1, sample_size: int = TINY_RECIPE["resolution"], seed: int = 0, **overrides):
     """The TINY_RECIPE UNet as a diffusers model (initialised from torch.manual_seed(seed)), for
     tests that need one without a training run; keyword arguments override its architecture."""

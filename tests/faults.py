@@ -27,7 +27,8 @@ record_labels=PATH       each training forward appends {"rank", "micro_step", "m
                          mean pixel in [-1, 1], "labels": the class labels the UNet is given} to PATH.
 step_seconds=S           in a run that starts from step 0, each optimizer step is followed by a sleep of
                          S seconds: a slow job a scheduler stops (test_slurm). Its resumption is not slowed.
-dynamo_counts=DIR        after each optimizer step, torch.compile's tallies as a line of DIR/rank<i>.jsonl.
+dynamo_counts=DIR        after each optimizer step (and, as a process, at its end: "end"), torch.compile's
+                         tallies as a line of DIR/rank<i>.jsonl.
 data_source=CLASS        a data source of the trainer's interface in place of the built-in ones.
 The patches of libraries below (not of the trainer) are separate functions, for processes and for
 monkeypatch: slow_set_epoch, record_shares, slow_down_denoising, report_free_bytes.
@@ -288,7 +289,10 @@ def main(argv) -> int:
     from diffusion_extras.training.main import main as train
     faults = {name: value for name, value in vars(args).items()
               if name not in ("command", "slow_set_epoch", "record_shares", "denoise_seconds", "free_bytes")}
-    return train(command_argv, hooks(**faults))
+    code = train(command_argv, hooks(**faults))
+    if args.dynamo_counts:  # and once more after the end-of-run work (grids, evaluation, export)
+        write_dynamo_counts(args.dynamo_counts, "end")
+    return code
 
 
 if __name__ == "__main__":

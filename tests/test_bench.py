@@ -118,8 +118,8 @@ def test_flop_count_leaves_a_compiled_unet_compiled(tmp_path, fresh_accelerate):
     H200: the profile of the compiled run held no generated kernel). The eager backend captures
     the same frames as inductor without generating code."""
     import torch
-    from conftest import dynamo_counts
     from conftest import tiny_run as setup_tiny_run
+    from faults import dynamo_counts
 
     from diffusion_extras.training import loop, step
     device_figures = load_bench_module("device_figures")

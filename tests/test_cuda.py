@@ -10,7 +10,8 @@ import contextlib
 
 import pytest
 import torch
-from conftest import dynamo_counts, tiny_run
+from conftest import tiny_run
+from faults import dynamo_counts
 from test_host_sync import ALL_EXTRAS
 
 from diffusion_extras.data import batch_order
