@@ -17,7 +17,16 @@ from diffusion_extras.data import batch_order, sources
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
-from diffusion_extras.training import artifacts, checkpointing, compat, models, pretrained, run_state, tracking
+from diffusion_extras.training import (
+    artifacts,
+    autoencoder,
+    checkpointing,
+    compat,
+    models,
+    pretrained,
+    run_state,
+    tracking,
+)
 from diffusion_extras.training.config import ConfigError, TrainConfig
 from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.periodic import write_reference_bins
@@ -114,7 +123,8 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     switches = run_state.extras_switches(config, spec.uses_embedded_digits)
     # the data is opened before the model: with no model chosen, the model follows the images
     dataset, data_channels, classes = sources.open_training_data(spec, accelerator)  # labels read once, here
-    choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None, base)
+    latent = autoencoder.load_latent_space(config) if config.pretrained_vae_model_name_or_path else None
+    choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None, base, latent)
     training_data, held_out_images = build_data(config, accelerator, unet.config.in_channels, dataset,
                                                 switches["validation_split"], classes,
                                                 hooks.data_source or sources.build_source)
@@ -141,11 +151,12 @@ def refuse_sharded_training(accelerator) -> None:
 
 
 def build_model(config: TrainConfig, accelerator, data_channels: int, class_names: list | None = None,
-                base: pretrained.Pretrained | None = None) -> tuple[models.Choice, torch.nn.Module]:
-    """(the choice, the UNet): the recipe's UNet, or one that follows the images with its
-    optimization, with a class embedding for `class_names` (--class_conditional), or the `base`
-    pipeline's UNet with its weights (fine-tuning; a resume takes the checkpoint's instead);
-    announced in one line with its size."""
+                base: pretrained.Pretrained | None = None,
+                latent: autoencoder.LatentSpace | None = None) -> tuple[models.Choice, torch.nn.Module]:
+    """(the choice, the UNet): the recipe's UNet, or one that follows the images (the `latent`
+    space's latents, with a VAE) with its optimization, with a class embedding for `class_names`
+    (--class_conditional), or the `base` pipeline's UNet with its weights (fine-tuning; a resume
+    takes the checkpoint's instead); announced in one line with its size."""
     if base is not None:
         choice = base.choice(config, data_channels, class_names)
         with warnings.catch_warnings():  # resume() names the incomplete checkpoints it passes over
@@ -154,9 +165,10 @@ def build_model(config: TrainConfig, accelerator, data_channels: int, class_name
                             checkpointing.resume_candidates(config.output_dir, config.resume_from_checkpoint))
         unet = base.load_unet(with_weights=not resuming)  # the checkpoint's weights, not re-read pretrained ones
     else:
-        choice = models.follow_data(config, data_channels, class_names)
-        unet = models.build_unet(config, choice.model)
-    for line in models.describe(unet, choice.description, data_channels, choice.optimization):
+        choice = models.follow_data(config, data_channels, class_names, latent)
+        unet = models.build_unet(config, choice.model, latent)
+    for line in models.describe(unet, choice.description, data_channels, choice.optimization, latent,
+                                config.resolution):
         accelerator.print(line)
     return choice, unet
 
