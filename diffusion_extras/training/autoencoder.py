@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from diffusion_extras.data import latents
+from diffusion_extras.evaluation.pipeline_latent import latent_normalization
 from diffusion_extras.training.config import ConfigError, TrainConfig
 
 VAE_SUBFOLDER = "vae"  # where a diffusers pipeline folder keeps its VAE
@@ -83,3 +85,25 @@ def load_latent_space(config: TrainConfig) -> LatentSpace:
     source = path if subfolder is None else f"{path} ({subfolder}/)"
     return LatentSpace(vae=vae, source=source, image_channels=image_channels, channels=values["latent_channels"],
                        factor=factor, size=config.resolution // factor)
+
+
+def measures_statistics(vae) -> bool:
+    """Whether the run measures the latents' per-channel statistics: the VAE's config.json names no
+    scaling_factor (diffusers filled in its default) and no latents_mean / latents_std."""
+    config = vae.config
+    unset = "scaling_factor" in (config.get("_use_default_values") or ())
+    return unset and (config.get("latents_mean") is None or config.get("latents_std") is None)
+
+
+def posterior(latent: LatentSpace, source, views: int) -> latents.Posterior:
+    """How the UNet's latents are drawn from the source's posteriors and normalised: by the VAE
+    config (pipeline_latent.latent_normalization), or, where it has none, by the per-channel mean
+    and std of the training latents, measured once here and written into the VAE's config as
+    latents_mean / latents_std (scaling_factor 1), so the exported vae/ decodes with them."""
+    vae = latent.vae
+    if measures_statistics(vae):
+        mean, std = latents.channel_statistics(source.images, latent.channels)
+        vae.register_to_config(latents_mean=[float(v) for v in mean], latents_std=[float(v) for v in std],
+                               scaling_factor=1.0)
+    shift, scale = latent_normalization(vae.config, latent.channels)
+    return latents.Posterior(latent.channels, views, shift, scale)

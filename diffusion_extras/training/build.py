@@ -13,7 +13,7 @@ from diffusion_extras.core.ema import ExponentialMovingAverage
 from diffusion_extras.core.optimization import make_optimizer
 from diffusion_extras.core.phema import PowerFunctionEMA
 from diffusion_extras.core.timesteps import make_timestep_sampler
-from diffusion_extras.data import batch_order, sources
+from diffusion_extras.data import latents, sources
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
@@ -125,9 +125,10 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     dataset, data_channels, classes = sources.open_training_data(spec, accelerator)  # labels read once, here
     latent = autoencoder.load_latent_space(config) if config.pretrained_vae_model_name_or_path else None
     choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None, base, latent)
-    training_data, held_out_images = build_data(config, accelerator, unet.config.in_channels, dataset,
+    image_channels = latent.image_channels if latent else unet.config.in_channels
+    training_data, held_out_images = build_data(config, accelerator, image_channels, dataset,
                                                 switches["validation_split"], classes,
-                                                hooks.data_source or sources.build_source)
+                                                hooks.data_source or sources.build_source, latent)
     plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
     learner = build_learner(config, accelerator, plan, unet, lr_schedule)
     objective = build_objective(config, accelerator, noise_scheduler)
@@ -174,16 +175,26 @@ def build_model(config: TrainConfig, accelerator, data_channels: int, class_name
 
 
 def build_data(config: TrainConfig, accelerator, channels: int, dataset, validation_split: float, classes,
-               data_source=sources.build_source) -> tuple:
+               data_source=sources.build_source, latent: autoencoder.LatentSpace | None = None) -> tuple:
     """(the training data, the held-out images or None): the data source (decode-once cache or
-    this rank's shard of a stream, with the `classes` open_training_data read) and sigma_data."""
-    source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
+    this rank's shard of a stream, with the `classes` open_training_data read; with a `latent`
+    space, the images' posteriors, encoded once on this device) and sigma_data."""
+    if latent is None:
+        source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
+        posterior = None
+    else:
+        encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip)
+        source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
+                             encoder=encoder)
+        posterior = autoencoder.posterior(latent, source, encoder.views)
     sample = torch.from_numpy(source.reference_sample(2048))
-    # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
-    sigma_data = diagnostics.per_dimension_variance(batch_order.to_model_input(sample, "cpu")) ** 0.5
+    # sigma_data of the model input per dimension (pixels in [-1, 1], or the latent means):
+    # the scale of the Bayes-optimal reference curve
+    sigma_data = diagnostics.per_dimension_variance(latents.model_input(sample, "cpu", posterior=posterior)) ** 0.5
     training_data = Data(source=source, sigma_data=sigma_data, class_names=getattr(source, "class_names", None),
                          global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
-                         gradient_accumulation_steps=config.gradient_accumulation_steps)
+                         gradient_accumulation_steps=config.gradient_accumulation_steps, posterior=posterior,
+                         vae=latent.vae if latent else None)
     return training_data, source.held_out_images
 
 

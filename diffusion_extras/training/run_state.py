@@ -26,6 +26,7 @@ from diffusion_extras.core.losses import NoiseSchedule
 from diffusion_extras.core.phema import PowerFunctionEMA
 from diffusion_extras.core.timesteps import TimestepSampler
 from diffusion_extras.core.vlb import ReverseProcess
+from diffusion_extras.data.latents import Posterior
 from diffusion_extras.data.sources import DataSource
 from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
@@ -122,6 +123,8 @@ class Data:
     global_micro_batch_size: int   # images in one micro-step over all processes (without accumulation)
     gradient_accumulation_steps: int
     class_names: list | None = None  # names by class id with --class_conditional (batches carry labels)
+    posterior: Posterior | None = None  # latent diffusion: batches hold VAE posteriors, the UNet sees latents
+    vae: torch.nn.Module | None = None  # latent diffusion: the frozen AutoencoderKL (grids and export decode)
 
     def images_seen(self, optimizer_steps: int) -> int:
         """Training images consumed by that many optimizer steps, over all processes."""
