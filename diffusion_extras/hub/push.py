@@ -19,9 +19,10 @@ from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, PIPELINE
 from diffusion_extras.hub.secrets import redact_config  # the project's one secret-dropping rule
 
 # What a DDPMPipeline needs, plus its card; everything else in the output dir stays local.
-# the class-conditional pipeline's source file: model_index.json names it, the Hub loads it as remote code
-PIPELINE_PATTERNS = ["model_index.json", "unet/*", "scheduler/*", "README.md", "images/*", "training_config.yaml",
-                     f"{PIPELINE_MODULE}.py"]
+# the custom pipelines' source files (class-conditional, latent): model_index.json names one, the Hub
+# loads it as remote code with its relative imports; a latent pipeline's VAE
+PIPELINE_PATTERNS = ["model_index.json", "unet/*", "scheduler/*", "vae/*", "README.md", "images/*",
+                     "training_config.yaml", "pipeline_*.py"]
 # Training state that must never leave the machine even if it lands inside an allowed folder.
 NEVER_PUSH_PATTERNS = ["*.pkl", "*optimizer*.bin", "*random_states*", "*.lock"]
 CARD_IMAGES_DIR = "images"  # card images live here, the only image folder that is pushed

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 from diffusion_extras.core import losses, vlb
 from diffusion_extras.evaluation import pipeline_class_conditional as conditional
+from diffusion_extras.evaluation import pipeline_latent as latent_pipeline
 from diffusion_extras.training.autoencoder import LatentSpace
 from diffusion_extras.training.config import DIGITS_UNET, ConfigError, TrainConfig, validate_model_shape
 
@@ -183,21 +184,25 @@ def count_parameters(model) -> int:
 EXPORT_STAGING = ".pipeline.tmp"  # where export_pipeline writes before swapping the parts in
 
 
-def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | None = None) -> None:
-    """Save a DDPMPipeline, or with `class_names` a ClassConditionalPipeline with its source file
-    (weights only, no optimizer state), into output_dir, swapping each part in by rename so a
-    kill mid-save leaves the previous export loadable."""
+def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | None = None, vae=None) -> None:
+    """Save a DDPMPipeline, or with `class_names` a ClassConditionalPipeline, or with a `vae` a
+    LatentDiffusionPipeline (vae/ too), the custom ones with their source files (weights only, no
+    optimizer state), into output_dir, swapping each part in by rename so a kill mid-save leaves
+    the previous export loadable."""
     import shutil
 
     staging = os.path.join(output_dir, EXPORT_STAGING)
     shutil.rmtree(staging, ignore_errors=True)
     names = ["unet", "scheduler"]
-    if class_names is None:
+    if vae is not None:
+        pipeline = latent_pipeline.LatentDiffusionPipeline(vae=vae, unet=unet, scheduler=noise_scheduler,
+                                                          id2label=dict(enumerate(class_names or ())))
+        names += ["vae", *save_with_source(pipeline, [latent_pipeline, conditional], staging)]
+    elif class_names is None:
         from diffusers import DDPMPipeline
         DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(staging)
     else:
-        save_class_conditional(unet, noise_scheduler, class_names, staging)
-        names.append(f"{conditional.PIPELINE_MODULE}.py")
+        names += save_class_conditional(unet, noise_scheduler, class_names, staging)
     for name in (*names, "model_index.json"):  # model_index.json last: it marks a pipeline
         target, old = os.path.join(output_dir, name), os.path.join(output_dir, f".{name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -211,20 +216,29 @@ def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | 
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def save_class_conditional(unet, noise_scheduler, class_names: list, folder: str) -> None:
-    """save_pretrained of a ClassConditionalPipeline, plus its source file beside model_index.json
-    and `_class_name` [module, class]: diffusers' custom-pipeline convention, which
-    DiffusionPipeline.from_pretrained(folder, trust_remote_code=True) resolves to that file
-    (pipeline_loading_utils._resolve_custom_pipeline_and_cls), the package not needed."""
-    import shutil
-
+def save_class_conditional(unet, noise_scheduler, class_names: list, folder: str) -> list[str]:
+    """A ClassConditionalPipeline saved with its source file (save_with_source)."""
     pipeline = conditional.ClassConditionalPipeline(unet=unet, scheduler=noise_scheduler,
                                                     id2label=dict(enumerate(class_names)))
+    return save_with_source(pipeline, [conditional], folder)
+
+
+def save_with_source(pipeline, modules: list, folder: str) -> list[str]:
+    """save_pretrained of a custom pipeline, plus the source files of `modules` (the pipeline's own
+    first, then those it imports relatively) beside model_index.json and `_class_name` [module,
+    class]: diffusers' custom-pipeline convention, which DiffusionPipeline.from_pretrained(folder,
+    trust_remote_code=True) resolves to that file (pipeline_loading_utils._resolve_custom_pipeline_and_cls),
+    copying its relative imports with it, the package not needed. Returns the files' names."""
+    import shutil
+
     pipeline.save_pretrained(folder)
-    shutil.copyfile(conditional.__file__, os.path.join(folder, f"{conditional.PIPELINE_MODULE}.py"))
+    files = [f"{module.PIPELINE_MODULE}.py" for module in modules]
+    for module, name in zip(modules, files):
+        shutil.copyfile(module.__file__, os.path.join(folder, name))
     index_path = os.path.join(folder, "model_index.json")
     with open(index_path) as fh:
         index = json.load(fh)
-    index["_class_name"] = [conditional.PIPELINE_MODULE, conditional.PIPELINE_CLASS]
+    index["_class_name"] = [modules[0].PIPELINE_MODULE, modules[0].PIPELINE_CLASS]
     with open(index_path, "w") as fh:
         json.dump(index, fh, indent=2, sort_keys=True)
+    return files

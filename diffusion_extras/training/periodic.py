@@ -46,7 +46,8 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
         def debug_images():
             with end_of_run_work(run, "final debug images and loss plot", last), \
                     guarded_write(run, "sample grid", artifacts.debug_image_paths(config.output_dir, step)):
-                artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings)
+                artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings,
+                                            vae=run.data.vae)
                 artifacts.save_loss_plot(extras.diagnostics, objective.schedule.alphas_cumprod.cpu(),
                                          run.data.sigma_data, config.prediction_type, target)
         work.append(debug_images)
@@ -62,7 +63,7 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
             with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last), \
                     guarded_write(run, "pipeline export", [os.path.join(config.output_dir, models.EXPORT_STAGING)]):
                 artifacts.export(unet, extras.ema, objective.noise_scheduler, target, run.hub_pusher, model_card(run),
-                                 last, run.data.class_names)
+                                 last, run.data.class_names, run.data.vae)
         work.append(export)
     return work
 
@@ -100,7 +101,7 @@ def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
                                    run.objective.noise_scheduler, target, config.eval_batch_size,
                                    config.ddpm_num_inference_steps, config.seed, run.data.class_names,
                                    config.guidance_scale, extras.sampling_copy, accelerator.process_index,
-                                   accelerator.num_processes)
+                                   accelerator.num_processes, run.data.vae)
 
 
 def evaluate_on_every_rank(run: Run, step: int, last: bool) -> None:

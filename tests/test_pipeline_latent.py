@@ -1,0 +1,90 @@
+"""The latent pipeline (evaluation/pipeline_latent.py) a latent run exports: vae/, unet/, scheduler/
+and its source files; loaded without the package (trust_remote_code), it decodes images,
+unconditional and class-conditional, with any scheduler, and output_type="latent" gives latents."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_autoencoder import LATENT_MODEL, save_tiny_vae
+
+# A process that cannot import the package, as a user without it installed.
+BLOCKED_LOAD = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "diffusion_extras" or name.startswith("diffusion_extras."):
+            raise ImportError("blocked")
+sys.meta_path.insert(0, Block())
+import numpy as np, torch
+from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
+for folder, labels in ((sys.argv[1], None), (sys.argv[2], ["3", "7"])):
+    pipe = DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)
+    pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
+    call = dict(batch_size=2) if labels is None else dict(class_labels=pipe.get_label_ids(labels))
+    latents = pipe(**call, num_inference_steps=3, generator=torch.Generator().manual_seed(0),
+                   output_type="latent").images
+    images = pipe(**call, num_inference_steps=3, generator=torch.Generator().manual_seed(0), output_type="np").images
+    pil = pipe(**call, num_inference_steps=3, generator=torch.Generator().manual_seed(0)).images
+    # the decoding, by hand from the VAE config's scaling_factor (the tiny VAE has no shift)
+    with torch.no_grad():
+        decoded = pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample
+    expected = (decoded / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    assert tuple(latents.shape) == (2, 2, 4, 4) and np.asarray(images).shape == (2, 8, 8, 3), latents.shape
+    assert np.abs(np.asarray(images) - expected).max() < 1e-5 and pil[0].size == (8, 8) and pil[0].mode == "RGB"
+    print(type(pipe).__name__, type(pipe.vae).__name__, "conditional" if labels else "unconditional")
+"""
+
+
+def latent_run(folder, *flags):
+    from conftest import run_training, write_tiny_recipe
+    recipe = write_tiny_recipe(folder, model=LATENT_MODEL, save_images_steps=2, eval_batch_size=4)
+    run_training(recipe, folder / "run", "--max_train_steps", 2, "--pretrained_vae_model_name_or_path",
+                 save_tiny_vae(folder / "vae"), *flags)
+    return folder / "run"
+
+
+@pytest.fixture(scope="module")
+def latent_runs(tmp_path_factory):
+    """Two 2-step latent runs on the digits (tiny recipe, tiny RGB VAE): unconditional and class-conditional."""
+    return (latent_run(tmp_path_factory.mktemp("unconditional")),
+            latent_run(tmp_path_factory.mktemp("conditional"), "--class_conditional"))
+
+
+def test_the_export_holds_the_vae_and_the_pipeline_files_and_the_grid_is_decoded(latent_runs):
+    from PIL import Image
+    for run in latent_runs:
+        index = json.loads((run / "model_index.json").read_text())
+        assert index["_class_name"] == ["pipeline_latent", "LatentDiffusionPipeline"]
+        assert index["vae"] == ["diffusers", "AutoencoderKL"]
+        for name in ("vae/config.json", "unet/config.json", "scheduler/scheduler_config.json", "pipeline_latent.py",
+                     "pipeline_class_conditional.py"):
+            assert (run / name).is_file(), name
+        assert json.loads((run / "unet" / "config.json").read_text())["sample_size"] == 4
+    # 4 decoded 8 px RGB images, 2 a row (a latent grid would be 4 px images of 2 channels)
+    grid = Image.open(latent_runs[0] / "samples" / "step_000002.png")
+    assert grid.size == (2 + 2 * 10, 2 + 2 * 10) and grid.mode == "RGB"
+
+
+def test_loads_and_decodes_without_the_package_with_trust_remote_code(latent_runs, tmp_path):
+    script = tmp_path / "load.py"
+    script.write_text(BLOCKED_LOAD)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    result = subprocess.run([sys.executable, str(script), *map(str, latent_runs)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:2] == ["LatentDiffusionPipeline AutoencoderKL unconditional",
+                                             "LatentDiffusionPipeline AutoencoderKL conditional"]
+
+
+def test_the_package_class_loads_the_folder_and_refuses_labels_for_an_unconditional_unet(latent_runs):
+    from diffusion_extras.evaluation.pipeline_latent import LatentDiffusionPipeline
+    pipe = LatentDiffusionPipeline.from_pretrained(latent_runs[0])
+    assert pipe(batch_size=1, num_inference_steps=1).images[0].size == (8, 8)
+    with pytest.raises(ValueError, match="this UNet is unconditional: give batch_size, not class_labels"):
+        pipe(class_labels=[1], num_inference_steps=1)
+    conditional = LatentDiffusionPipeline.from_pretrained(latent_runs[1])
+    with pytest.raises(ValueError, match="a class-conditional UNet needs class_labels"):
+        conditional(batch_size=2, num_inference_steps=1)
