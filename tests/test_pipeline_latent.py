@@ -88,3 +88,14 @@ def test_the_package_class_loads_the_folder_and_refuses_labels_for_an_unconditio
     conditional = LatentDiffusionPipeline.from_pretrained(latent_runs[1])
     with pytest.raises(ValueError, match="a class-conditional UNet needs class_labels"):
         conditional(batch_size=2, num_inference_steps=1)
+
+
+def test_the_sample_command_decodes_a_latent_export(latent_runs, run_cli, tmp_path):
+    from PIL import Image
+    for run, flags in zip(latent_runs, ((), ("--class_labels", "3,7"))):
+        out = tmp_path / run.parent.name
+        result = run_cli(["-m", "diffusion_extras.sample", run, "--num_images", 2, "--num_inference_steps", 2,
+                          "--output", out, *flags])
+        assert result.returncode == 0, result.stderr[-3000:]
+        with Image.open(out / "000001.png") as image:
+            assert image.size == (8, 8) and image.mode == "RGB"  # decoded: 8 px RGB, not 4 px latents

@@ -13,13 +13,15 @@ from PIL import Image
 
 from diffusion_extras.cli.inputs import (
     check_reference,
-    is_package_pipeline,
     local_pipeline_folder,
+    package_pipeline_class,
     refuse_guidance_flags,
 )
 from diffusion_extras.data.images import preprocess_image
+from diffusion_extras.evaluation.choices import LATENT_PIPELINE_CLASS, PIPELINE_CLASS
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
 from diffusion_extras.evaluation.pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE, ClassConditionalPipeline
+from diffusion_extras.evaluation.pipeline_latent import LatentDiffusionPipeline
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -69,14 +71,16 @@ def _load_from_hub(repo_id: str, dtype):
 
 
 def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
-    """A DDPMPipeline from a local save_pretrained folder or a Hub id, moved to `device`."""
+    """A DDPMPipeline from a local save_pretrained folder or a Hub id, moved to `device`; a folder
+    the trainer exported with a custom pipeline (class-conditional, latent) as that class."""
     from diffusers import DDPMPipeline, UNet2DModel
 
     path = local_pipeline_folder(name_or_path)
     if path is not None:
-        pipeline_class = ClassConditionalPipeline if is_package_pipeline(path) else DDPMPipeline
+        pipeline_class = {PIPELINE_CLASS: ClassConditionalPipeline, LATENT_PIPELINE_CLASS: LatentDiffusionPipeline}.get(
+            package_pipeline_class(path), DDPMPipeline)
         try:
-            # the package's own copy of the class loads a class-conditional folder without running its code
+            # the package's own copy of the class loads a custom pipeline's folder without running its code
             pipeline = pipeline_class.from_pretrained(path, dtype=dtype)
         except (OSError, ValueError) as error:
             raise ValueError(f"could not load the pipeline in {path}: "
