@@ -7,16 +7,12 @@ import subprocess
 import sys
 
 import pytest
+from package_blocker import BLOCK_THE_PACKAGE
 from test_autoencoder import LATENT_MODEL, save_tiny_vae
 
 # A process that cannot import the package, as a user without it installed.
-BLOCKED_LOAD = """
-import sys, importlib.abc
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "diffusion_extras" or name.startswith("diffusion_extras."):
-            raise ImportError("blocked")
-sys.meta_path.insert(0, Block())
+BLOCKED_LOAD = BLOCK_THE_PACKAGE + """
+import sys
 import numpy as np, torch
 from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
 for folder, labels in ((sys.argv[1], None), (sys.argv[2], ["3", "7"])):
