@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from package_blocker import BLOCK_THE_PACKAGE
+from PIL import Image
 from test_autoencoder import LATENT_MODEL, save_tiny_vae
 
 # A process that cannot import the package, as a user without it installed.
@@ -49,7 +50,6 @@ def latent_runs(tmp_path_factory):
 
 
 def test_the_export_holds_the_vae_and_the_pipeline_files_and_the_grid_is_decoded(latent_runs):
-    from PIL import Image
     for run in latent_runs:
         index = json.loads((run / "model_index.json").read_text())
         assert index["_class_name"] == ["pipeline_latent", "LatentDiffusionPipeline"]
@@ -87,7 +87,6 @@ def test_the_package_class_loads_the_folder_and_refuses_labels_for_an_unconditio
 
 
 def test_the_sample_command_decodes_a_latent_export(latent_runs, run_cli, tmp_path):
-    from PIL import Image
     for run, flags in zip(latent_runs, ((), ("--class_labels", "3,7"))):
         out = tmp_path / run.parent.name
         result = run_cli(["-m", "diffusion_extras.sample", run, "--num_images", 2, "--num_inference_steps", 2,
@@ -95,3 +94,22 @@ def test_the_sample_command_decodes_a_latent_export(latent_runs, run_cli, tmp_pa
         assert result.returncode == 0, result.stderr[-3000:]
         with Image.open(out / "000001.png") as image:
             assert image.size == (8, 8) and image.mode == "RGB"  # decoded: 8 px RGB, not 4 px latents
+
+
+def test_the_model_card_of_a_latent_export_shows_calls_that_run_as_written(latent_runs, tmp_path, monkeypatch):
+    """Written for each export as the Hub push writes it; its usage block runs against the folder
+    (its repo id here) with trust_remote_code, and names the VAE."""
+    from diffusion_extras.hub.push import write_model_card
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    for run, class_names in zip(latent_runs, (None, [str(k) for k in range(10)])):
+        text = open(write_model_card(str(run), {"repo_id": str(run), "vae": "digits-vae",
+                                                "class_names": class_names})).read()
+        assert "latent-diffusion" in text and "the AutoencoderKL `digits-vae`, saved in `vae/`" in text
+        code = text.split("## Usage")[1].split("```python\n")[1].split("```")[0]
+        assert f'DiffusionPipeline.from_pretrained("{run}", trust_remote_code=True)' in code
+        namespace = {}
+        monkeypatch.chdir(tmp_path)
+        exec(compile(code, "model card", "exec"), namespace)
+        with Image.open(tmp_path / "sample.png") as image:
+            assert image.size == (8, 8)
+        assert tuple(namespace["latents"].shape) == (2, 2, 4, 4)
