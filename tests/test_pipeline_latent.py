@@ -113,3 +113,20 @@ def test_the_model_card_of_a_latent_export_shows_calls_that_run_as_written(laten
         with Image.open(tmp_path / "sample.png") as image:
             assert image.size == (8, 8)
         assert tuple(namespace["latents"].shape) == (2, 2, 4, 4)
+
+
+def test_the_evaluate_command_scores_decoded_images_against_pixel_references(latent_runs, run_cli, tmp_path):
+    from conftest import save_random_images
+    reference = save_random_images(tmp_path / "reference", 6, 8, 8)
+    result = run_cli(["-m", "diffusion_extras.evaluate", latent_runs[0], "--reference", reference,
+                      "--num_samples", 4, "--feature_extractor", "tiny", "--num_inference_steps", 2,
+                      "--batch_size", 4, "--cache_dir", tmp_path / "cache", "--output", tmp_path / "m.json",
+                      "--device", "cpu"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert metrics["num_samples"] == 4 and metrics["reference_images"] == 6 and metrics["fid"] > 0
+    from diffusion_extras.cli.common import load_pipeline, pipeline_resolution
+    assert pipeline_resolution(load_pipeline(str(latent_runs[0]))) == 8  # references resized to the decoded side
+    refused = run_cli(["-m", "diffusion_extras.evaluate", latent_runs[0], "--reference", reference,
+                       "--eval_metrics", "nll", "--device", "cpu"])
+    assert refused.returncode == 2 and "nll scores pixel pipelines" in refused.stderr

@@ -21,7 +21,7 @@ from diffusion_extras.data.images import preprocess_image
 from diffusion_extras.evaluation.choices import LATENT_PIPELINE_CLASS, PIPELINE_CLASS
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
 from diffusion_extras.evaluation.pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE, ClassConditionalPipeline
-from diffusion_extras.evaluation.pipeline_latent import LatentDiffusionPipeline
+from diffusion_extras.evaluation.pipeline_latent import LatentDiffusionPipeline, vae_scale_factor
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
@@ -127,9 +127,12 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
 
 
 def pipeline_resolution(pipeline) -> int:
-    """The side that images are generated at, and reference images resized to."""
+    """The side that images are generated at, and reference images resized to: the UNet's, or a
+    latent pipeline's decoded side (the latents' times the VAE's factor)."""
     size = pipeline.unet.config.sample_size
-    return size if isinstance(size, int) else size[0]
+    size = size if isinstance(size, int) else size[0]
+    vae = getattr(pipeline, "vae", None)
+    return size if vae is None else size * vae_scale_factor(vae.config)
 
 
 # ----------------------------------------------------------------------------- reference images

@@ -33,10 +33,11 @@ class Encoder:
     vae: object          # diffusers AutoencoderKL (eval, no gradients), on the device that encodes
     views: int           # 1, or 2 with --random_flip: the image and its mirror, each encoded
     fingerprint: str     # of the VAE's config and weights: names the cache
+    factor: int = 1      # pixels per latent along each side (the cache's size check)
 
     @classmethod
-    def of(cls, vae, random_flip: bool) -> Encoder:
-        return cls(vae, 2 if random_flip else 1, vae_fingerprint(vae))
+    def of(cls, vae, random_flip: bool, factor: int = 1) -> Encoder:
+        return cls(vae, 2 if random_flip else 1, vae_fingerprint(vae), factor)
 
 
 def vae_fingerprint(vae) -> str:
@@ -117,7 +118,7 @@ def cached_latents(images: DecodedImages, encoder: Encoder, dataset, cache_dir: 
         return DecodedImages.from_arrays(list(iter_encoded(images, encoder, progress)), channels)
     root, directory = located
     if not os.path.isdir(directory):  # published whole by one rename: present means complete
-        side = int(images.shapes[0][0]) // (2 ** (len(encoder.vae.config.block_out_channels) - 1))
+        side = int(images.shapes[0][0]) // encoder.factor
         decode_cache.check_cache_space(root, len(images), side, channels, 4)
         start = time.perf_counter()
         decode_cache.write_cache(directory, iter_encoded(images, encoder, progress))

@@ -35,6 +35,12 @@ def latent_normalization(vae_config, channels: int) -> tuple[torch.Tensor, torch
     return torch.full((channels,), shift), torch.full((channels,), scaling)
 
 
+def vae_scale_factor(vae_config) -> int:
+    """Pixels per latent along each side: the encoder halves the image once per block but the last
+    (diffusers' pipelines compute their vae_scale_factor so)."""
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
 @torch.no_grad()
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """The UNet's normalised latents [B, C, h, w] -> images in [-1, 1], fp32: un-normalised, then
@@ -113,4 +119,4 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
         return ImagePipelineOutput(images=images) if return_dict else (images,)
 
 
-__all__ = ["LatentDiffusionPipeline", "decode_latents", "latent_normalization"]
+__all__ = ["LatentDiffusionPipeline", "decode_latents", "latent_normalization", "vae_scale_factor"]

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 
 from diffusion_extras.data import latents
-from diffusion_extras.evaluation.pipeline_latent import latent_normalization
+from diffusion_extras.evaluation.pipeline_latent import latent_normalization, vae_scale_factor
 from diffusion_extras.training.config import ConfigError, TrainConfig
 
 VAE_SUBFOLDER = "vae"  # where a diffusers pipeline folder keeps its VAE
@@ -67,8 +67,7 @@ def load_latent_space(config: TrainConfig) -> LatentSpace:
     if kind != AutoencoderKL.__name__:
         raise ConfigError(f"{flag}: its config is a {kind or 'model without a class name'}, not an AutoencoderKL; "
                           "give the VAE's folder or a pipeline folder with vae/")
-    # diffusers' vae_scale_factor: the encoder halves the image once per block but the last
-    factor = 2 ** (len(values["block_out_channels"]) - 1)
+    factor = vae_scale_factor(values)
     if config.resolution % factor:
         fitting = config.resolution - config.resolution % factor or factor
         raise ConfigError(f"--resolution {config.resolution} is not a multiple of the VAE's downsampling factor "

@@ -183,7 +183,7 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
         posterior = None
     else:
-        encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip)
+        encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor)
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
                              encoder=encoder)
         posterior = autoencoder.posterior(latent, source, encoder.views)
