@@ -102,7 +102,7 @@ def test_a_resolution_the_vae_cannot_encode_is_one_line_before_training(tmp_path
     (("--streaming", "--dataset_name", "x", "--max_train_steps", "1"), "does not combine with --streaming"),
     (("--no-center_crop",), "does not combine with --no-center_crop"),
     (("--validation_split", "0.1"), "does not combine with --validation_split"),
-    (("--eval_steps", "5"), "does not combine with --eval_steps"),
+    (("--grad_diagnostics_steps", "5"), "does not combine with --grad_diagnostics_steps"),
 ])
 def test_what_latent_runs_do_not_combine_with_is_refused(tmp_path, flags, message):
     vae = save_tiny_vae(tmp_path / "vae")

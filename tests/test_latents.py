@@ -102,3 +102,15 @@ def test_a_resumed_latent_run_is_bit_exact_and_encodes_once(train, tiny_recipe, 
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     a, b = (torch.load(run / "checkpoint-6" / "optimizer.bin", weights_only=True) for run in (straight, resumed))
     assert all(torch.equal(x["exp_avg_sq"], y["exp_avg_sq"]) for x, y in zip(a["state"].values(), b["state"].values()))
+
+
+def test_fid_in_training_scores_decoded_samples_against_the_pixel_images(train, tiny_recipe, tmp_path):
+    """--eval_steps on a latent run (the digits, RGB VAE): the reference is the pixel images the
+    posteriors were encoded from, the samples are decoded; FID is logged at steps 2 and 4."""
+    vae = save_tiny_vae(tmp_path / "vae")
+    train(tiny_recipe(model=LATENT_MODEL), tmp_path / "run", "--pretrained_vae_model_name_or_path", vae,
+          "--max_train_steps", 4, "--eval_steps", 2, "--eval_num_samples", 8, "--feature_extractor", "tiny")
+    fids = {h["step"]: h["eval/fid"] for h in read_history(tmp_path / "run") if "eval/fid" in h}
+    assert sorted(fids) == [2, 4] and all(value > 0 for value in fids.values())
+    with np.load(tmp_path / "run" / "logs" / "fid_reference_tiny.npz") as reference:
+        assert "64-8-8-" in str(reference["fingerprint"])  # 64 digits at 8 px, the pixel resolution

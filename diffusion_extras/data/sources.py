@@ -58,6 +58,7 @@ class CachedImages:
             pixels = data.dataset_format(dataset, image_column, spec.background)  # 16/32-bit images keep their depth
             self.images = decode_cache.cached_decode(dataset, image_column, spec.resolution, spec.center_crop,
                                              channels, spec.cache_dir, processes.is_local_main_process, pixels)
+            self.pixels = self.images  # what FID compares with (reference_images)
             if encoder is not None:  # the pixels are read once more, to encode them (in memory: the digits)
                 key = decode_cache.decode_key(image_column, spec.resolution, spec.center_crop, channels, pixels)
                 self.images = latents.cached_latents(self.images, encoder, dataset, spec.cache_dir, key,
@@ -106,9 +107,17 @@ class CachedImages:
 
     def reference_sample(self, count: int) -> np.ndarray:
         """Up to `count` training images NCHW (as batches hold them), a seeded random subset with the run's crops."""
-        count = min(len(self.images), count)
-        order = batch_order.GlobalBatchOrder(len(self.images), count, self.spec.seed)
-        return batch_order.MicroBatches(self.images, order, 0, count, self.resolution, self.spec.seed)[0].numpy()
+        return self._seeded_subset(self.images, self.resolution, count)
+
+    def reference_images(self, count: int) -> np.ndarray:
+        """The pixel images of reference_sample's subset: the same for a pixel run; for a latent
+        run (whose batches hold posteriors) the images they were encoded from (FID's reference)."""
+        return self._seeded_subset(self.pixels, self.spec.resolution, count)
+
+    def _seeded_subset(self, images, resolution: int, count: int) -> np.ndarray:
+        count = min(len(images), count)
+        order = batch_order.GlobalBatchOrder(len(images), count, self.spec.seed)
+        return batch_order.MicroBatches(images, order, 0, count, resolution, self.spec.seed)[0].numpy()
 
 
 def open_training_data(spec: DataSpec, processes: Processes) -> tuple:

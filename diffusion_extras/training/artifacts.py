@@ -266,12 +266,13 @@ def prepare_evaluation(config, source, device, with_reference: bool = True):
     """(extractor, reference statistics, metrics) per extractor that --eval_metrics needs, before
     training; reference statistics cached per extractor as logs/fid_reference_<extractor>.npz
     (None without `with_reference`: the ranks other than the main one only extract features).
-    `source`: the run's data source (its reference sample). None without --eval_steps."""
+    `source`: the run's data source (its reference sample; a latent run's pixel images, from which
+    its posteriors were encoded: the samples are decoded before they are scored). None without --eval_steps."""
     if config.eval_steps is None:
         return None
+    sample = source.reference_images if config.pretrained_vae_model_name_or_path else source.reference_sample
     # FID/KID extractors read 8-bit images: 16- and 32-bit training images are rounded to 8 bits here only
-    reference = (batch_order.as_uint8(source.reference_sample(config.eval_num_samples)).transpose(0, 2, 3, 1)
-                 if with_reference else ())
+    reference = batch_order.as_uint8(sample(config.eval_num_samples)).transpose(0, 2, 3, 1) if with_reference else ()
     fingerprint = f"{source.description}-{config.resolution}-{len(reference)}-{config.seed}"
     groups = extractors_for(parse_metrics(config.eval_metrics), config.feature_extractor)
     suites = []
@@ -293,12 +294,13 @@ def prepare_evaluation(config, source, device, with_reference: bool = True):
 
 def evaluate(unet, ema, noise_scheduler, suites, target: Target, num_samples: int, num_inference_steps: int,
              seed: int, batch_size: int, class_names: list | None = None, guidance_scale: float = 1.0,
-             sampling_copy: SamplingCopy | None = None) -> tuple[dict, dict] | tuple[None, None]:
-    """--eval_metrics of EMA samples, logged to the trackers and history. Returns (metrics, the
-    same named with their extractor, for the model card). With several processes (target.accelerator)
-    it is a collective: every rank samples its batches (metrics.sample_features: the images of one
-    rank, bitwise on CPU), the features are gathered to the main process, which scores and logs;
-    the other ranks return (None, None) and need only the extractors in `suites`."""
+             sampling_copy: SamplingCopy | None = None, vae=None) -> tuple[dict, dict] | tuple[None, None]:
+    """--eval_metrics of EMA samples (a latent UNet's decoded by its `vae`), logged to the trackers
+    and history. Returns (metrics, the same named with their extractor, for the model card). With
+    several processes (target.accelerator) it is a collective: every rank samples its batches
+    (metrics.sample_features: the images of one rank, bitwise on CPU), the features are gathered to
+    the main process, which scores and logs; the other ranks return (None, None) and need only the
+    extractors in `suites`."""
     accelerator = target.accelerator
     rank, num_ranks = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
@@ -306,7 +308,7 @@ def evaluate(unet, ema, noise_scheduler, suites, target: Target, num_samples: in
         metrics = evaluation.evaluate_unet_metrics(copy, scheduler, suites, num_samples, num_inference_steps, seed,
                                                    batch_size, target.device,
                                                    None if class_names is None else len(class_names), guidance_scale,
-                                                   rank, num_ranks)
+                                                   rank, num_ranks, vae=vae)
     if metrics is None:  # not the main process
         return None, None
     target.log_values({f"eval/{k}": float(v) for k, v in metrics.items()})

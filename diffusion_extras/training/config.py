@@ -499,7 +499,6 @@ def validate_latent(c: TrainConfig) -> None:
         ("--no-center_crop", not c.center_crop, "the latents are encoded once, from the centre crop"),
         ("--validation_split", c.validation_split, "the held-out loss reads pixel images"),
         ("--grad_diagnostics_steps", c.grad_diagnostics_steps, "the gradient probe reads pixel images"),
-        ("--eval_steps", c.eval_steps, "FID/KID of decoded latents is not wired yet"),
         ("--pretrained_model_name_or_path", c.pretrained_model_name_or_path,
          "fine-tuning starts from a pixel pipeline"),
     ]

@@ -115,7 +115,7 @@ def evaluate_on_every_rank(run: Run, step: int, last: bool) -> None:
         metrics, card_metrics = artifacts.evaluate(
             run.accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler,
             extras.evaluation, target, config.eval_num_samples, config.ddpm_num_inference_steps, config.seed,
-            config.eval_batch_size, run.data.class_names, config.guidance_scale, extras.sampling_copy)
+            config.eval_batch_size, run.data.class_names, config.guidance_scale, extras.sampling_copy, run.data.vae)
     if metrics is not None:  # the main process
         run.progress.last_metrics = card_metrics
         run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
