@@ -66,7 +66,8 @@ def test_a_vae_without_a_scale_gets_the_measured_statistics_saved_in_its_config(
     class Source:  # what posterior() reads of a source: its stored posteriors
         images = stored
     space = autoencoder.LatentSpace(vae, vae_folder, 3, 2, 2, 4)
-    posterior = autoencoder.posterior(space, Source, 1)
+    posterior, line = autoencoder.posterior(space, Source, 1)
+    assert line.startswith("latents: normalised by their per-channel mean and std, measured on the training")
     assert vae.config.scaling_factor == 1.0 and len(vae.config.latents_mean) == 2
     batch = torch.from_numpy(np.stack([stored.image(i) for i in range(40)])).permute(0, 3, 1, 2)
     # the normalised latents' moments, exactly: E[z] = E[mean], E[z^2] = E[mean^2 + std^2]
@@ -89,6 +90,7 @@ def test_a_resumed_latent_run_is_bit_exact_and_encodes_once(train, tiny_recipe, 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     first = train(recipe, straight, *flags, "--cache_dir", tmp_path / "cache")
     assert "encoded 16 images once (2 view(s), 2 latent channels)" in first.stdout
+    assert "latents: normalised by the VAE config's scaling_factor 0.18215\n" in first.stdout
     stopped = train(recipe, resumed, *flags, "--cache_dir", tmp_path / "cache", hooks=faults.hooks(signal_at_step=3),
                     check=False)
     assert stopped.returncode == 4, stopped.stderr[-3000:]

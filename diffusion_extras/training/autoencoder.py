@@ -94,15 +94,25 @@ def measures_statistics(vae) -> bool:
     return unset and (config.get("latents_mean") is None or config.get("latents_std") is None)
 
 
-def posterior(latent: LatentSpace, source, views: int) -> latents.Posterior:
+def posterior(latent: LatentSpace, source, views: int) -> tuple[latents.Posterior, str]:
     """How the UNet's latents are drawn from the source's posteriors and normalised: by the VAE
     config (pipeline_latent.latent_normalization), or, where it has none, by the per-channel mean
     and std of the training latents, measured once here and written into the VAE's config as
-    latents_mean / latents_std (scaling_factor 1), so the exported vae/ decodes with them."""
+    latents_mean / latents_std (scaling_factor 1), so the exported vae/ decodes with them. Returns
+    it with the line that says which."""
     vae = latent.vae
+    config = vae.config
     if measures_statistics(vae):
         mean, std = latents.channel_statistics(source.images, latent.channels)
         vae.register_to_config(latents_mean=[float(v) for v in mean], latents_std=[float(v) for v in std],
                                scaling_factor=1.0)
+        line = ("latents: normalised by their per-channel mean and std, measured on the training latents (the "
+                "VAE config names no scale) and saved as latents_mean / latents_std in the exported vae/")
+    elif config.get("latents_mean") is not None and config.get("latents_std") is not None:
+        line = ("latents: normalised by the VAE config's latents_mean / latents_std x scaling_factor "
+                f"{config.scaling_factor:g}")
+    else:
+        line = (f"latents: normalised by the VAE config's scaling_factor {config.scaling_factor:g}"
+                + (f" and shift_factor {config.shift_factor:g}" if config.get("shift_factor") else ""))
     shift, scale = latent_normalization(vae.config, latent.channels)
-    return latents.Posterior(latent.channels, views, shift, scale)
+    return latents.Posterior(latent.channels, views, shift, scale), line
