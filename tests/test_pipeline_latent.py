@@ -130,3 +130,23 @@ def test_the_evaluate_command_scores_decoded_images_against_pixel_references(lat
     refused = run_cli(["-m", "diffusion_extras.evaluate", latent_runs[0], "--reference", reference,
                        "--eval_metrics", "nll", "--device", "cpu"])
     assert refused.returncode == 2 and "nll scores pixel pipelines" in refused.stderr
+
+
+def test_fine_tuning_a_latent_export_takes_its_vae_and_exports_a_latent_pipeline(latent_runs, train, tiny_recipe,
+                                                                                    tmp_path):
+    base = latent_runs[0]
+    result = train(tiny_recipe(), tmp_path / "tuned", "--pretrained_model_name_or_path", base, "--max_train_steps", 1)
+    assert f"model: pretrained UNet of {base}: 2 channel(s) (latents of the VAE {base} (vae/) (4x4 from 8 px" \
+        in result.stdout
+    index = json.loads((tmp_path / "tuned" / "model_index.json").read_text())
+    assert index["_class_name"] == ["pipeline_latent", "LatentDiffusionPipeline"]
+    refused = train(tiny_recipe(), tmp_path / "pixels", "--pretrained_model_name_or_path", base,
+                    "--pretrained_vae_model_name_or_path", base / "vae", "--resolution", 16, "--max_train_steps", 1,
+                    check=False)
+    assert refused.returncode == 2
+    assert "its UNet takes 2-channel latents of 4 px and the VAE makes 2-channel latents of 8 px" in refused.stderr
+    from conftest import save_tiny_pipeline
+    pixel = save_tiny_pipeline(tmp_path / "pixel")
+    refused = train(tiny_recipe(), tmp_path / "mixed", "--pretrained_model_name_or_path", pixel,
+                    "--pretrained_vae_model_name_or_path", base, "--max_train_steps", 1, check=False)
+    assert refused.returncode == 2 and "its UNet was trained on pixels: drop --pretrained_vae" in refused.stderr

@@ -159,7 +159,7 @@ def build_model(config: TrainConfig, accelerator, data_channels: int, class_name
     (--class_conditional), or the `base` pipeline's UNet with its weights (fine-tuning; a resume
     takes the checkpoint's instead); announced in one line with its size."""
     if base is not None:
-        choice = base.choice(config, data_channels, class_names)
+        choice = base.choice(config, data_channels, class_names, latent)
         with warnings.catch_warnings():  # resume() names the incomplete checkpoints it passes over
             warnings.simplefilter("ignore")
             resuming = bool(config.resume_from_checkpoint and

@@ -499,8 +499,6 @@ def validate_latent(c: TrainConfig) -> None:
         ("--no-center_crop", not c.center_crop, "the latents are encoded once, from the centre crop"),
         ("--validation_split", c.validation_split, "the held-out loss reads pixel images"),
         ("--grad_diagnostics_steps", c.grad_diagnostics_steps, "the gradient probe reads pixel images"),
-        ("--pretrained_model_name_or_path", c.pretrained_model_name_or_path,
-         "fine-tuning starts from a pixel pipeline"),
     ]
     for name, value, why in refused:
         if value:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from diffusion_extras.evaluation.pipeline_latent import vae_scale_factor
+from diffusion_extras.training.autoencoder import VAE_SUBFOLDER, LatentSpace
 from diffusion_extras.training.config import ConfigError, TrainConfig, validate
 from diffusion_extras.training.models import COLOUR_NAMES, Choice, shown
 
@@ -34,6 +36,7 @@ class Pretrained(NamedTuple):
     name: str              # --pretrained_model_name_or_path as given
     unet_config: dict      # UNet2DModel config (diffusers' private keys dropped)
     scheduler_config: dict  # its scheduler's config
+    vae_factor: int | None = None  # a latent pipeline (vae/): the VAE's downsampling factor; None: pixels
 
     def load_unet(self, with_weights: bool):
         """The pipeline's UNet with its weights (from_pretrained), or its shape only (a resume:
@@ -48,16 +51,27 @@ class Pretrained(NamedTuple):
             raise ConfigError(f"--pretrained_model_name_or_path {self.name}: cannot load the UNet's weights: "
                               f"{type(error).__name__}: {_first_line(error)}") from None
 
-    def choice(self, config: TrainConfig, data_channels: int, class_names: list | None) -> Choice:
-        """The pipeline's UNet for this data, and the fine-tuning recipe where the user set none.
-        Data that does not fit the UNet is refused in one line naming both, before training."""
+    def choice(self, config: TrainConfig, data_channels: int, class_names: list | None,
+               latent: LatentSpace | None = None) -> Choice:
+        """The pipeline's UNet for this data (a `latent` space's latents), and the fine-tuning recipe
+        where the user set none. Data that does not fit the UNet is refused in one line naming both,
+        before training."""
         unet, flag = self.unet_config, f"--pretrained_model_name_or_path {self.name}"
         channels, size = unet.get("in_channels", 3), unet.get("sample_size")
-        if channels != data_channels:
+        if (latent is None) != (self.vae_factor is None):
+            raise ConfigError(f"{flag}: its UNet was trained on {'pixels' if latent else 'latents'}: "
+                              + ("drop --pretrained_vae_model_name_or_path" if latent else
+                                 "give its VAE as --pretrained_vae_model_name_or_path"))
+        if latent is not None:
+            if channels != latent.channels or (isinstance(size, int) and size != latent.size):
+                raise ConfigError(f"{flag}: its UNet takes {channels}-channel latents of {size} px and the VAE "
+                                  f"makes {latent.channels}-channel latents of {latent.size} px: fine-tune with its "
+                                  "own VAE (leave --pretrained_vae_model_name_or_path out) at its resolution")
+        elif channels != data_channels:
             raise ConfigError(f"{flag}: its UNet has {channels} channel(s) ({COLOUR_NAMES.get(channels, '?')}) and "
                               f"the images have {data_channels} ({COLOUR_NAMES.get(data_channels, '?')}): fine-tune "
                               "on images of its channels (or --keep_alpha / no --keep_alpha to match)")
-        if isinstance(size, int) and size != config.resolution:
+        if latent is None and isinstance(size, int) and size != config.resolution:
             raise ConfigError(f"{flag}: its UNet samples at {size} px and --resolution is {config.resolution}: "
                               f"train at --resolution {size} (or leave --resolution out)")
         embeds = unet.get("num_class_embeds")
@@ -82,7 +96,7 @@ def _first_line(error: Exception) -> str:
 
 def load(name: str) -> Pretrained:
     """The configs of the pipeline at `name` (a Hub id or a folder with unet/ and scheduler/)."""
-    from diffusers import DDPMScheduler, UNet2DModel
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DModel
 
     flag = f"--pretrained_model_name_or_path {name}"
     try:
@@ -93,8 +107,12 @@ def load(name: str) -> Pretrained:
                           f"{type(error).__name__}: {_first_line(error)}") from None
     if unet_config.get("_class_name") != "UNet2DModel":
         raise ConfigError(f"{flag}: its unet is a {unet_config.get('_class_name')}, not a UNet2DModel")
+    try:  # a latent pipeline (the trainer's LatentDiffusionPipeline export) has its VAE in vae/
+        vae_factor = vae_scale_factor(AutoencoderKL.load_config(name, subfolder=VAE_SUBFOLDER))
+    except (OSError, ValueError):  # no vae/: a pixel pipeline
+        vae_factor = None
     return Pretrained(name, {k: v for k, v in unet_config.items() if not k.startswith("_")},
-                      {k: v for k, v in scheduler_config.items() if not k.startswith("_")})
+                      {k: v for k, v in scheduler_config.items() if not k.startswith("_")}, vae_factor)
 
 
 def resolve(config: TrainConfig) -> tuple[TrainConfig, Pretrained | None]:
@@ -107,7 +125,9 @@ def resolve(config: TrainConfig) -> tuple[TrainConfig, Pretrained | None]:
     values = {field: base.scheduler_config[key] for key, field in SCHEDULER_FIELDS.items()
               if key in base.scheduler_config and field not in given}
     if "resolution" not in given and isinstance(base.unet_config.get("sample_size"), int):
-        values["resolution"] = base.unet_config["sample_size"]
+        values["resolution"] = base.unet_config["sample_size"] * (base.vae_factor or 1)  # a latent UNet's: decoded
+    if base.vae_factor is not None and "pretrained_vae_model_name_or_path" not in given:
+        values["pretrained_vae_model_name_or_path"] = config.pretrained_model_name_or_path  # its own vae/
     resolved = dataclasses.replace(config, **values)
     resolved._given = given  # the pipeline's values are not the user's
     validate(resolved)  # e.g. a variance_type or beta_schedule this trainer does not train
