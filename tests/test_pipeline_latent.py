@@ -150,3 +150,15 @@ def test_fine_tuning_a_latent_export_takes_its_vae_and_exports_a_latent_pipeline
     refused = train(tiny_recipe(), tmp_path / "mixed", "--pretrained_model_name_or_path", pixel,
                     "--pretrained_vae_model_name_or_path", base, "--max_train_steps", 1, check=False)
     assert refused.returncode == 2 and "its UNet was trained on pixels: drop --pretrained_vae" in refused.stderr
+
+
+def test_the_hub_push_uploads_the_vae_and_both_pipeline_files(latent_runs):
+    """HubPusher.pipeline_files (what push uploads) of a latent export; called on a stand-in for the
+    pusher, whose constructor creates the Hub repository."""
+    from types import SimpleNamespace
+
+    from diffusion_extras.hub.push import HubPusher
+    files = HubPusher.pipeline_files(SimpleNamespace(folder=str(latent_runs[1])))
+    assert {"vae/config.json", "vae/diffusion_pytorch_model.safetensors", "pipeline_latent.py",
+            "pipeline_class_conditional.py", "model_index.json", "unet/config.json"} <= set(files)
+    assert not [name for name in files if name.startswith(("checkpoint", "logs/", "samples/"))]
