@@ -116,3 +116,12 @@ def test_fid_in_training_scores_decoded_samples_against_the_pixel_images(train, 
     assert sorted(fids) == [2, 4] and all(value > 0 for value in fids.values())
     with np.load(tmp_path / "run" / "logs" / "fid_reference_tiny.npz") as reference:
         assert "64-8-8-" in str(reference["fingerprint"])  # 64 digits at 8 px, the pixel resolution
+
+
+def test_latents_of_unit_scale_are_not_held_to_the_pixel_range(train, tiny_recipe, tmp_path):
+    """A VAE config whose scale puts the latents outside [-1, 1] (unit-variance latents do): the run
+    trains (sigma_data, the reference curve's scale, is measured on them without the pixel-range check)."""
+    vae = save_tiny_vae(tmp_path / "vae", scaling_factor=40.0)
+    result = train(tiny_recipe(model=LATENT_MODEL), tmp_path / "run", "--pretrained_vae_model_name_or_path", vae,
+                   "--max_train_steps", 1)
+    assert "latents: normalised by the VAE config's scaling_factor 40" in result.stdout

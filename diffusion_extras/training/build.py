@@ -191,7 +191,8 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
     sample = torch.from_numpy(source.reference_sample(2048))
     # sigma_data of the model input per dimension (pixels in [-1, 1], or the latent means):
     # the scale of the Bayes-optimal reference curve
-    sigma_data = diagnostics.per_dimension_variance(latents.model_input(sample, "cpu", posterior=posterior)) ** 0.5
+    clean = latents.model_input(sample, "cpu", posterior=posterior)
+    sigma_data = diagnostics.per_dimension_variance(clean, bounded=posterior is None) ** 0.5
     training_data = Data(source=source, sigma_data=sigma_data, class_names=getattr(source, "class_names", None),
                          global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
                          gradient_accumulation_steps=config.gradient_accumulation_steps, posterior=posterior,
