@@ -125,3 +125,17 @@ def test_latents_of_unit_scale_are_not_held_to_the_pixel_range(train, tiny_recip
     result = train(tiny_recipe(model=LATENT_MODEL), tmp_path / "run", "--pretrained_vae_model_name_or_path", vae,
                    "--max_train_steps", 1)
     assert "latents: normalised by the VAE config's scaling_factor 40" in result.stdout
+
+
+def test_a_vae_changed_under_the_same_path_is_refused_on_resume(train, tiny_recipe, tmp_path):
+    """The checkpoint records the VAE's fingerprint and normalisation: other weights saved to the
+    same folder make a resume one line naming them, not a run on other latents."""
+    vae = save_tiny_vae(tmp_path / "vae")
+    recipe = tiny_recipe(model=LATENT_MODEL, checkpointing_steps=2)
+    flags = ("--pretrained_vae_model_name_or_path", vae)
+    train(recipe, tmp_path / "run", *flags, "--max_train_steps", 2)
+    save_tiny_vae(tmp_path / "vae", seed=1)  # retrained, same folder
+    result = train(recipe, tmp_path / "run", *flags, "--max_train_steps", 4, "--resume_from_checkpoint", "latest",
+                   check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "vae.fingerprint:" in result.stderr.strip().splitlines()[-1]

@@ -130,7 +130,7 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
                                                 switches["validation_split"], classes,
                                                 hooks.data_source or sources.build_source, latent)
     plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
-    learner = build_learner(config, accelerator, plan, unet, lr_schedule)
+    learner = build_learner(config, accelerator, plan, unet, lr_schedule, latent_record(training_data))
     objective = build_objective(config, accelerator, noise_scheduler)
     extras = build_extras(config, accelerator, plan, learner.unet, held_out_images, training_data.class_names)
     register_checkpointed_state(accelerator, learner, objective, extras)
@@ -181,7 +181,7 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
     space, the images' posteriors, encoded once on this device) and sigma_data."""
     if latent is None:
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
-        posterior = None
+        encoder = posterior = None
     else:
         encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor)
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
@@ -196,7 +196,7 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
     training_data = Data(source=source, sigma_data=sigma_data, class_names=getattr(source, "class_names", None),
                          global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
                          gradient_accumulation_steps=config.gradient_accumulation_steps, posterior=posterior,
-                         vae=latent.vae if latent else None)
+                         vae=latent.vae if latent else None, vae_fingerprint=encoder.fingerprint if encoder else None)
     return training_data, source.held_out_images
 
 
@@ -215,8 +215,10 @@ def make_plan(config: TrainConfig, accelerator, source, choice: models.Choice, s
     return Plan(max_train_steps=max_train_steps, model=choice.model, **optimization, **intervals, **switches)
 
 
-def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedule) -> Learner:
-    """UNet switches, AdamW, the LR schedule, accelerate's prepare."""
+def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedule,
+                  vae_record: dict | None = None) -> Learner:
+    """UNet switches, AdamW, the LR schedule, accelerate's prepare; `vae_record` (latent runs) is
+    recorded in checkpoints with the config."""
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     if config.allow_tf32:  # Ampere+ only; ignored on CPU
@@ -237,7 +239,7 @@ def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedul
     if config.torch_compile:  # in place: state-dict keys (and so checkpoints) stay those of the plain UNet
         accelerator.unwrap_model(unet).compile(**compile_options(config))
     return Learner(unet=unet, optimizer=optimizer, lr_scheduler=lr_scheduler, peak_lr=peak_lr,
-                   state_config=state_config(plan.resolved_config(config), unet, accelerator))
+                   state_config=state_config(plan.resolved_config(config), unet, accelerator, vae_record))
 
 
 def compile_options(config: TrainConfig) -> dict:
@@ -307,9 +309,20 @@ def start_trackers(run: Run) -> None:
                           f"{type(error).__name__}: {error}") from None
 
 
-def state_config(resolved_config: dict, unet, accelerator) -> dict:
-    """What a checkpoint records of the config (checked on resume). The UNet config drops
-    diffusers' private keys (`_use_default_values` varies in order between runs)."""
+def state_config(resolved_config: dict, unet, accelerator, vae_record: dict | None = None) -> dict:
+    """What a checkpoint records of the config (checked on resume), and of a latent run's VAE. The
+    UNet config drops diffusers' private keys (`_use_default_values` varies in order between runs)."""
     unet_values = {k: v for k, v in dict(accelerator.unwrap_model(unet).config).items() if not k.startswith("_")}
     values = tracking.hyperparameters({k: v for k, v in resolved_config.items() if k != "model"})
-    return values | {"unet": json.loads(json.dumps(unet_values)), "num_processes": accelerator.num_processes}
+    return (values | {"unet": json.loads(json.dumps(unet_values)), "num_processes": accelerator.num_processes}
+            | ({"vae": vae_record} if vae_record else {}))
+
+
+def latent_record(training_data: Data) -> dict | None:
+    """A latent run's VAE as checkpoints record it: its weights' fingerprint and the latents'
+    normalisation (shift and scale per channel); None for a pixel run."""
+    posterior = training_data.posterior
+    if posterior is None:
+        return None
+    return {"fingerprint": training_data.vae_fingerprint, "shift": [float(v) for v in posterior.shift],
+            "scale": [float(v) for v in posterior.scale]}

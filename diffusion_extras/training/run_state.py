@@ -125,6 +125,7 @@ class Data:
     class_names: list | None = None  # names by class id with --class_conditional (batches carry labels)
     posterior: Posterior | None = None  # latent diffusion: batches hold VAE posteriors, the UNet sees latents
     vae: torch.nn.Module | None = None  # latent diffusion: the frozen AutoencoderKL (grids and export decode)
+    vae_fingerprint: str | None = None  # latent diffusion: of its config and weights (checkpoints record it)
 
     def images_seen(self, optimizer_steps: int) -> int:
         """Training images consumed by that many optimizer steps, over all processes."""
