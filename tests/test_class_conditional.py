@@ -10,19 +10,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_unet_weights, read_history, run_command, save_random_images, tiny_unet
+from package_blocker import BLOCK_THE_PACKAGE
 from test_resume import assert_same_state
 
 from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, guided_model_output
 
 # A process that cannot import the package, as the acceptance check (a user without it installed): a
 # process of its own, since this one has the package imported.
-BLOCKED_LOAD = """
-import sys, importlib.abc
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "diffusion_extras" or name.startswith("diffusion_extras."):
-            raise ImportError("blocked")
-sys.meta_path.insert(0, Block())
+BLOCKED_LOAD = BLOCK_THE_PACKAGE + """
+import sys
 import numpy as np, torch
 from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
 pipe = DiffusionPipeline.from_pretrained(sys.argv[1], trust_remote_code=True)

@@ -19,8 +19,8 @@ from diffusion_extras.data import images as data
 def test_cache_race_loser_uses_the_winners_cache(tmp_path):
     directory = str(tmp_path / "ddpm_decoded" / "key")
     winner = [np.full((4, 4, 1), 7, np.uint8)]
-    decode_cache._write_cache(directory, iter(winner))
-    decode_cache._write_cache(directory, iter([np.full((4, 4, 1), 9, np.uint8)]))  # lost the race: discarded
+    decode_cache.write_cache(directory, iter(winner))
+    decode_cache.write_cache(directory, iter([np.full((4, 4, 1), 9, np.uint8)]))  # lost the race: discarded
     assert os.listdir(tmp_path / "ddpm_decoded") == ["key"]  # no tmp folder left behind
     assert (decode_cache.DecodedImages.load(directory, 1).image(0) == 7).all()
 

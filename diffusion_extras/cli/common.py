@@ -19,15 +19,18 @@ from diffusion_extras.cli.inputs import (
     check_reference,
     is_package_pipeline,
     local_pipeline_folder,
+    package_pipeline_class,
     refuse_guidance_flags,
 )
 from diffusion_extras.data.images import preprocess_image
+from diffusion_extras.evaluation.choices import LATENT_PIPELINE_CLASS
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     DEFAULT_GUIDANCE_SCALE,
     ClassConditionalPipeline,
     check_guide,
 )
+from diffusion_extras.evaluation.pipeline_latent import LatentDiffusionPipeline, vae_scale_factor
 from diffusion_extras.hub.download import first_line, is_offline_error, offline_reason
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -48,12 +51,14 @@ def resolve_device(name: str) -> torch.device:
 
 # ----------------------------------------------------------------------------- pipelines
 def _pipeline_class(folder: str):
-    """The class a checked pipeline folder loads as: the package's own ClassConditionalPipeline
-    for the trainer's class-conditional export (its model_index.json names the saved copy of that
-    file, which diffusers would refuse to run without trust_remote_code; the class is already at
-    hand here), else DDPMPipeline."""
+    """The class a checked pipeline folder loads as: the package's own LatentDiffusionPipeline or
+    ClassConditionalPipeline for the trainer's latent or class-conditional export (its
+    model_index.json names the saved copy of that file, which diffusers would refuse to run without
+    trust_remote_code; the class is already at hand here), else DDPMPipeline."""
     from diffusers import DDPMPipeline
 
+    if package_pipeline_class(folder) == LATENT_PIPELINE_CLASS:
+        return LatentDiffusionPipeline
     return ClassConditionalPipeline if is_package_pipeline(folder) else DDPMPipeline
 
 
@@ -90,8 +95,8 @@ def _hub_errors(repo_id: str):
 
 
 def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
-    """A DDPMPipeline, or the trainer's ClassConditionalPipeline, from a local save_pretrained folder
-    or a Hub id, moved to `device`."""
+    """A DDPMPipeline, or one of the trainer's custom pipelines (class-conditional, latent), from a
+    local save_pretrained folder or a Hub id, moved to `device`."""
     from diffusers import UNet2DModel
 
     path = local_pipeline_folder(name_or_path)
@@ -161,9 +166,12 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
 
 
 def pipeline_resolution(pipeline) -> int:
-    """The side that images are generated at, and reference images resized to."""
+    """The side that images are generated at, and reference images resized to: the UNet's, or a
+    latent pipeline's decoded side (the latents' times the VAE's factor)."""
     size = pipeline.unet.config.sample_size
-    return size if isinstance(size, int) else size[0]
+    size = size if isinstance(size, int) else size[0]
+    vae = getattr(pipeline, "vae", None)
+    return size if vae is None else size * vae_scale_factor(vae.config)
 
 
 # ----------------------------------------------------------------------------- reference images

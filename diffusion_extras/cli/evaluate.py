@@ -88,6 +88,9 @@ def main(argv=None) -> int:
         if "nll" in names and num_classes:
             raise ValueError("--eval_metrics nll scores unconditional pipelines only; drop nll for this "
                              "class-conditional one")
+        if "nll" in names and getattr(pipeline, "vae", None) is not None:
+            raise ValueError("--eval_metrics nll scores pixel pipelines (the bound of a latent one is in latents, "
+                             "not image bits); drop nll for this latent one")
         report = {"reference": args.reference, "pipeline": args.pipeline, "seed": args.seed}
         if "nll" in names and rank == 0:
             images = load_images(args.reference, resolution, pipeline.unet.config.in_channels)
@@ -136,7 +139,7 @@ def sample_metrics(args, pipeline, groups: dict, resolution: int, device, rank: 
     metrics = evaluate_unet_metrics(pipeline.unet, scheduler, suites, args.num_samples, args.num_inference_steps,
                                     args.seed, args.batch_size, device, num_classes, guidance["guidance_scale"],
                                     rank, num_ranks, guide=guidance["guide"],
-                                    guidance_interval=guidance["guidance_interval"])
+                                    guidance_interval=guidance["guidance_interval"], vae=getattr(pipeline, "vae", None))
     if metrics is None:  # not rank 0
         return {}
     balance = {"num_classes": num_classes} if num_classes else {}

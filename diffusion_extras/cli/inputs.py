@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import os
 
-from diffusion_extras.evaluation.choices import PIPELINE_CLASS
+from diffusion_extras.evaluation.choices import LATENT_PIPELINE_CLASS, PIPELINE_CLASS
 from diffusion_extras.hub.download import local_folder
 
+PACKAGE_PIPELINES = (PIPELINE_CLASS, LATENT_PIPELINE_CLASS)  # the custom pipelines the trainer exports
 UNCONDITIONAL = "DDPMPipeline"  # the class an unconditional folder loads as (load_pipeline)
 
 
@@ -32,9 +33,9 @@ def check_pipeline_folder(path: str) -> None:
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"{index_path} is not readable JSON ({error})") from None
     unet_class = (index.get("unet") or [None, None])[-1]
-    if isinstance(index.get("_class_name"), list) and index["_class_name"][-1] != PIPELINE_CLASS:
+    if isinstance(index.get("_class_name"), list) and index["_class_name"][-1] not in PACKAGE_PIPELINES:
         raise ValueError(f"{path} holds a custom pipeline {index['_class_name']}; "
-                         f"expected a DDPMPipeline or {PIPELINE_CLASS}")
+                         f"expected a DDPMPipeline, {PIPELINE_CLASS} or {LATENT_PIPELINE_CLASS}")
     if unet_class != "UNet2DModel" or "scheduler" not in index:
         raise ValueError(f"{path} holds a {index.get('_class_name', 'unknown')} with unet {unet_class}; "
                          "expected an unconditional DDPMPipeline (UNet2DModel + scheduler)")
@@ -44,6 +45,12 @@ def saved_id2label(path: str) -> dict[int, str]:
     """The class names of a checked pipeline folder, {id: name}, as its model_index.json records
     them for ClassConditionalPipeline.from_pretrained ({} for a DDPMPipeline or one without classes)."""
     return {int(index): str(name) for index, name in (read_model_index(path).get("id2label") or {}).items()}
+
+
+def package_pipeline_class(path: str) -> str | None:
+    """The class name of a checked pipeline folder's package pipeline (PACKAGE_PIPELINES), or None."""
+    name = read_model_index(path).get("_class_name")
+    return name[-1] if isinstance(name, list) else None
 
 
 def is_package_pipeline(path: str) -> bool:

@@ -60,7 +60,8 @@ def main(argv=None) -> int:
         scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
         images = generate(pipeline.unet, scheduler, args.num_images, args.num_inference_steps,
                           seed=args.seed, batch_size=args.batch_size, device=device,
-                          dtype=dtype, progress=True, class_labels=labels, **guidance)
+                          dtype=dtype, progress=True, class_labels=labels, vae=getattr(pipeline, "vae", None),
+                          **guidance)
         paths = save_images(images, args.output)
     print(f"wrote {len(images)} images and {paths[-1]}")
     return 0

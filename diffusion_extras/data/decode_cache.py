@@ -47,6 +47,12 @@ class DecodedImages:
         return self.pixels.dtype
 
     @classmethod
+    def from_arrays(cls, arrays: list, channels: int) -> DecodedImages:
+        """In memory, from [H, W, channels] arrays of one dtype."""
+        shapes = np.array([a.shape[:2] for a in arrays], dtype=np.int64)
+        return cls(np.concatenate([a.reshape(-1) for a in arrays]), shapes, _offsets(shapes, channels), channels)
+
+    @classmethod
     def load(cls, directory: str, channels: int, dtype: str = "uint8") -> DecodedImages:
         shapes = np.load(os.path.join(directory, "shapes.npy"))
         pixels = np.memmap(os.path.join(directory, "pixels.bin"), dtype=dtype, mode="r")
@@ -114,9 +120,7 @@ def decode_dataset(dataset, image_column: str, resolution: int, center_crop: boo
     """Decode every image once, in memory (small datasets: the digits)."""
     arrays = list(iter_decoded(dataset, image_column, resolution, center_crop, channels, progress=progress,
                                pixels=pixels))
-    shapes = np.array([a.shape[:2] for a in arrays], dtype=np.int64)
-    pixels = np.concatenate([a.reshape(-1) for a in arrays])
-    return DecodedImages(pixels, shapes, _offsets(shapes, channels), channels)
+    return DecodedImages.from_arrays(arrays, channels)
 
 
 def cached_decode(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
@@ -127,24 +131,37 @@ def cached_decode(dataset, image_column: str, resolution: int, center_crop: bool
     them. Images are written to the file as they are decoded (memory stays flat whatever the
     dataset size), by a process pool for large datasets. In-memory datasets (the digits) have no
     stable fingerprint and are decoded each time (under a second)."""
-    if not dataset.cache_files:
+    located = cache_location(dataset, cache_dir, *decode_key(image_column, resolution, center_crop, channels, pixels))
+    if located is None:
         return decode_dataset(dataset, image_column, resolution, center_crop, channels, progress, pixels)
-    import datasets
-
-    key = hashlib.sha256(repr((CACHE_FORMAT, dataset._fingerprint, image_column, resolution,
-                               center_crop, channels, tuple(pixels))).encode()).hexdigest()[:20]
-    root = str(cache_dir or datasets.config.HF_DATASETS_CACHE)
-    directory = os.path.join(root, "ddpm_decoded", key)
+    root, directory = located
     if not os.path.isdir(directory):  # published whole by one rename: present means complete
         check_cache_space(root, len(dataset), resolution, channels, np.dtype(pixels.dtype).itemsize)
         start = time.perf_counter()
         images = iter_decoded(dataset, image_column, resolution, center_crop, channels,
                               decode_workers(len(dataset)), progress, pixels)
-        _write_cache(directory, images)
+        write_cache(directory, images)
         # one line per decode: how often a node decoded is visible in its log (and tested)
         print(f"decoded {len(dataset)} images once ({pixels.dtype} samples) into {directory} in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
     return DecodedImages.load(directory, channels, pixels.dtype)
+
+
+def decode_key(image_column: str, resolution: int, center_crop: bool, channels: int, pixels: PixelFormat) -> tuple:
+    """What the decoded images depend on besides the dataset: the parts of their cache key."""
+    return image_column, resolution, center_crop, channels, tuple(pixels)
+
+
+def cache_location(dataset, cache_dir: str | None, *key_parts) -> tuple[str, str] | None:
+    """(the cache root, the folder of what `key_parts` describe, keyed by the dataset's
+    fingerprint), or None for an in-memory dataset (no stable fingerprint: made each time)."""
+    if not dataset.cache_files:
+        return None
+    import datasets
+
+    key = hashlib.sha256(repr((CACHE_FORMAT, dataset._fingerprint, *key_parts)).encode()).hexdigest()[:20]
+    root = str(cache_dir or datasets.config.HF_DATASETS_CACHE)
+    return root, os.path.join(root, "ddpm_decoded", key)
 
 
 def check_cache_space(root: str, rows: int, resolution: int, channels: int, bytes_per_sample: int = 1) -> None:
@@ -162,7 +179,7 @@ def check_cache_space(root: str, rows: int, resolution: int, channels: int, byte
                         "use --streaming (decodes on the fly, no cache) or a --cache_dir on a larger disk")
 
 
-def _write_cache(directory: str, images) -> None:
+def write_cache(directory: str, images) -> None:
     """pixels.bin (every image's bytes, in order) and shapes.npy, written under a name no other
     process uses (host, pid, random) and published by one atomic rename. Nodes sharing a cache
     folder may race: the first rename wins, a loser deletes its copy and uses the winner's."""

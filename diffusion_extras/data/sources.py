@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from diffusion_extras.data import batch_order, decode_cache, labels, workers
+from diffusion_extras.data import batch_order, decode_cache, labels, latents, workers
 from diffusion_extras.data import images as data
 from diffusion_extras.data.spec import DataSpec, Processes
 from diffusion_extras.data.streaming import StreamSource, first_stored_images, read_stream_classes
@@ -45,10 +45,12 @@ class DataSource(Protocol):
 
 
 class CachedImages:
-    """Every image decoded once (decode_cache.cached_decode) and drawn in a (seed, micro-step) order."""
+    """Every image decoded once (decode_cache.cached_decode) and drawn in a (seed, micro-step) order;
+    with an `encoder` (latent diffusion), every image's VAE posterior, encoded once (latents.py)."""
 
     def __init__(self, spec: DataSpec, processes: Processes, channels: int, dataset=None,
-                 validation_split: float = 0.0, classes: labels.Classes | None = None):
+                 validation_split: float = 0.0, classes: labels.Classes | None = None,
+                 encoder: latents.Encoder | None = None):
         # once per node: the node's first rank loads and decodes, the others then read its cache
         with processes.local_main_process_first():
             dataset = dataset if dataset is not None else data.load_image_dataset(spec)
@@ -56,6 +58,12 @@ class CachedImages:
             pixels = data.dataset_format(dataset, image_column, spec.background)  # 16/32-bit images keep their depth
             self.images = decode_cache.cached_decode(dataset, image_column, spec.resolution, spec.center_crop,
                                              channels, spec.cache_dir, processes.is_local_main_process, pixels)
+            self.pixels = self.images  # what FID compares with (reference_images)
+            if encoder is not None:  # the pixels are read once more, to encode them (in memory: the digits)
+                key = decode_cache.decode_key(image_column, spec.resolution, spec.center_crop, channels, pixels)
+                self.images = latents.cached_latents(self.images, encoder, dataset, spec.cache_dir, key,
+                                                     processes.is_local_main_process)
+        self.resolution = int(self.images.shapes[0][0]) if encoder is not None else spec.resolution  # latents: h
         if classes is None and spec.class_conditional:  # a caller that opened nothing (open_training_data reads them)
             classes = labels.read_classes(dataset, spec.label_column)
         self.labels = classes.row_labels if classes else None
@@ -80,7 +88,7 @@ class CachedImages:
         and end when the iterator is closed (or exhausted)."""
         spec = self.spec
         loader = torch.utils.data.DataLoader(
-            batch_order.MicroBatches(self.images, self.order, self.rank, spec.train_batch_size, spec.resolution,
+            batch_order.MicroBatches(self.images, self.order, self.rank, spec.train_batch_size, self.resolution,
                                      spec.seed, self.labels),
             batch_size=None, sampler=range(first, last), num_workers=spec.dataloader_num_workers,
             pin_memory=self.pin_memory, worker_init_fn=workers.ignore_stop_signals,
@@ -99,9 +107,17 @@ class CachedImages:
 
     def reference_sample(self, count: int) -> np.ndarray:
         """Up to `count` training images NCHW (as batches hold them), a seeded random subset with the run's crops."""
-        count = min(len(self.images), count)
-        order = batch_order.GlobalBatchOrder(len(self.images), count, self.spec.seed)
-        return batch_order.MicroBatches(self.images, order, 0, count, self.spec.resolution, self.spec.seed)[0].numpy()
+        return self._seeded_subset(self.images, self.resolution, count)
+
+    def reference_images(self, count: int) -> np.ndarray:
+        """The pixel images of reference_sample's subset: the same for a pixel run; for a latent
+        run (whose batches hold posteriors) the images they were encoded from (FID's reference)."""
+        return self._seeded_subset(self.pixels, self.spec.resolution, count)
+
+    def _seeded_subset(self, images, resolution: int, count: int) -> np.ndarray:
+        count = min(len(images), count)
+        order = batch_order.GlobalBatchOrder(len(images), count, self.spec.seed)
+        return batch_order.MicroBatches(images, order, 0, count, resolution, self.spec.seed)[0].numpy()
 
 
 def open_training_data(spec: DataSpec, processes: Processes) -> tuple:
@@ -122,12 +138,14 @@ def open_training_data(spec: DataSpec, processes: Processes) -> tuple:
 
 
 def build_source(spec: DataSpec, processes: Processes, channels: int, dataset=None, validation_split: float = 0.0,
-                 classes: labels.Classes | None = None):
+                 classes: labels.Classes | None = None, encoder: latents.Encoder | None = None):
     """The run's data source: a stream with --streaming, else the decode-once cache (of `dataset`,
     when open_training_data already opened it) less its held-out fraction (a stream has none:
     config.validate refuses --validation_split with --streaming). `classes` (--class_conditional):
     the classes open_training_data read; the batches then carry labels. For a stream, `dataset` is
-    what open_training_data returned in its place (the first stored images), or None."""
+    what open_training_data returned in its place (the first stored images), or None. `encoder`
+    (latent diffusion): the cache holds each image's VAE posterior (config.validate_latent refuses
+    a stream there)."""
     if spec.streaming:
         return StreamSource(spec, processes, channels, classes, dataset)
-    return CachedImages(spec, processes, channels, dataset, validation_split, classes)
+    return CachedImages(spec, processes, channels, dataset, validation_split, classes, encoder)

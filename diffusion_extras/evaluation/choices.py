@@ -35,17 +35,19 @@ def extractors_for(metrics: list[str], feature_extractor: str) -> dict[str, list
     return groups
 
 
-def _pipeline_constant(name: str):
-    """A constant that pipeline_class_conditional.py assigns, read from its source: that file is
-    exported beside the pipelines and imports nothing of this package, so it declares the value, and
-    reading it here costs a parse (milliseconds) instead of importing torch and diffusers (seconds)."""
-    source = Path(__file__).with_name("pipeline_class_conditional.py").read_text(encoding="utf-8")
+def _pipeline_constant(name: str, file: str = "pipeline_class_conditional.py"):
+    """A constant that a pipeline file (pipeline_class_conditional.py, pipeline_latent.py) assigns,
+    read from its source: the file is exported beside the pipelines and imports nothing of this
+    package, so it declares the value, and reading it here costs a parse (milliseconds) instead of
+    importing torch and diffusers (seconds)."""
+    source = Path(__file__).with_name(file).read_text(encoding="utf-8")
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign) and [getattr(target, "id", None) for target in node.targets] == [name]:
             return ast.literal_eval(node.value)
-    raise LookupError(f"pipeline_class_conditional.py assigns no {name}")
+    raise LookupError(f"{file} assigns no {name}")
 
 
 DEFAULT_GUIDANCE_SCALE = _pipeline_constant("DEFAULT_GUIDANCE_SCALE")
 PIPELINE_MODULE = _pipeline_constant("PIPELINE_MODULE")  # its file name in an exported folder (hub/push.py)
 PIPELINE_CLASS = _pipeline_constant("PIPELINE_CLASS")  # its class name in model_index.json (cli/inputs.py)
+LATENT_PIPELINE_CLASS = _pipeline_constant("PIPELINE_CLASS", "pipeline_latent.py")  # a latent export's (cli/inputs.py)

@@ -260,11 +260,12 @@ def evaluate_unet(unet, scheduler, reference: ReferenceStatistics, extractor, nu
 def evaluate_unet_metrics(unet, scheduler, suites, num_samples: int, num_inference_steps: int = 50, seed: int = 0,
                           batch_size: int = 64, device=None, num_classes: int | None = None,
                           guidance_scale: float = 1.0, rank: int = 0, num_ranks: int = 1, *, guide=None,
-                          guidance_interval: tuple[float, float] | None = None) -> dict | None:
+                          guidance_interval: tuple[float, float] | None = None, vae=None) -> dict | None:
     """`suites`: (extractor, its reference statistics, metrics) triples. One set of samples serves
     every extractor, so all metrics judge the same images. `num_classes` (a class-conditional
     UNet): sample i is of class i mod num_classes (class-balanced), guided at `guidance_scale`
-    (with `guide` and `guidance_interval` as sampling.generate). Over the ranks of a launch
+    (with `guide` and `guidance_interval` as sampling.generate; a latent UNet's samples decoded by
+    its `vae`). Over the ranks of a launch
     (num_ranks > 1) it is a collective: each rank samples its batches
     (sample_features), the features are gathered to rank 0, which scores; the other ranks get
     None and need only the extractors in `suites`."""
@@ -273,7 +274,7 @@ def evaluate_unet_metrics(unet, scheduler, suites, num_samples: int, num_inferen
     with stop_flag.interruptible():  # a stop gives up on every rank before the gather (core/stop_flag.py)
         features = sample_features(unet, scheduler, [extractor for extractor, _, _ in suites], num_samples,
                                    num_inference_steps, seed, batch_size, device, num_classes, guidance_scale,
-                                   rank, num_ranks, guide=guide, guidance_interval=guidance_interval)
+                                   rank, num_ranks, guide=guide, guidance_interval=guidance_interval, vae=vae)
     if num_ranks > 1:
         features = distributed.gather_to_main(features, rank, num_ranks)
         if rank != 0:
@@ -291,7 +292,7 @@ def check_suites(suites) -> None:
 def sample_features(unet, scheduler, extractors, num_samples: int, num_inference_steps: int, seed: int,
                     batch_size: int, device=None, num_classes: int | None = None, guidance_scale: float = 1.0,
                     rank: int = 0, num_ranks: int = 1, *, guide=None,
-                    guidance_interval: tuple[float, float] | None = None) -> dict[int, list[np.ndarray]]:
+                    guidance_interval: tuple[float, float] | None = None, vae=None) -> dict[int, list[np.ndarray]]:
     """{first image index: features per extractor} of the batches of one seeded run of `num_samples`
     images that fall to `rank` of `num_ranks`: batch k (images k*batch_size on) goes to rank k mod
     num_ranks, so every image is made in the batch, with the noise, it has on one rank (bitwise on CPU)."""
@@ -301,7 +302,7 @@ def sample_features(unet, scheduler, extractors, num_samples: int, num_inference
         labels = None if num_classes is None else [i % num_classes for i in range(first, first + count)]
         images = generate(unet, scheduler, count, num_inference_steps, seed=seed, device=device, start_index=first,
                           class_labels=labels, guidance_scale=guidance_scale, guide=guide,
-                          guidance_interval=guidance_interval)
+                          guidance_interval=guidance_interval, vae=vae)
         features[first] = [_extract_all([images], extractor) for extractor in extractors]
     return features
 

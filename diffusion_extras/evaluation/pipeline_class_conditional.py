@@ -17,6 +17,7 @@ import json
 import math
 import os
 import shutil
+import sys
 
 import torch
 from diffusers import DDPMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
@@ -204,17 +205,25 @@ class ClassConditionalPipeline(DiffusionPipeline):
         custom-pipeline convention), where diffusers writes the bare class name, which
         DiffusionPipeline.from_pretrained looks for in diffusers itself."""
         config = json.loads(super().to_json_string())
-        config["_class_name"] = [PIPELINE_MODULE, PIPELINE_CLASS]
+        module = os.path.splitext(os.path.basename(self.source_files()[0]))[0]
+        config["_class_name"] = [module, type(self).__name__]
         return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
+    def source_files(self) -> list[str]:
+        """The files of this pipeline's class and of the classes of this file it derives from (a
+        subclass in another file, the latent pipeline, imports this one relatively), its own first."""
+        return [sys.modules[cls.__module__].__file__ for cls in type(self).__mro__
+                if issubclass(cls, ClassConditionalPipeline)]
+
     def save_config(self, save_directory, *args, **kwargs):
-        """model_index.json with a copy of this file beside it, which that index names: the folder
-        (save_pretrained's, the trainer's export) loads with DiffusionPipeline.from_pretrained(folder,
-        trust_remote_code=True) without the training package."""
+        """model_index.json with a copy of the pipeline's source files beside it, the first of which
+        that index names: the folder (save_pretrained's, the trainer's export) loads with
+        DiffusionPipeline.from_pretrained(folder, trust_remote_code=True) without the training package."""
         os.makedirs(save_directory, exist_ok=True)
-        target = os.path.join(save_directory, f"{PIPELINE_MODULE}.py")
-        if not (os.path.exists(target) and os.path.samefile(__file__, target)):
-            shutil.copyfile(__file__, target)
+        for source in self.source_files():
+            target = os.path.join(save_directory, os.path.basename(source))
+            if not (os.path.exists(target) and os.path.samefile(source, target)):
+                shutil.copyfile(source, target)
         super().save_config(save_directory, *args, **kwargs)
 
     @classmethod

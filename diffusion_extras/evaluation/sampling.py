@@ -25,6 +25,7 @@ from diffusion_extras.evaluation.pipeline_class_conditional import (
     scheduler_step,
     unconditional_inputs,
 )
+from diffusion_extras.evaluation.pipeline_latent import decode_latents
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # by choices.SAMPLING_DTYPES
 
@@ -65,7 +66,7 @@ def _to_uint8(sample: torch.Tensor) -> np.ndarray:
 
 
 def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dtype, step_bar,
-                   class_labels=None, guidance_scale: float = 1.0, guide=None, guidance_interval=None):
+                   class_labels=None, guidance_scale: float = 1.0, guide=None, guidance_interval=None, vae=None):
     shape = (len(generators),) + _image_shape(unet)
     sample = torch.cat([torch.randn((1,) + shape[1:], generator=g) for g in generators]).to(device)
     sample = sample * scheduler.init_noise_sigma
@@ -90,14 +91,14 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
         # the guided path's step function: an unguided sample equals one guided by the model itself
         sample = scheduler_step(scheduler, model_output, t, sample, generators)
         step_bar.update(len(generators))
-    return _to_uint8(sample)
+    return _to_uint8(sample if vae is None else decode_latents(vae, sample))
 
 
 @torch.no_grad()
 def generate(unet, scheduler, num_images: int, num_inference_steps: int = 50, seed: int = 0,
              batch_size: int | None = None, device=None, dtype=torch.float32, progress: bool = False,
              *, start_index: int = 0, class_labels=None, guidance_scale: float = 1.0, guide=None,
-             guidance_interval: tuple[float, float] | None = None) -> np.ndarray:
+             guidance_interval: tuple[float, float] | None = None, vae=None) -> np.ndarray:
     """Sample `num_images` images as uint8 [N, H, W, C].
 
     `scheduler` is only read (a copy is stepped), so the training noise scheduler may be passed.
@@ -108,6 +109,7 @@ def generate(unet, scheduler, num_images: int, num_inference_steps: int = 50, se
     samples its unconditional ("no class") model. `guide` (a weaker UNet of the same kind) replaces
     the "no class" branch (autoguidance; also for unconditional UNets), and `guidance_interval`
     (low, high] in noise level sigma limits guidance to those steps (ClassConditionalPipeline.__call__).
+    `vae`: the UNet samples latents, decoded by it (pipeline_latent.decode_latents) into the images.
     The noise is the same whatever `batch_size`; the UNet's batched kernels are not bit-identical
     across batch sizes (~1e-7), which a long deterministic (DDIM) run can amplify: bit-exact
     reproduction needs the same seed, device and batch size.
@@ -137,7 +139,7 @@ def generate(unet, scheduler, num_images: int, num_inference_steps: int = 50, se
                           torch.as_tensor(class_labels[first:first + len(indices)], dtype=torch.long, device=device))
                 images.append(_denoise_batch(unet, scheduler, generators, num_inference_steps,
                                              device, dtype, step_bar, labels, guidance_scale, guide,
-                                             guidance_interval))
+                                             guidance_interval, vae))
     finally:
         for module, was_training in modes.items():
             module.training = was_training

@@ -19,10 +19,11 @@ from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, PIPELINE
 from diffusion_extras.hub.secrets import redact_config  # the project's one secret-dropping rule
 
 # What a DDPMPipeline needs, plus its card; everything else in the output dir stays local. The
-# class-conditional pipeline adds its source file (model_index.json names it, the Hub loads it as
-# remote code) and, where it has one, its autoguidance guide/ (model_index.json names that too).
-PIPELINE_PATTERNS = ["model_index.json", "unet/*", "scheduler/*", "README.md", "images/*", "training_config.yaml",
-                     f"{PIPELINE_MODULE}.py", "guide/*"]
+# custom pipelines add their source files (class-conditional, latent: model_index.json names one, the
+# Hub loads it as remote code with its relative imports), a latent pipeline its VAE, and a pipeline
+# with an autoguidance guide its guide/ (model_index.json names that too).
+PIPELINE_PATTERNS = ["model_index.json", "unet/*", "scheduler/*", "vae/*", "guide/*", "README.md", "images/*",
+                     "training_config.yaml", "pipeline_*.py"]
 # Training state that must never leave the machine even if it lands inside an allowed folder.
 NEVER_PUSH_PATTERNS = ["*.pkl", "*optimizer*.bin", "*random_states*", "*.lock"]
 CARD_IMAGES_DIR = "images"  # card images live here, the only image folder that is pushed
@@ -155,7 +156,8 @@ def write_model_card(folder: str, info: dict) -> str:
     config (dict), global_step, images_seen, metrics (dict), sample_grid and loss_plot (paths under
     folder/images/), dataset_name, license, title, class_names (a class-conditional pipeline), _redact
     (secrets to keep out of the card), base_model (the pipeline a fine-tune started from: named in
-    the text, and in the metadata's `base_model` when it is a Hub id)."""
+    the text, and in the metadata's `base_model` when it is a Hub id), vae (a latent pipeline: the
+    AutoencoderKL it was trained with)."""
     secrets = [s for s in info.get("_redact") or [] if s]
     config = redact_config(info.get("config") or {}, secrets)
     repo_id = info.get("repo_id") or default_repo_id(folder, None)
@@ -163,7 +165,8 @@ def write_model_card(folder: str, info: dict) -> str:
     card_data = ModelCardData(
         library_name="diffusers",
         pipeline_tag="unconditional-image-generation",
-        tags=CARD_TAGS + (["class-conditional"] if info.get("class_names") else []),
+        tags=CARD_TAGS + (["class-conditional"] if info.get("class_names") else [])
+        + (["latent-diffusion"] if info.get("vae") else []),
         datasets=[dataset] if _is_hub_id(dataset) else None,
         base_model=info.get("base_model") if _is_hub_id(info.get("base_model")) else None,
         license=info.get("license") or "apache-2.0",
@@ -198,6 +201,9 @@ def _card_body(folder: str, info: dict, config: dict, repo_id: str, dataset: str
     ]
     if info.get("base_model"):
         lines += [f"Fine-tuned from `{info['base_model']}`.", ""]
+    if info.get("vae"):
+        lines += [f"Latent diffusion: the UNet was trained on the latents of the AutoencoderKL `{info['vae']}`, "
+                  "saved in `vae/`, which decodes its samples.", ""]
     if "global_step" in info or "images_seen" in info:
         lines += [f"Trained for {info.get('global_step', '?')} optimizer steps "
                   f"({info.get('images_seen', '?')} training images seen).", ""]
@@ -207,8 +213,24 @@ def _card_body(folder: str, info: dict, config: dict, repo_id: str, dataset: str
     for key, heading in (("sample_grid", "Samples"), ("loss_plot", "Loss per timestep")):
         if info.get(key):
             lines += [f"## {heading}", "", f"![{heading}]({_card_image(folder, info[key], key)})", ""]
-    lines += _usage(repo_id, info.get("class_names"))
+    usage = _latent_usage if info.get("vae") else _usage
+    lines += usage(repo_id, info.get("class_names"))
     return "\n".join(lines)
+
+
+def _latent_usage(repo_id: str, class_names: list | None) -> list[str]:
+    """A latent pipeline's usage: decoded images, unconditional or by class, and its latents."""
+    call = ("class_labels=pipeline.get_label_ids([" + ", ".join(f'"{name}"' for name in class_names[:2]) + "])"
+            if class_names else "batch_size=2")
+    return ["## Usage", "",
+            "The pipeline's code is `pipeline_latent.py` in this repository, with `pipeline_class_conditional.py` "
+            "whose guidance it shares (hence `trust_remote_code=True`).", "",
+            "```python", "import torch", "from diffusers import DiffusionPipeline", "",
+            f'pipeline = DiffusionPipeline.from_pretrained("{repo_id}", trust_remote_code=True)',
+            f"images = pipeline({call}, num_inference_steps=50, generator=torch.manual_seed(0)).images",
+            'images[0].save("sample.png")',
+            f'latents = pipeline({call}, num_inference_steps=50, output_type="latent").images  # not decoded',
+            "```", ""]
 
 
 def _usage(repo_id: str, class_names: list | None) -> list[str]:

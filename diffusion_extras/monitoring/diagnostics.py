@@ -285,12 +285,13 @@ def bayes_optimal_curve(alphas_cumprod, sigma_data, prediction_type) -> np.ndarr
     return bayes_optimal_loss(alphas_cumprod, sigma_data, prediction_type).double().cpu().numpy()
 
 
-def per_dimension_variance(images: torch.Tensor, chunk_size: int = 4096) -> float:
-    """sigma_data^2: mean over pixels of each pixel's variance across the dataset (images in [-1, 1])."""
+def per_dimension_variance(images: torch.Tensor, chunk_size: int = 4096, bounded: bool = True) -> float:
+    """sigma_data^2: mean over pixels of each pixel's variance across the dataset (images in [-1, 1];
+    `bounded` False: latents, which have no fixed range, so unscaled pixels cannot be caught there)."""
     if images.dim() < 2 or images.shape[0] < 2:
         raise ValueError(f"images of shape {tuple(images.shape)}: need [num_images >= 2, ...]")
     low, high = float(images.min()), float(images.max())
-    if low < -1.0 - 1e-6 or high > 1.0 + 1e-6:
+    if bounded and (low < -1.0 - 1e-6 or high > 1.0 + 1e-6):
         raise ValueError(f"images span [{low:.3g}, {high:.3g}]; scale them to [-1, 1] (x * 2 - 1 "
                          "for [0, 1] images) as the model sees them")
     flat = images.reshape(images.shape[0], -1)

@@ -93,10 +93,12 @@ def debug_image_paths(output_dir: str, step: int) -> list[str]:
 
 def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int, num_inference_steps: int,
                      seed: int, class_names: list | None = None, guidance_scale: float = 1.0,
-                     sampling_copy: SamplingCopy | None = None, rank: int = 0, num_ranks: int = 1) -> str | None:
+                     sampling_copy: SamplingCopy | None = None, rank: int = 0, num_ranks: int = 1,
+                     vae=None) -> str | None:
     """EMA samples (fp32, DDIM, fixed seed) as samples/step_XXXXXX.png, images/samples.png (for the
-    card) and to the trackers. With `class_names`: one row per class (up to 10), guided at
-    `guidance_scale`, num_images // rows images per row (at least 1).
+    card) and to the trackers; latents decoded by the `vae` where there is one. With `class_names`:
+    one row per class (up to 10), guided at `guidance_scale`, num_images // rows images per row
+    (at least 1).
 
     Every rank of a launch calls it (a collective): the grid is sampled a row at a time, row r by
     rank r mod num_ranks, and the rows are gathered to rank 0, which writes the grid and returns
@@ -117,7 +119,8 @@ def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int
             count = min(per_row, num_images - first)
             rows[first] = sampling.generate(copy, scheduler, count, num_inference_steps, seed=seed,
                                             device=target.device, start_index=first, guidance_scale=guidance_scale,
-                                            class_labels=None if labels is None else labels[first:first + count])
+                                            class_labels=None if labels is None else labels[first:first + count],
+                                            vae=vae)
     if num_ranks > 1:
         rows = distributed.gather_to_main(rows, rank, num_ranks)
     if rank != 0:
@@ -131,23 +134,26 @@ def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int
 
 
 def save_debug_images(unet, ema, noise_scheduler, target: Target, num_images: int, num_inference_steps: int,
-                      seed: int, sampling_copy: SamplingCopy | None = None) -> list[str]:
+                      seed: int, sampling_copy: SamplingCopy | None = None, vae=None) -> list[str]:
     """Beside each sample grid: the first seeds from the raw weights | the EMA weights (with EMA on),
     and the denoising strip of the EMA weights, as samples/step_XXXXXX_{raw_vs_ema,denoising}.png
-    and to the trackers. Costs about (2 x 16 + 4) images of sampling."""
+    and to the trackers. Costs about (2 x 16 + 4) images of sampling. With a `vae` (latent runs)
+    the samples are decoded and there is no strip (its x_t and x_0 estimates are latents)."""
     scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
     count = min(num_images, 16)
     sampling_copy = sampling_copy or SamplingCopy()
 
     def sample(weights_ema):
         with sampling_copy(unet, weights_ema) as copy:
-            return sampling.generate(copy, scheduler, count, num_inference_steps, seed=seed, device=target.device)
+            return sampling.generate(copy, scheduler, count, num_inference_steps, seed=seed, device=target.device,
+                                     vae=vae)
     images = {}
     if ema is not None:
         images["raw_vs_ema"] = debug_images.side_by_side(sample(None), sample(ema))
-    with sampling_copy(unet, ema) as copy:
-        images["denoising"], _ = debug_images.denoising_strip(copy, scheduler, min(DEBUG_SEEDS, num_images),
-                                                              num_inference_steps, seed=seed, device=target.device)
+    if vae is None:  # a latent run's strip would show latents
+        with sampling_copy(unet, ema) as copy:
+            images["denoising"], _ = debug_images.denoising_strip(copy, scheduler, min(DEBUG_SEEDS, num_images),
+                                                                  num_inference_steps, seed=seed, device=target.device)
     paths = []
     for name, image in images.items():
         paths.append(target.path(samples_file(target.step, f"_{name}")))
@@ -235,13 +241,14 @@ def connect_hub(config, is_main_process: bool):
 
 
 def export(unet, ema, noise_scheduler, target: Target, hub_pusher=None, card: dict | None = None,
-           final: bool = False, class_names: list | None = None) -> None:
-    """The DDPMPipeline with EMA weights; with a `hub_pusher`, the model card (from `card`: config,
-    images_seen, metrics, dataset_name, _redact; see hub.write_model_card) and a push, in the
-    background except the final one, which waits and reports the commit URL."""
+           final: bool = False, class_names: list | None = None, vae=None) -> None:
+    """The DDPMPipeline with EMA weights (the latent pipeline with a `vae`); with a `hub_pusher`, the
+    model card (from `card`: config, images_seen, metrics, dataset_name, _redact; see
+    hub.write_model_card) and a push, in the background except the final one, which waits and
+    reports the commit URL."""
     # a one-off copy, not the run's SamplingCopy: save_pretrained edits the config a compiled copy guards on
     with sampling_unet(unet, ema) as copy:
-        models.export_pipeline(copy, noise_scheduler, target.output_dir, class_names)
+        models.export_pipeline(copy, noise_scheduler, target.output_dir, class_names, vae)
     if hub_pusher is None:
         return
     info = {"repo_id": hub_pusher.repo_id, "global_step": target.step, **(card or {})}
@@ -259,12 +266,13 @@ def prepare_evaluation(config, source, device, with_reference: bool = True):
     """(extractor, reference statistics, metrics) per extractor that --eval_metrics needs, before
     training; reference statistics cached per extractor as logs/fid_reference_<extractor>.npz
     (None without `with_reference`: the ranks other than the main one only extract features).
-    `source`: the run's data source (its reference sample). None without --eval_steps."""
+    `source`: the run's data source (its reference sample; a latent run's pixel images, from which
+    its posteriors were encoded: the samples are decoded before they are scored). None without --eval_steps."""
     if config.eval_steps is None:
         return None
+    sample = source.reference_images if config.pretrained_vae_model_name_or_path else source.reference_sample
     # FID/KID extractors read 8-bit images: 16- and 32-bit training images are rounded to 8 bits here only
-    reference = (batch_order.as_uint8(source.reference_sample(config.eval_num_samples)).transpose(0, 2, 3, 1)
-                 if with_reference else ())
+    reference = batch_order.as_uint8(sample(config.eval_num_samples)).transpose(0, 2, 3, 1) if with_reference else ()
     fingerprint = f"{source.description}-{config.resolution}-{len(reference)}-{config.seed}"
     groups = extractors_for(parse_metrics(config.eval_metrics), config.feature_extractor)
     suites = []
@@ -286,12 +294,13 @@ def prepare_evaluation(config, source, device, with_reference: bool = True):
 
 def evaluate(unet, ema, noise_scheduler, suites, target: Target, num_samples: int, num_inference_steps: int,
              seed: int, batch_size: int, class_names: list | None = None, guidance_scale: float = 1.0,
-             sampling_copy: SamplingCopy | None = None) -> tuple[dict, dict] | tuple[None, None]:
-    """--eval_metrics of EMA samples, logged to the trackers and history. Returns (metrics, the
-    same named with their extractor, for the model card). With several processes (target.accelerator)
-    it is a collective: every rank samples its batches (metrics.sample_features: the images of one
-    rank, bitwise on CPU), the features are gathered to the main process, which scores and logs;
-    the other ranks return (None, None) and need only the extractors in `suites`."""
+             sampling_copy: SamplingCopy | None = None, vae=None) -> tuple[dict, dict] | tuple[None, None]:
+    """--eval_metrics of EMA samples (a latent UNet's decoded by its `vae`), logged to the trackers
+    and history. Returns (metrics, the same named with their extractor, for the model card). With
+    several processes (target.accelerator) it is a collective: every rank samples its batches
+    (metrics.sample_features: the images of one rank, bitwise on CPU), the features are gathered to
+    the main process, which scores and logs; the other ranks return (None, None) and need only the
+    extractors in `suites`."""
     accelerator = target.accelerator
     rank, num_ranks = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
@@ -299,7 +308,7 @@ def evaluate(unet, ema, noise_scheduler, suites, target: Target, num_samples: in
         metrics = evaluation.evaluate_unet_metrics(copy, scheduler, suites, num_samples, num_inference_steps, seed,
                                                    batch_size, target.device,
                                                    None if class_names is None else len(class_names), guidance_scale,
-                                                   rank, num_ranks)
+                                                   rank, num_ranks, vae=vae)
     if metrics is None:  # not the main process
         return None, None
     target.log_values({f"eval/{k}": float(v) for k, v in metrics.items()})

@@ -12,11 +12,21 @@ from diffusion_extras.core.ema import ExponentialMovingAverage
 from diffusion_extras.core.optimization import make_optimizer
 from diffusion_extras.core.phema import PowerFunctionEMA
 from diffusion_extras.core.timesteps import make_timestep_sampler
-from diffusion_extras.data import batch_order, sources
+from diffusion_extras.data import latents, sources
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
-from diffusion_extras.training import artifacts, checkpointing, compat, models, pretrained, run_state, step, tracking
+from diffusion_extras.training import (
+    artifacts,
+    autoencoder,
+    checkpointing,
+    compat,
+    models,
+    pretrained,
+    run_state,
+    step,
+    tracking,
+)
 from diffusion_extras.training.config import ConfigError, TrainConfig
 from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.periodic import write_reference_bins
@@ -113,12 +123,14 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     switches = run_state.extras_switches(config, spec.uses_embedded_digits)
     # the data is opened before the model: with no model chosen, the model follows the images
     dataset, data_channels, classes = sources.open_training_data(spec, accelerator)  # labels read once, here
-    choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None, base)
-    training_data, held_out_images = build_data(config, accelerator, unet.config.in_channels, dataset,
+    latent = autoencoder.load_latent_space(config) if config.pretrained_vae_model_name_or_path else None
+    choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None, base, latent)
+    image_channels = latent.image_channels if latent else unet.config.in_channels
+    training_data, held_out_images = build_data(config, accelerator, image_channels, dataset,
                                                 switches["validation_split"], classes,
-                                                hooks.data_source or sources.build_source)
+                                                hooks.data_source or sources.build_source, latent)
     plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
-    learner = build_learner(config, accelerator, plan, unet, lr_schedule, base)
+    learner = build_learner(config, accelerator, plan, unet, lr_schedule, base, latent_record(training_data))
     objective = build_objective(config, accelerator, noise_scheduler)
     extras = build_extras(config, accelerator, plan, learner.unet, held_out_images, training_data.class_names)
     register_checkpointed_state(accelerator, learner, objective, extras)
@@ -142,34 +154,48 @@ def refuse_sharded_training(accelerator) -> None:
 
 
 def build_model(config: TrainConfig, accelerator, data_channels: int, class_names: list | None = None,
-                base: pretrained.Pretrained | None = None) -> tuple[models.Choice, torch.nn.Module]:
-    """(the choice, the UNet): the recipe's UNet, or one that follows the images with its
-    optimization, with a class embedding for `class_names` (--class_conditional), or the `base`
-    pipeline's UNet with its weights (fine-tuning; a resume takes the checkpoint's instead);
-    announced in one line with its size."""
+                base: pretrained.Pretrained | None = None,
+                latent: autoencoder.LatentSpace | None = None) -> tuple[models.Choice, torch.nn.Module]:
+    """(the choice, the UNet): the recipe's UNet, or one that follows the images (the `latent`
+    space's latents, with a VAE) with its optimization, with a class embedding for `class_names`
+    (--class_conditional), or the `base` pipeline's UNet with its weights (fine-tuning; a resume
+    takes the checkpoint's instead); announced in one line with its size."""
     if base is not None:
-        choice = base.choice(config, data_channels, class_names)
+        choice = base.choice(config, data_channels, class_names, latent)
         resuming = checkpointing.recorded_config(config.output_dir, config.resume_from_checkpoint) is not None
         unet = base.load_unet(with_weights=not resuming)  # the checkpoint's weights, not re-read pretrained ones
     else:
-        choice = models.follow_data(config, data_channels, class_names)
-        unet = models.build_unet(config, choice.model)
-    for line in models.describe(unet, choice.description, data_channels, choice.optimization):
+        choice = models.follow_data(config, data_channels, class_names, latent)
+        unet = models.build_unet(config, choice.model, latent)
+    for line in models.describe(unet, choice.description, data_channels, choice.optimization, latent,
+                                config.resolution):
         accelerator.print(line)
     return choice, unet
 
 
 def build_data(config: TrainConfig, accelerator, channels: int, dataset, validation_split: float, classes,
-               data_source=sources.build_source) -> tuple:
+               data_source=sources.build_source, latent: autoencoder.LatentSpace | None = None) -> tuple:
     """(the training data, the held-out images or None): the data source (decode-once cache or
-    this rank's shard of a stream, with the `classes` open_training_data read) and sigma_data."""
-    source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
+    this rank's shard of a stream, with the `classes` open_training_data read; with a `latent`
+    space, the images' posteriors, encoded once on this device) and sigma_data."""
+    if latent is None:
+        source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
+        encoder = posterior = None
+    else:
+        encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor)
+        source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
+                             encoder=encoder)
+        posterior, line = autoencoder.posterior(latent, source, encoder.views)
+        accelerator.print(line)
     sample = torch.from_numpy(source.reference_sample(2048))
-    # sigma_data in [-1, 1] per dimension: the scale of the Bayes-optimal reference curve
-    sigma_data = diagnostics.per_dimension_variance(batch_order.to_model_input(sample, "cpu")) ** 0.5
+    # sigma_data of the model input per dimension (pixels in [-1, 1], or the latent means):
+    # the scale of the Bayes-optimal reference curve
+    clean = latents.model_input(sample, "cpu", posterior=posterior)
+    sigma_data = diagnostics.per_dimension_variance(clean, bounded=posterior is None) ** 0.5
     training_data = Data(source=source, sigma_data=sigma_data, class_names=getattr(source, "class_names", None),
                          global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
-                         gradient_accumulation_steps=config.gradient_accumulation_steps)
+                         gradient_accumulation_steps=config.gradient_accumulation_steps, posterior=posterior,
+                         vae=latent.vae if latent else None, vae_fingerprint=encoder.fingerprint if encoder else None)
     return training_data, source.held_out_images
 
 
@@ -189,9 +215,9 @@ def make_plan(config: TrainConfig, accelerator, source, choice: models.Choice, s
 
 
 def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedule,
-                  base: pretrained.Pretrained | None = None) -> Learner:
+                  base: pretrained.Pretrained | None = None, vae_record: dict | None = None) -> Learner:
     """UNet switches, AdamW, the LR schedule, accelerate's prepare; what checkpoints record of the
-    config (with the `base` pipeline's configs when fine-tuning)."""
+    config (with the `base` pipeline's configs when fine-tuning, and `vae_record` in latent runs)."""
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     if config.allow_tf32:  # Ampere+ only; ignored on CPU
@@ -212,7 +238,7 @@ def build_learner(config: TrainConfig, accelerator, plan: Plan, unet, lr_schedul
     if config.torch_compile:  # in place: state-dict keys (and so checkpoints) stay those of the plain UNet
         accelerator.unwrap_model(unet).compile(**compile_options(config))
     return Learner(unet=unet, optimizer=optimizer, lr_scheduler=lr_scheduler, peak_lr=peak_lr,
-                   state_config=state_config(plan.resolved_config(config), unet, accelerator, base))
+                   state_config=state_config(plan.resolved_config(config), unet, accelerator, base, vae_record))
 
 
 def step_functions(config: TrainConfig, accelerator, learner: Learner, extras: Extras,
@@ -315,11 +341,24 @@ def start_trackers(run: Run) -> None:
                           f"{type(error).__name__}: {error}") from None
 
 
-def state_config(resolved_config: dict, unet, accelerator, base: pretrained.Pretrained | None = None) -> dict:
+def state_config(resolved_config: dict, unet, accelerator, base: pretrained.Pretrained | None = None,
+                 vae_record: dict | None = None) -> dict:
     """What a checkpoint records of the config (checked on resume). The UNet config drops
     diffusers' private keys (`_use_default_values` varies in order between runs). Fine-tuning, the
-    `base` pipeline's configs as read: a resume takes them from here (pretrained.resolve)."""
+    `base` pipeline's configs as read: a resume takes them from here (pretrained.resolve); a latent
+    run, its VAE (latent_record)."""
     unet_values = {k: v for k, v in dict(accelerator.unwrap_model(unet).config).items() if not k.startswith("_")}
     values = tracking.hyperparameters({k: v for k, v in resolved_config.items() if k != "model"})
-    return values | {"unet": json.loads(json.dumps(unet_values)), "num_processes": accelerator.num_processes,
-                     "pretrained": base.record() if base else None}
+    return (values | {"unet": json.loads(json.dumps(unet_values)), "num_processes": accelerator.num_processes,
+                      "pretrained": base.record() if base else None}
+            | ({"vae": vae_record} if vae_record else {}))
+
+
+def latent_record(training_data: Data) -> dict | None:
+    """A latent run's VAE as checkpoints record it: its weights' fingerprint and the latents'
+    normalisation (shift and scale per channel); None for a pixel run."""
+    posterior = training_data.posterior
+    if posterior is None:
+        return None
+    return {"fingerprint": training_data.vae_fingerprint, "shift": [float(v) for v in posterior.shift],
+            "scale": [float(v) for v in posterior.scale]}

@@ -31,9 +31,11 @@ TRAIN_STATE = "train_state.json"
 SCALER_FILE = "scaler.pt"  # accelerate's SCALER_NAME
 ABANDONED = "abandoned-"
 # A checkpoint records keys that are not TrainConfig fields: the resolved UNet config (whose shape
-# the weights have), the world size (every rank's RNG file and stream position) and, fine-tuning,
-# the pretrained pipeline's configs as they were read (a resume reads them here, not from the Hub).
-RECORDED_KEY_POLICIES = {"unet": REFUSE, "num_processes": REFUSE, "pretrained": REFUSE}
+# the weights have), the world size (every rank's RNG file and stream position), fine-tuning, the
+# pretrained pipeline's configs as they were read (a resume reads them here, not from the Hub), and,
+# for a latent run, its VAE (the fingerprint of its weights and the latents' normalisation: the
+# space the UNet learned in, which a VAE changed under the same path would silently replace).
+RECORDED_KEY_POLICIES = {"unet": REFUSE, "num_processes": REFUSE, "pretrained": REFUSE, "vae": REFUSE}
 
 
 def resume_policies() -> dict[str, str]:

@@ -6,7 +6,9 @@ from typing import NamedTuple
 
 from diffusion_extras.core import losses, vlb
 from diffusion_extras.evaluation import pipeline_class_conditional as conditional
+from diffusion_extras.evaluation import pipeline_latent as latent_pipeline
 from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
+from diffusion_extras.training.autoencoder import LatentSpace
 from diffusion_extras.training.config import DIGITS_UNET, ConfigError, TrainConfig, validate_model_shape
 
 # diffusers' examples/unconditional_image_generation/train_unconditional.py builds this UNet when no
@@ -20,16 +22,21 @@ DIFFUSERS_DEFAULT_UNET = dict(
 COLOUR_NAMES = {1: "grayscale", 3: "RGB", 4: "RGBA"}
 
 
-def unet_config(config: TrainConfig, model: dict | None = None) -> dict:
+def unet_config(config: TrainConfig, model: dict | None = None, latent: LatentSpace | None = None) -> dict:
     """UNet2DModel kwargs from --model_config_name_or_path (folder or JSON) or `model` (default: the
-    recipe's), with sample_size set to the training resolution (the pipeline samples at sample_size)."""
+    recipe's), with sample_size set to the training resolution (the pipeline samples at sample_size),
+    or with a `latent` space to the latents' size, whose channels the UNet must have."""
     if config.model_config_name_or_path:
         values = {k: v for k, v in load_unet_config(config.model_config_name_or_path).items() if not k.startswith("_")}
     else:
         values = dict(config.model if model is None else model)
-    values["sample_size"] = config.resolution
+    values["sample_size"] = latent.size if latent else config.resolution
     channels, outputs = values.get("in_channels", 3), values.get("out_channels", 3)
-    if channels not in COLOUR_NAMES or outputs not in (channels, 2 * channels):
+    if latent is not None and (channels != latent.channels or outputs not in (channels, 2 * channels)):
+        raise ConfigError(f"the UNet has {channels} -> {outputs} channels and the VAE's latents have "
+                          f"{latent.channels}: set in_channels and out_channels to {latent.channels}, or choose no "
+                          "model (it then follows the latents)")
+    if latent is None and channels not in COLOUR_NAMES or outputs not in (channels, 2 * channels):
         raise ConfigError("the UNet must have in_channels 1 (grayscale), 3 (RGB) or 4 (RGBA) and out_channels == "
                           "in_channels (2 x in_channels with --variance_type learned_range); "
                           f"got {channels} -> {outputs}")
@@ -38,7 +45,7 @@ def unet_config(config: TrainConfig, model: dict | None = None) -> dict:
         raise ConfigError(f"the UNet outputs {outputs} channels for {channels}-channel images: a learned-variance "
                           "UNet; add --variance_type learned_range")
     values["out_channels"] = expected  # the prediction and, with a learned variance, its C values
-    validate_model_shape(values, config.resolution)
+    validate_model_shape(values, values["sample_size"])
     return values
 
 
@@ -85,33 +92,36 @@ class Choice(NamedTuple):
     optimization: str = ""  # where the optimization came from, when it followed the data ("" otherwise)
 
 
-def follow_data(config: TrainConfig, data_channels: int, class_names: list | None = None) -> Choice:
+def follow_data(config: TrainConfig, data_channels: int, class_names: list | None = None,
+                latent: LatentSpace | None = None) -> Choice:
     """The choice of `model_for_data`, with a class embedding when `class_names` are given:
     num_class_embeds = classes + 1, the last entry being "no class" (classifier-free guidance)."""
-    choice = model_for_data(config, data_channels)
+    choice = model_for_data(config, data_channels, latent)
     if class_names is None:
         return choice
     return choice._replace(model={**choice.model, "num_class_embeds": len(class_names) + 1},
                            description=f"{choice.description}, conditioned on {len(class_names)} classes")
 
 
-def model_for_data(config: TrainConfig, data_channels: int) -> Choice:
+def model_for_data(config: TrainConfig, data_channels: int, latent: LatentSpace | None = None) -> Choice:
     """The UNet and optimization for this run and how they were chosen. With a dataset and no model
     chosen (no --model_config_name_or_path, the recipe's `model` untouched), the model follows the
     images: their channels, and diffusers' train_unconditional.py default shape where the
     resolution allows it (a multiple of 32), else our 16 px digits recipe's shape. That default UNet
     (113.7M parameters) trains with that script's optimization (DIFFUSERS_RECIPE), except for each
     value the user set (a flag, or the --config recipe): the digits recipe's lr 2e-3 is 20x what
-    diffusers uses for it. The embedded digits keep the digits recipe."""
+    diffusers uses for it. The embedded digits keep the digits recipe. With a `latent` space the
+    model follows the latents in the same way (their channels and size), the digits' included."""
     if config.model_config_name_or_path:
         return Choice(config.model, {}, f"UNet from {config.model_config_name_or_path}")
-    if config.model != DIGITS_UNET or config.data_spec().uses_embedded_digits:
+    if config.model != DIGITS_UNET or (config.data_spec().uses_embedded_digits and latent is None):
         return Choice(config.model, {},
                       "the recipe's UNet" if config.model != DIGITS_UNET else "the digits recipe's UNet")
+    data_channels, size = (latent.channels, latent.size) if latent else (data_channels, config.resolution)
     channels = {"in_channels": data_channels, "out_channels": vlb.output_channels(data_channels, config.variance_type)}
-    if config.resolution % 32 != 0:
+    if size % 32 != 0 or config.data_spec().uses_embedded_digits:
         return Choice({**DIGITS_UNET, **channels}, {},
-                      f"the digits recipe's UNet shape at {config.resolution} px (no model chosen; diffusers' "
+                      f"the digits recipe's UNet shape at {size} px (no model chosen; diffusers' "
                       "default needs a multiple of 32 px)")
     given = config.given
     settings = {name: value for name, value in DIFFUSERS_RECIPE.items() if name not in given}
@@ -124,7 +134,7 @@ def model_for_data(config: TrainConfig, data_channels: int) -> Choice:
                         + (", steps from the epochs" if "max_train_steps" in settings else "") + ")"
                         + (f"; yours kept: {', '.join(kept)}" if kept else ""))
     return Choice({**DIFFUSERS_DEFAULT_UNET, **channels}, settings,
-                  f"diffusers train_unconditional.py's default UNet at {config.resolution} px (no model chosen)",
+                  f"diffusers train_unconditional.py's default UNet at {size} px (no model chosen)",
                   optimization)
 
 
@@ -132,26 +142,30 @@ def shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def describe(unet, chosen: str, data_channels: int, optimization: str = "") -> list[str]:
-    """The model line (shape and size; the optimization when it followed the data) and, if the
-    images are converted, the conversion line."""
+def describe(unet, chosen: str, data_channels: int, optimization: str = "", latent: LatentSpace | None = None,
+             resolution: int | None = None) -> list[str]:
+    """The model line (shape and size; the optimization when it followed the data; with a `latent`
+    space, which latents at which `resolution`) and, if the images are converted, the conversion line."""
     channels = unet.config.in_channels
-    lines = [f"model: {chosen}: {channels} channel(s) ({COLOUR_NAMES.get(channels, channels)}), blocks "
+    kind = latent.describe(resolution) if latent else COLOUR_NAMES.get(channels, channels)
+    lines = [f"model: {chosen}: {channels} channel(s) ({kind}), blocks "
              f"{list(unet.config.block_out_channels)} x{unet.config.layers_per_block}, "
              f"{count_parameters(unet) / 1e6:.1f}M parameters"
              + (f"; optimization: {optimization}" if optimization else "")]
-    if channels != data_channels:
-        lines.append(f"data: the images are {COLOUR_NAMES[data_channels]} and the UNet has {channels} channel(s): "
-                     f"converting them to {COLOUR_NAMES.get(channels, channels)}")
+    read = latent.image_channels if latent else channels  # what the images are converted to
+    if read != data_channels:
+        reader = "the VAE reads" if latent else "the UNet has"
+        lines.append(f"data: the images are {COLOUR_NAMES[data_channels]} and {reader} {read} channel(s): "
+                     f"converting them to {COLOUR_NAMES.get(read, read)}")
     return lines
 
 
-def build_unet(config: TrainConfig, model: dict | None = None):
-    """The UNet of `model` kwargs (default: the recipe's, or --model_config_name_or_path); a
-    `num_class_embeds` in `model` wins over the config file's."""
+def build_unet(config: TrainConfig, model: dict | None = None, latent: LatentSpace | None = None):
+    """The UNet of `model` kwargs (default: the recipe's, or --model_config_name_or_path), sized for
+    the `latent` space when there is one; a `num_class_embeds` in `model` wins over the config file's."""
     from diffusers import UNet2DModel
 
-    values = unet_config(config, model)
+    values = unet_config(config, model, latent)
     if model is not None and "num_class_embeds" in model:
         values["num_class_embeds"] = model["num_class_embeds"]
     try:
@@ -182,21 +196,25 @@ def count_parameters(model) -> int:
 EXPORT_STAGING = ".pipeline.tmp"  # where export_pipeline writes before swapping the parts in
 
 
-def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | None = None) -> None:
-    """Save a DDPMPipeline, or with `class_names` a ClassConditionalPipeline with its source file
-    (weights only, no optimizer state), into output_dir, swapping each part in by rename so a
-    kill mid-save leaves the previous export loadable."""
+def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | None = None, vae=None) -> None:
+    """Save a DDPMPipeline, or with `class_names` a ClassConditionalPipeline, or with a `vae` a
+    LatentDiffusionPipeline (vae/ too), the custom ones with their source files (weights only, no
+    optimizer state), into output_dir, swapping each part in by rename so a kill mid-save leaves
+    the previous export loadable."""
     import shutil
 
     staging = os.path.join(output_dir, EXPORT_STAGING)
     shutil.rmtree(staging, ignore_errors=True)
     names = ["unet", "scheduler"]
-    if class_names is None:
+    if vae is not None:
+        pipeline = latent_pipeline.LatentDiffusionPipeline(vae=vae, unet=unet, scheduler=noise_scheduler,
+                                                          id2label=dict(enumerate(class_names or ())))
+        names += ["vae", *save_custom_pipeline(pipeline, staging)]
+    elif class_names is None:
         from diffusers import DDPMPipeline
         DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(staging)
     else:
-        save_class_conditional(unet, noise_scheduler, class_names, staging)
-        names.append(f"{conditional.PIPELINE_MODULE}.py")
+        names += save_class_conditional(unet, noise_scheduler, class_names, staging)
     for name in (*names, "model_index.json"):  # model_index.json last: it marks a pipeline
         target, old = os.path.join(output_dir, name), os.path.join(output_dir, f".{name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -210,10 +228,18 @@ def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | 
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def save_class_conditional(unet, noise_scheduler, class_names: list, folder: str) -> None:
-    """save_pretrained of a ClassConditionalPipeline, which writes its source file beside
-    model_index.json and `_class_name` [module, class]: diffusers' custom-pipeline convention, which
-    DiffusionPipeline.from_pretrained(folder, trust_remote_code=True) resolves to that file
-    (pipeline_loading_utils._resolve_custom_pipeline_and_cls), the package not needed."""
-    conditional.ClassConditionalPipeline(unet=unet, scheduler=noise_scheduler,
-                                         id2label=dict(enumerate(class_names))).save_pretrained(folder)
+def save_class_conditional(unet, noise_scheduler, class_names: list, folder: str) -> list[str]:
+    """A ClassConditionalPipeline of these parts saved (save_custom_pipeline)."""
+    pipeline = conditional.ClassConditionalPipeline(unet=unet, scheduler=noise_scheduler,
+                                                    id2label=dict(enumerate(class_names)))
+    return save_custom_pipeline(pipeline, folder)
+
+
+def save_custom_pipeline(pipeline, folder: str) -> list[str]:
+    """save_pretrained of one of the package's pipelines (class-conditional, latent), which writes its
+    source files beside model_index.json and `_class_name` [module, class]: diffusers' custom-pipeline
+    convention, which DiffusionPipeline.from_pretrained(folder, trust_remote_code=True) resolves to
+    that file (pipeline_loading_utils._resolve_custom_pipeline_and_cls), copying its relative imports
+    with it, the package not needed. Returns the source files' names."""
+    pipeline.save_pretrained(folder)
+    return [os.path.basename(source) for source in pipeline.source_files()]

@@ -46,7 +46,8 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
         def debug_images():
             with end_of_run_work(run, "final debug images and loss plot", last), \
                     guarded_write(run, "sample grid", artifacts.debug_image_paths(config.output_dir, step)):
-                artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings)
+                artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings,
+                                            vae=run.data.vae)
                 artifacts.save_loss_plot(extras.diagnostics, objective.schedule.alphas_cumprod.cpu(),
                                          run.data.sigma_data, config.prediction_type, target)
         work.append(debug_images)
@@ -62,7 +63,7 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
             with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last), \
                     guarded_write(run, "pipeline export", [os.path.join(config.output_dir, models.EXPORT_STAGING)]):
                 artifacts.export(unet, extras.ema, objective.noise_scheduler, target, run.hub_pusher, model_card(run),
-                                 last, run.data.class_names)
+                                 last, run.data.class_names, run.data.vae)
         work.append(export)
     return work
 
@@ -105,7 +106,7 @@ def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
                                    run.objective.noise_scheduler, target, config.eval_batch_size,
                                    config.ddpm_num_inference_steps, config.seed, run.data.class_names,
                                    config.guidance_scale, extras.sampling_copy, accelerator.process_index,
-                                   accelerator.num_processes)
+                                   accelerator.num_processes, run.data.vae)
 
 
 def evaluate_on_every_rank(run: Run, step: int, last: bool) -> None:
@@ -119,7 +120,7 @@ def evaluate_on_every_rank(run: Run, step: int, last: bool) -> None:
         metrics, card_metrics = artifacts.evaluate(
             run.accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler,
             extras.evaluation, target, config.eval_num_samples, config.ddpm_num_inference_steps, config.seed,
-            config.eval_batch_size, run.data.class_names, config.guidance_scale, extras.sampling_copy)
+            config.eval_batch_size, run.data.class_names, config.guidance_scale, extras.sampling_copy, run.data.vae)
     if metrics is not None:  # the main process
         run.progress.last_metrics = card_metrics
         run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
@@ -140,7 +141,7 @@ def model_card(run: Run) -> dict:
             "images_seen": run.data.images_seen(run.progress.global_step), "metrics": run.progress.last_metrics,
             "dataset_name": config.dataset_name or ("sklearn digits" if embedded else None),
             "_redact": list(run.secrets), "class_names": run.data.class_names,
-            "base_model": config.pretrained_model_name_or_path}
+            "base_model": config.pretrained_model_name_or_path, "vae": config.pretrained_vae_model_name_or_path}
 
 
 def write_reference_bins(run: Run) -> dict:

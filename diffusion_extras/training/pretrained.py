@@ -19,8 +19,10 @@ import json
 import os
 from typing import NamedTuple
 
+from diffusion_extras.evaluation.pipeline_latent import vae_scale_factor
 from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
 from diffusion_extras.training import checkpointing
+from diffusion_extras.training.autoencoder import VAE_SUBFOLDER, LatentSpace
 from diffusion_extras.training.config import ConfigError, TrainConfig, validate
 from diffusion_extras.training.models import COLOUR_NAMES, Choice, shown
 
@@ -64,6 +66,7 @@ class Pretrained(NamedTuple):
     unet_config: dict      # UNet2DModel config (diffusers' private keys dropped)
     scheduler_config: dict  # its scheduler's config
     trained_snr_gamma: float | None = None  # its min-SNR gamma (0: unweighted) if its training_config.yaml says
+    vae_factor: int | None = None  # a latent pipeline (vae/): the VAE's downsampling factor; None: pixels
 
     def load_unet(self, with_weights: bool):
         """The pipeline's UNet with its weights (from_pretrained), or its shape only (a resume:
@@ -83,7 +86,7 @@ class Pretrained(NamedTuple):
         """What a checkpoint records of the pipeline (JSON): its configs as read, so that a resume
         needs no network and sees the schedule it trained with, whatever the repo holds since."""
         return json.loads(json.dumps({"unet": self.unet_config, "scheduler": self.scheduler_config,
-                                      "snr_gamma": self.trained_snr_gamma}))
+                                      "snr_gamma": self.trained_snr_gamma, "vae_factor": self.vae_factor}))
 
     def parameter_count(self) -> int:
         """The UNet's parameters, counted on the meta device (no memory, no weights read)."""
@@ -106,18 +109,29 @@ class Pretrained(NamedTuple):
             return f"loss {weighting(snr_gamma)}, as the base trained ({source})"
         return f"loss {weighting(snr_gamma)}, which changes the base's objective ({weighting(base)}; {source})"
 
-    def choice(self, config: TrainConfig, data_channels: int, class_names: list | None) -> Choice:
-        """The pipeline's UNet for this data, and the fine-tuning recipe where the user set none.
-        Data that does not fit the UNet is refused in one line naming both, before training."""
+    def choice(self, config: TrainConfig, data_channels: int, class_names: list | None,
+               latent: LatentSpace | None = None) -> Choice:
+        """The pipeline's UNet for this data (a `latent` space's latents), and the fine-tuning recipe
+        where the user set none. Data that does not fit the UNet is refused in one line naming both,
+        before training."""
         unet, flag = self.unet_config, f"--pretrained_model_name_or_path {self.name}"
         channels, size = unet.get("in_channels", 3), square_size(unet.get("sample_size"), flag)
+        if (latent is None) != (self.vae_factor is None):
+            raise ConfigError(f"{flag}: its UNet was trained on {'pixels' if latent else 'latents'}: "
+                              + ("drop --pretrained_vae_model_name_or_path" if latent else
+                                 "give its VAE as --pretrained_vae_model_name_or_path"))
+        if latent is not None:
+            if channels != latent.channels or (size is not None and size != latent.size):
+                raise ConfigError(f"{flag}: its UNet takes {channels}-channel latents of {size} px and the VAE "
+                                  f"makes {latent.channels}-channel latents of {latent.size} px: fine-tune with its "
+                                  "own VAE (leave --pretrained_vae_model_name_or_path out) at its resolution")
         # grayscale images train an RGB UNet as grey RGB images, as diffusers' train_unconditional.py
         # converts every image to RGB; any other mismatch has a remedy of the user's (channel_fix)
-        if channels != data_channels and (channels, data_channels) != (3, 1):
+        elif channels != data_channels and (channels, data_channels) != (3, 1):
             raise ConfigError(f"{flag}: its UNet has {channels} channel(s) ({COLOUR_NAMES.get(channels, '?')}) and "
                               f"the images have {data_channels} ({COLOUR_NAMES.get(data_channels, '?')}): "
                               + channel_fix(channels, data_channels))
-        if size is not None and size != config.resolution:
+        if latent is None and size is not None and size != config.resolution:
             raise ConfigError(f"{flag}: its UNet samples at {size} px and --resolution is {config.resolution}: "
                               f"train at --resolution {size} (or leave --resolution out)")
         embeds = unet.get("num_class_embeds")
@@ -166,7 +180,7 @@ def square_size(sample_size, flag: str) -> int | None:
 
 def load(name: str) -> Pretrained:
     """The configs of the pipeline at `name` (a Hub id, or a folder with unet/ and scheduler/)."""
-    from diffusers import DDPMScheduler, UNet2DModel
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DModel
 
     flag = f"--pretrained_model_name_or_path {name}"
     try:
@@ -183,9 +197,13 @@ def load(name: str) -> Pretrained:
                           f"{first_line(error)}") from None
     if unet_config.get("_class_name") != "UNet2DModel":
         raise ConfigError(f"{flag}: its unet is a {unet_config.get('_class_name')}, not a UNet2DModel")
+    try:  # a latent pipeline (the trainer's LatentDiffusionPipeline export) has its VAE in vae/
+        vae_factor = vae_scale_factor(AutoencoderKL.load_config(source, subfolder=VAE_SUBFOLDER))
+    except (OSError, ValueError):  # no vae/: a pixel pipeline
+        vae_factor = None
     return Pretrained(name, source, {k: v for k, v in unet_config.items() if not k.startswith("_")},
                       {k: v for k, v in scheduler_config.items() if not k.startswith("_")},
-                      trained_snr_gamma(source))
+                      trained_snr_gamma(source), vae_factor)
 
 
 def trained_snr_gamma(source: str) -> float | None:
@@ -218,7 +236,8 @@ def resolve(config: TrainConfig) -> tuple[TrainConfig, Pretrained | None]:
     recorded = checkpointing.recorded_config(config.output_dir, config.resume_from_checkpoint) or {}
     if recorded.get("pretrained") and recorded.get("pretrained_model_name_or_path") == name:
         record = recorded["pretrained"]
-        base = Pretrained(name, name, record["unet"], record["scheduler"], record.get("snr_gamma"))
+        base = Pretrained(name, name, record["unet"], record["scheduler"], record.get("snr_gamma"),
+                          record.get("vae_factor"))
     else:  # a fresh run, or a checkpoint from before the pipeline was recorded (resume() refuses another name)
         base = load(name)
     given = config.given
@@ -228,7 +247,9 @@ def resolve(config: TrainConfig) -> tuple[TrainConfig, Pretrained | None]:
         values["snr_gamma"] = base.trained_snr_gamma or 0.0
     size = square_size(base.unet_config.get("sample_size"), f"--pretrained_model_name_or_path {base.name}")
     if "resolution" not in given and size is not None:
-        values["resolution"] = size
+        values["resolution"] = size * (base.vae_factor or 1)  # a latent UNet's: the decoded images'
+    if base.vae_factor is not None and "pretrained_vae_model_name_or_path" not in given:
+        values["pretrained_vae_model_name_or_path"] = config.pretrained_model_name_or_path  # its own vae/
     resolved = dataclasses.replace(config, **values)
     resolved._given = given  # the pipeline's values are not the user's
     validate(resolved)  # e.g. a variance_type or beta_schedule this trainer does not train

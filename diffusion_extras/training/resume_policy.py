@@ -78,6 +78,6 @@ def policy_table() -> str:
         names = [f"`--{f.name}`" if f.metadata["cli"] else f"`{f.name}` (recipe)"
                  for f in fields(TrainConfig) if f.metadata["resume"] == policy]
         if policy == REFUSE:
-            names.append("the number of processes")
+            names += ["the number of processes", "a latent run's VAE weights and latent normalisation"]
         rows.append(f"| {POLICY_MEANINGS[policy]} | {', '.join(names)} |")
     return "\n".join(rows)

@@ -27,6 +27,7 @@ from diffusion_extras.core.losses import NoiseSchedule
 from diffusion_extras.core.phema import PowerFunctionEMA
 from diffusion_extras.core.timesteps import TimestepSampler
 from diffusion_extras.core.vlb import ReverseProcess
+from diffusion_extras.data.latents import Posterior
 from diffusion_extras.data.sources import DataSource
 from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
@@ -84,7 +85,9 @@ def optimization_values(config, recipe: dict) -> dict:
 def extras_switches(config, embedded_digits: bool) -> dict:
     """--validation_split and --grad_diagnostics_steps left unset: on for the embedded digits (the
     default run shows the held-out and gradient plots), off for your data, where a held-out part
-    is yours to choose and the probe costs 2 x --diagnostics_bins backward passes."""
+    is yours to choose and the probe costs 2 x --diagnostics_bins backward passes. Both read pixel
+    images: off for latent runs (config.validate_latent refuses them there)."""
+    embedded_digits = embedded_digits and not config.pretrained_vae_model_name_or_path
     split = config.validation_split
     if split is None:
         split = HELD_OUT_FRACTION_DIGITS if embedded_digits else 0.0
@@ -132,6 +135,9 @@ class Data:
     global_micro_batch_size: int   # images in one micro-step over all processes (without accumulation)
     gradient_accumulation_steps: int
     class_names: list | None = None  # names by class id with --class_conditional (batches carry labels)
+    posterior: Posterior | None = None  # latent diffusion: batches hold VAE posteriors, the UNet sees latents
+    vae: torch.nn.Module | None = None  # latent diffusion: the frozen AutoencoderKL (grids and export decode)
+    vae_fingerprint: str | None = None  # latent diffusion: of its config and weights (checkpoints record it)
 
     def images_seen(self, optimizer_steps: int) -> int:
         """Training images consumed by that many optimizer steps, over all processes."""

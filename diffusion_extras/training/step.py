@@ -8,7 +8,7 @@ from torch._dynamo import compiled_autograd
 
 from diffusion_extras.core import losses, vlb
 from diffusion_extras.core.optimization import step_unless_nonfinite
-from diffusion_extras.data import batch_order
+from diffusion_extras.data import batch_order, latents
 from diffusion_extras.training.hooks import hook
 from diffusion_extras.training.run_state import Run
 
@@ -17,7 +17,8 @@ def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
     """Noise (with --offset_noise's offsets), timesteps (with their importance weights), flips and
     label drops (--condition_dropout; None unconditional) for the whole global micro-batch, from
     (seed, micro-step): every rank draws the same and keeps its slice, so results do not depend on
-    the number of ranks. Returns the global timesteps too (a loss-aware sampler learns from them)."""
+    the number of ranks. Returns the global timesteps too (a loss-aware sampler learns from them),
+    and last, for latent diffusion, the eps of each latent's draw from its posterior (else None)."""
     device, global_batch = run.accelerator.device, run.data.global_micro_batch_size
     generator = torch.Generator(device).manual_seed(batch_order.mix_seed(run.config.seed, micro_step, 1))
     noise = torch.randn((global_batch, *shape), generator=generator, device=device)
@@ -31,10 +32,13 @@ def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
         # learns to move an image's mean, which the i.i.d. noise barely perturbs at high t.
         offsets = torch.randn((global_batch, shape[0], 1, 1), generator=generator, device=device)
         noise = noise + run.config.offset_noise * offsets
+    latent_noise = (torch.randn((global_batch, *shape), generator=generator, device=device)  # drawn last too
+                    if run.data.posterior is not None else None)
     rank, batch = run.accelerator.process_index, run.config.train_batch_size
     part = slice(rank * batch, (rank + 1) * batch)
     return (noise[part], timesteps[part], importance[part] if importance is not None else None,
-            flips[part] if run.config.random_flip else None, drops[part] if drops is not None else None, timesteps)
+            flips[part] if run.config.random_flip else None, drops[part] if drops is not None else None, timesteps,
+            latent_noise[part] if latent_noise is not None else None)
 
 
 def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool) -> torch.Tensor:
@@ -43,9 +47,11 @@ def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool)
     is `micro_batch_loss`, one compiled region with its backward under --torch_compile."""
     config, accelerator = run.config, run.accelerator
     batch, labels = batch_order.split_batch(batch)
-    noise, timesteps, importance, flips, drops, global_timesteps = micro_step_randomness(run, micro_step,
-                                                                                        batch.shape[1:])
-    clean = batch_order.to_model_input(batch, accelerator.device, flips)
+    posterior = run.data.posterior  # latent diffusion: the batch holds posteriors, the UNet sees latents
+    shape = batch.shape[1:] if posterior is None else posterior.latent_shape(batch.shape)
+    noise, timesteps, importance, flips, drops, global_timesteps, latent_noise = micro_step_randomness(
+        run, micro_step, shape)
+    clean = latents.model_input(batch, accelerator.device, flips, posterior, latent_noise)
     class_labels = conditioning_labels(run, labels, drops)
     if hook(run, "model_input") is not None:
         clean = run.hooks.model_input(run, clean, micro_step)

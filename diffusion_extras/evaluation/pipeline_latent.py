@@ -1,0 +1,122 @@
+"""A latent diffusion pipeline: a frozen AutoencoderKL, a UNet2DModel trained on its normalised
+latents (with a class embedding or without) and any diffusers scheduler:
+
+    pipe = DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)
+    images = pipe(batch_size=4, num_inference_steps=50, generator=torch.manual_seed(0)).images
+    images = pipe(class_labels=pipe.get_label_ids(["3", "7"]), guidance_scale=2.0).images  # class-conditional
+    latents = pipe(batch_size=4, output_type="latent").images   # the UNet's latents, not decoded
+
+The trainer saves a copy of this file and of pipeline_class_conditional.py (its guidance, imported
+relatively) beside model_index.json, whose `_class_name` is ["pipeline_latent",
+"LatentDiffusionPipeline"]: diffusers loads both without the training package (its custom-pipeline
+convention copies a module's relative imports with it). torch and diffusers only.
+"""
+from __future__ import annotations
+
+import torch
+from diffusers import AutoencoderKL, ImagePipelineOutput, UNet2DModel
+
+from .pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE, ClassConditionalPipeline, _randn, guided_step
+
+PIPELINE_MODULE = "pipeline_latent"  # this file's name in an exported folder, without .py
+PIPELINE_CLASS = "LatentDiffusionPipeline"
+
+
+def latent_normalization(vae_config, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shift, scale) per latent channel, the UNet's latents being (z - shift) x scale: with the
+    VAE config's latents_mean and latents_std (SDXL's convention) shift = mean and scale =
+    scaling_factor / std; else shift = shift_factor (SD3's; 0 when None) and scale = scaling_factor."""
+    scaling = float(vae_config.get("scaling_factor") or 1.0)
+    mean, std = vae_config.get("latents_mean"), vae_config.get("latents_std")
+    if mean is not None and std is not None:
+        return (torch.tensor(mean, dtype=torch.float32).reshape(channels),
+                scaling / torch.tensor(std, dtype=torch.float32).reshape(channels))
+    shift = float(vae_config.get("shift_factor") or 0.0)
+    return torch.full((channels,), shift), torch.full((channels,), scaling)
+
+
+def vae_scale_factor(vae_config) -> int:
+    """Pixels per latent along each side: the encoder halves the image once per block but the last
+    (diffusers' pipelines compute their vae_scale_factor so)."""
+    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+
+
+@torch.no_grad()
+def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """The UNet's normalised latents [B, C, h, w] -> images in [-1, 1], fp32: un-normalised, then
+    the VAE's decoder (in fp32 where its config says force_upcast, as diffusers' pipelines do)."""
+    shift, scale = (value.to(latents.device).view(1, -1, 1, 1)
+                    for value in latent_normalization(vae.config, latents.shape[1]))
+    dtype = torch.float32 if vae.config.get("force_upcast") else vae.dtype
+    decoder = vae.to(dtype) if dtype != vae.dtype else vae
+    return decoder.decode((latents.float() / scale + shift).to(dtype)).sample.float()
+
+
+class LatentDiffusionPipeline(ClassConditionalPipeline):
+    """Image generation in a VAE's latent space, unconditional or class-conditional (classifier-free
+    guidance, autoguidance and the guidance interval as ClassConditionalPipeline)."""
+
+    model_cpu_offload_seq = "unet->vae"
+
+    def __init__(self, vae: AutoencoderKL, unet: UNet2DModel, scheduler, id2label: dict | None = None,
+                 guide: UNet2DModel | None = None):
+        super().__init__(unet=unet, scheduler=scheduler, id2label=id2label, guide=guide)
+        self.register_modules(vae=vae)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """Loading through this class itself (the package installed): the parent's direct loading of
+        unet/, scheduler/, guide/ and the classes, and vae/; otherwise diffusers' (remote code)."""
+        if cls is not LatentDiffusionPipeline or kwargs.get("trust_remote_code"):
+            return super(ClassConditionalPipeline, cls).from_pretrained(pretrained_model_name_or_path, **kwargs)
+        parts = ClassConditionalPipeline.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        vae = AutoencoderKL.from_pretrained(pretrained_model_name_or_path, subfolder="vae",
+                                            torch_dtype=kwargs.get("torch_dtype", kwargs.get("dtype")))
+        return cls(vae=vae, unet=parts.unet, scheduler=parts.scheduler, id2label=parts.id2label,
+                   guide=getattr(parts, "guide", None))
+
+    @torch.no_grad()
+    def __call__(self, class_labels: list[int] | None = None, batch_size: int = 1,
+                 guidance_scale: float = DEFAULT_GUIDANCE_SCALE,
+                 generator: torch.Generator | list[torch.Generator] | None = None, num_inference_steps: int = 50,
+                 output_type: str = "pil", return_dict: bool = True,
+                 guidance_interval: tuple[float, float] | None = None, autoguidance: bool | None = None):
+        """`batch_size` images of an unconditional UNet, or images of `class_labels` (ids; see
+        get_label_ids) of a class-conditional one, guided as ClassConditionalPipeline.__call__.
+        output_type: "pil", "np" (float [N, H, W, C] in [0, 1]), "pt", or "latent" (the UNet's
+        normalised latents, not decoded)."""
+        unet, device = self.unet, self._execution_device
+        conditional = unet.config.num_class_embeds is not None
+        if conditional != (class_labels is not None):
+            raise ValueError("a class-conditional UNet needs class_labels (ids, see get_label_ids)" if conditional
+                             else "this UNet is unconditional: give batch_size, not class_labels")
+        guide = getattr(self, "guide", None) if autoguidance is not False else None
+        labels = None
+        if conditional:
+            labels = torch.as_tensor(class_labels, dtype=torch.long).reshape(-1).to(device)
+            if len(labels) == 0 or labels.min() < 0 or labels.max() >= unet.config.num_class_embeds - 1:
+                raise ValueError(f"class_labels must be ids in [0, {unet.config.num_class_embeds - 1}); "
+                                 f"got {list(class_labels)}")
+            batch_size = len(labels)
+        elif guide is None:
+            guidance_scale = 1.0  # nothing to guide with: the UNet's own prediction
+        size = unet.config.sample_size
+        shape = (batch_size, unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
+        latents = _randn(shape, generator, device) * self.scheduler.init_noise_sigma
+        self.scheduler.set_timesteps(num_inference_steps, device=device)
+        for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # fp32 whatever the UNet's dtype
+            latents = guided_step(self.scheduler, unet, latents, step, labels, guidance_scale, generator,
+                                  guide=guide, guidance_interval=guidance_interval)
+        if output_type == "latent":
+            images = latents
+        else:
+            images = (decode_latents(self.vae, latents) / 2 + 0.5).clamp(0, 1)
+            if output_type != "pt":
+                images = images.cpu().permute(0, 2, 3, 1).numpy()
+                if output_type == "pil":
+                    images = self.numpy_to_pil(images)
+        self.maybe_free_model_hooks()
+        return ImagePipelineOutput(images=images) if return_dict else (images,)
+
+
+__all__ = ["LatentDiffusionPipeline", "decode_latents", "latent_normalization", "vae_scale_factor"]

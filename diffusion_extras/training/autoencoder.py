@@ -1,0 +1,118 @@
+"""Latent diffusion's autoencoder: --pretrained_vae_model_name_or_path loaded with diffusers'
+AutoencoderKL.from_pretrained, frozen, and checked against the run before training (one line each:
+not an autoencoder, a resolution it cannot encode, images it cannot read, a UNet of other channels).
+The UNet then follows its latents (models.follow_data): latent_channels, and sample_size =
+--resolution / the downsampling factor."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from diffusion_extras.data import latents
+from diffusion_extras.evaluation.pipeline_latent import latent_normalization, vae_scale_factor
+from diffusion_extras.training.config import ConfigError, TrainConfig
+
+VAE_SUBFOLDER = "vae"  # where a diffusers pipeline folder keeps its VAE
+COLOUR_CHANNELS = (1, 3, 4)  # images a VAE may take: grayscale, RGB, RGBA
+
+
+@dataclass(frozen=True)
+class LatentSpace:
+    """The frozen VAE and the shape of what the UNet trains on."""
+    vae: object            # diffusers AutoencoderKL, eval mode, no gradients
+    source: str            # where it came from (the model line, the model card)
+    image_channels: int    # the VAE's in_channels: the images are converted to them
+    channels: int          # latent_channels: the UNet's in_channels
+    factor: int            # pixels per latent along each side (diffusers' vae_scale_factor)
+    size: int              # latent side: --resolution / factor (the UNet's sample_size)
+
+    def describe(self, resolution: int) -> str:
+        return (f"latents of the VAE {self.source} ({self.size}x{self.size} from {resolution} px, factor "
+                f"{self.factor})")
+
+
+def vae_subfolder(path: str, subfolder: str | None) -> str | None:
+    """--vae_subfolder, else vae/ where the folder (a pipeline's) has one, else the folder itself."""
+    if subfolder is None and os.path.isdir(os.path.join(os.path.expanduser(path), VAE_SUBFOLDER)):
+        return VAE_SUBFOLDER
+    return subfolder
+
+
+def read_vae_config(path: str, subfolder: str | None) -> tuple[dict, str | None]:
+    """(the VAE's config, the subfolder it was found in): the folder or Hub id itself, or its vae/."""
+    from diffusers import AutoencoderKL
+
+    flag = f"--pretrained_vae_model_name_or_path {path}"
+    tries = [subfolder] if subfolder is not None or os.path.isdir(os.path.expanduser(path)) else [None, VAE_SUBFOLDER]
+    error = None
+    for candidate in tries:
+        try:
+            return AutoencoderKL.load_config(os.path.expanduser(path), subfolder=candidate), candidate
+        except (OSError, ValueError) as raised:  # diffusers raises EnvironmentError for a missing config
+            error = raised
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    where = f" (subfolder {subfolder})" if subfolder else ""
+    raise ConfigError(f"{flag}{where}: no VAE config found ({first_line}); give an AutoencoderKL folder, a pipeline "
+                      "folder with vae/, or --vae_subfolder") from None
+
+
+def load_latent_space(config: TrainConfig) -> LatentSpace:
+    """The frozen VAE of --pretrained_vae_model_name_or_path, checked against the run."""
+    from diffusers import AutoencoderKL
+
+    path = config.pretrained_vae_model_name_or_path
+    flag = f"--pretrained_vae_model_name_or_path {path}"
+    values, subfolder = read_vae_config(path, vae_subfolder(path, config.vae_subfolder))
+    kind = values.get("_class_name")
+    if kind != AutoencoderKL.__name__:
+        raise ConfigError(f"{flag}: its config is a {kind or 'model without a class name'}, not an AutoencoderKL; "
+                          "give the VAE's folder or a pipeline folder with vae/")
+    factor = vae_scale_factor(values)
+    if config.resolution % factor:
+        fitting = config.resolution - config.resolution % factor or factor
+        raise ConfigError(f"--resolution {config.resolution} is not a multiple of the VAE's downsampling factor "
+                          f"{factor}: use a multiple of {factor} (e.g. {fitting})")
+    image_channels = values["in_channels"]
+    if image_channels not in COLOUR_CHANNELS or values["out_channels"] != image_channels:
+        raise ConfigError(f"{flag}: its images have {image_channels} -> {values['out_channels']} channels; a VAE "
+                          "for training images reads and writes 1 (grayscale), 3 (RGB) or 4 (RGBA)")
+    if config.keep_alpha and image_channels != 4:
+        raise ConfigError(f"--keep_alpha keeps RGBA but the VAE reads {image_channels}-channel images: "
+                          "drop --keep_alpha (transparency is composited on --background)")
+    vae = AutoencoderKL.from_pretrained(os.path.expanduser(path), subfolder=subfolder)
+    vae.requires_grad_(False).eval()  # frozen: encodes the data once and decodes samples
+    source = path if subfolder is None else f"{path} ({subfolder}/)"
+    return LatentSpace(vae=vae, source=source, image_channels=image_channels, channels=values["latent_channels"],
+                       factor=factor, size=config.resolution // factor)
+
+
+def measures_statistics(vae) -> bool:
+    """Whether the run measures the latents' per-channel statistics: the VAE's config.json names no
+    scaling_factor (diffusers filled in its default) and no latents_mean / latents_std."""
+    config = vae.config
+    unset = "scaling_factor" in (config.get("_use_default_values") or ())
+    return unset and (config.get("latents_mean") is None or config.get("latents_std") is None)
+
+
+def posterior(latent: LatentSpace, source, views: int) -> tuple[latents.Posterior, str]:
+    """How the UNet's latents are drawn from the source's posteriors and normalised: by the VAE
+    config (pipeline_latent.latent_normalization), or, where it has none, by the per-channel mean
+    and std of the training latents, measured once here and written into the VAE's config as
+    latents_mean / latents_std (scaling_factor 1), so the exported vae/ decodes with them. Returns
+    it with the line that says which."""
+    vae = latent.vae
+    config = vae.config
+    if measures_statistics(vae):
+        mean, std = latents.channel_statistics(source.images, latent.channels)
+        vae.register_to_config(latents_mean=[float(v) for v in mean], latents_std=[float(v) for v in std],
+                               scaling_factor=1.0)
+        line = ("latents: normalised by their per-channel mean and std, measured on the training latents (the "
+                "VAE config names no scale) and saved as latents_mean / latents_std in the exported vae/")
+    elif config.get("latents_mean") is not None and config.get("latents_std") is not None:
+        line = ("latents: normalised by the VAE config's latents_mean / latents_std x scaling_factor "
+                f"{config.scaling_factor:g}")
+    else:
+        line = (f"latents: normalised by the VAE config's scaling_factor {config.scaling_factor:g}"
+                + (f" and shift_factor {config.shift_factor:g}" if config.get("shift_factor") else ""))
+    shift, scale = latent_normalization(vae.config, latent.channels)
+    return latents.Posterior(latent.channels, views, shift, scale), line

@@ -1,0 +1,113 @@
+"""Latent diffusion's VAE (training/autoencoder.py): loaded from a folder of an AutoencoderKL or a
+pipeline folder's vae/, frozen; the UNet follows its latents; bad input is one line before training."""
+import os
+
+import pytest
+import torch
+from conftest import TINY_RECIPE, save_tiny_pipeline
+
+from diffusion_extras.training import autoencoder, models
+from diffusion_extras.training.config import ConfigError, parse_config
+
+# 3 -> 2 channels, two blocks: factor 2 (8 px images -> 4x4 latents); ~15k parameters
+TINY_VAE = dict(in_channels=3, out_channels=3, latent_channels=2, block_out_channels=[8, 8], layers_per_block=1,
+                down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                norm_num_groups=4, sample_size=8)
+LATENT_MODEL = {**TINY_RECIPE["model"], "in_channels": 2, "out_channels": 2}  # the tiny UNet on TINY_VAE's latents
+
+
+def save_tiny_vae(path, seed: int = 0, **overrides) -> str:
+    """A tiny AutoencoderKL saved with save_pretrained (TINY_VAE with `overrides`); returns the folder."""
+    from diffusers import AutoencoderKL
+    torch.manual_seed(seed)
+    AutoencoderKL(**{**TINY_VAE, **overrides}).save_pretrained(path)
+    return str(path)
+
+
+def latent_config(tmp_path, vae, *flags, **recipe):
+    import yaml
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**TINY_RECIPE, **recipe}))
+    return parse_config(["--config", str(path), "--output_dir", str(tmp_path / "run"),
+                         "--pretrained_vae_model_name_or_path", str(vae), *map(str, flags)])
+
+
+def test_a_vae_folder_and_a_pipeline_folders_vae_load_frozen(tmp_path):
+    folder = save_tiny_vae(tmp_path / "vae")
+    pipeline = tmp_path / "pipeline"
+    save_tiny_vae(pipeline / "vae", seed=1)
+    save_tiny_vae(pipeline / "other", seed=2, latent_channels=3)
+    for path, flags, channels, seed in [(folder, (), 2, 0), (pipeline, (), 2, 1),
+                                         (pipeline, ("--vae_subfolder", "other"), 3, 2)]:
+        space = autoencoder.load_latent_space(latent_config(tmp_path, path, *flags))
+        assert (space.image_channels, space.channels, space.factor, space.size) == (3, channels, 2, 4)
+        assert not space.vae.training and not any(p.requires_grad for p in space.vae.parameters())
+        torch.manual_seed(seed)  # the weights are the saved ones
+        expected = type(space.vae)(**{**TINY_VAE, "latent_channels": channels})
+        assert all(torch.equal(a, b) for a, b in zip(space.vae.state_dict().values(), expected.state_dict().values()))
+
+
+def test_the_unet_follows_the_latents_and_the_model_line_says_so(tmp_path):
+    """The digits with no model chosen: the digits recipe's shape on 2 latent channels of 4x4."""
+    vae = save_tiny_vae(tmp_path / "vae")
+    config = parse_config(["--output_dir", str(tmp_path / "run"), "--resolution", "8",
+                           "--pretrained_vae_model_name_or_path", vae])
+    space = autoencoder.load_latent_space(config)
+    choice = models.follow_data(config, 1, None, space)
+    unet = models.build_unet(config, choice.model, space)
+    assert (unet.config.in_channels, unet.config.out_channels, unet.config.sample_size) == (2, 2, 4)
+    lines = models.describe(unet, choice.description, 1, latent=space, resolution=8)
+    assert lines[0].startswith("model: the digits recipe's UNet shape at 4 px")
+    assert f"2 channel(s) (latents of the VAE {vae} (4x4 from 8 px, factor 2))" in lines[0]
+    assert lines[1] == "data: the images are grayscale and the VAE reads 3 channel(s): converting them to RGB"
+
+
+def test_a_unet_of_other_channels_is_refused(tmp_path):
+    vae = save_tiny_vae(tmp_path / "vae")
+    config = latent_config(tmp_path, vae)  # the tiny recipe's UNet: 1 channel
+    space = autoencoder.load_latent_space(config)
+    with pytest.raises(ConfigError, match="^the UNet has 1 -> 1 channels and the VAE's latents have 2: set "
+                                          "in_channels and out_channels to 2"):
+        models.build_unet(config, models.follow_data(config, 1, None, space).model, space)
+
+
+def test_not_an_autoencoder_and_no_vae_are_refused(tmp_path):
+    unet_folder = save_tiny_pipeline(tmp_path / "ddpm")  # a DDPMPipeline: no vae/
+    with pytest.raises(ConfigError, match="its config is a UNet2DModel, not an AutoencoderKL"):
+        autoencoder.load_latent_space(latent_config(tmp_path, os.path.join(unet_folder, "unet")))
+    with pytest.raises(ConfigError, match="no VAE config found"):
+        autoencoder.load_latent_space(latent_config(tmp_path, unet_folder))
+    with pytest.raises(ConfigError, match="no such folder"):
+        latent_config(tmp_path, tmp_path / "missing")
+
+
+def test_a_vae_that_does_not_read_images_is_refused(tmp_path):
+    vae = save_tiny_vae(tmp_path / "vae", in_channels=2, out_channels=2)
+    with pytest.raises(ConfigError, match="its images have 2 -> 2 channels"):
+        autoencoder.load_latent_space(latent_config(tmp_path, vae))
+
+
+def test_a_resolution_the_vae_cannot_encode_is_one_line_before_training(tmp_path, train, tiny_recipe):
+    vae = save_tiny_vae(tmp_path / "vae", block_out_channels=[8, 8, 8], down_block_types=["DownEncoderBlock2D"] * 3,
+                        up_block_types=["UpDecoderBlock2D"] * 3)  # factor 4
+    result = train(tiny_recipe(resolution=10, model=LATENT_MODEL), tmp_path / "run",
+                   "--pretrained_vae_model_name_or_path", vae, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: --resolution 10 is not a multiple of the VAE's downsampling factor 4: use a multiple of 4 (e.g. 8)")
+    assert not os.path.exists(tmp_path / "run" / "logs")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--streaming", "--dataset_name", "x", "--max_train_steps", "1"), "does not combine with --streaming"),
+    (("--no-center_crop",), "does not combine with --no-center_crop"),
+    (("--validation_split", "0.1"), "does not combine with --validation_split"),
+    (("--grad_diagnostics_steps", "5"), "does not combine with --grad_diagnostics_steps"),
+])
+def test_what_latent_runs_do_not_combine_with_is_refused(tmp_path, flags, message):
+    vae = save_tiny_vae(tmp_path / "vae")
+    with pytest.raises(ConfigError, match=message):
+        latent_config(tmp_path, vae, *flags)
+    with pytest.raises(ConfigError, match="--vae_subfolder names a folder of --pretrained_vae_model_name_or_path"):
+        parse_config(["--vae_subfolder", "vae"])
+

@@ -1,0 +1,164 @@
+"""The latent pipeline (evaluation/pipeline_latent.py) a latent run exports: vae/, unet/, scheduler/
+and its source files; loaded without the package (trust_remote_code), it decodes images,
+unconditional and class-conditional, with any scheduler, and output_type="latent" gives latents."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from package_blocker import BLOCK_THE_PACKAGE
+from PIL import Image
+from test_autoencoder import LATENT_MODEL, save_tiny_vae
+
+# A process that cannot import the package, as a user without it installed.
+BLOCKED_LOAD = BLOCK_THE_PACKAGE + """
+import sys
+import numpy as np, torch
+from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
+for folder, labels in ((sys.argv[1], None), (sys.argv[2], ["3", "7"])):
+    pipe = DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)
+    pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
+    call = dict(batch_size=2) if labels is None else dict(class_labels=pipe.get_label_ids(labels))
+    latents = pipe(**call, num_inference_steps=3, generator=torch.Generator().manual_seed(0),
+                   output_type="latent").images
+    images = pipe(**call, num_inference_steps=3, generator=torch.Generator().manual_seed(0), output_type="np").images
+    pil = pipe(**call, num_inference_steps=3, generator=torch.Generator().manual_seed(0)).images
+    # the decoding, by hand from the VAE config's scaling_factor (the tiny VAE has no shift)
+    with torch.no_grad():
+        decoded = pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample
+    expected = (decoded / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    assert tuple(latents.shape) == (2, 2, 4, 4) and np.asarray(images).shape == (2, 8, 8, 3), latents.shape
+    assert np.abs(np.asarray(images) - expected).max() < 1e-5 and pil[0].size == (8, 8) and pil[0].mode == "RGB"
+    print(type(pipe).__name__, type(pipe.vae).__name__, "conditional" if labels else "unconditional")
+"""
+
+
+def latent_run(folder, *flags):
+    from conftest import run_training, write_tiny_recipe
+    recipe = write_tiny_recipe(folder, model=LATENT_MODEL, save_images_steps=2, eval_batch_size=4)
+    run_training(recipe, folder / "run", "--max_train_steps", 2, "--pretrained_vae_model_name_or_path",
+                 save_tiny_vae(folder / "vae"), *flags)
+    return folder / "run"
+
+
+@pytest.fixture(scope="module")
+def latent_runs(tmp_path_factory):
+    """Two 2-step latent runs on the digits (tiny recipe, tiny RGB VAE): unconditional and class-conditional."""
+    return (latent_run(tmp_path_factory.mktemp("unconditional")),
+            latent_run(tmp_path_factory.mktemp("conditional"), "--class_conditional"))
+
+
+def test_the_export_holds_the_vae_and_the_pipeline_files_and_the_grid_is_decoded(latent_runs):
+    for run in latent_runs:
+        index = json.loads((run / "model_index.json").read_text())
+        assert index["_class_name"] == ["pipeline_latent", "LatentDiffusionPipeline"]
+        assert index["vae"] == ["diffusers", "AutoencoderKL"]
+        for name in ("vae/config.json", "unet/config.json", "scheduler/scheduler_config.json", "pipeline_latent.py",
+                     "pipeline_class_conditional.py"):
+            assert (run / name).is_file(), name
+        assert json.loads((run / "unet" / "config.json").read_text())["sample_size"] == 4
+    # 4 decoded 8 px RGB images, 2 a row (a latent grid would be 4 px images of 2 channels)
+    grid = Image.open(latent_runs[0] / "samples" / "step_000002.png")
+    assert grid.size == (2 + 2 * 10, 2 + 2 * 10) and grid.mode == "RGB"
+
+
+def test_loads_and_decodes_without_the_package_with_trust_remote_code(latent_runs, tmp_path):
+    script = tmp_path / "load.py"
+    script.write_text(BLOCKED_LOAD)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    result = subprocess.run([sys.executable, str(script), *map(str, latent_runs)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:2] == ["LatentDiffusionPipeline AutoencoderKL unconditional",
+                                             "LatentDiffusionPipeline AutoencoderKL conditional"]
+
+
+def test_the_package_class_loads_the_folder_and_refuses_labels_for_an_unconditional_unet(latent_runs):
+    from diffusion_extras.evaluation.pipeline_latent import LatentDiffusionPipeline
+    pipe = LatentDiffusionPipeline.from_pretrained(latent_runs[0])
+    assert pipe(batch_size=1, num_inference_steps=1).images[0].size == (8, 8)
+    with pytest.raises(ValueError, match="this UNet is unconditional: give batch_size, not class_labels"):
+        pipe(class_labels=[1], num_inference_steps=1)
+    conditional = LatentDiffusionPipeline.from_pretrained(latent_runs[1])
+    with pytest.raises(ValueError, match="a class-conditional UNet needs class_labels"):
+        conditional(batch_size=2, num_inference_steps=1)
+
+
+def test_the_sample_command_decodes_a_latent_export(latent_runs, run_cli, tmp_path):
+    for run, flags in zip(latent_runs, ((), ("--class_labels", "3,7"))):
+        out = tmp_path / run.parent.name
+        result = run_cli(["-m", "diffusion_extras.sample", run, "--num_images", 2, "--num_inference_steps", 2,
+                          "--output", out, *flags])
+        assert result.returncode == 0, result.stderr[-3000:]
+        with Image.open(out / "000001.png") as image:
+            assert image.size == (8, 8) and image.mode == "RGB"  # decoded: 8 px RGB, not 4 px latents
+
+
+def test_the_model_card_of_a_latent_export_shows_calls_that_run_as_written(latent_runs, tmp_path, monkeypatch):
+    """Written for each export as the Hub push writes it; its usage block runs against the folder
+    (its repo id here) with trust_remote_code, and names the VAE."""
+    from diffusion_extras.hub.push import write_model_card
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    for run, class_names in zip(latent_runs, (None, [str(k) for k in range(10)])):
+        text = open(write_model_card(str(run), {"repo_id": str(run), "vae": "digits-vae",
+                                                "class_names": class_names})).read()
+        assert "latent-diffusion" in text and "the AutoencoderKL `digits-vae`, saved in `vae/`" in text
+        code = text.split("## Usage")[1].split("```python\n")[1].split("```")[0]
+        assert f'DiffusionPipeline.from_pretrained("{run}", trust_remote_code=True)' in code
+        namespace = {}
+        monkeypatch.chdir(tmp_path)
+        exec(compile(code, "model card", "exec"), namespace)
+        with Image.open(tmp_path / "sample.png") as image:
+            assert image.size == (8, 8)
+        assert tuple(namespace["latents"].shape) == (2, 2, 4, 4)
+
+
+def test_the_evaluate_command_scores_decoded_images_against_pixel_references(latent_runs, run_cli, tmp_path):
+    from conftest import save_random_images
+    reference = save_random_images(tmp_path / "reference", 6, 8, 8)
+    result = run_cli(["-m", "diffusion_extras.evaluate", latent_runs[0], "--reference", reference,
+                      "--num_samples", 4, "--feature_extractor", "tiny", "--num_inference_steps", 2,
+                      "--batch_size", 4, "--cache_dir", tmp_path / "cache", "--output", tmp_path / "m.json",
+                      "--device", "cpu"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert metrics["num_samples"] == 4 and metrics["reference_images"] == 6 and metrics["fid"] > 0
+    from diffusion_extras.cli.common import load_pipeline, pipeline_resolution
+    assert pipeline_resolution(load_pipeline(str(latent_runs[0]))) == 8  # references resized to the decoded side
+    refused = run_cli(["-m", "diffusion_extras.evaluate", latent_runs[0], "--reference", reference,
+                       "--eval_metrics", "nll", "--device", "cpu"])
+    assert refused.returncode == 2 and "nll scores pixel pipelines" in refused.stderr
+
+
+def test_fine_tuning_a_latent_export_takes_its_vae_and_exports_a_latent_pipeline(latent_runs, train, tiny_recipe,
+                                                                                    tmp_path):
+    base = latent_runs[0]
+    result = train(tiny_recipe(), tmp_path / "tuned", "--pretrained_model_name_or_path", base, "--max_train_steps", 1)
+    assert f"model: pretrained UNet of {base}: 2 channel(s) (latents of the VAE {base} (vae/) (4x4 from 8 px" \
+        in result.stdout
+    index = json.loads((tmp_path / "tuned" / "model_index.json").read_text())
+    assert index["_class_name"] == ["pipeline_latent", "LatentDiffusionPipeline"]
+    refused = train(tiny_recipe(), tmp_path / "pixels", "--pretrained_model_name_or_path", base,
+                    "--pretrained_vae_model_name_or_path", base / "vae", "--resolution", 16, "--max_train_steps", 1,
+                    check=False)
+    assert refused.returncode == 2
+    assert "its UNet takes 2-channel latents of 4 px and the VAE makes 2-channel latents of 8 px" in refused.stderr
+    from conftest import save_tiny_pipeline
+    pixel = save_tiny_pipeline(tmp_path / "pixel")
+    refused = train(tiny_recipe(), tmp_path / "mixed", "--pretrained_model_name_or_path", pixel,
+                    "--pretrained_vae_model_name_or_path", base, "--max_train_steps", 1, check=False)
+    assert refused.returncode == 2 and "its UNet was trained on pixels: drop --pretrained_vae" in refused.stderr
+
+
+def test_the_hub_push_uploads_the_vae_and_both_pipeline_files(latent_runs):
+    """HubPusher.pipeline_files (what push uploads) of a latent export; called on a stand-in for the
+    pusher, whose constructor creates the Hub repository."""
+    from types import SimpleNamespace
+
+    from diffusion_extras.hub.push import HubPusher
+    files = HubPusher.pipeline_files(SimpleNamespace(folder=str(latent_runs[1])))
+    assert {"vae/config.json", "vae/diffusion_pytorch_model.safetensors", "pipeline_latent.py",
+            "pipeline_class_conditional.py", "model_index.json", "unet/config.json"} <= set(files)
+    assert not [name for name in files if name.startswith(("checkpoint", "logs/", "samples/"))]
