@@ -116,7 +116,10 @@ def conditional_pipeline(**parts) -> ClassConditionalPipeline:
 
 # Every scheduler diffusers lists as compatible with the trainer's DDPM config (what a user may swap
 # in), less those whose optional dependency is missing here (DPMSolverSDEScheduler needs torchsde).
-COMPATIBLE = [cls for cls in DDPMScheduler().compatibles if not cls.__module__.startswith("diffusers.utils.dummy")]
+# sorted: `compatibles` is built from a set, whose order differs between processes (pytest-xdist's
+# workers must collect the same tests in the same order)
+COMPATIBLE = sorted((cls for cls in DDPMScheduler().compatibles
+                     if not cls.__module__.startswith("diffusers.utils.dummy")), key=lambda cls: cls.__name__)
 
 
 @pytest.mark.parametrize("scheduler_class", COMPATIBLE, ids=lambda c: c.__name__)
