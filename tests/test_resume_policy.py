@@ -23,7 +23,7 @@ def test_every_field_declares_a_valid_resume_policy():
 
 def test_every_recorded_key_has_a_policy_and_the_check_reads_it():
     policies = checkpointing.resume_policies()
-    assert {f.name for f in fields(TrainConfig)} | {"unet", "num_processes", "pretrained"} == set(policies)
+    assert {f.name for f in fields(TrainConfig)} | {"unet", "num_processes", "pretrained", "vae"} == set(policies)
     assert not hasattr(checkpointing, "STATE_SHAPING_KEYS") and not hasattr(checkpointing, "RUN_CHANGING_KEYS")
     saved = {"learning_rate": 1e-3, "resolution": 16, "output_dir": "a", "unet": {"sample_size": 16},
              "num_processes": 2, "rescale_betas_zero_snr": False, "use_8bit_adam": False}
