@@ -3,7 +3,7 @@
 In the test process:   run_training(recipe, out, hooks=faults.hooks(stop_after_checkpoint=3))
 In processes of their own (several ranks, a launcher, Slurm, a kill from outside):
                        python tests/faults.py --stop_after_checkpoint 3 -- <train_ddpm.py's flags>
-                       (conftest.launch_training(..., faults=("--stop_after_checkpoint", 3)))
+                       (processes.launch_training(..., faults=("--stop_after_checkpoint", 3)))
 
 Each keyword of `hooks` is one fault or probe:
 stop_after_checkpoint=N  the run dies right after checkpoint N is complete, before any later work

@@ -8,7 +8,8 @@ import os
 
 import numpy as np
 import pytest
-from conftest import TINY_RECIPE, load_bench_module, run_command
+from conftest import TINY_RECIPE, load_bench_module
+from processes import run_command
 
 
 def run_quality(tmp_path, *args):

@@ -9,8 +9,9 @@ import faults
 import numpy as np
 import pytest
 import torch
-from conftest import load_unet_weights, read_history, run_command, save_random_images, tiny_unet
+from conftest import load_unet_weights, read_history, save_random_images, tiny_unet
 from package_blocker import BLOCK_THE_PACKAGE
+from processes import run_command
 from test_resume import assert_same_state
 
 from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, guided_model_output

@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 import yaml
-from conftest import TINY_RECIPE, run_command, save_tiny_pipeline, tiny_unet
+from conftest import TINY_RECIPE, save_tiny_pipeline, tiny_unet
 from diffusers import UNet2DModel
+from processes import run_command
 
 from diffusion_extras.cli.arguments import one_line_errors, positive_int
 from diffusion_extras.cli.common import load_pipeline, pipeline_resolution, resolve_device

@@ -4,8 +4,8 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from conftest import run_command
 from PIL import Image
+from processes import run_command
 
 from diffusion_extras.data import batch_order, decode_cache
 from diffusion_extras.data import images as data
@@ -74,7 +74,7 @@ def test_max_train_samples_is_seeded_subset():
 
 def test_hub_id_offline_is_a_clear_error(tmp_path):
     """A Hub id under HF_HUB_OFFLINE=1, which the libraries read at import, hence a process of its
-    own (conftest.run_command; its environment, conftest.cli_env, is offline): one line naming the id
+    own (processes.run_command; its environment, processes.cli_env, is offline): one line naming the id
     and the variable, exit 2, before anything is written. (In this process the libraries were
     imported online: a Hub id would wait on the network instead.)"""
     command = ["train_ddpm.py", "--dataset_name", "someone/no-such-dataset", "--output_dir", tmp_path / "run"]

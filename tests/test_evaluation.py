@@ -5,9 +5,10 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import run_command, save_random_images, save_tiny_pipeline, tiny_unet
+from conftest import save_random_images, save_tiny_pipeline, tiny_unet
 from diffusers import DDPMScheduler
 from faults import read_shares
+from processes import run_command
 
 from diffusion_extras.evaluation.metrics import (
     ReferenceStatistics,

@@ -11,8 +11,9 @@ import sys
 import numpy as np
 import pytest
 import yaml
-from conftest import run_cli_in_process, run_command
+from conftest import run_cli_in_process
 from PIL import Image
+from processes import run_command
 
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 

@@ -2,7 +2,7 @@
 
 huggingface_hub reads HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME and HF_HUB_DISABLE_XET once, at import
 (huggingface_hub.constants), so every test that talks to the server runs the client in a process
-of its own (conftest.run_command) with its own environment, exactly as the training script would see it.
+of its own (processes.run_command) with its own environment, exactly as the training script would see it.
 """
 
 import io
@@ -14,10 +14,10 @@ import textwrap
 import numpy as np
 import pytest
 import yaml
-from conftest import run_command
 from hub_server import HubServer, files_under
 from huggingface_hub import ModelCard
 from PIL import Image
+from processes import run_command
 from safetensors.numpy import save as safetensors_bytes
 
 from diffusion_extras.hub.push import default_repo_id, redact_config, write_model_card

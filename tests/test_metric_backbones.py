@@ -11,8 +11,9 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import cli_env, read_history, run_command, save_random_images, save_tiny_pipeline
+from conftest import read_history, save_random_images, save_tiny_pipeline
 from PIL import Image
+from processes import cli_env, run_command
 
 from diffusion_extras.evaluation import inception_file
 from diffusion_extras.evaluation.choices import extractors_for, parse_metrics

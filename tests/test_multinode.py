@@ -9,7 +9,8 @@ import sys
 import faults
 import numpy as np
 import pytest
-from conftest import ROOT, cli_env
+from conftest import ROOT
+from processes import cli_env
 from test_data_files import write_tar_shards
 
 from diffusion_extras.data import decode_cache

@@ -10,7 +10,8 @@ import re
 import faults
 import pytest
 import torch
-from conftest import launch_training, read_history, run_training, write_tiny_recipe
+from conftest import read_history, run_training, write_tiny_recipe
+from processes import launch_training
 from test_resume import assert_same_state, torchrun
 
 from diffusion_extras.training.checkpointing import verify_checkpoint
@@ -146,7 +147,7 @@ def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, sig
                              with_faults=(), ready=None, ranks=1):
     """Start the training command line (train_ddpm.py, or with `with_faults`, flags of tests/faults.py,
     the trainer with those faults and probes; `ranks` > 1: that many ranks
-    started as srun starts a job step's tasks, conftest.start_command) in a session of its own, wait
+    started as srun starts a job step's tasks, processes.start_command) in a session of its own, wait
     for checkpoint-2 (training is under way), then send `signal_name` to the command (`group=False`:
     as a scheduler that signals the launched process) or to its whole process group (`group=True`:
     the launcher, the ranks and every loader worker, as Slurm and a terminal's Ctrl-C do).
@@ -158,7 +159,7 @@ def signal_a_running_command(recipe, out, tmp_path, flags=(), launcher=None, sig
     import sys
     import time
 
-    from conftest import cli_env, start_command
+    from processes import cli_env, start_command
     env = {**cli_env(), **CPU}  # cli_env: its lines written as they are printed
     script = ["tests/faults.py", *map(str, with_faults), "--"] if with_faults else ["train_ddpm.py"]
     command = [*(launcher or [sys.executable]), *script, "--config", recipe, "--output_dir", str(out),

@@ -8,7 +8,8 @@ import sys
 import faults
 import pytest
 import torch
-from conftest import launch_training, load_unet_weights, read_history, run_training, write_tiny_recipe
+from conftest import load_unet_weights, read_history, run_training, write_tiny_recipe
+from processes import launch_training
 from safetensors.torch import load_file
 
 from diffusion_extras.training import checkpointing

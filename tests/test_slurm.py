@@ -17,7 +17,8 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, cli_env, load_unet_weights, read_history, write_tiny_recipe
+from conftest import ROOT, load_unet_weights, read_history, write_tiny_recipe
+from processes import cli_env
 
 
 def _cluster_unavailable() -> str | None:
@@ -76,7 +77,7 @@ def slurm_script(tmp_path, example: str, step_seconds: float) -> str:
 
 
 def job_environment() -> dict:
-    """The environment sbatch passes on to the job: the test commands' (conftest.cli_env), on the CPU,
+    """The environment sbatch passes on to the job: the test commands' (processes.cli_env), on the CPU,
     with this interpreter as the examples' PYTHON (not whichever python is first on PATH: a venv's
     python run without activating the venv is not) and this checkout importable."""
     return {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT, "PYTHON": sys.executable}
