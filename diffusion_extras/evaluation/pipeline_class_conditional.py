@@ -144,14 +144,15 @@ def scheduler_step_output(scheduler, model_output: torch.Tensor, t, sample: torc
     """`scheduler.step`'s whole output (x_{t-1}, and x0 where the scheduler gives it), with DDIM's
     noise recomputed from its clipped x0 estimate.
 
-    Issue 35: a DDIMScheduler made with `from_config` of a DDPM config inherits clip_sample=True; it
-    then clips the guided x0 estimate but builds x_{t-1} from the unclipped, guidance-amplified noise,
+    A DDIMScheduler made with `from_config` of a DDPM config inherits clip_sample=True; it then
+    clips the guided x0 estimate but builds x_{t-1} from the unclipped, guidance-amplified noise,
     which points at the other class (digits at guidance 3: 3% of samples of the requested class).
     use_clipped_model_output=True makes DDIM's step consistent, as DDPM's posterior mean and
-    DPM-Solver's data prediction already are. Chosen over clip_sample=False in the exported config
-    because it holds for any scheduler swapped into any folder, those exported before the fix
-    included, and keeps the clip to the data range. The issue's measurement (digits, DDIM 50 steps,
-    guidance 2-4): both mechanisms give 1.00 class accuracy where the inherited trap gave 0.57-0.01."""
+    DPM-Solver's data prediction already are (improved-diffusion's ddim_sample recomputes eps from
+    the clipped x0 too). Chosen over clip_sample=False in the exported config because it holds for
+    any scheduler swapped into any folder, older exports included, and keeps the clip to the data
+    range. Measured on the digits (DDIM 50 steps, guidance 2-4): both give 1.00 class accuracy where
+    the inherited clip gave 0.57-0.01 (docs/BENCHMARKS.md)."""
     # Only the keyword arguments this scheduler's step accepts, as diffusers' pipelines do
     # (prepare_extra_step_kwargs): UniPC, PNDM, DEIS, Heun, LMS and KDPM2 take no generator.
     accepted = inspect.signature(scheduler.step).parameters
