@@ -265,8 +265,11 @@ def parse_args(argv):
     parser.add_argument("--record_shares", help="a folder: each rank's FID/KID share is recorded there")
     parser.add_argument("--denoise_seconds", type=float, help="each denoising step of a grid or FID waits this long")
     parser.add_argument("--free_bytes", type=int, help="the disk reports this many free bytes")
-    split = argv.index("--")
-    return parser.parse_args(argv[:split]), argv[split + 1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])  # --help answers here
+    if split == len(argv):
+        parser.error("give the command's own flags after --")
+    return args, argv[split + 1:]
 
 
 def main(argv) -> int:
