@@ -17,13 +17,12 @@ from PIL import Image
 from diffusion_extras.cli.inputs import (
     check_pipeline_folder,
     check_reference,
-    is_package_pipeline,
     local_pipeline_folder,
     package_pipeline_class,
     refuse_guidance_flags,
 )
 from diffusion_extras.data.images import preprocess_image
-from diffusion_extras.evaluation.choices import LATENT_PIPELINE_CLASS
+from diffusion_extras.evaluation.choices import LATENT_PIPELINE_CLASS, PIPELINE_CLASS
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     DEFAULT_GUIDANCE_SCALE,
@@ -57,9 +56,8 @@ def _pipeline_class(folder: str):
     trust_remote_code; the class is already at hand here), else DDPMPipeline."""
     from diffusers import DDPMPipeline
 
-    if package_pipeline_class(folder) == LATENT_PIPELINE_CLASS:
-        return LatentDiffusionPipeline
-    return ClassConditionalPipeline if is_package_pipeline(folder) else DDPMPipeline
+    return {PIPELINE_CLASS: ClassConditionalPipeline, LATENT_PIPELINE_CLASS: LatentDiffusionPipeline}.get(
+        package_pipeline_class(folder), DDPMPipeline)
 
 
 def _load_from_hub(repo_id: str, dtype):

@@ -48,18 +48,20 @@ def saved_id2label(path: str) -> dict[int, str]:
 
 
 def package_pipeline_class(path: str) -> str | None:
-    """The class name of a checked pipeline folder's package pipeline (PACKAGE_PIPELINES), or None."""
+    """The class name of a checked pipeline folder's package pipeline (PACKAGE_PIPELINES), or None
+    (a DDPMPipeline). model_index.json names its file and class, diffusers' custom-pipeline
+    convention, or the class-conditional class alone (what its save_pretrained wrote before it
+    named the file)."""
     name = read_model_index(path).get("_class_name")
-    return name[-1] if isinstance(name, list) else None
+    if isinstance(name, list):
+        return name[-1]
+    return name if name == PIPELINE_CLASS else None
 
 
 def is_package_pipeline(path: str) -> bool:
-    """A checked pipeline folder holds the package's ClassConditionalPipeline (class-conditional, or
-    with a saved guide/): model_index.json names its file and class, diffusers' custom-pipeline
-    convention, or the class alone (what its save_pretrained wrote before it named the file).
-    Otherwise it loads as a DDPMPipeline."""
-    class_name = read_model_index(path).get("_class_name")
-    return isinstance(class_name, list) or class_name == PIPELINE_CLASS
+    """A checked pipeline folder holds one of the package's pipelines (class-conditional, with a
+    saved guide/, latent); otherwise it loads as a DDPMPipeline."""
+    return package_pipeline_class(path) is not None
 
 
 def local_pipeline_folder(name_or_path: str) -> str | None:

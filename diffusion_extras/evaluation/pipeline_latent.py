@@ -18,7 +18,6 @@ from diffusers import AutoencoderKL, ImagePipelineOutput, UNet2DModel
 
 from .pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE, ClassConditionalPipeline, _randn, guided_step
 
-PIPELINE_MODULE = "pipeline_latent"  # this file's name in an exported folder, without .py
 PIPELINE_CLASS = "LatentDiffusionPipeline"
 
 

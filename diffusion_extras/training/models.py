@@ -36,7 +36,7 @@ def unet_config(config: TrainConfig, model: dict | None = None, latent: LatentSp
         raise ConfigError(f"the UNet has {channels} -> {outputs} channels and the VAE's latents have "
                           f"{latent.channels}: set in_channels and out_channels to {latent.channels}, or choose no "
                           "model (it then follows the latents)")
-    if latent is None and channels not in COLOUR_NAMES or outputs not in (channels, 2 * channels):
+    if (latent is None and channels not in COLOUR_NAMES) or outputs not in (channels, 2 * channels):
         raise ConfigError("the UNet must have in_channels 1 (grayscale), 3 (RGB) or 4 (RGBA) and out_channels == "
                           "in_channels (2 x in_channels with --variance_type learned_range); "
                           f"got {channels} -> {outputs}")
