@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import yaml
-from processes import ROOT, launch_training
+from processes import ROOT, checked, launch_training
 
 # 8 px grayscale, two levels, ~20k parameters: a CPU step takes milliseconds. No sample grid, debug
 # images or loss plot (save_images_steps 0), which were ~40% of a 3-step command's CPU time: the
@@ -155,9 +155,7 @@ def run_cli_in_process(args, env=None, check=False, merge_stderr=False):
     args = [str(arg) for arg in args]
     name, argv = (args[1], args[2:]) if args[0] == "-m" else (args[0], args[1:])
     result = run_main(command_main(name), argv, env=env, merge_stderr=merge_stderr)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    return result
+    return checked(result, " ".join(args), check)
 
 
 @pytest.fixture
@@ -173,9 +171,7 @@ def run_training(recipe, output_dir, *flags, hooks=None, env=None, check=True):
     A non-zero exit fails the test unless check=False (for tests of a refusal)."""
     from diffusion_extras.training.main import main
     result = run_main(main, ["--config", recipe, "--output_dir", output_dir, *flags], hooks, env=env)
-    if check and result.returncode != 0:
-        raise AssertionError(f"training failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    return result
+    return checked(result, "training", check)
 
 
 @pytest.fixture

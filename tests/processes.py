@@ -131,8 +131,13 @@ def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False
     result = subprocess.CompletedProcess(command, group.returncode, "".join(out for out, _ in texts),
                                          "".join(err for _, err in texts))
     result.returncodes = group.returncodes
+    return checked(result, " ".join(command), check)
+
+
+def checked(result, what: str, check: bool = True):
+    """`result`, or with `check` a failed test naming `what`, its exit code and its stderr's end when it failed."""
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+        raise AssertionError(f"{what} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     return result
 
 
