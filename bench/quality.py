@@ -134,12 +134,13 @@ def is_class_conditional(run_dir: str) -> bool:
 
 
 def evaluate(run_dir: str, scorer: DigitScorer, num_samples: int) -> dict:
-    from diffusers import DDPMPipeline
-
+    """A pixel or latent export (a latent one samples its latents and decodes them with its VAE)."""
+    from diffusion_extras.cli.common import load_pipeline
     from diffusion_extras.evaluation import sampling
-    pipeline = DDPMPipeline.from_pretrained(run_dir)
+    pipeline = load_pipeline(run_dir)
     scheduler = sampling.make_scheduler("ddim", pipeline.scheduler.config)
-    samples = sampling.generate(pipeline.unet, scheduler, num_samples, 50, seed=1, batch_size=128)
+    samples = sampling.generate(pipeline.unet, scheduler, num_samples, 50, seed=1, batch_size=128,
+                                vae=getattr(pipeline, "vae", None))
     sampling.image_grid(samples[:64]).save(os.path.join(run_dir, "quality_samples_grid.png"))
     return {"fid_classifier": scorer.fid(samples), **score_digits(scorer.classifier, samples),
             "real_confident_coverage": score_digits(scorer.classifier, scorer.held_out)}
