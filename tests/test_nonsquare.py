@@ -36,6 +36,10 @@ def test_the_pixel_export_samples_height_by_width_with_ddpm_pipeline(pixel_run):
     # the step-2 grid: 4 images of 16 x 8, 2 a row, 2 px apart and around
     with Image.open(run / "samples" / "step_000002.png") as grid:
         assert grid.size == (2 + 2 * (WIDTH + 2), 2 + 2 * (HEIGHT + 2))
+    with Image.open(run / "samples" / "step_000002_raw_vs_ema.png") as debug:  # two such grids side by side
+        assert debug.size[1] == 2 + 2 * (HEIGHT + 2) and debug.size[0] > 2 * (2 + 2 * (WIDTH + 2))
+    with Image.open(run / "samples" / "step_000002_denoising.png") as strip:  # 2 seeds a row, a row per step
+        assert strip.size[0] == 2 + 2 * (WIDTH + 2) and (strip.size[1] - 2) % (HEIGHT + 2) == 0
 
 
 def test_the_sample_and_evaluate_commands_take_a_non_square_export(pixel_run, run_cli, tmp_path):
