@@ -67,6 +67,9 @@ def non_default(field) -> tuple:
         value = 0.5 if default is None else default + 0.25
     elif field.metadata["choices"]:
         value = next(choice for choice in field.metadata["choices"] if choice != default)
+    elif kind == "Resolution":  # N or (height, width): a pair, given as H,W
+        value = (default, default * 2)
+        return value, [flag, f"{value[0]},{value[1]}"]
     else:
         value = f"{default}-changed"
     return value, [flag, str(value)]
@@ -135,6 +138,40 @@ def test_validation_messages(flags, message):
     with pytest.raises(ConfigError) as error:
         parse_config(flags)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("given,resolution", [
+    ("16", 16), ("8,16", (8, 16)), ("8x16", (8, 16)), ("8X16", (8, 16)), (" 8 , 16 ", (8, 16)),
+    ("16,16", 16), ("16x16", 16),  # a square pair is N: a square run stores and exports what it did
+])
+def test_resolution_is_n_or_height_and_width(given, resolution):
+    assert parse_config(["--resolution", given]).resolution == resolution
+
+
+@pytest.mark.parametrize("value,resolution", [(16, 16), (16.0, 16), ([8, 16], (8, 16)), ("8x16", (8, 16)),
+                                              ("8,16", (8, 16)), ([12, 12], 12)])
+def test_a_recipe_gives_the_resolution_as_n_a_list_or_text(tmp_path, value, resolution):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"resolution": value}))
+    assert parse_config(["--config", str(path)]).resolution == resolution
+
+
+@pytest.mark.parametrize("given,message", [
+    ("abc", "--resolution 'abc' is not a size: give N (square), H,W or HxW in pixels, height first"),
+    ("8,16,4", "--resolution '8,16,4' is not a size"),
+    ("8.5", "--resolution '8.5' is not a size"),
+    ("8x", "--resolution '8x' is not a size"),
+    ("0", "--resolution 0: each side must be at least 1 pixel"),
+    ("8x0", "--resolution 8x0: each side must be at least 1 pixel"),
+    # the digits UNet halves twice: each side a multiple of 4, the message names the side
+    ("32,30", "--resolution 32x30: its width 30 cannot be halved 2 times by the UNet's 3 blocks; use a multiple "
+              "of 4 (e.g. 28)"),
+    ("18x32", "--resolution 18x32: its height 18 cannot be halved 2 times"),
+])
+def test_a_bad_resolution_is_one_line_naming_the_fix(given, message):
+    with pytest.raises(ConfigError) as error:
+        parse_config(["--resolution", given])
+    assert message in str(error.value) and "\n" not in str(error.value)
 
 
 def test_model_config_from_json_file_and_pipeline_folder(tmp_path):

@@ -101,6 +101,43 @@ def test_center_crop_takes_the_middle():
     assert out.min() == 255
 
 
+def bands(width: int, height: int, vertical: bool) -> Image.Image:
+    """A grayscale image of three equal bands, 0, 128 and 255, left to right (vertical) or top to
+    bottom: which values survive a crop shows which part was kept."""
+    pixels = np.zeros((height, width), np.uint8)
+    for index, value in enumerate((0, 128, 255)):
+        if vertical:
+            pixels[:, index * width // 3:(index + 1) * width // 3] = value
+        else:
+            pixels[index * height // 3:(index + 1) * height // 3] = value
+    return Image.fromarray(pixels)
+
+
+@pytest.mark.parametrize("image,resolution,kept", [
+    (bands(60, 20, vertical=True), (8, 8), {128}),            # a wide image, a square: its middle band
+    (bands(60, 20, vertical=True), (8, 24), {0, 128, 255}),    # the image's own aspect: all of it
+    (bands(24, 60, vertical=False), (10, 8), {128}),           # a tall image, a wide-ish target: its middle rows
+    (bands(24, 60, vertical=False), (30, 12), {0, 128, 255}),  # the same aspect, half size: all of it
+])
+def test_a_height_and_width_resize_keeps_the_aspect_and_crops_the_centre(image, resolution, kept):
+    out = data.preprocess_image(image, resolution, center_crop=True, channels=1)
+    assert out.shape == (*resolution, 1)
+    # bicubic blurs the bands' edges: the values well inside the crop say which bands it holds
+    inner = out[1:-1, 1:-1, 0] if min(resolution) > 8 else out[2:-2, 2:-2, 0]
+    assert {value for value in (0, 128, 255) if np.any(np.abs(inner.astype(int) - value) <= 2)} == kept
+
+
+def test_without_the_centre_crop_the_image_just_covers_the_resolution_and_the_batch_crops_it():
+    # 60x20 (W x H) to 8 x 16 (H x W): the scale max(8 / 20, 16 / 60) = 0.4 gives 24 x 8
+    stored = data.preprocess_image(bands(60, 20, vertical=True), (8, 16), center_crop=False, channels=1)
+    assert stored.shape == (8, 24, 1)
+    # 20x60 to 8 x 16: the width decides, max(8 / 60, 16 / 20) = 0.8, 16 x 48
+    assert data.preprocess_image(bands(20, 60, vertical=True), (8, 16), center_crop=False, channels=1).shape == \
+        (48, 16, 1)
+    crops = {batch_order.random_crop(stored, (8, 16), 0, step).tobytes() for step in range(8)}
+    assert all(len(crop) == 8 * 16 for crop in crops) and len(crops) > 1  # placed per step, 8 x 16 each
+
+
 def test_corrupt_file_skipped_with_warning_naming_it(tmp_path):
     folder = _image_folder(tmp_path / "imgs", count=4)
     with open(os.path.join(folder, "bad.png"), "wb") as fh:
@@ -122,6 +159,10 @@ def test_decode_cache_is_reused(tmp_path):
         assert np.array_equal(first.image(i), second.image(i)) and first.image(i).shape == (8, 11, 3)  # 16x12 -> 11x8
     decode_cache.cached_decode(dataset, "image", 4, False, 3, str(tmp_path / "cache"))
     assert len(os.listdir(tmp_path / "cache" / "ddpm_decoded")) == 2  # another resolution, another entry
+    for pair in ((4, 8), (8, 4)):  # both sides are in the key: each order is its own entry
+        assert decode_cache.cached_decode(dataset, "image", pair, True, 3, str(tmp_path / "cache")).image(0).shape == \
+            (*pair, 3)
+    assert len(os.listdir(tmp_path / "cache" / "ddpm_decoded")) == 4
 
 
 def test_global_batch_order_is_function_of_seed_and_step():

@@ -143,7 +143,7 @@ def test_a_hub_id_offline_and_not_in_the_cache_names_hf_hub_offline(tmp_path, mo
 
 @pytest.mark.parametrize("sample_size, flags, message", [
     ([8, 8], ["--resolution", 16], "its UNet samples at 8 px and --resolution is 16: train at --resolution 8"),
-    ([8, 16], [], r"its UNet samples 8x16 px images and this trainer trains square ones"),
+    ([8, 16], ["--resolution", 16], "its UNet samples at 8x16 px and --resolution is 16: train at --resolution 8x16"),
 ])
 def test_a_list_sample_size_is_checked_as_an_int_one(tmp_path, sample_size, flags, message):
     import json

@@ -22,6 +22,7 @@ from diffusion_extras.cli.inputs import (
     refuse_guidance_flags,
 )
 from diffusion_extras.data.images import preprocess_image
+from diffusion_extras.data.spec import Resolution, as_resolution, image_size
 from diffusion_extras.evaluation.choices import LATENT_PIPELINE_CLASS, PIPELINE_CLASS
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
 from diffusion_extras.evaluation.pipeline_class_conditional import (
@@ -163,13 +164,13 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
     return {"guidance_scale": 1.0, "guide": None, "guidance_interval": None}
 
 
-def pipeline_resolution(pipeline) -> int:
-    """The side that images are generated at, and reference images resized to: the UNet's, or a
-    latent pipeline's decoded side (the latents' times the VAE's factor)."""
-    size = pipeline.unet.config.sample_size
-    size = size if isinstance(size, int) else size[0]
+def pipeline_resolution(pipeline) -> Resolution:
+    """The size that images are generated at, and reference images resized to (N, or (height,
+    width)): the UNet's sample_size, or a latent pipeline's decoded size (the latents' times the
+    VAE's factor)."""
     vae = getattr(pipeline, "vae", None)
-    return size if vae is None else size * vae_scale_factor(vae.config)
+    factor = 1 if vae is None else vae_scale_factor(vae.config)
+    return as_resolution([side * factor for side in image_size(pipeline.unet.config.sample_size)])
 
 
 # ----------------------------------------------------------------------------- reference images
@@ -181,14 +182,14 @@ def list_images(folder: str) -> list[str]:
     return paths
 
 
-def load_image(path: str, resolution: int, channels: int = 3) -> np.ndarray:
+def load_image(path: str, resolution: Resolution, channels: int = 3) -> np.ndarray:
     """uint8 [H, W, channels] (RGB by default), preprocessed exactly as training images are
-    (shorter side to `resolution`, centre crop)."""
+    (resized to cover `resolution` keeping the aspect, centre crop)."""
     with Image.open(path) as image:
         return preprocess_image(image, resolution, center_crop=True, channels=channels)
 
 
-def load_images(folder: str, resolution: int, channels: int) -> np.ndarray:
+def load_images(folder: str, resolution: Resolution, channels: int) -> np.ndarray:
     """uint8 [N, H, W, channels] of every image in `folder`, preprocessed as training images are
     (the bound scores the images themselves, so statistics files cannot serve)."""
     if not os.path.isdir(folder):
@@ -196,12 +197,12 @@ def load_images(folder: str, resolution: int, channels: int) -> np.ndarray:
     return np.stack([load_image(path, resolution, channels) for path in list_images(folder)])
 
 
-def iter_image_batches(paths: list[str], resolution: int, batch_size: int):
+def iter_image_batches(paths: list[str], resolution: Resolution, batch_size: int):
     for first in range(0, len(paths), batch_size):
         yield np.stack([load_image(path, resolution) for path in paths[first:first + batch_size]])
 
 
-def folder_fingerprint(paths: list[str], resolution: int) -> str:
+def folder_fingerprint(paths: list[str], resolution: Resolution) -> str:
     """Changes when a file is added, removed, rewritten or the resolution changes."""
     digest = hashlib.sha256(f"resolution={resolution}".encode())
     for path in paths:
@@ -210,7 +211,7 @@ def folder_fingerprint(paths: list[str], resolution: int) -> str:
     return digest.hexdigest()
 
 
-def load_reference(reference: str, extractor, resolution: int, cache_dir: str | None, batch_size: int):
+def load_reference(reference: str, extractor, resolution: Resolution, cache_dir: str | None, batch_size: int):
     """ReferenceStatistics from --reference: a statistics .npz made by the same extractor, or a folder
     of images (preprocessed like training images; its statistics cached in `cache_dir`)."""
     if os.path.isfile(reference):

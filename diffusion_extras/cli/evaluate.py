@@ -27,6 +27,7 @@ from diffusion_extras.cli.arguments import (
 )
 from diffusion_extras.cli.inputs import check_pipeline_argument, check_reference
 from diffusion_extras.core.commands import importing_the_stack, leaves_the_process_as_found
+from diffusion_extras.data.spec import Resolution
 from diffusion_extras.evaluation import distributed
 from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT, SCHEDULERS, extractors_for, parse_metrics
 from diffusion_extras.evaluation.inception_file import check_inception_reachable
@@ -35,7 +36,8 @@ from diffusion_extras.evaluation.inception_file import check_inception_reachable
 def parse_args(argv=None) -> argparse.Namespace:
     parser = pipeline_parser("evaluate", __doc__)
     parser.add_argument("--reference", required=True,
-                        help="folder of reference images (resized to the model resolution) or a stats .npz")
+                        help="folder of reference images (resized and centre-cropped to the model resolution, as "
+                             "training images are) or a stats .npz")
     parser.add_argument("--num_samples", type=positive_int, default=10000, help="generated images")
     parser.add_argument("--eval_metrics", default="fid,kid",
                         help="comma list of fid, kid, fd_dinov2, cmmd, nll (bits/dim of the --reference images)")
@@ -120,7 +122,7 @@ def launch_device(name: str, num_ranks: int):
     return PartialState(cpu=resolve_device(name).type == "cpu").device
 
 
-def sample_metrics(args, pipeline, groups: dict, resolution: int, device, rank: int, num_ranks: int,
+def sample_metrics(args, pipeline, groups: dict, resolution: Resolution, device, rank: int, num_ranks: int,
                    num_classes: int | None, guidance: dict) -> dict:
     """FID / KID / FD-DINOv2 / CMMD of sampled images against the reference, and how they were
     sampled; every rank samples its share, rank 0 scores (the others get {})."""

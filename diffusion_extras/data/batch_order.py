@@ -10,17 +10,20 @@ import torch
 
 from diffusion_extras.data.decode_cache import DecodedImages
 from diffusion_extras.data.images import DataError
+from diffusion_extras.data.spec import Resolution, image_size
 
 
-def random_crop(image: np.ndarray, resolution: int, *seed_parts: int) -> np.ndarray:
-    """A resolution^2 crop placed by mix_seed(*seed_parts), so a resumed run crops the same."""
+def random_crop(image: np.ndarray, resolution: Resolution, *seed_parts: int) -> np.ndarray:
+    """A crop of `resolution` (N or (height, width)) placed by mix_seed(*seed_parts), so a resumed
+    run crops the same."""
     height, width = image.shape[:2]
-    if height == width == resolution:
+    crop_height, crop_width = image_size(resolution)
+    if (height, width) == (crop_height, crop_width):
         return image
     rng = np.random.default_rng(mix_seed(*seed_parts))
-    top = rng.integers(0, height - resolution + 1)
-    left = rng.integers(0, width - resolution + 1)
-    return image[top:top + resolution, left:left + resolution]
+    top = rng.integers(0, height - crop_height + 1)
+    left = rng.integers(0, width - crop_width + 1)
+    return image[top:top + crop_height, left:left + crop_width]
 
 
 # ----------------------------------------------------------------------------- batch order
@@ -58,7 +61,7 @@ class MicroBatches(torch.utils.data.Dataset):
     sampler=range(first, last)) so workers prefetch in order."""
 
     def __init__(self, images: DecodedImages, order: GlobalBatchOrder, rank: int, batch_size: int,
-                 resolution: int, seed: int, labels: np.ndarray | None = None):
+                 resolution: Resolution, seed: int, labels: np.ndarray | None = None):
         self.images, self.order, self.rank, self.batch_size = images, order, rank, batch_size
         self.resolution, self.seed, self.labels = resolution, seed, labels
 
@@ -67,7 +70,7 @@ class MicroBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, micro_step: int) -> torch.Tensor:
         rows = self.order.indices(micro_step)[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-        batch = np.empty((len(rows), self.resolution, self.resolution, self.images.channels), self.images.dtype)
+        batch = np.empty((len(rows), *image_size(self.resolution), self.images.channels), self.images.dtype)
         for slot, row in enumerate(rows):
             batch[slot] = random_crop(self.images.image(int(row)), self.resolution, self.seed, int(row), micro_step)
         images = torch.from_numpy(batch).permute(0, 3, 1, 2)

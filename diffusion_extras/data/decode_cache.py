@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 
 from diffusion_extras.data.images import EIGHT_BIT, DataError, PixelFormat, decode_image
+from diffusion_extras.data.spec import Resolution, image_size
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +24,8 @@ CACHE_FORMAT = 3  # bump when the cached layout or preprocessing changes
 class DecodedImages:
     """Every training image decoded, converted and resized once, kept in its PixelFormat's dtype
     (uint8, uint16 or float32; memory-mapped from the cache when one exists). Without center crop
-    the shorter side equals the resolution and the random crop happens per batch; with it every
-    image is already resolution^2."""
+    each image just covers the resolution (one side equal to it) and the random crop happens per
+    batch; with it every image is already height x width."""
 
     def __init__(self, pixels: np.ndarray, shapes: np.ndarray, offsets: np.ndarray, channels: int):
         self.pixels, self.shapes, self.offsets, self.channels = pixels, shapes, offsets, channels
@@ -67,7 +68,7 @@ def _offsets(shapes: np.ndarray, channels: int) -> np.ndarray:
 DECODE_CHUNK = 512  # rows per decoding task
 
 
-def _decode_rows(bounds: tuple[int, int], dataset, image_column: str, resolution: int, center_crop: bool,
+def _decode_rows(bounds: tuple[int, int], dataset, image_column: str, resolution: Resolution, center_crop: bool,
                  channels: int, pixels: PixelFormat = EIGHT_BIT) -> tuple[list, list]:
     """Decode rows [start, stop) from their stored bytes: (arrays, [(name, error)]). Runs in worker
     processes too; the arrow format hands over bytes and paths without decoding."""
@@ -87,7 +88,7 @@ def decode_workers(num_rows: int) -> int:
     return min(os.cpu_count() or 1, 16) if num_rows >= 4 * DECODE_CHUNK else 1
 
 
-def iter_decoded(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
+def iter_decoded(dataset, image_column: str, resolution: Resolution, center_crop: bool, channels: int,
                  workers: int = 1, progress: bool = False, pixels: PixelFormat = EIGHT_BIT):
     """Every decodable image, in row order, as [H, W, C] of pixels.dtype; unreadable files are skipped with a
     warning that names them. Raises DataError if none can be decoded."""
@@ -115,7 +116,7 @@ def iter_decoded(dataset, image_column: str, resolution: int, center_crop: bool,
         raise DataError(f"none of the {len(dataset)} images could be decoded (first: {skipped[:3]})")
 
 
-def decode_dataset(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
+def decode_dataset(dataset, image_column: str, resolution: Resolution, center_crop: bool, channels: int,
                    progress: bool = False, pixels: PixelFormat = EIGHT_BIT) -> DecodedImages:
     """Decode every image once, in memory (small datasets: the digits)."""
     arrays = list(iter_decoded(dataset, image_column, resolution, center_crop, channels, progress=progress,
@@ -123,7 +124,7 @@ def decode_dataset(dataset, image_column: str, resolution: int, center_crop: boo
     return DecodedImages.from_arrays(arrays, channels)
 
 
-def cached_decode(dataset, image_column: str, resolution: int, center_crop: bool, channels: int,
+def cached_decode(dataset, image_column: str, resolution: Resolution, center_crop: bool, channels: int,
                   cache_dir: str | None, progress: bool = False,
                   pixels: PixelFormat = EIGHT_BIT) -> DecodedImages:
     """Decoded images stored on disk, keyed by the dataset's fingerprint and the preprocessing, so
@@ -147,8 +148,10 @@ def cached_decode(dataset, image_column: str, resolution: int, center_crop: bool
     return DecodedImages.load(directory, channels, pixels.dtype)
 
 
-def decode_key(image_column: str, resolution: int, center_crop: bool, channels: int, pixels: PixelFormat) -> tuple:
-    """What the decoded images depend on besides the dataset: the parts of their cache key."""
+def decode_key(image_column: str, resolution: Resolution, center_crop: bool, channels: int,
+               pixels: PixelFormat) -> tuple:
+    """What the decoded images depend on besides the dataset: the parts of their cache key (a
+    resolution N, or (height, width), both sides)."""
     return image_column, resolution, center_crop, channels, tuple(pixels)
 
 
@@ -164,17 +167,19 @@ def cache_location(dataset, cache_dir: str | None, *key_parts) -> tuple[str, str
     return root, os.path.join(root, "ddpm_decoded", key)
 
 
-def check_cache_space(root: str, rows: int, resolution: int, channels: int, bytes_per_sample: int = 1) -> None:
-    """Refuse before decoding when the cache's disk cannot hold rows x resolution^2 x channels x
+def check_cache_space(root: str, rows: int, resolution: Resolution, channels: int,
+                      bytes_per_sample: int = 1) -> None:
+    """Refuse before decoding when the cache's disk cannot hold rows x height x width x channels x
     bytes per sample (2 for 16-bit images, 4 for 32-bit ones: precision is kept, so the cache grows;
     a lower bound: without --center_crop the stored images are larger)."""
     import shutil
 
     os.makedirs(root, exist_ok=True)
-    needed, free = rows * resolution * resolution * channels * bytes_per_sample, shutil.disk_usage(root).free
+    height, width = image_size(resolution)
+    needed, free = rows * height * width * channels * bytes_per_sample, shutil.disk_usage(root).free
     if needed > free:
         raise DataError(f"the decoded-image cache needs at least {needed / 1e9:.2f} GB ({rows} images of "
-                        f"{resolution}x{resolution}x{channels} samples of {bytes_per_sample} byte(s)) but {root} "
+                        f"{height}x{width}x{channels} samples of {bytes_per_sample} byte(s)) but {root} "
                         f"has {free / 1e9:.2f} GB free: "
                         "use --streaming (decodes on the fly, no cache) or a --cache_dir on a larger disk")
 

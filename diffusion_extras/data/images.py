@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from diffusion_extras.data.image_header import DEEP_MODES, ImageHeader, holds_grayscale, read_header
-from diffusion_extras.data.spec import DataSpec
+from diffusion_extras.data.spec import DataSpec, Resolution, image_size
 
 logger = logging.getLogger(__name__)
 
@@ -328,10 +328,11 @@ def _as_unit_float(image: Image.Image, header: ImageHeader, channels: int, backg
     return np.stack([np.where(opaque, plane, level / 255) for level in levels], axis=-1).astype(np.float32)
 
 
-def preprocess_image(image: Image.Image, resolution: int, center_crop: bool, channels: int,
+def preprocess_image(image: Image.Image, resolution: Resolution, center_crop: bool, channels: int,
                      pixels: PixelFormat = EIGHT_BIT) -> np.ndarray:
-    """EXIF orientation applied, mode by the model's channels (4: RGBA), shorter side to
-    `resolution` (bicubic, antialiased when shrinking), then the centre square if asked. Returns
+    """EXIF orientation applied, mode by the model's channels (4: RGBA), resized to the smallest size
+    that covers `resolution` (N or (height, width)) keeping the aspect (bicubic, antialiased when
+    shrinking), then the centre height x width if asked. Returns
     [H, W, C] of pixels.dtype: 8-bit images into uint8 through Pillow's 8-bit path; deep ones, and
     any image stored as uint16 (x 65535) or float32 (in [0, 1]), resized per channel in Pillow's
     float mode F, so no sample passes through 8 bits before the storage's own rounding."""
@@ -339,13 +340,7 @@ def preprocess_image(image: Image.Image, resolution: int, center_crop: bool, cha
     image = ImageOps.exif_transpose(image)  # a new image: setting its info leaves the caller's untouched
     if header.transparency is not None:
         image.info["transparency"] = header.transparency
-    width, height = image.size
-    scale = resolution / min(width, height)
-    size = (max(resolution, round(width * scale)), max(resolution, round(height * scale)))
-    box = None
-    if center_crop:
-        left, top = (size[0] - resolution) // 2, (size[1] - resolution) // 2
-        box = (left, top, left + resolution, top + resolution)
+    size, box = cover_and_crop(image.size, image_size(resolution), center_crop)
     if pixels.dtype == "uint8" and image.mode not in DEEP_MODES:
         array = np.asarray(_resize_crop(_as_8bit(image, channels, pixels.background), size, box), dtype=np.uint8)
         return array[:, :, None] if array.ndim == 2 else array
@@ -356,13 +351,28 @@ def preprocess_image(image: Image.Image, resolution: int, center_crop: bool, cha
     return array.astype(np.float32) if full_scale is None else np.round(array * full_scale).astype(pixels.dtype)
 
 
+def cover_and_crop(image_wh: tuple[int, int], target_hw: tuple[int, int], center_crop: bool) -> tuple:
+    """(the resized (width, height), the centre crop box or None) for an image of PIL size
+    `image_wh` and a target (height, width): the scale that makes the image cover the target on
+    both sides (max(H / h, W / w), the shorter side of a square target) keeps the aspect; the crop
+    takes what overhangs evenly from both ends. Without the centre crop the random crop is per batch
+    (batch_order.random_crop)."""
+    (width, height), (target_height, target_width) = image_wh, target_hw
+    scale = max(target_height / height, target_width / width)
+    size = (max(target_width, round(width * scale)), max(target_height, round(height * scale)))
+    if not center_crop:
+        return size, None
+    left, top = (size[0] - target_width) // 2, (size[1] - target_height) // 2
+    return size, (left, top, left + target_width, top + target_height)
+
+
 def _resize_crop(image: Image.Image, size: tuple, box: tuple | None) -> Image.Image:
     if size != image.size:
         image = image.resize(size, Image.BICUBIC)
     return image.crop(box) if box else image
 
 
-def decode_image(item: dict, resolution: int, center_crop: bool, channels: int,
+def decode_image(item: dict, resolution: Resolution, center_crop: bool, channels: int,
                  pixels: PixelFormat = EIGHT_BIT) -> np.ndarray:
     """A stored image ({"bytes", "path"}) decoded and preprocessed; raises on unreadable files."""
     with _decode(item) as image:

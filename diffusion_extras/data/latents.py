@@ -118,8 +118,8 @@ def cached_latents(images: DecodedImages, encoder: Encoder, dataset, cache_dir: 
         return DecodedImages.from_arrays(list(iter_encoded(images, encoder, progress)), channels)
     root, directory = located
     if not os.path.isdir(directory):  # published whole by one rename: present means complete
-        side = int(images.shapes[0][0]) // encoder.factor
-        decode_cache.check_cache_space(root, len(images), side, channels, 4)
+        height, width = (int(side) // encoder.factor for side in images.shapes[0])
+        decode_cache.check_cache_space(root, len(images), (height, width), channels, 4)
         start = time.perf_counter()
         decode_cache.write_cache(directory, iter_encoded(images, encoder, progress))
         print(f"encoded {len(images)} images once ({encoder.views} view(s), {latent_channels} latent channels) "

@@ -26,7 +26,7 @@ import torch
 
 from diffusion_extras.data import batch_order, decode_cache, labels, latents, workers
 from diffusion_extras.data import images as data
-from diffusion_extras.data.spec import DataSpec, Processes
+from diffusion_extras.data.spec import DataSpec, Processes, Resolution
 from diffusion_extras.data.streaming import StreamSource, first_stored_images, read_stream_classes
 
 
@@ -63,7 +63,8 @@ class CachedImages:
                 key = decode_cache.decode_key(image_column, spec.resolution, spec.center_crop, channels, pixels)
                 self.images = latents.cached_latents(self.images, encoder, dataset, spec.cache_dir, key,
                                                      processes.is_local_main_process)
-        self.resolution = int(self.images.shapes[0][0]) if encoder is not None else spec.resolution  # latents: h
+        # latents: their (h, w), the pixels' / the VAE's factor
+        self.resolution = tuple(int(side) for side in self.images.shapes[0]) if encoder is not None else spec.resolution
         if classes is None and spec.class_conditional:  # a caller that opened nothing (open_training_data reads them)
             classes = labels.read_classes(dataset, spec.label_column)
         self.labels = classes.row_labels if classes else None
@@ -114,7 +115,7 @@ class CachedImages:
         run (whose batches hold posteriors) the images they were encoded from (FID's reference)."""
         return self._seeded_subset(self.pixels, self.spec.resolution, count)
 
-    def _seeded_subset(self, images, resolution: int, count: int) -> np.ndarray:
+    def _seeded_subset(self, images, resolution: Resolution, count: int) -> np.ndarray:
         count = min(len(images), count)
         order = batch_order.GlobalBatchOrder(len(images), count, self.spec.seed)
         return batch_order.MicroBatches(images, order, 0, count, resolution, self.spec.seed)[0].numpy()

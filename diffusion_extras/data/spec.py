@@ -14,6 +14,9 @@ if TYPE_CHECKING:  # the training config builds a DataSpec: it imports without t
     import torch
 
 
+Resolution = int | tuple[int, int]  # pixels: N (square), or (height, width)
+
+
 @dataclass(frozen=True)
 class DataSpec:
     """The settings the data parts use, named as the training flags that set them."""
@@ -26,7 +29,7 @@ class DataSpec:
     label_column: str | None = None          # the labels; None: the dataset's one ClassLabel column
     cache_dir: str | None = None             # datasets' cache and the decoded-image cache
     max_train_samples: int | None = None     # keep this many images (a seeded subset)
-    resolution: int = 16                     # pixels, square
+    resolution: Resolution = 16              # pixels: N (square) or (height, width)
     center_crop: bool = True                 # else a (seed, image) random crop
     background: str = "white"                # transparent pixels composited on it: white, black or #rrggbb
     keep_alpha: bool = False                 # keep transparency as a 4th channel instead (RGBA)
@@ -40,6 +43,28 @@ class DataSpec:
     def uses_embedded_digits(self) -> bool:
         """No data named: scikit-learn's digits, the embedded default."""
         return not (self.train_data_files or self.train_data_dir or self.dataset_name)
+
+
+def image_size(resolution: Resolution | list[int]) -> tuple[int, int]:
+    """(height, width) in pixels of a resolution: N is N x N; a pair is (height, width), as torch's
+    shapes and diffusers' sample_size order them."""
+    if isinstance(resolution, int):
+        return resolution, resolution
+    height, width = resolution
+    return int(height), int(width)
+
+
+def as_resolution(size: Resolution | list[int]) -> Resolution:
+    """A size as a Resolution: N for a square (an int, as a square run has always stored it), else
+    (height, width); e.g. a UNet's sample_size, an int or a list."""
+    height, width = image_size(size)
+    return height if height == width else (height, width)
+
+
+def resolution_text(resolution: Resolution | list[int]) -> str:
+    """A resolution as --resolution takes it: 32, or 32x64 (height x width) when not square."""
+    height, width = image_size(resolution)
+    return str(height) if height == width else f"{height}x{width}"
 
 
 class Processes(Protocol):

@@ -32,7 +32,7 @@ from diffusion_extras.data.images import (
     stored_format,
 )
 from diffusion_extras.data.labels import Classes, LabelReader, stream_classes
-from diffusion_extras.data.spec import DataSpec, Processes
+from diffusion_extras.data.spec import DataSpec, Processes, Resolution
 from diffusion_extras.data.workers import ignore_stop_signals, start_workers
 
 
@@ -94,7 +94,7 @@ class DecodedStream(torch.utils.data.IterableDataset):
     counters, restored by re-reading the epoch from its start and dropping `consumed` examples
     (read, not decoded), which also replays the shuffle buffer exactly."""
 
-    def __init__(self, stream, column: str, resolution: int, center_crop: bool, channels: int, seed: int,
+    def __init__(self, stream, column: str, resolution: Resolution, center_crop: bool, channels: int, seed: int,
                  label: LabelReader | None = None, pixels: PixelFormat = EIGHT_BIT):
         self.stream, self.column, self.label, self.pixels = stream, column, label, pixels  # label: (image, class id)
         self.resolution, self.center_crop, self.channels, self.seed = resolution, center_crop, channels, seed
@@ -146,7 +146,7 @@ class StreamingBatches:
     used instead of torch's DataLoader because it saves and restores each worker's dataset state
     and the worker round-robin, so a resume continues at the exact example."""
 
-    def __init__(self, stream, column: str, batch_size: int, resolution: int, center_crop: bool,
+    def __init__(self, stream, column: str, batch_size: int, resolution: Resolution, center_crop: bool,
                  channels: int, seed: int, num_workers: int = 0, pin_memory: bool = False,
                  label: LabelReader | None = None, pixels: PixelFormat = EIGHT_BIT):
         from torchdata.stateful_dataloader import StatefulDataLoader

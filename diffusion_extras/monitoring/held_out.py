@@ -13,6 +13,7 @@ import torch
 
 from diffusion_extras.core import losses, stop_flag, vlb
 from diffusion_extras.data.batch_order import VALIDATION_STREAM, ImageSubset, mix_seed, random_crop, to_model_input
+from diffusion_extras.data.spec import Resolution
 from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs
 from diffusion_extras.monitoring.bins import loss_bin_key, timestep_bin_edges
 from diffusion_extras.monitoring.plots import save_figure
@@ -21,7 +22,7 @@ from diffusion_extras.monitoring.plots import save_figure
 class HeldOutLoss:
     """Every held-out image at one fixed timestep per bin (uniform within the bin), fixed noise."""
 
-    def __init__(self, images: ImageSubset, resolution: int, num_train_timesteps: int, num_bins: int,
+    def __init__(self, images: ImageSubset, resolution: Resolution, num_train_timesteps: int, num_bins: int,
                  seed: int, batch_size: int):
         self.images = torch.from_numpy(np.stack([random_crop(images.image(i), resolution, seed, VALIDATION_STREAM, i)
                                                  for i in range(len(images))])).permute(0, 3, 1, 2)

@@ -22,6 +22,7 @@ from PIL import Image
 
 from diffusion_extras.core import stop_flag
 from diffusion_extras.data import batch_order
+from diffusion_extras.data.spec import resolution_text
 from diffusion_extras.evaluation import distributed, sampling
 from diffusion_extras.evaluation import metrics as evaluation
 from diffusion_extras.evaluation.choices import extractors_for, parse_metrics
@@ -273,7 +274,7 @@ def prepare_evaluation(config, source, device, with_reference: bool = True):
     sample = source.reference_images if config.pretrained_vae_model_name_or_path else source.reference_sample
     # FID/KID extractors read 8-bit images: 16- and 32-bit training images are rounded to 8 bits here only
     reference = batch_order.as_uint8(sample(config.eval_num_samples)).transpose(0, 2, 3, 1) if with_reference else ()
-    fingerprint = f"{source.description}-{config.resolution}-{len(reference)}-{config.seed}"
+    fingerprint = f"{source.description}-{resolution_text(config.resolution)}-{len(reference)}-{config.seed}"
     groups = extractors_for(parse_metrics(config.eval_metrics), config.feature_extractor)
     suites = []
     for kind, metrics in groups.items():

@@ -2,15 +2,16 @@
 AutoencoderKL.from_pretrained, frozen, and checked against the run before training (one line each:
 not an autoencoder, a resolution it cannot encode, images it cannot read, a UNet of other channels).
 The UNet then follows its latents (models.follow_data): latent_channels, and sample_size =
---resolution / the downsampling factor."""
+--resolution / the downsampling factor, side by side."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
 from diffusion_extras.data import latents
+from diffusion_extras.data.spec import Resolution, as_resolution, image_size, resolution_text
 from diffusion_extras.evaluation.pipeline_latent import latent_normalization, vae_scale_factor
-from diffusion_extras.training.config import ConfigError, TrainConfig
+from diffusion_extras.training.config import ConfigError, TrainConfig, unfitting_side
 
 VAE_SUBFOLDER = "vae"  # where a diffusers pipeline folder keeps its VAE
 COLOUR_CHANNELS = (1, 3, 4)  # images a VAE may take: grayscale, RGB, RGBA
@@ -24,10 +25,11 @@ class LatentSpace:
     image_channels: int    # the VAE's in_channels: the images are converted to them
     channels: int          # latent_channels: the UNet's in_channels
     factor: int            # pixels per latent along each side (diffusers' vae_scale_factor)
-    size: int              # latent side: --resolution / factor (the UNet's sample_size)
+    size: Resolution       # latent size: --resolution / factor, N or (h, w) (the UNet's sample_size)
 
-    def describe(self, resolution: int) -> str:
-        return (f"latents of the VAE {self.source} ({self.size}x{self.size} from {resolution} px, factor "
+    def describe(self, resolution: Resolution) -> str:
+        height, width = image_size(self.size)
+        return (f"latents of the VAE {self.source} ({height}x{width} from {resolution_text(resolution)} px, factor "
                 f"{self.factor})")
 
 
@@ -68,10 +70,11 @@ def load_latent_space(config: TrainConfig) -> LatentSpace:
         raise ConfigError(f"{flag}: its config is a {kind or 'model without a class name'}, not an AutoencoderKL; "
                           "give the VAE's folder or a pipeline folder with vae/")
     factor = vae_scale_factor(values)
-    if config.resolution % factor:
-        fitting = config.resolution - config.resolution % factor or factor
-        raise ConfigError(f"--resolution {config.resolution} is not a multiple of the VAE's downsampling factor "
-                          f"{factor}: use a multiple of {factor} (e.g. {fitting})")
+    unfitting = unfitting_side(config.resolution, factor)
+    if unfitting:
+        named, side = unfitting
+        raise ConfigError(f"{named} is not a multiple of the VAE's downsampling factor {factor}: use a "
+                          f"multiple of {factor} (e.g. {side - side % factor or factor})")
     image_channels = values["in_channels"]
     if image_channels not in COLOUR_CHANNELS or values["out_channels"] != image_channels:
         raise ConfigError(f"{flag}: its images have {image_channels} -> {values['out_channels']} channels; a VAE "
@@ -83,7 +86,12 @@ def load_latent_space(config: TrainConfig) -> LatentSpace:
     vae.requires_grad_(False).eval()  # frozen: encodes the data once and decodes samples
     source = path if subfolder is None else f"{path} ({subfolder}/)"
     return LatentSpace(vae=vae, source=source, image_channels=image_channels, channels=values["latent_channels"],
-                       factor=factor, size=config.resolution // factor)
+                       factor=factor, size=latent_size(config.resolution, factor))
+
+
+def latent_size(resolution: Resolution, factor: int) -> Resolution:
+    """The latents' size for images of `resolution`: N / factor, or (H / factor, W / factor)."""
+    return as_resolution([side // factor for side in image_size(resolution)])
 
 
 def measures_statistics(vae) -> bool:

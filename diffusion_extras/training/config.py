@@ -25,7 +25,7 @@ from diffusion_extras.core.choices import (
     VARIANCE_TYPES,
 )
 from diffusion_extras.data.images import DataError, missing_dataset_folder, parse_background, resolve_data_files
-from diffusion_extras.data.spec import DataSpec
+from diffusion_extras.data.spec import DataSpec, Resolution, image_size
 from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, parse_metrics
 from diffusion_extras.hub.download import local_folder
 from diffusion_extras.hub.secrets import redact_config
@@ -107,8 +107,8 @@ class TrainConfig:
     image_column: str | None = _f(None, "Column holding the images; found from the features when not given.", resume=APPLY, group="data")
     cache_dir: str | None = _f(None, "Where datasets and the decoded-image cache are stored (default: datasets' cache).", resume=FREE, group="data")
     max_train_samples: int | None = _f(None, "Keep only this many training images (for debugging or quick runs).", resume=APPLY, group="data")
-    resolution: int = _f(16, "Training image size in pixels (square).", resume=REFUSE, group="data")
-    center_crop: bool = _f(True, "Center-crop to the square resolution; --no-center_crop crops at a random place.", resume=APPLY, group="data")
+    resolution: Resolution = _f(16, "Training image size in pixels: N (square), or H,W or HxW (height first, as torch and diffusers' sample_size order them; a recipe may give [H, W]). Each image is resized to cover it, keeping its aspect, then cropped.", resume=REFUSE, group="data")
+    center_crop: bool = _f(True, "Center-crop to the resolution; --no-center_crop crops at a random place.", resume=APPLY, group="data")
     background: str = _f("white", "What transparent pixels (RGBA, LA, palette transparency) are composited on: white (as most image tools show transparency), black or #rrggbb.", resume=APPLY, group="data")
     keep_alpha: bool = _f(False, "Keep transparency as a 4th channel instead of compositing it: the UNet then has 4 channels (RGBA) and the samples are RGBA PNGs. FID/KID need RGB: not with --eval_steps.", resume=REFUSE, group="data")
     random_flip: bool = _f(False, "Flip images horizontally at random (off for digits: flipped digits are not digits).", resume=APPLY, group="data")
@@ -341,6 +341,8 @@ def _coerce(f, value):
     kind = value_type(f)
     if value is None:
         return None
+    if kind == "Resolution":
+        return parse_resolution(value)
     try:
         if kind == "float":
             return float(value)  # YAML reads 2e-4 as a string
@@ -353,6 +355,25 @@ def _coerce(f, value):
     except (TypeError, ValueError):
         raise ConfigError(f"{f.name}: expected {kind}, got {value!r}") from None
     return value
+
+
+def parse_resolution(value) -> Resolution:
+    """--resolution N, H,W or HxW, or a recipe's N, [H, W] or "HxW": N for a square (so a square
+    run's files read as before), else (height, width)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # YAML's 64.0, accepted as an int setting accepts it
+    text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+    try:
+        sides = [int(part) for part in text.lower().replace("x", ",").split(",")]
+        if len(sides) not in (1, 2):
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"--resolution {text!r} is not a size: give N (square), H,W or HxW in pixels, height "
+                          "first (e.g. --resolution 64 or --resolution 64,128; in a recipe 64, [64, 128] or "
+                          "'64x128')") from None
+    if min(sides) < 1:
+        raise ConfigError(f"--resolution {text}: each side must be at least 1 pixel")
+    return sides[0] if len(set(sides)) == 1 else tuple(sides)
 
 
 def parse_config(argv=None) -> TrainConfig:
@@ -371,9 +392,10 @@ def validate(c: TrainConfig) -> None:
             raise ConfigError(message)
 
     for name in ("train_batch_size", "eval_batch_size", "gradient_accumulation_steps", "num_epochs",
-                 "resolution", "ddpm_num_steps", "ddpm_num_inference_steps", "diagnostics_steps",
+                 "ddpm_num_steps", "ddpm_num_inference_steps", "diagnostics_steps",
                  "save_model_steps", "checkpointing_steps"):
         need(getattr(c, name) >= 1, f"--{name} must be at least 1 (got {getattr(c, name)})")
+    need(min(image_size(c.resolution)) >= 1, f"--resolution must be at least 1 pixel a side (got {c.resolution})")
     need(c.save_images_steps >= 0, f"--save_images_steps must be at least 0 (0: no images; got {c.save_images_steps})")
     for name in ("max_train_steps", "max_train_samples", "checkpoints_total_limit"):
         value = getattr(c, name)
@@ -518,14 +540,27 @@ def validate_latent(c: TrainConfig) -> None:
             raise ConfigError(f"{flag} does not combine with {name} ({why}): drop {name}")
 
 
-def validate_model_shape(model: dict, resolution: int) -> None:
-    """The UNet halves the image once per down block but the last: resolution must allow it."""
+def validate_model_shape(model: dict, resolution: Resolution) -> None:
+    """The UNet halves the image once per down block but the last: each side must allow it."""
     blocks = model.get("block_out_channels") or [224, 448, 672, 896]  # UNet2DModel's default
     halvings = len(blocks) - 1
-    if resolution % (2 ** halvings) != 0:
-        raise ConfigError(
-            f"--resolution {resolution} cannot be halved {halvings} times by the UNet's "
-            f"{len(blocks)} blocks; use a multiple of {2 ** halvings} (e.g. {resolution - resolution % 2 ** halvings or 2 ** halvings})")
+    multiple = 2 ** halvings
+    unfitting = unfitting_side(resolution, multiple)
+    if unfitting:
+        named, side = unfitting
+        raise ConfigError(f"{named} cannot be halved {halvings} times by the UNet's {len(blocks)} blocks; "
+                          f"use a multiple of {multiple} (e.g. {side - side % multiple or multiple})")
+
+
+def unfitting_side(resolution: Resolution, multiple: int) -> tuple[str, int] | None:
+    """The first side of `resolution` that is not a multiple of `multiple`, as (a message's name for
+    it: '--resolution 30', or '--resolution 32x30: its width 30', its pixels); None if both are."""
+    height, width = image_size(resolution)
+    for side_name, side in (("height", height), ("width", width)):
+        if side % multiple:
+            return (f"--resolution {side}" if height == width
+                    else f"--resolution {height}x{width}: its {side_name} {side}"), side
+    return None
 
 
 def save_config(config: TrainConfig | dict, path: str, secrets: Iterable = ()) -> None:

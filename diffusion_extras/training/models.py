@@ -5,15 +5,16 @@ import os
 from typing import NamedTuple
 
 from diffusion_extras.core import losses, vlb
+from diffusion_extras.data.spec import Resolution, image_size, resolution_text
 from diffusion_extras.evaluation import pipeline_class_conditional as conditional
 from diffusion_extras.evaluation import pipeline_latent as latent_pipeline
 from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
 from diffusion_extras.training.autoencoder import LatentSpace
-from diffusion_extras.training.config import DIGITS_UNET, ConfigError, TrainConfig, validate_model_shape
+from diffusion_extras.training.config import DIGITS_UNET, ConfigError, TrainConfig, unfitting_side, validate_model_shape
 
 # diffusers' examples/unconditional_image_generation/train_unconditional.py builds this UNet when no
 # --model_config_name_or_path is given (~114M parameters; diffusers' other UNet2DModel defaults):
-# six levels, so the resolution must be a multiple of 32, and attention at the fifth.
+# six levels, so each side of the resolution must be a multiple of 32, and attention at the fifth.
 DIFFUSERS_DEFAULT_UNET = dict(
     layers_per_block=2, block_out_channels=[128, 128, 256, 256, 512, 512],
     down_block_types=["DownBlock2D", "DownBlock2D", "DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "DownBlock2D"],
@@ -30,7 +31,7 @@ def unet_config(config: TrainConfig, model: dict | None = None, latent: LatentSp
         values = {k: v for k, v in load_unet_config(config.model_config_name_or_path).items() if not k.startswith("_")}
     else:
         values = dict(config.model if model is None else model)
-    values["sample_size"] = latent.size if latent else config.resolution
+    values["sample_size"] = sample_size(latent.size if latent else config.resolution)
     channels, outputs = values.get("in_channels", 3), values.get("out_channels", 3)
     if latent is not None and (channels != latent.channels or outputs not in (channels, 2 * channels)):
         raise ConfigError(f"the UNet has {channels} -> {outputs} channels and the VAE's latents have "
@@ -47,6 +48,13 @@ def unet_config(config: TrainConfig, model: dict | None = None, latent: LatentSp
     values["out_channels"] = expected  # the prediction and, with a learned variance, its C values
     validate_model_shape(values, values["sample_size"])
     return values
+
+
+def sample_size(resolution: Resolution) -> int | list[int]:
+    """A UNet's sample_size: N for a square (an int, as diffusers' pipelines have always read it),
+    else [height, width] (a list: what its config.json holds and from_pretrained gives back)."""
+    height, width = image_size(resolution)
+    return height if height == width else [height, width]
 
 
 def load_unet_config(name: str) -> dict:
@@ -107,7 +115,7 @@ def model_for_data(config: TrainConfig, data_channels: int, latent: LatentSpace 
     """The UNet and optimization for this run and how they were chosen. With a dataset and no model
     chosen (no --model_config_name_or_path, the recipe's `model` untouched), the model follows the
     images: their channels, and diffusers' train_unconditional.py default shape where the
-    resolution allows it (a multiple of 32), else our 16 px digits recipe's shape. That default UNet
+    resolution allows it (both sides multiples of 32), else our 16 px digits recipe's shape. That default UNet
     (113.7M parameters) trains with that script's optimization (DIFFUSERS_RECIPE), except for each
     value the user set (a flag, or the --config recipe): the digits recipe's lr 2e-3 is 20x what
     diffusers uses for it. The embedded digits keep the digits recipe. With a `latent` space the
@@ -119,9 +127,9 @@ def model_for_data(config: TrainConfig, data_channels: int, latent: LatentSpace 
                       "the recipe's UNet" if config.model != DIGITS_UNET else "the digits recipe's UNet")
     data_channels, size = (latent.channels, latent.size) if latent else (data_channels, config.resolution)
     channels = {"in_channels": data_channels, "out_channels": vlb.output_channels(data_channels, config.variance_type)}
-    if size % 32 != 0 or config.data_spec().uses_embedded_digits:
+    if unfitting_side(size, 32) or config.data_spec().uses_embedded_digits:
         return Choice({**DIGITS_UNET, **channels}, {},
-                      f"the digits recipe's UNet shape at {size} px (no model chosen; diffusers' "
+                      f"the digits recipe's UNet shape at {resolution_text(size)} px (no model chosen; diffusers' "
                       "default needs a multiple of 32 px)")
     given = config.given
     settings = {name: value for name, value in DIFFUSERS_RECIPE.items() if name not in given}
@@ -134,7 +142,7 @@ def model_for_data(config: TrainConfig, data_channels: int, latent: LatentSpace 
                         + (", steps from the epochs" if "max_train_steps" in settings else "") + ")"
                         + (f"; yours kept: {', '.join(kept)}" if kept else ""))
     return Choice({**DIFFUSERS_DEFAULT_UNET, **channels}, settings,
-                  f"diffusers train_unconditional.py's default UNet at {size} px (no model chosen)",
+                  f"diffusers train_unconditional.py's default UNet at {resolution_text(size)} px (no model chosen)",
                   optimization)
 
 
@@ -143,12 +151,15 @@ def shown(value) -> str:
 
 
 def describe(unet, chosen: str, data_channels: int, optimization: str = "", latent: LatentSpace | None = None,
-             resolution: int | None = None) -> list[str]:
-    """The model line (shape and size; the optimization when it followed the data; with a `latent`
-    space, which latents at which `resolution`) and, if the images are converted, the conversion line."""
+             resolution: Resolution | None = None) -> list[str]:
+    """The model line (shape and size: the images' height x width; the optimization when it followed
+    the data; with a `latent` space, which latents at which `resolution`) and, if the images are
+    converted, the conversion line."""
     channels = unet.config.in_channels
     kind = latent.describe(resolution) if latent else COLOUR_NAMES.get(channels, channels)
-    lines = [f"model: {chosen}: {channels} channel(s) ({kind}), blocks "
+    height, width = image_size(unet.config.sample_size if resolution is None else resolution)
+    at = "" if latent else f" at {height}x{width} px"  # a latent space's line states both sizes
+    lines = [f"model: {chosen}: {channels} channel(s) ({kind}){at}, blocks "
              f"{list(unet.config.block_out_channels)} x{unet.config.layers_per_block}, "
              f"{count_parameters(unet) / 1e6:.1f}M parameters"
              + (f"; optimization: {optimization}" if optimization else "")]

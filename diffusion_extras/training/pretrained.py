@@ -19,6 +19,7 @@ import json
 import os
 from typing import NamedTuple
 
+from diffusion_extras.data.spec import Resolution, as_resolution, image_size, resolution_text
 from diffusion_extras.evaluation.pipeline_latent import vae_scale_factor
 from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
 from diffusion_extras.training import checkpointing
@@ -115,16 +116,17 @@ class Pretrained(NamedTuple):
         where the user set none. Data that does not fit the UNet is refused in one line naming both,
         before training."""
         unet, flag = self.unet_config, f"--pretrained_model_name_or_path {self.name}"
-        channels, size = unet.get("in_channels", 3), square_size(unet.get("sample_size"), flag)
+        channels, size = unet.get("in_channels", 3), unet_size(unet)
         if (latent is None) != (self.vae_factor is None):
             raise ConfigError(f"{flag}: its UNet was trained on {'pixels' if latent else 'latents'}: "
                               + ("drop --pretrained_vae_model_name_or_path" if latent else
                                  "give its VAE as --pretrained_vae_model_name_or_path"))
         if latent is not None:
             if channels != latent.channels or (size is not None and size != latent.size):
-                raise ConfigError(f"{flag}: its UNet takes {channels}-channel latents of {size} px and the VAE "
-                                  f"makes {latent.channels}-channel latents of {latent.size} px: fine-tune with its "
-                                  "own VAE (leave --pretrained_vae_model_name_or_path out) at its resolution")
+                takes = f"{resolution_text(size)} px" if size is not None else "any size"
+                raise ConfigError(f"{flag}: its UNet takes {channels}-channel latents of {takes} and the VAE makes "
+                                  f"{latent.channels}-channel latents of {resolution_text(latent.size)} px: fine-tune "
+                                  "with its own VAE (leave --pretrained_vae_model_name_or_path out) at its resolution")
         # grayscale images train an RGB UNet as grey RGB images, as diffusers' train_unconditional.py
         # converts every image to RGB; any other mismatch has a remedy of the user's (channel_fix)
         elif channels != data_channels and (channels, data_channels) != (3, 1):
@@ -132,8 +134,9 @@ class Pretrained(NamedTuple):
                               f"the images have {data_channels} ({COLOUR_NAMES.get(data_channels, '?')}): "
                               + channel_fix(channels, data_channels))
         if latent is None and size is not None and size != config.resolution:
-            raise ConfigError(f"{flag}: its UNet samples at {size} px and --resolution is {config.resolution}: "
-                              f"train at --resolution {size} (or leave --resolution out)")
+            raise ConfigError(f"{flag}: its UNet samples at {resolution_text(size)} px and --resolution is "
+                              f"{resolution_text(config.resolution)}: train at --resolution {resolution_text(size)} "
+                              "(or leave --resolution out)")
         embeds = unet.get("num_class_embeds")
         if class_names is None and embeds:
             raise ConfigError(f"{flag}: its UNet is class-conditional ({embeds - 1} classes): add --class_conditional")
@@ -167,15 +170,10 @@ def channel_fix(unet_channels: int, data_channels: int) -> str:
     return "fine-tune on images of its channels"
 
 
-def square_size(sample_size, flag: str) -> int | None:
-    """The side of a UNet's sample_size (an int, or diffusers' [height, width]); None when unset. A
-    non-square one is refused: this trainer trains square images (--resolution)."""
-    if isinstance(sample_size, (list, tuple)):
-        if len(set(sample_size)) != 1:
-            raise ConfigError(f"{flag}: its UNet samples {sample_size[0]}x{sample_size[1]} px images and this "
-                              "trainer trains square ones (--resolution): fine-tune a square base")
-        return int(sample_size[0])
-    return sample_size
+def unet_size(unet_config: dict) -> Resolution | None:
+    """A UNet config's sample_size as a Resolution (an int, or diffusers' [height, width]); None when unset."""
+    size = unet_config.get("sample_size")
+    return None if size is None else as_resolution(size)
 
 
 def load(name: str) -> Pretrained:
@@ -245,9 +243,9 @@ def resolve(config: TrainConfig) -> tuple[TrainConfig, Pretrained | None]:
               if key in base.scheduler_config and field not in given}
     if "snr_gamma" not in given:  # the base's loss weighting: its objective is what was pretrained
         values["snr_gamma"] = base.trained_snr_gamma or 0.0
-    size = square_size(base.unet_config.get("sample_size"), f"--pretrained_model_name_or_path {base.name}")
-    if "resolution" not in given and size is not None:
-        values["resolution"] = size * (base.vae_factor or 1)  # a latent UNet's: the decoded images'
+    size = unet_size(base.unet_config)
+    if "resolution" not in given and size is not None:  # a latent UNet's: the decoded images'
+        values["resolution"] = as_resolution([side * (base.vae_factor or 1) for side in image_size(size)])
     if base.vae_factor is not None and "pretrained_vae_model_name_or_path" not in given:
         values["pretrained_vae_model_name_or_path"] = config.pretrained_model_name_or_path  # its own vae/
     resolved = dataclasses.replace(config, **values)
