@@ -99,7 +99,6 @@ def test_a_resolution_the_vae_cannot_encode_is_one_line_before_training(tmp_path
 
 
 @pytest.mark.parametrize("flags,message", [
-    (("--streaming", "--dataset_name", "x", "--max_train_steps", "1"), "does not combine with --streaming"),
     (("--no-center_crop",), "does not combine with --no-center_crop"),
     (("--validation_split", "0.1"), "does not combine with --validation_split"),
     (("--grad_diagnostics_steps", "5"), "does not combine with --grad_diagnostics_steps"),

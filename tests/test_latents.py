@@ -66,7 +66,7 @@ def test_a_vae_without_a_scale_gets_the_measured_statistics_saved_in_its_config(
     class Source:  # what posterior() reads of a source: its stored posteriors
         images = stored
     space = autoencoder.LatentSpace(vae, vae_folder, 3, 2, 2, 4)
-    posterior, line = autoencoder.posterior(space, Source, 1)
+    posterior, line = autoencoder.posterior(space, Source, latents.Encoder.of(vae, False, 2), streamed=False)
     assert line.startswith("latents: normalised by their per-channel mean and std, measured on the training")
     assert vae.config.scaling_factor == 1.0 and len(vae.config.latents_mean) == 2
     batch = torch.from_numpy(np.stack([stored.image(i) for i in range(40)])).permute(0, 3, 1, 2)
@@ -139,3 +139,97 @@ def test_a_vae_changed_under_the_same_path_is_refused_on_resume(train, tiny_reci
                    check=False)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "vae.fingerprint:" in result.stderr.strip().splitlines()[-1]
+
+
+# ----------------------------------------------------------------------------- streamed latents
+def write_parquet_images(path, images: np.ndarray) -> str:
+    """[N, H, W, 3] uint8 images as one parquet file, in this order; returns its path."""
+    import datasets
+    from PIL import Image
+    features = datasets.Features({"image": datasets.Image()})
+    datasets.Dataset.from_dict({"image": [Image.fromarray(image) for image in images]}, features=features) \
+        .to_parquet(str(path))
+    return str(path)
+
+
+def test_a_streamed_batch_is_encoded_as_the_cache_encodes_it(tmp_path):
+    """The streamed posterior (pixels encoded in the step, each image flipped before it is encoded)
+    gives the cached path's latents for the same images, flips and noise, bit for bit at the same
+    batch size, and in batches of any size to the VAE's float rounding."""
+    vae, images = tiny_vae(tmp_path), random_images(5)
+    cached = latents.Posterior(2, 2, torch.tensor([0.5, -1.0]), torch.tensor([2.0, 3.0]))
+    streamed = latents.Posterior(2, 2, cached.shift, cached.scale, latents.Encoder.of(vae, True, factor=2))
+    stored = torch.from_numpy(np.stack(list(latents.iter_encoded(images, streamed.encoder)))).permute(0, 3, 1, 2)
+    pixels = torch.from_numpy(np.stack([images.image(i) for i in range(5)])).permute(0, 3, 1, 2)  # uint8, as streamed
+    assert streamed.latent_shape(pixels.shape) == cached.latent_shape(stored.shape) == (2, 4, 4)
+    flip = torch.tensor([True, False, True, False, True])
+    noise = torch.randn(5, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    expected = cached.model_input(stored, "cpu", flip, noise)
+    assert torch.equal(streamed.model_input(pixels, "cpu", flip, noise), expected)
+    one_at_a_time = torch.cat([streamed.model_input(pixels[i:i + 1], "cpu", flip[i:i + 1], noise[i:i + 1])
+                               for i in range(5)])
+    torch.testing.assert_close(one_at_a_time, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(streamed.model_input(pixels, "cpu", ~flip, noise), expected, atol=1e-3)
+
+
+def test_streamed_and_cached_runs_train_on_the_same_latents(train, tiny_recipe, tmp_path):
+    """24 RGB images, cached from one parquet file, and streamed from another holding them in the
+    order the cached run draws its first epoch (3 micro-batches of 8): each step trains on the same
+    images, so the latents the UNet sees (flips and the posterior's draw from (seed, micro-step))
+    and the losses are those of the cached run, to the VAE's float rounding across batch sizes."""
+    from diffusion_extras.data.batch_order import GlobalBatchOrder
+    from diffusion_extras.training.hooks import Hooks
+    pixels = np.random.default_rng(1).integers(0, 256, (24, 8, 8, 3), dtype=np.uint8)
+    epoch = np.concatenate([GlobalBatchOrder(24, 8, 0).indices(k) for k in range(3)])
+    files = {"cached": write_parquet_images(tmp_path / "cached.parquet", pixels),
+             "streamed": write_parquet_images(tmp_path / "streamed.parquet", pixels[epoch])}
+    vae = save_tiny_vae(tmp_path / "vae")
+    seen = {}
+    for name, extra in (("cached", ()), ("streamed", ("--streaming", "--shuffle_buffer_size", 0))):
+        inputs = seen[name] = []
+        hooks = Hooks(model_input=lambda run, clean, micro_step, inputs=inputs: inputs.append(clean.clone()) or clean)
+        train(tiny_recipe(model=LATENT_MODEL, max_train_samples=None), tmp_path / name, "--train_data_files",
+              files[name], "--pretrained_vae_model_name_or_path", vae, "--random_flip", "--max_train_steps", 3,
+              *extra, hooks=hooks)
+    assert len(seen["cached"]) == len(seen["streamed"]) == 3
+    for cached, streamed in zip(seen["cached"], seen["streamed"]):
+        torch.testing.assert_close(streamed, cached, rtol=1e-5, atol=1e-5)
+    losses = [[h["loss"] for h in read_history(tmp_path / name)] for name in ("cached", "streamed")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_a_streamed_latent_run_resumes_bit_exact_with_statistics_measured_on_the_stream(train, tiny_recipe, tmp_path):
+    """40 RGB images in 4 parquet shards, streamed by 2 loader workers, 8 a step, with a VAE config
+    that names no scale: the statistics are measured on the stream's first images (all 40, both
+    views) before training, saved in the exported vae/, measured again on resume; stopped by a
+    signal after step 3 and resumed to 6 (past the stream's epoch), it ends where a straight run does."""
+    pixels = np.random.default_rng(2).integers(0, 256, (40, 8, 8, 3), dtype=np.uint8)
+    (tmp_path / "pq").mkdir()
+    for shard in range(4):
+        write_parquet_images(tmp_path / "pq" / f"part-{shard}.parquet", pixels[shard::4])
+    vae_folder = save_tiny_vae(tmp_path / "vae")
+    path = tmp_path / "vae" / "config.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "scaling_factor"}))
+    recipe = tiny_recipe(model=LATENT_MODEL, checkpointing_steps=3, max_train_samples=None)
+    flags = ("--dataset_name", tmp_path / "pq", "--streaming", "--shuffle_buffer_size", 0, "--dataloader_num_workers",
+             2, "--pretrained_vae_model_name_or_path", vae_folder, "--random_flip", "--max_train_steps", 6)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    first = train(recipe, straight, *flags)
+    assert ("latents: normalised by their per-channel mean and std, measured on the latents of the stream's first "
+            "40 images (the VAE config names no scale)") in first.stdout
+    stopped = train(recipe, resumed, *flags, hooks=faults.hooks(signal_at_step=3), check=False)
+    assert stopped.returncode == 4, stopped.stderr[-3000:]
+    train(recipe, resumed, *flags, "--resume_from_checkpoint", "latest")
+    assert [h["loss"] for h in read_history(straight)] == [h["loss"] for h in read_history(resumed)]
+    assert len(read_history(straight)) == 6
+    for weights in (load_unet_weights, lambda run: load_file(run / "checkpoint-6" / "model.safetensors")):
+        a, b = weights(straight), weights(resumed)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    from diffusers import AutoencoderKL
+    stored = latents.iter_encoded(DecodedImages.from_arrays(list(pixels), 3),
+                                  latents.Encoder.of(AutoencoderKL.from_pretrained(vae_folder).eval(), True))
+    mean, std = latents.channel_statistics(DecodedImages.from_arrays(list(stored), 8), 2)
+    exported = json.loads((straight / "vae" / "config.json").read_text())
+    assert exported["scaling_factor"] == 1.0
+    assert exported["latents_mean"] == pytest.approx(mean.tolist(), rel=1e-5)
+    assert exported["latents_std"] == pytest.approx(std.tolist(), rel=1e-5)

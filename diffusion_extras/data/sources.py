@@ -144,8 +144,8 @@ def build_source(spec: DataSpec, processes: Processes, channels: int, dataset=No
     config.validate refuses --validation_split with --streaming). `classes` (--class_conditional):
     the classes open_training_data read; the batches then carry labels. For a stream, `dataset` is
     what open_training_data returned in its place (the first stored images), or None. `encoder`
-    (latent diffusion): the cache holds each image's VAE posterior (config.validate_latent refuses
-    a stream there)."""
+    (latent diffusion): the cache holds each image's VAE posterior; a stream still serves pixels,
+    which the step encodes (latents.Posterior)."""
     if spec.streaming:
         return StreamSource(spec, processes, channels, classes, dataset)
     return CachedImages(spec, processes, channels, dataset, validation_split, classes, encoder)

@@ -94,20 +94,26 @@ def measures_statistics(vae) -> bool:
     return unset and (config.get("latents_mean") is None or config.get("latents_std") is None)
 
 
-def posterior(latent: LatentSpace, source, views: int) -> tuple[latents.Posterior, str]:
-    """How the UNet's latents are drawn from the source's posteriors and normalised: by the VAE
-    config (pipeline_latent.latent_normalization), or, where it has none, by the per-channel mean
-    and std of the training latents, measured once here and written into the VAE's config as
-    latents_mean / latents_std (scaling_factor 1), so the exported vae/ decodes with them. Returns
-    it with the line that says which."""
+def posterior(latent: LatentSpace, source, encoder: latents.Encoder, streamed: bool) -> tuple[latents.Posterior, str]:
+    """How the UNet's latents are drawn from the source's posteriors (`streamed`: from its pixel
+    batches, encoded by `encoder` as they come) and normalised: by the VAE config
+    (pipeline_latent.latent_normalization), or, where it has none, by the per-channel mean and std
+    of the training latents (of a stream's first STATISTICS_IMAGES images), measured once here and
+    written into the VAE's config as latents_mean / latents_std (scaling_factor 1), so the exported
+    vae/ decodes with them. Returns it with the line that says which."""
     vae = latent.vae
     config = vae.config
     if measures_statistics(vae):
-        mean, std = latents.channel_statistics(source.images, latent.channels)
+        if streamed:
+            stored = latents.encoded_sample(source.reference_sample(latents.STATISTICS_IMAGES), encoder)
+            measured = f"the latents of the stream's first {len(stored)} images"
+        else:
+            stored, measured = source.images, "the training latents"
+        mean, std = latents.channel_statistics(stored, latent.channels)
         vae.register_to_config(latents_mean=[float(v) for v in mean], latents_std=[float(v) for v in std],
                                scaling_factor=1.0)
-        line = ("latents: normalised by their per-channel mean and std, measured on the training latents (the "
-                "VAE config names no scale) and saved as latents_mean / latents_std in the exported vae/")
+        line = (f"latents: normalised by their per-channel mean and std, measured on {measured} (the VAE config "
+                "names no scale) and saved as latents_mean / latents_std in the exported vae/")
     elif config.get("latents_mean") is not None and config.get("latents_std") is not None:
         line = ("latents: normalised by the VAE config's latents_mean / latents_std x scaling_factor "
                 f"{config.scaling_factor:g}")
@@ -115,4 +121,4 @@ def posterior(latent: LatentSpace, source, views: int) -> tuple[latents.Posterio
         line = (f"latents: normalised by the VAE config's scaling_factor {config.scaling_factor:g}"
                 + (f" and shift_factor {config.shift_factor:g}" if config.get("shift_factor") else ""))
     shift, scale = latent_normalization(vae.config, latent.channels)
-    return latents.Posterior(latent.channels, views, shift, scale), line
+    return latents.Posterior(latent.channels, encoder.views, shift, scale, encoder if streamed else None), line

@@ -177,15 +177,16 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
                data_source=sources.build_source, latent: autoencoder.LatentSpace | None = None) -> tuple:
     """(the training data, the held-out images or None): the data source (decode-once cache or
     this rank's shard of a stream, with the `classes` open_training_data read; with a `latent`
-    space, the images' posteriors, encoded once on this device) and sigma_data."""
+    space, the images' posteriors, encoded once on this device, or a stream's pixels, encoded as
+    they come) and sigma_data."""
     if latent is None:
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
         encoder = posterior = None
-    else:
+    else:  # cached: the source holds posteriors; streamed: pixels, which the posterior encodes each step
         encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor)
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
                              encoder=encoder)
-        posterior, line = autoencoder.posterior(latent, source, encoder.views)
+        posterior, line = autoencoder.posterior(latent, source, encoder, config.streaming)
         accelerator.print(line)
     sample = torch.from_numpy(source.reference_sample(2048))
     # sigma_data of the model input per dimension (pixels in [-1, 1], or the latent means):

@@ -119,7 +119,7 @@ class TrainConfig:
     # --- model ------------------------------------------------------------------------
     model_config_name_or_path: str | None = _f(None, "UNet2DModel config: a folder (with config.json, or a pipeline folder's unet/), a JSON file or a Hub id (read with diffusers' load_config, as diffusers does). Default: the recipe's `model`.", resume=FREE, group="model")
     pretrained_model_name_or_path: str | None = _f(None, "Fine-tune a DDPMPipeline: a Hub id (e.g. google/ddpm-cifar10-32) or a local folder (diffusers' or this trainer's export, class-conditional included). The run starts from its UNet's weights (the EMA too) and shape and its scheduler's settings (--resolution defaults to its sample_size); where you set none, its loss weighting (--snr_gamma: its training_config.yaml's, else 0, DDPM's unweighted loss) and a fine-tuning recipe for its size N in parameters: --learning_rate a tenth of 2e-4 (N / 35.7M)^(-2/3), --lr_warmup_steps half of 100 (N / 1.1M)^(1/3), --max_train_steps 600 (docs/hub.md: Fine-tuning a pretrained pipeline).", resume=REFUSE, group="model")
-    pretrained_vae_model_name_or_path: str | None = _f(None, "Latent diffusion: train the UNet on the latents of this AutoencoderKL (a Hub id or a folder of one, or a pipeline folder with vae/), loaded with from_pretrained and frozen. The UNet follows its latents: their channels, sample_size = --resolution / the VAE's downsampling factor; the images are encoded once and the export decodes (docs/data.md: Latent diffusion).", resume=REFUSE, group="model")
+    pretrained_vae_model_name_or_path: str | None = _f(None, "Latent diffusion: train the UNet on the latents of this AutoencoderKL (a Hub id or a folder of one, or a pipeline folder with vae/), loaded with from_pretrained and frozen. The UNet follows its latents: their channels, sample_size = --resolution / the VAE's downsampling factor; the images are encoded once (cached), or each streamed batch as it comes on the accelerator (--streaming; a VAE config without a scale is normalised by statistics measured on the stream's first 2048 images), and the export decodes (docs/data.md: Latent diffusion).", resume=REFUSE, group="model")
     vae_subfolder: str | None = _f(None, "The VAE's subfolder in --pretrained_vae_model_name_or_path (default: vae/ where the folder has one, else the folder itself).", resume=REFUSE, group="model")
     model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape), trained with that script's optimization where you set none (docs/flags.md: Coming from diffusers).", resume=REFUSE, cli=False, group="model")
     # --- objective --------------------------------------------------------------------
@@ -494,8 +494,8 @@ def checkpoint_folder(resume_from: str, output_dir: str) -> str:
 
 def validate_latent(c: TrainConfig) -> None:
     """What latent diffusion (--pretrained_vae_model_name_or_path) does not combine with yet: the
-    latents are encoded once from the centre crop, and the held-out loss, gradient probe and FID
-    read pixel images. The VAE itself is checked when it is loaded (training/autoencoder.py)."""
+    latents are encoded from the centre crop, and the held-out loss and gradient probe read pixel
+    images. The VAE itself is checked when it is loaded (training/autoencoder.py)."""
     vae = c.pretrained_vae_model_name_or_path
     if vae is None:
         if c.vae_subfolder is not None:
@@ -508,8 +508,7 @@ def validate_latent(c: TrainConfig) -> None:
         raise ConfigError(f"{flag}: no such folder (give an AutoencoderKL folder, a pipeline folder with vae/ "
                           "or a Hub id)")
     refused = [  # (flag, given, why not with latents)
-        ("--streaming", c.streaming, "the latents are encoded once, from the decode-once cache"),
-        ("--no-center_crop", not c.center_crop, "the latents are encoded once, from the centre crop"),
+        ("--no-center_crop", not c.center_crop, "the latents are those of the centre crop"),
         ("--validation_split", c.validation_split, "the held-out loss reads pixel images"),
         ("--grad_diagnostics_steps", c.grad_diagnostics_steps, "the gradient probe reads pixel images"),
     ]
