@@ -233,3 +233,24 @@ def test_a_streamed_latent_run_resumes_bit_exact_with_statistics_measured_on_the
     assert exported["scaling_factor"] == 1.0
     assert exported["latents_mean"] == pytest.approx(mean.tolist(), rel=1e-5)
     assert exported["latents_std"] == pytest.approx(std.tolist(), rel=1e-5)
+
+
+def test_two_ranks_of_a_latent_run_equal_one_rank_of_the_same_global_batch(launch, train, tiny_recipe, tmp_path):
+    """16 RGB images with a cache folder, flips on: 2 gloo ranks x 4 images (the first rank encodes,
+    the other reads its latents) train as 1 rank x 8 (same posteriors, flips, draws, noise and
+    timesteps, each rank its slice), and the 2-rank export decodes."""
+    from diffusion_extras.evaluation.pipeline_latent import LatentDiffusionPipeline
+    folder = save_random_images(tmp_path / "images", 16, 8, 8)
+    flags = ("--train_data_dir", folder, "--pretrained_vae_model_name_or_path", save_tiny_vae(tmp_path / "vae"),
+             "--random_flip", "--max_train_steps", 4, "--cache_dir", tmp_path / "cache")
+    two = launch(tiny_recipe(model=LATENT_MODEL, train_batch_size=4), tmp_path / "two", *flags, ranks=2,
+                 env={"ACCELERATE_USE_CPU": "1"})
+    assert two.stdout.count("encoded 16 images once") == 1 and "replicas identical on 2 processes" in two.stdout
+    train(tiny_recipe(model=LATENT_MODEL, train_batch_size=8), tmp_path / "one", *flags)
+    w2, w1 = load_unet_weights(tmp_path / "two"), load_unet_weights(tmp_path / "one")
+    assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
+    l2, l1 = read_history(tmp_path / "two"), read_history(tmp_path / "one")
+    assert [h["loss"] for h in l2] == pytest.approx([h["loss"] for h in l1], rel=1e-5)
+    pipe = LatentDiffusionPipeline.from_pretrained(tmp_path / "two")
+    images = pipe(batch_size=2, num_inference_steps=2, output_type="np").images
+    assert np.asarray(images).shape == (2, 8, 8, 3) and np.isfinite(images).all()
