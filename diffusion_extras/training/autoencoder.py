@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from diffusion_extras.data import latents
 from diffusion_extras.evaluation.pipeline_latent import latent_normalization, vae_scale_factor
+from diffusion_extras.hub.download import is_offline_error, offline_reason
 from diffusion_extras.training.config import ConfigError, TrainConfig
 
 VAE_SUBFOLDER = "vae"  # where a diffusers pipeline folder keeps its VAE
@@ -50,6 +51,8 @@ def read_vae_config(path: str, subfolder: str | None) -> tuple[dict, str | None]
             return AutoencoderKL.load_config(os.path.expanduser(path), subfolder=candidate), candidate
         except (OSError, ValueError) as raised:  # diffusers raises EnvironmentError for a missing config
             error = raised
+            if not os.path.isdir(os.path.expanduser(path)) and is_offline_error(error):  # a Hub id, no network
+                raise ConfigError(f"{flag}: cannot download it: {offline_reason(path)}") from None
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
     where = f" (subfolder {subfolder})" if subfolder else ""
     raise ConfigError(f"{flag}{where}: no VAE config found ({first_line}); give an AutoencoderKL folder, a pipeline "
