@@ -98,15 +98,10 @@ def test_a_resolution_the_vae_cannot_encode_is_one_line_before_training(tmp_path
     assert not os.path.exists(tmp_path / "run" / "logs")
 
 
-@pytest.mark.parametrize("flags,message", [
-    (("--no-center_crop",), "does not combine with --no-center_crop"),
-    (("--validation_split", "0.1"), "does not combine with --validation_split"),
-    (("--grad_diagnostics_steps", "5"), "does not combine with --grad_diagnostics_steps"),
-])
-def test_what_latent_runs_do_not_combine_with_is_refused(tmp_path, flags, message):
+def test_what_latent_runs_do_not_combine_with_is_refused(tmp_path):
     vae = save_tiny_vae(tmp_path / "vae")
-    with pytest.raises(ConfigError, match=message):
-        latent_config(tmp_path, vae, *flags)
+    with pytest.raises(ConfigError, match="does not combine with --no-center_crop"):
+        latent_config(tmp_path, vae, "--no-center_crop")
     with pytest.raises(ConfigError, match="--vae_subfolder names a folder of --pretrained_vae_model_name_or_path"):
         parse_config(["--vae_subfolder", "vae"])
 

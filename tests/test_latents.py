@@ -212,16 +212,18 @@ def test_a_streamed_latent_run_resumes_bit_exact_with_statistics_measured_on_the
     path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "scaling_factor"}))
     recipe = tiny_recipe(model=LATENT_MODEL, checkpointing_steps=3, max_train_samples=None)
     flags = ("--dataset_name", tmp_path / "pq", "--streaming", "--shuffle_buffer_size", 0, "--dataloader_num_workers",
-             2, "--pretrained_vae_model_name_or_path", vae_folder, "--random_flip", "--max_train_steps", 6)
+             2, "--pretrained_vae_model_name_or_path", vae_folder, "--random_flip", "--max_train_steps", 6,
+             "--grad_diagnostics_steps", 3)  # the probe encodes its batch too, off the training step
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     first = train(recipe, straight, *flags)
+    assert [h["step"] for h in read_history(straight) if "grad_probe/total_norm" in h] == [3, 6]
     assert ("latents: normalised by their per-channel mean and std, measured on the latents of the stream's first "
             "40 images (the VAE config names no scale)") in first.stdout
     stopped = train(recipe, resumed, *flags, hooks=faults.hooks(signal_at_step=3), check=False)
     assert stopped.returncode == 4, stopped.stderr[-3000:]
     train(recipe, resumed, *flags, "--resume_from_checkpoint", "latest")
-    assert [h["loss"] for h in read_history(straight)] == [h["loss"] for h in read_history(resumed)]
-    assert len(read_history(straight)) == 6
+    losses = [[h["loss"] for h in read_history(run) if "loss" in h] for run in (straight, resumed)]
+    assert losses[0] == losses[1] and len(losses[0]) == 6
     for weights in (load_unet_weights, lambda run: load_file(run / "checkpoint-6" / "model.safetensors")):
         a, b = weights(straight), weights(resumed)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -254,3 +256,45 @@ def test_two_ranks_of_a_latent_run_equal_one_rank_of_the_same_global_batch(launc
     pipe = LatentDiffusionPipeline.from_pretrained(tmp_path / "two")
     images = pipe(batch_size=2, num_inference_steps=2, output_type="np").images
     assert np.asarray(images).shape == (2, 8, 8, 3) and np.isfinite(images).all()
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_the_held_out_loss_and_the_gradient_probe_score_normalised_latent_means(tmp_path):
+    """On the digits with a VAE, the held-out images are split off the encoded latents, and the
+    held-out loss and the gradient probe feed the UNet the normalised posterior means of their
+    images: the VAE's encoding of those pixel images, times the config's scaling_factor."""
+    from conftest import tiny_run
+    from diffusers import AutoencoderKL
+
+    from diffusion_extras.data.batch_order import to_model_input
+    vae_folder = save_tiny_vae(tmp_path / "vae")
+    run = tiny_run(tmp_path, "--pretrained_vae_model_name_or_path", vae_folder, "--validation_split", 0.25,
+                   "--grad_diagnostics_steps", 2, model=LATENT_MODEL)
+    source, held_out, probe = run.data.source, run.extras.held_out, run.extras.grad_monitor
+    vae = AutoencoderKL.from_pretrained(vae_folder).eval()
+
+    def expected(pixels: np.ndarray) -> torch.Tensor:
+        with torch.no_grad():
+            return vae.encode(to_model_input(torch.from_numpy(pixels), "cpu")).latent_dist.mean * 0.18215
+
+    rows = source.held_out_images.rows
+    assert len(rows) == 16 and held_out.images.shape == (16, 4, 4, 4)  # [N, mean and std x 2 channels, 4, 4]
+    pixels = np.stack([source.pixels.images.image(int(row)) for row in rows]).transpose(0, 3, 1, 2)  # all decoded
+    torch.testing.assert_close(held_out.clean_input(held_out.images, "cpu"), expected(pixels), rtol=1e-5, atol=1e-6)
+    assert probe.noise.shape == (run.config.diagnostics_bins, 8, 2, 4, 4)  # the latents' shape, not the stored one
+    torch.testing.assert_close(probe.clean_input(probe.images, "cpu"), expected(source.reference_images(8)),
+                               rtol=1e-5, atol=1e-6)
+    run.accelerator.end_training()
+
+
+def test_a_latent_run_logs_the_held_out_loss_and_the_gradient_probe(train, tiny_recipe, tmp_path):
+    vae = save_tiny_vae(tmp_path / "vae")
+    train(tiny_recipe(model=LATENT_MODEL), tmp_path / "run", "--pretrained_vae_model_name_or_path", vae,
+          "--max_train_steps", 4, "--validation_split", 0.25, "--validation_steps", 2, "--grad_diagnostics_steps", 2)
+    logged = {}
+    for row in read_history(tmp_path / "run"):  # a step's rows: the training window's, the probes'
+        logged.setdefault(row["step"], {}).update(row)
+    for step in (2, 4):
+        assert np.isfinite(logged[step]["validation/raw_loss"]) and np.isfinite(logged[step]["grad_probe/total_norm"])
+    assert (tmp_path / "run" / "images" / "held_out_loss.png").is_file()
+    assert (tmp_path / "run" / "images" / "grad_per_timestep.png").is_file()

@@ -74,6 +74,7 @@ class CachedImages:
         self.held_out_images = None  # --validation_split: held out before the order exists, never trained on
         if validation_split:
             self.images, self.held_out_images = batch_order.split_held_out(self.images, validation_split, spec.seed)
+            self.pixels = batch_order.ImageSubset(self.pixels, self.images.rows)  # reference_images: the same rows
             if self.labels is not None:
                 self.labels = self.labels[self.images.rows]
         self.order = batch_order.GlobalBatchOrder(len(self.images), spec.train_batch_size * processes.num_processes,

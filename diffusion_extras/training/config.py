@@ -158,7 +158,7 @@ class TrainConfig:
     posthoc_ema_snapshot_steps: int = _f(500, "Post-hoc EMA snapshot interval (optimizer steps), fp16, into output_dir/posthoc_ema/.", resume=APPLY, group="EMA")
     # --- diagnostics ------------------------------------------------------------------
     diagnostics_bins: int = _f(10, "Timestep bins for the per-timestep loss statistics and plot.", resume=REFUSE, group="diagnostics")
-    validation_split: float | None = _f(None, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss; 0: none. None: 0.05 of the embedded digits (90 images), none of your data.", resume=REFUSE, group="diagnostics")
+    validation_split: float | None = _f(None, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss (latent runs: their latents, scored at the normalised posterior means); 0: none. None: 0.05 of the embedded digits (90 images), none of your data.", resume=REFUSE, group="diagnostics")
     validation_steps: int = _f(250, "Every N optimizer steps (and at the end): held-out loss per timestep bin with raw and EMA weights, fixed noise and timesteps (held-out images x --diagnostics_bins forwards).", resume=APPLY, group="diagnostics")
     grad_diagnostics_steps: int | None = _f(None, "Every N optimizer steps: per-timestep-bin gradient norms and shares of the total gradient on a fixed probe batch (--train_batch_size images; 2 x --diagnostics_bins backwards on the main process, off the training gradients). 0: off. None: every --validation_steps on the embedded digits, off on your data.", resume=APPLY, group="diagnostics")
     max_nonfinite_steps: int = _f(20, "Stop (saving the last good weights) after this many consecutive non-finite steps.", resume=APPLY, group="diagnostics")
@@ -494,8 +494,8 @@ def checkpoint_folder(resume_from: str, output_dir: str) -> str:
 
 def validate_latent(c: TrainConfig) -> None:
     """What latent diffusion (--pretrained_vae_model_name_or_path) does not combine with yet: the
-    latents are encoded from the centre crop, and the held-out loss and gradient probe read pixel
-    images. The VAE itself is checked when it is loaded (training/autoencoder.py)."""
+    latents are encoded from the centre crop. The VAE itself is checked when it is loaded
+    (training/autoencoder.py)."""
     vae = c.pretrained_vae_model_name_or_path
     if vae is None:
         if c.vae_subfolder is not None:
@@ -507,14 +507,9 @@ def validate_latent(c: TrainConfig) -> None:
     if missing:
         raise ConfigError(f"{flag}: no such folder (give an AutoencoderKL folder, a pipeline folder with vae/ "
                           "or a Hub id)")
-    refused = [  # (flag, given, why not with latents)
-        ("--no-center_crop", not c.center_crop, "the latents are those of the centre crop"),
-        ("--validation_split", c.validation_split, "the held-out loss reads pixel images"),
-        ("--grad_diagnostics_steps", c.grad_diagnostics_steps, "the gradient probe reads pixel images"),
-    ]
-    for name, value, why in refused:
-        if value:
-            raise ConfigError(f"{flag} does not combine with {name} ({why}): drop {name}")
+    if not c.center_crop:
+        raise ConfigError(f"{flag} does not combine with --no-center_crop (the latents are those of the centre "
+                          "crop): drop --no-center_crop")
 
 
 def validate_model_shape(model: dict, resolution: int) -> None:
