@@ -176,7 +176,8 @@ def test_streamed_and_cached_runs_train_on_the_same_latents(train, tiny_recipe, 
     """24 RGB images, cached from one parquet file, and streamed from another holding them in the
     order the cached run draws its first epoch (3 micro-batches of 8): each step trains on the same
     images, so the latents the UNet sees (flips and the posterior's draw from (seed, micro-step))
-    and the losses are those of the cached run, to the VAE's float rounding across batch sizes."""
+    and the losses are those of the cached run, to the VAE's float rounding across batch sizes.
+    The streamed run's FID compares decoded samples with the stream's pixel images."""
     from diffusion_extras.data.batch_order import GlobalBatchOrder
     from diffusion_extras.training.hooks import Hooks
     pixels = np.random.default_rng(1).integers(0, 256, (24, 8, 8, 3), dtype=np.uint8)
@@ -185,7 +186,9 @@ def test_streamed_and_cached_runs_train_on_the_same_latents(train, tiny_recipe, 
              "streamed": write_parquet_images(tmp_path / "streamed.parquet", pixels[epoch])}
     vae = save_tiny_vae(tmp_path / "vae")
     seen = {}
-    for name, extra in (("cached", ()), ("streamed", ("--streaming", "--shuffle_buffer_size", 0))):
+    streamed = ("--streaming", "--shuffle_buffer_size", 0,  # and FID after the last step: the stream's pixels
+                "--eval_steps", 3, "--eval_num_samples", 8, "--feature_extractor", "tiny")
+    for name, extra in (("cached", ()), ("streamed", streamed)):
         inputs = seen[name] = []
         hooks = Hooks(model_input=lambda run, clean, micro_step, inputs=inputs: inputs.append(clean.clone()) or clean)
         train(tiny_recipe(model=LATENT_MODEL, max_train_samples=None), tmp_path / name, "--train_data_files",
@@ -194,8 +197,9 @@ def test_streamed_and_cached_runs_train_on_the_same_latents(train, tiny_recipe, 
     assert len(seen["cached"]) == len(seen["streamed"]) == 3
     for cached, streamed in zip(seen["cached"], seen["streamed"]):
         torch.testing.assert_close(streamed, cached, rtol=1e-5, atol=1e-5)
-    losses = [[h["loss"] for h in read_history(tmp_path / name)] for name in ("cached", "streamed")]
+    losses = [[h["loss"] for h in read_history(tmp_path / name) if "loss" in h] for name in ("cached", "streamed")]
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert [h["eval/fid"] > 0 for h in read_history(tmp_path / "streamed") if "eval/fid" in h] == [True]
 
 
 def test_a_streamed_latent_run_resumes_bit_exact_with_statistics_measured_on_the_stream(train, tiny_recipe, tmp_path):
