@@ -302,3 +302,30 @@ def test_a_latent_run_logs_the_held_out_loss_and_the_gradient_probe(train, tiny_
         assert np.isfinite(logged[step]["validation/raw_loss"]) and np.isfinite(logged[step]["grad_probe/total_norm"])
     assert (tmp_path / "run" / "images" / "held_out_loss.png").is_file()
     assert (tmp_path / "run" / "images" / "grad_per_timestep.png").is_file()
+
+
+def test_two_streaming_ranks_equal_one_with_the_statistics_of_the_streams_first_images(launch, train, tiny_recipe,
+                                                                                       tmp_path):
+    """4 parquet shards of 4 RGB images, unshuffled, with a VAE config that names no scale. Rank r of
+    2 reads shards r and r + 2, so 2 ranks x 4 images hold, step by step, what 1 rank x 8 reads from
+    the shards in turn: the same global batches, flips and draws. They train alike only if every
+    rank normalises as one rank does: with the statistics of the stream's first images, measured
+    alike on each rank, not on its own shard."""
+    pixels = np.random.default_rng(3).integers(0, 256, (16, 8, 8, 3), dtype=np.uint8)
+    (tmp_path / "pq").mkdir()
+    for shard in range(4):
+        write_parquet_images(tmp_path / "pq" / f"part-{shard}.parquet", pixels[4 * shard:4 * shard + 4])
+    save_tiny_vae(tmp_path / "vae")
+    path = tmp_path / "vae" / "config.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "scaling_factor"}))
+    flags = ("--dataset_name", tmp_path / "pq", "--streaming", "--shuffle_buffer_size", 0, "--random_flip",
+             "--pretrained_vae_model_name_or_path", tmp_path / "vae", "--max_train_steps", 4)
+    two = launch(tiny_recipe(model=LATENT_MODEL, train_batch_size=4, max_train_samples=None), tmp_path / "two",
+                 *flags, ranks=2, env={"ACCELERATE_USE_CPU": "1"})
+    assert "measured on the latents of the stream's first 16 images" in two.stdout
+    assert "replicas identical on 2 processes" in two.stdout
+    train(tiny_recipe(model=LATENT_MODEL, train_batch_size=8, max_train_samples=None), tmp_path / "one", *flags)
+    w2, w1 = load_unet_weights(tmp_path / "two"), load_unet_weights(tmp_path / "one")
+    assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
+    l2, l1 = read_history(tmp_path / "two"), read_history(tmp_path / "one")
+    assert [h["loss"] for h in l2] == pytest.approx([h["loss"] for h in l1], rel=1e-5)

@@ -188,7 +188,7 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
         encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor)
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
                              encoder=encoder)
-        posterior, line = autoencoder.posterior(latent, source, encoder, config.streaming)
+        posterior, line = autoencoder.posterior(latent, source, encoder, config.streaming, accelerator)
         accelerator.print(line)
     sample = torch.from_numpy(source.reference_sample(2048))
     # sigma_data of the model input per dimension (pixels in [-1, 1], or the latent means):
