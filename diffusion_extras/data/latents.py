@@ -5,6 +5,11 @@ by one rename). What is stored is the VAE's posterior, mean and std, of the imag
 --random_flip, of its mirror (a flip of the latent is not the latent of the flip); each step draws
 its latent mean + std x eps with eps from (seed, micro-step), as EDM2 does, so a resume is bit-exact.
 
+With --streaming there is no cache: the stream's pixel batches are encoded as they arrive, on the
+accelerator (`Posterior.encoder`), each image flipped before it is encoded where the step's flip
+says, and drawn from with the same eps: the same latents as the cached path's for the same images
+(to the VAE's float rounding: its convolutions are not bit-identical across batch sizes).
+
 Stored per image as a [h, w, views x 2 x C] float32 "image" (views: 1, or 2 with flips; mean then
 std; C latent channels), so DecodedImages, MicroBatches and the batch order serve latents unchanged;
 `Posterior` turns such a batch into the UNet's normalised input.
@@ -25,6 +30,7 @@ from diffusion_extras.data.decode_cache import DecodedImages
 
 LATENT_FORMAT = 1  # bump when the stored layout of latents changes
 ENCODE_BATCH = 32  # images per VAE encoder call
+STATISTICS_IMAGES = 2048  # streamed images the per-channel statistics are measured on (a VAE config without them)
 
 
 @dataclass(frozen=True)
@@ -51,29 +57,54 @@ def vae_fingerprint(vae) -> str:
 
 @dataclass(frozen=True)
 class Posterior:
-    """How a latent run's batches [B, views x 2 x C, h, w] hold the posterior, and the UNet input
-    drawn from it: (mean + std x eps - shift) x scale, per latent channel."""
+    """How a latent run's batches hold the posterior, and the UNet input drawn from it:
+    (mean + std x eps - shift) x scale, per latent channel. Cached, a batch is the stored posteriors
+    [B, views x 2 x C, h, w]; streamed (`encoder` set), it is pixels [B, C, H, W], encoded here."""
     channels: int          # latent channels C
     views: int             # 1, or 2 with --random_flip
     shift: torch.Tensor    # [C]: the VAE config's shift_factor or latents_mean, or the measured mean
     scale: torch.Tensor    # [C]: its scaling_factor (/ latents_std), or 1 / the measured std
+    encoder: Encoder | None = None  # --streaming: the VAE that encodes each batch, on its device
 
     def latent_shape(self, batch_shape) -> tuple:
-        return (self.channels, *batch_shape[-2:])
+        factor = 1 if self.encoder is None else self.encoder.factor
+        return (self.channels, *(side // factor for side in batch_shape[-2:]))
 
     def model_input(self, batch: torch.Tensor, device, flip: torch.Tensor | None = None,
                     noise: torch.Tensor | None = None) -> torch.Tensor:
         """The normalised latent of each image (its mirror's where `flip`): mean + std x `noise`,
         or the mean alone without noise."""
+        mean, std = self.stored(batch, device, flip) if self.encoder is None else self.encoded(batch, device, flip)
+        latent = mean if noise is None else mean + std * noise
+        shift, scale = (value.to(device).view(1, -1, 1, 1) for value in (self.shift, self.scale))
+        return (latent - shift) * scale
+
+    def stored(self, batch: torch.Tensor, device, flip: torch.Tensor | None) -> tuple:
+        """(mean, std) of each image, or of its mirror where `flip`, read from stored posteriors."""
         size, _, height, width = batch.shape
         posterior = batch.to(device, non_blocking=True).view(size, self.views, 2, self.channels, height, width)
         chosen = posterior[:, 0]
         if flip is not None and self.views == 2:
             chosen = torch.where(flip.view(-1, 1, 1, 1, 1), posterior[:, 1], chosen)
-        mean, std = chosen.unbind(1)
-        latent = mean if noise is None else mean + std * noise
-        shift, scale = (value.to(device).view(1, -1, 1, 1) for value in (self.shift, self.scale))
-        return (latent - shift) * scale
+        return chosen.unbind(1)
+
+    @torch.no_grad()
+    def encoded(self, batch: torch.Tensor, device, flip: torch.Tensor | None) -> tuple:
+        """(mean, std) of each streamed image, mirrored first where `flip`, encoded ENCODE_BATCH at
+        a time on the VAE's device (outside autocast: fp32, as the cache encodes)."""
+        vae_device = next(self.encoder.vae.parameters()).device
+        pixels = batch_order.to_model_input(batch, vae_device, None if flip is None else flip.to(vae_device))
+        parts = [encode(self.encoder.vae, pixels[first:first + ENCODE_BATCH])
+                 for first in range(0, len(pixels), ENCODE_BATCH)]
+        return tuple(torch.cat(values).to(device, non_blocking=True) for values in zip(*parts))
+
+
+def encode(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE posterior's (mean, std), float32, of pixels in [-1, 1] on its device: what the cache
+    stores and what a stream's batches are turned into."""
+    with torch.autocast(pixels.device.type, enabled=False):
+        distribution = vae.encode(pixels.to(vae.dtype)).latent_dist
+    return distribution.mean.float(), distribution.std.float()
 
 
 def model_input(batch: torch.Tensor, device, flip=None, posterior: Posterior | None = None, noise=None):
@@ -97,13 +128,18 @@ def iter_encoded(images: DecodedImages, encoder: Encoder, progress: bool = False
             pixels = torch.from_numpy(np.stack([images.image(row) for row in rows])).permute(0, 3, 1, 2)
             pixels = batch_order.to_model_input(pixels, device)
             views = [pixels, pixels.flip(-1)][:encoder.views]
-            parts = []
-            for view in views:
-                distribution = encoder.vae.encode(view).latent_dist
-                parts += [distribution.mean, distribution.std]
-            stored = torch.cat(parts, dim=1).permute(0, 2, 3, 1).float().cpu().numpy()
+            parts = [part for view in views for part in encode(encoder.vae, view)]  # mean, std of each view
+            stored = torch.cat(parts, dim=1).permute(0, 2, 3, 1).cpu().numpy()
             bar.update(len(rows))
             yield from stored
+
+
+def encoded_sample(pixels: np.ndarray, encoder: Encoder) -> DecodedImages:
+    """The posteriors of stored pixel images [N, C, H, W] (a stream's first images), every view
+    encoded as the cache encodes it: what a stream's per-channel statistics are measured on."""
+    images = DecodedImages.from_arrays(list(pixels.transpose(0, 2, 3, 1)), pixels.shape[1])
+    return DecodedImages.from_arrays(list(iter_encoded(images, encoder)),
+                                     encoder.views * 2 * encoder.vae.config.latent_channels)
 
 
 def cached_latents(images: DecodedImages, encoder: Encoder, dataset, cache_dir: str | None, pixel_key: tuple,

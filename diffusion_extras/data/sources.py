@@ -75,6 +75,7 @@ class CachedImages:
         self.held_out_images = None  # --validation_split: held out before the order exists, never trained on
         if validation_split:
             self.images, self.held_out_images = batch_order.split_held_out(self.images, validation_split, spec.seed)
+            self.pixels = batch_order.ImageSubset(self.pixels, self.images.rows)  # reference_images: the same rows
             if self.labels is not None:
                 self.labels = self.labels[self.images.rows]
         self.order = batch_order.GlobalBatchOrder(len(self.images), spec.train_batch_size * processes.num_processes,
@@ -145,8 +146,8 @@ def build_source(spec: DataSpec, processes: Processes, channels: int, dataset=No
     config.validate refuses --validation_split with --streaming). `classes` (--class_conditional):
     the classes open_training_data read; the batches then carry labels. For a stream, `dataset` is
     what open_training_data returned in its place (the first stored images), or None. `encoder`
-    (latent diffusion): the cache holds each image's VAE posterior (config.validate_latent refuses
-    a stream there)."""
+    (latent diffusion): the cache holds each image's VAE posterior; a stream still serves pixels,
+    which the step encodes (latents.Posterior)."""
     if spec.streaming:
         return StreamSource(spec, processes, channels, classes, dataset)
     return CachedImages(spec, processes, channels, dataset, validation_split, classes, encoder)

@@ -274,3 +274,7 @@ class StreamSource:
 
     def reference_sample(self, count: int) -> np.ndarray:
         return stream_reference_images(self.spec, count, self.channels, self.pixels)
+
+    def reference_images(self, count: int) -> np.ndarray:
+        """FID's reference in a latent run: a stream's batches are pixels there too (sources.CachedImages)."""
+        return self.reference_sample(count)

@@ -12,6 +12,8 @@ generators, so training with and without the monitor gives identical weights.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -25,9 +27,13 @@ PROBE_STREAM = 0x67AD  # seed stream of the probe batch's timesteps and noise
 
 
 class GradientMonitor:
-    def __init__(self, probe_images: np.ndarray, num_train_timesteps: int, num_bins: int, seed: int):
-        """`probe_images`: uint8 [B, C, H, W], fixed for the run."""
+    def __init__(self, probe_images: np.ndarray, num_train_timesteps: int, num_bins: int, seed: int,
+                 clean_input: Callable = to_model_input):
+        """`probe_images`: [B, C, H, W] as the data source's batches hold them, fixed for the run;
+        `clean_input(probe_images, device)`: the UNet's clean input (pixels to [-1, 1], or in a
+        latent run latents.model_input's normalised posterior means)."""
         self.images = torch.from_numpy(np.ascontiguousarray(probe_images))
+        self.clean_input = clean_input
         edges = np.asarray(timestep_bin_edges(num_train_timesteps, num_bins))
         rng = np.random.default_rng(mix_seed(seed, PROBE_STREAM))
         count = len(probe_images)
@@ -35,13 +41,14 @@ class GradientMonitor:
         self.timesteps = torch.from_numpy(edges[:-1, None] + np.floor(rng.random((num_bins, count))
                                                                       * (edges[1:] - edges[:-1])[:, None])).long()
         generator = torch.Generator().manual_seed(mix_seed(seed, PROBE_STREAM, 1))
-        self.noise = torch.randn((num_bins,) + tuple(self.images.shape), generator=generator)
+        shape = tuple(clean_input(self.images[:1], "cpu").shape[1:])  # a latent run's: the latents'
+        self.noise = torch.randn((num_bins, count, *shape), generator=generator)
         self.num_bins = num_bins
 
     def bin_loss(self, unet, schedule, index: int, prediction_type: str, loss_type: str, huber_c: float,
                  snr_gamma: float | None, device) -> torch.Tensor:
         """The training loss (weighting included) of the probe batch at bin `index`'s timesteps."""
-        clean = to_model_input(self.images, device)
+        clean = self.clean_input(self.images, device)
         noise, timesteps = self.noise[index].to(device), self.timesteps[index].to(device)
         target = schedule.target(prediction_type, clean, noise, timesteps)
         labels = unconditional_inputs(unet, len(clean), clean.device)  # a class-conditional UNet: "no class"

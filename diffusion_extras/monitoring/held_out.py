@@ -1,12 +1,15 @@
 """Held-out per-timestep loss: a fraction of the cached images kept out of training and scored
 every --validation_steps with the raw and the EMA weights, with the same noise and timesteps each
-time, so successive values differ only because the weights did.
+time, so successive values differ only because the weights did. In a latent run the held-out
+images are posteriors, encoded once with the training ones, scored at their normalised means.
 
 The training loss per bin says how well the model fits what it trains on; the held-out loss per
 bin says how well it generalises, and raw vs EMA on the same data says whether the average has
 caught up with the weights it averages (the exported pipeline uses the EMA).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -23,14 +26,17 @@ class HeldOutLoss:
     """Every held-out image at one fixed timestep per bin (uniform within the bin), fixed noise."""
 
     def __init__(self, images: ImageSubset, resolution: Resolution, num_train_timesteps: int, num_bins: int,
-                 seed: int, batch_size: int):
+                 seed: int, batch_size: int, clean_input: Callable = to_model_input):
+        """`resolution`: the (height, width) the stored images are cropped to (a latent run's: the
+        latents'); `clean_input(stored batch, device)`: the UNet's clean input (pixels to [-1, 1], or
+        latents.model_input's normalised posterior means)."""
         self.images = torch.from_numpy(np.stack([random_crop(images.image(i), resolution, seed, VALIDATION_STREAM, i)
                                                  for i in range(len(images))])).permute(0, 3, 1, 2)
         edges = np.asarray(timestep_bin_edges(num_train_timesteps, num_bins))
         rng = np.random.default_rng(mix_seed(seed, VALIDATION_STREAM, 1))
         width = edges[1:] - edges[:-1]
         self.timesteps = torch.from_numpy(edges[:-1] + np.floor(rng.random((len(images), num_bins)) * width)).long()
-        self.num_bins, self.seed, self.batch_size = num_bins, seed, batch_size
+        self.num_bins, self.seed, self.batch_size, self.clean_input = num_bins, seed, batch_size, clean_input
 
     @torch.no_grad()
     def per_bin_loss(self, unet, schedule, prediction_type: str, device) -> np.ndarray:
@@ -45,7 +51,7 @@ class HeldOutLoss:
                 stop_flag.check()  # a preempted run gives the evaluation up between batches
                 index = torch.arange(first, min(first + self.batch_size, pairs))
                 rows, bins = index // self.num_bins, index % self.num_bins
-                clean = to_model_input(self.images[rows], device)
+                clean = self.clean_input(self.images[rows], device)
                 # Drawn on the CPU from a per-chunk seed: the same noise at every evaluation, on any device.
                 generator = torch.Generator().manual_seed(mix_seed(self.seed, VALIDATION_STREAM, 2, chunk))
                 noise = torch.randn(clean.shape, generator=generator).to(device)

@@ -8,9 +8,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
 from diffusion_extras.data import latents
 from diffusion_extras.data.spec import Resolution, as_resolution, image_size, resolution_text
 from diffusion_extras.evaluation.pipeline_latent import latent_normalization, vae_scale_factor
+from diffusion_extras.hub.download import is_offline_error, offline_reason
 from diffusion_extras.training.config import ConfigError, TrainConfig, unfitting_side
 
 VAE_SUBFOLDER = "vae"  # where a diffusers pipeline folder keeps its VAE
@@ -52,6 +56,8 @@ def read_vae_config(path: str, subfolder: str | None) -> tuple[dict, str | None]
             return AutoencoderKL.load_config(os.path.expanduser(path), subfolder=candidate), candidate
         except (OSError, ValueError) as raised:  # diffusers raises EnvironmentError for a missing config
             error = raised
+            if not os.path.isdir(os.path.expanduser(path)) and is_offline_error(error):  # a Hub id, no network
+                raise ConfigError(f"{flag}: cannot download it: {offline_reason(path)}") from None
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
     where = f" (subfolder {subfolder})" if subfolder else ""
     raise ConfigError(f"{flag}{where}: no VAE config found ({first_line}); give an AutoencoderKL folder, a pipeline "
@@ -102,20 +108,23 @@ def measures_statistics(vae) -> bool:
     return unset and (config.get("latents_mean") is None or config.get("latents_std") is None)
 
 
-def posterior(latent: LatentSpace, source, views: int) -> tuple[latents.Posterior, str]:
-    """How the UNet's latents are drawn from the source's posteriors and normalised: by the VAE
-    config (pipeline_latent.latent_normalization), or, where it has none, by the per-channel mean
-    and std of the training latents, measured once here and written into the VAE's config as
+def posterior(latent: LatentSpace, source, encoder: latents.Encoder, streamed: bool,
+              processes=None) -> tuple[latents.Posterior, str]:
+    """How the UNet's latents are drawn from the source's posteriors (`streamed`: from its pixel
+    batches, encoded by `encoder` as they come) and normalised: by the VAE config
+    (pipeline_latent.latent_normalization), or, where it has none, by the per-channel mean and std
+    of the training latents (of a stream's first STATISTICS_IMAGES images), measured once here (by
+    the main one of the `processes`, the accelerator) and written into the VAE's config as
     latents_mean / latents_std (scaling_factor 1), so the exported vae/ decodes with them. Returns
     it with the line that says which."""
     vae = latent.vae
     config = vae.config
     if measures_statistics(vae):
-        mean, std = latents.channel_statistics(source.images, latent.channels)
+        mean, std, measured = measure_statistics(latent, source, encoder, streamed, processes)
         vae.register_to_config(latents_mean=[float(v) for v in mean], latents_std=[float(v) for v in std],
                                scaling_factor=1.0)
-        line = ("latents: normalised by their per-channel mean and std, measured on the training latents (the "
-                "VAE config names no scale) and saved as latents_mean / latents_std in the exported vae/")
+        line = (f"latents: normalised by their per-channel mean and std, measured on {measured} (the VAE config "
+                "names no scale) and saved as latents_mean / latents_std in the exported vae/")
     elif config.get("latents_mean") is not None and config.get("latents_std") is not None:
         line = ("latents: normalised by the VAE config's latents_mean / latents_std x scaling_factor "
                 f"{config.scaling_factor:g}")
@@ -123,4 +132,27 @@ def posterior(latent: LatentSpace, source, views: int) -> tuple[latents.Posterio
         line = (f"latents: normalised by the VAE config's scaling_factor {config.scaling_factor:g}"
                 + (f" and shift_factor {config.shift_factor:g}" if config.get("shift_factor") else ""))
     shift, scale = latent_normalization(vae.config, latent.channels)
-    return latents.Posterior(latent.channels, views, shift, scale), line
+    return latents.Posterior(latent.channels, encoder.views, shift, scale, encoder if streamed else None), line
+
+
+def measure_statistics(latent: LatentSpace, source, encoder: latents.Encoder, streamed: bool, processes=None) -> tuple:
+    """(mean, std per latent channel, what they were measured on): on the cached latents, or on a
+    stream's first images encoded here. With several `processes` the main process measures and
+    sends them to every rank: each rank's own encoding could round differently on its GPU, and P
+    ranks must normalise as one does."""
+    main = processes is None or processes.is_main_process
+    if not main:
+        mean = std = np.zeros(latent.channels)
+        measured = "the main process's"
+    elif streamed:
+        stored = latents.encoded_sample(source.reference_sample(latents.STATISTICS_IMAGES), encoder)
+        measured = f"the latents of the stream's first {len(stored)} images"
+        mean, std = latents.channel_statistics(stored, latent.channels)
+    else:
+        measured = "the training latents"
+        mean, std = latents.channel_statistics(source.images, latent.channels)
+    if processes is not None and processes.num_processes > 1:
+        from accelerate.utils import broadcast
+        both = broadcast(torch.from_numpy(np.stack([mean, std])).to(processes.device), from_process=0)
+        mean, std = both.cpu().numpy()
+    return mean, std, measured

@@ -2,6 +2,7 @@
 returns the typed Run (run_state.py); each builder returns what it makes."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -13,6 +14,7 @@ from diffusion_extras.core.optimization import make_optimizer
 from diffusion_extras.core.phema import PowerFunctionEMA
 from diffusion_extras.core.timesteps import make_timestep_sampler
 from diffusion_extras.data import latents, sources
+from diffusion_extras.data.spec import Resolution
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
@@ -100,7 +102,7 @@ def prepare_evaluation_and_probes(run: Run) -> None:
     config, accelerator = run.config, run.accelerator
     if accelerator.is_main_process:
         run.extras.evaluation = artifacts.prepare_evaluation(config, run.data.source, accelerator.device)
-        run.extras.grad_monitor = make_grad_monitor(config, run.plan, run.data.source)
+        run.extras.grad_monitor = make_grad_monitor(config, run.plan, run.data.source, clean_input(run.data))
         write_reference_bins(run)  # on-demand reports of a running or killed run use it
     if config.eval_steps is not None and accelerator.num_processes > 1:
         # the other ranks sample and extract their share of FID images (artifacts.evaluate); they build
@@ -132,7 +134,8 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
     learner = build_learner(config, accelerator, plan, unet, lr_schedule, base, latent_record(training_data))
     objective = build_objective(config, accelerator, noise_scheduler)
-    extras = build_extras(config, accelerator, plan, learner.unet, held_out_images, training_data.class_names)
+    extras = build_extras(config, accelerator, plan, learner.unet, held_out_images, training_data.class_names,
+                          latent.size if latent else config.resolution, clean_input(training_data))
     register_checkpointed_state(accelerator, learner, objective, extras)
     progress = Progress(step_lr=learner.peak_lr,
                         input_statistics=torch.full((4,), float("nan"), device=accelerator.device),
@@ -177,15 +180,16 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
                data_source=sources.build_source, latent: autoencoder.LatentSpace | None = None) -> tuple:
     """(the training data, the held-out images or None): the data source (decode-once cache or
     this rank's shard of a stream, with the `classes` open_training_data read; with a `latent`
-    space, the images' posteriors, encoded once on this device) and sigma_data."""
+    space, the images' posteriors, encoded once on this device, or a stream's pixels, encoded as
+    they come) and sigma_data."""
     if latent is None:
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
         encoder = posterior = None
-    else:
+    else:  # cached: the source holds posteriors; streamed: pixels, which the posterior encodes each step
         encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor)
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
                              encoder=encoder)
-        posterior, line = autoencoder.posterior(latent, source, encoder.views)
+        posterior, line = autoencoder.posterior(latent, source, encoder, config.streaming, accelerator)
         accelerator.print(line)
     sample = torch.from_numpy(source.reference_sample(2048))
     # sigma_data of the model input per dimension (pixels in [-1, 1], or the latent means):
@@ -301,9 +305,11 @@ def register_checkpointed_state(accelerator, learner: Learner, objective: Object
 
 
 def build_extras(config: TrainConfig, accelerator, plan: Plan, unet, held_out_images,
-                 class_names: list | None = None) -> Extras:
+                 class_names: list | None = None, held_out_size: Resolution | None = None,
+                 held_out_input=latents.model_input) -> Extras:
     """Diagnostics (per class too with `class_names`), EMA (with the plan's decay settings), post-hoc
-    EMA, the held-out loss."""
+    EMA, the held-out loss (on images stored at `held_out_size`, default --resolution, made the
+    UNet's clean input by `held_out_input`: see clean_input)."""
     parameters = list(unet.parameters())
     extras = Extras(
         diagnostics=diagnostics.TimestepDiagnostics(config.ddpm_num_steps, config.diagnostics_bins, accelerator.device,
@@ -316,17 +322,26 @@ def build_extras(config: TrainConfig, accelerator, plan: Plan, unet, held_out_im
     if config.posthoc_ema:
         extras.posthoc_ema = PowerFunctionEMA(parameters)
     if held_out_images is not None:  # never trained on: split off before the batch order exists
-        extras.held_out = validation.HeldOutLoss(held_out_images, config.resolution, config.ddpm_num_steps,
-                                                 config.diagnostics_bins, config.seed, config.train_batch_size)
+        extras.held_out = validation.HeldOutLoss(held_out_images, held_out_size or config.resolution,
+                                                 config.ddpm_num_steps, config.diagnostics_bins, config.seed,
+                                                 config.train_batch_size, held_out_input)
     return extras
 
 
-def make_grad_monitor(config: TrainConfig, plan: Plan, source):
-    """The per-timestep gradient monitor on a fixed probe batch of training images, or None."""
+def make_grad_monitor(config: TrainConfig, plan: Plan, source, probe_input=latents.model_input):
+    """The per-timestep gradient monitor on a fixed probe batch of training images (made the UNet's
+    clean input by `probe_input`: see clean_input), or None."""
     if not plan.grad_diagnostics_steps:
         return None
     return GradientMonitor(source.reference_sample(config.train_batch_size), config.ddpm_num_steps,
-                           config.diagnostics_bins, config.seed)
+                           config.diagnostics_bins, config.seed, probe_input)
+
+
+def clean_input(data: Data):
+    """(a source's stored batch, device) -> the UNet's clean input, for the held-out loss and the
+    gradient probe: pixels in [-1, 1], or in a latent run the normalised posterior means (no draw:
+    the same input at every measurement)."""
+    return functools.partial(latents.model_input, posterior=data.posterior)
 
 
 def start_trackers(run: Run) -> None:

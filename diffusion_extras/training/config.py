@@ -119,7 +119,7 @@ class TrainConfig:
     # --- model ------------------------------------------------------------------------
     model_config_name_or_path: str | None = _f(None, "UNet2DModel config: a folder (with config.json, or a pipeline folder's unet/), a JSON file or a Hub id (read with diffusers' load_config, as diffusers does). Default: the recipe's `model`.", resume=FREE, group="model")
     pretrained_model_name_or_path: str | None = _f(None, "Fine-tune a DDPMPipeline: a Hub id (e.g. google/ddpm-cifar10-32) or a local folder (diffusers' or this trainer's export, class-conditional included). The run starts from its UNet's weights (the EMA too) and shape and its scheduler's settings (--resolution defaults to its sample_size); where you set none, its loss weighting (--snr_gamma: its training_config.yaml's, else 0, DDPM's unweighted loss) and a fine-tuning recipe for its size N in parameters: --learning_rate a tenth of 2e-4 (N / 35.7M)^(-2/3), --lr_warmup_steps half of 100 (N / 1.1M)^(1/3), --max_train_steps 600 (docs/hub.md: Fine-tuning a pretrained pipeline).", resume=REFUSE, group="model")
-    pretrained_vae_model_name_or_path: str | None = _f(None, "Latent diffusion: train the UNet on the latents of this AutoencoderKL (a Hub id or a folder of one, or a pipeline folder with vae/), loaded with from_pretrained and frozen. The UNet follows its latents: their channels, sample_size = --resolution / the VAE's downsampling factor; the images are encoded once and the export decodes (docs/data.md: Latent diffusion).", resume=REFUSE, group="model")
+    pretrained_vae_model_name_or_path: str | None = _f(None, "Latent diffusion: train the UNet on the latents of this AutoencoderKL (a Hub id or a folder of one, or a pipeline folder with vae/), loaded with from_pretrained and frozen. The UNet follows its latents: their channels, sample_size = --resolution / the VAE's downsampling factor; the images are encoded once (cached), or each streamed batch as it comes on the accelerator (--streaming; a VAE config without a scale is normalised by statistics measured on the stream's first 2048 images), and the export decodes (docs/data.md: Latent diffusion).", resume=REFUSE, group="model")
     vae_subfolder: str | None = _f(None, "The VAE's subfolder in --pretrained_vae_model_name_or_path (default: vae/ where the folder has one, else the folder itself).", resume=REFUSE, group="model")
     model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape), trained with that script's optimization where you set none (docs/flags.md: Coming from diffusers).", resume=REFUSE, cli=False, group="model")
     # --- objective --------------------------------------------------------------------
@@ -158,7 +158,7 @@ class TrainConfig:
     posthoc_ema_snapshot_steps: int = _f(500, "Post-hoc EMA snapshot interval (optimizer steps), fp16, into output_dir/posthoc_ema/.", resume=APPLY, group="EMA")
     # --- diagnostics ------------------------------------------------------------------
     diagnostics_bins: int = _f(10, "Timestep bins for the per-timestep loss statistics and plot.", resume=REFUSE, group="diagnostics")
-    validation_split: float | None = _f(None, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss; 0: none. None: 0.05 of the embedded digits (90 images), none of your data.", resume=REFUSE, group="diagnostics")
+    validation_split: float | None = _f(None, "Fraction of the cached training images held out (seeded split) for the held-out per-timestep loss (latent runs: their latents, scored at the normalised posterior means); 0: none. None: 0.05 of the embedded digits (90 images), none of your data.", resume=REFUSE, group="diagnostics")
     validation_steps: int = _f(250, "Every N optimizer steps (and at the end): held-out loss per timestep bin with raw and EMA weights, fixed noise and timesteps (held-out images x --diagnostics_bins forwards).", resume=APPLY, group="diagnostics")
     grad_diagnostics_steps: int | None = _f(None, "Every N optimizer steps: per-timestep-bin gradient norms and shares of the total gradient on a fixed probe batch (--train_batch_size images; 2 x --diagnostics_bins backwards on the main process, off the training gradients). 0: off. None: every --validation_steps on the embedded digits, off on your data.", resume=APPLY, group="diagnostics")
     max_nonfinite_steps: int = _f(20, "Stop (saving the last good weights) after this many consecutive non-finite steps.", resume=APPLY, group="diagnostics")
@@ -516,8 +516,8 @@ def checkpoint_folder(resume_from: str, output_dir: str) -> str:
 
 def validate_latent(c: TrainConfig) -> None:
     """What latent diffusion (--pretrained_vae_model_name_or_path) does not combine with yet: the
-    latents are encoded once from the centre crop, and the held-out loss, gradient probe and FID
-    read pixel images. The VAE itself is checked when it is loaded (training/autoencoder.py)."""
+    latents are encoded from the centre crop. The VAE itself is checked when it is loaded
+    (training/autoencoder.py)."""
     vae = c.pretrained_vae_model_name_or_path
     if vae is None:
         if c.vae_subfolder is not None:
@@ -529,15 +529,9 @@ def validate_latent(c: TrainConfig) -> None:
     if missing:
         raise ConfigError(f"{flag}: no such folder (give an AutoencoderKL folder, a pipeline folder with vae/ "
                           "or a Hub id)")
-    refused = [  # (flag, given, why not with latents)
-        ("--streaming", c.streaming, "the latents are encoded once, from the decode-once cache"),
-        ("--no-center_crop", not c.center_crop, "the latents are encoded once, from the centre crop"),
-        ("--validation_split", c.validation_split, "the held-out loss reads pixel images"),
-        ("--grad_diagnostics_steps", c.grad_diagnostics_steps, "the gradient probe reads pixel images"),
-    ]
-    for name, value, why in refused:
-        if value:
-            raise ConfigError(f"{flag} does not combine with {name} ({why}): drop {name}")
+    if not c.center_crop:
+        raise ConfigError(f"{flag} does not combine with --no-center_crop (the latents are those of the centre "
+                          "crop): drop --no-center_crop")
 
 
 def validate_model_shape(model: dict, resolution: Resolution) -> None:

@@ -85,9 +85,7 @@ def optimization_values(config, recipe: dict) -> dict:
 def extras_switches(config, embedded_digits: bool) -> dict:
     """--validation_split and --grad_diagnostics_steps left unset: on for the embedded digits (the
     default run shows the held-out and gradient plots), off for your data, where a held-out part
-    is yours to choose and the probe costs 2 x --diagnostics_bins backward passes. Both read pixel
-    images: off for latent runs (config.validate_latent refuses them there)."""
-    embedded_digits = embedded_digits and not config.pretrained_vae_model_name_or_path
+    is yours to choose and the probe costs 2 x --diagnostics_bins backward passes."""
     split = config.validation_split
     if split is None:
         split = HELD_OUT_FRACTION_DIGITS if embedded_digits else 0.0
