@@ -329,3 +329,16 @@ def test_two_streaming_ranks_equal_one_with_the_statistics_of_the_streams_first_
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
     l2, l1 = read_history(tmp_path / "two"), read_history(tmp_path / "one")
     assert [h["loss"] for h in l2] == pytest.approx([h["loss"] for h in l1], rel=1e-5)
+
+
+def test_the_model_card_says_how_the_latents_were_normalised(tmp_path, fresh_accelerate):
+    """The start-up line's normalisation reaches the Hub model card (the VAE config's scaling_factor here)."""
+    from conftest import tiny_run
+
+    from diffusion_extras.hub.push import write_model_card
+    from diffusion_extras.training.periodic import model_card
+    run = tiny_run(tmp_path, "--pretrained_vae_model_name_or_path", save_tiny_vae(tmp_path / "vae"), model=LATENT_MODEL)
+    (tmp_path / "card").mkdir()
+    text = open(write_model_card(str(tmp_path / "card"), {**model_card(run), "repo_id": "user/latent"})).read()
+    run.accelerator.end_training()
+    assert "decodes its samples. Its latents were normalised by the VAE config's scaling_factor 0.18215." in text

@@ -184,7 +184,7 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
     they come) and sigma_data."""
     if latent is None:
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
-        encoder = posterior = None
+        encoder = posterior = line = None
     else:  # cached: the source holds posteriors; streamed: pixels, which the posterior encodes each step
         encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor)
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
@@ -199,7 +199,8 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
     training_data = Data(source=source, sigma_data=sigma_data, class_names=getattr(source, "class_names", None),
                          global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
                          gradient_accumulation_steps=config.gradient_accumulation_steps, posterior=posterior,
-                         vae=latent.vae if latent else None, vae_fingerprint=encoder.fingerprint if encoder else None)
+                         vae=latent.vae if latent else None, vae_fingerprint=encoder.fingerprint if encoder else None,
+                         latent_normalization=line)
     return training_data, source.held_out_images
 
 

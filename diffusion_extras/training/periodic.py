@@ -141,7 +141,8 @@ def model_card(run: Run) -> dict:
             "images_seen": run.data.images_seen(run.progress.global_step), "metrics": run.progress.last_metrics,
             "dataset_name": config.dataset_name or ("sklearn digits" if embedded else None),
             "_redact": list(run.secrets), "class_names": run.data.class_names,
-            "base_model": config.pretrained_model_name_or_path, "vae": config.pretrained_vae_model_name_or_path}
+            "base_model": config.pretrained_model_name_or_path, "vae": config.pretrained_vae_model_name_or_path,
+            "latent_normalization": run.data.latent_normalization}
 
 
 def write_reference_bins(run: Run) -> dict:
