@@ -12,7 +12,10 @@ preprocessing and shrunk to 8x8 (snr_experiment.classifier_input). Reported:
   fid_classifier: Frechet distance of the classifier's 10 logits, samples vs the held-out digits;
   floor:          the same distance for real training-split digits vs the held-out digits, i.e. the
                   best a generator can score at this resolution and sample count;
+  vae_floor:      (a latent run) the same distance for those real digits encoded and decoded by its
+                  VAE: the best its latents allow;
   confident / coverage as in snr_experiment.py.
+A latent run: `-- --pretrained_vae_model_name_or_path digits-vae` (bench/train_digits_vae.py).
 A recipe change is judged by how far above the floor it ends, or the budget it needs to reach it.
 --time_budget first times a short calibration run and trains the steps that fit (the LR schedule
 then completes within the budget, as it would for a step budget).
@@ -107,6 +110,7 @@ class DigitScorer:
     held_out: np.ndarray  # uint8 [N, H, W, 1]
     held_out_labels: np.ndarray
     floor: float  # classifier FID of real training-split digits vs the held-out digits
+    real: np.ndarray | None = None  # those training-split digits, uint8 [N, H, W, 1]
 
     @classmethod
     def for_recipe(cls, recipe: str | None, extra: list[str], num_samples: int) -> DigitScorer:
@@ -116,7 +120,7 @@ class DigitScorer:
         training, labels, held_out, held_out_labels = real_digits(recipe, extra)
         classifier = LogisticRegression(max_iter=2000).fit(classifier_input(training), labels)
         real = training[np.random.default_rng(1).permutation(len(training))[:num_samples]]
-        return cls(classifier, held_out, held_out_labels, classifier_fid(classifier, real, held_out))
+        return cls(classifier, held_out, held_out_labels, classifier_fid(classifier, real, held_out), real)
 
     def predict(self, images: np.ndarray) -> np.ndarray:
         return self.classifier.predict(classifier_input(images))
@@ -142,8 +146,21 @@ def evaluate(run_dir: str, scorer: DigitScorer, num_samples: int) -> dict:
     samples = sampling.generate(pipeline.unet, scheduler, num_samples, 50, seed=1, batch_size=128,
                                 vae=getattr(pipeline, "vae", None))
     sampling.image_grid(samples[:64]).save(os.path.join(run_dir, "quality_samples_grid.png"))
-    return {"fid_classifier": scorer.fid(samples), **score_digits(scorer.classifier, samples),
-            "real_confident_coverage": score_digits(scorer.classifier, scorer.held_out)}
+    report = {"fid_classifier": scorer.fid(samples), **score_digits(scorer.classifier, samples),
+              "real_confident_coverage": score_digits(scorer.classifier, scorer.held_out)}
+    # the best its latents allow: the floor's digits through the VAE
+    if getattr(pipeline, "vae", None) is not None and scorer.real is not None:
+        report["vae_floor"] = scorer.fid(reconstructed(pipeline.vae, scorer.real))
+    return report
+
+
+def reconstructed(vae, images: np.ndarray) -> np.ndarray:
+    """uint8 [N, H, W, C] images encoded (posterior means) and decoded by `vae`."""
+    import torch
+    pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+    with torch.no_grad():
+        decoded = vae.decode(vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean).sample.float().cpu()
+    return ((decoded.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
 
 
 def export_checkpoint(recipe: str | None, extra: list[str], checkpoint: str, folder: str) -> str:
@@ -329,7 +346,8 @@ def main(argv=None) -> None:
         print(f"real-data floor {result['floor']:.3f} after {steps} steps")
     else:
         print(f"classifier FID {result['fid_classifier']:.3f} after {steps} steps; "
-              f"real-data floor {result['floor']:.3f}")
+              f"real-data floor {result['floor']:.3f}"
+              + (f"; the VAE's reconstructions {result['vae_floor']:.3f}" if "vae_floor" in result else ""))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 from conftest import TINY_RECIPE, load_bench_module
+from PIL import Image
 from processes import run_command
 
 
@@ -41,6 +42,24 @@ def test_time_budget_calibrates_then_trains_the_steps_that_fit(tmp_path, tiny_re
     expected = int((budget_seconds - budget["startup_seconds"]) / budget["seconds_per_step"])
     assert report["steps"] == budget["steps"] == max(1, expected) and np.isfinite(report["fid_classifier"])
     assert (out / f"run-{report['steps']}" / "model_index.json").is_file()
+
+
+def test_a_latent_run_is_scored_on_decoded_samples_beside_its_vaes_reconstruction_floor(tmp_path, tiny_recipe):
+    """The samples are decoded by the export's VAE (grayscale digits-sized images the classifier
+    reads), and vae_floor is the classifier FID of the floor's real digits after the VAE."""
+    from test_autoencoder import LATENT_MODEL, save_tiny_vae
+    vae = save_tiny_vae(tmp_path / "vae", in_channels=1, out_channels=1)
+    out = tmp_path / "quality"
+    result = run_quality(tmp_path, "--max_train_steps", "2", "--num_samples", "16",
+                         "--config", tiny_recipe(model=LATENT_MODEL), "--out", str(out),
+                         "--", "--pretrained_vae_model_name_or_path", vae)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
+    assert all(math.isfinite(report[k]) and report[k] > 0 for k in ("fid_classifier", "floor", "vae_floor"))
+    assert report["vae_floor"] != report["floor"]  # an untrained VAE's reconstructions are not the real digits
+    assert "the VAE's reconstructions" in result.stdout
+    with Image.open(out / "run-2" / "quality_samples_grid.png") as grid:  # 16 decoded 8 px images, not 4 px latents
+        assert grid.size == (2 + 4 * (8 + 2),) * 2 and grid.mode == "L"
 
 
 def test_conditional_accuracy_is_scored_against_the_requested_labels():
