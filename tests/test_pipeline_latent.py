@@ -58,6 +58,8 @@ def test_the_export_holds_the_vae_and_the_pipeline_files_and_the_grid_is_decoded
                      "pipeline_class_conditional.py"):
             assert (run / name).is_file(), name
         assert json.loads((run / "unet" / "config.json").read_text())["sample_size"] == 4
+        # latents are not clipped to the pixels' [-1, 1] while sampling (in training and from the export)
+        assert json.loads((run / "scheduler" / "scheduler_config.json").read_text())["clip_sample"] is False
     # 4 decoded 8 px RGB images, 2 a row (a latent grid would be 4 px images of 2 channels)
     grid = Image.open(latent_runs[0] / "samples" / "step_000002.png")
     assert grid.size == (2 + 2 * 10, 2 + 2 * 10) and grid.mode == "RGB"

@@ -15,16 +15,20 @@ from diffusers import DDPMScheduler
 
 
 def ddpm_scheduler(num_train_timesteps: int = 1000, beta_schedule: str = "linear", prediction_type: str = "epsilon",
-                   rescale_betas_zero_snr: bool = False, variance_type: str = "fixed_small") -> DDPMScheduler:
+                   rescale_betas_zero_snr: bool = False, variance_type: str = "fixed_small",
+                   clip_sample: bool = True) -> DDPMScheduler:
     """The run's DDPMScheduler: its betas define the noise schedule, and it is exported with the
-    pipeline; its variance_type (learned_range for a 2C-output UNet) is what DDPMPipeline samples with."""
+    pipeline; its variance_type (learned_range for a 2C-output UNet) is what DDPMPipeline samples with.
+    `clip_sample`: whether sampling clips each x0 estimate to [-1, 1], the pixels' range (diffusers'
+    default); off for latents, which are not bounded so (Stable Diffusion's schedulers set it off)."""
     # Zero terminal SNR needs sampling to start at t = T-1 (Lin et al. 2024, Sec. 3.3): "trailing"
     # spacing does, diffusers' default "leading" starts below it. Set here, the exported scheduler
     # config carries it, so DDPMPipeline.from_pretrained samples from the zero-SNR step too.
     spacing = "trailing" if rescale_betas_zero_snr else "leading"
     return DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule,
                          prediction_type=prediction_type, timestep_spacing=spacing,
-                         rescale_betas_zero_snr=rescale_betas_zero_snr, variance_type=variance_type)
+                         rescale_betas_zero_snr=rescale_betas_zero_snr, variance_type=variance_type,
+                         clip_sample=clip_sample)
 
 
 def log_alphas_cumprod(betas: torch.Tensor) -> torch.Tensor:

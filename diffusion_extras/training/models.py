@@ -189,7 +189,8 @@ def build_noise_scheduler(config: TrainConfig, base_scheduler: dict | None = Non
     """The run's DDPMScheduler from the config; fine-tuning (`base_scheduler`: the pipeline's
     scheduler config), that scheduler with the config's values for the fields the config names
     (pretrained.resolve took them from it unless the user set them): its betas' range, clipping
-    and timestep spacing stay the pipeline's."""
+    and timestep spacing stay the pipeline's. A latent run's scheduler does not clip its x0 estimates
+    to the pixels' [-1, 1]: normalised latents of unit variance lie beyond it a third of the time."""
     if base_scheduler is not None:
         from diffusers import DDPMScheduler
         return DDPMScheduler.from_config(
@@ -197,7 +198,8 @@ def build_noise_scheduler(config: TrainConfig, base_scheduler: dict | None = Non
             prediction_type=config.prediction_type, variance_type=config.variance_type,
             rescale_betas_zero_snr=config.rescale_betas_zero_snr)
     return losses.ddpm_scheduler(config.ddpm_num_steps, config.ddpm_beta_schedule, config.prediction_type,
-                                 config.rescale_betas_zero_snr, config.variance_type)
+                                 config.rescale_betas_zero_snr, config.variance_type,
+                                 clip_sample=config.pretrained_vae_model_name_or_path is None)
 
 
 def count_parameters(model) -> int:
