@@ -142,6 +142,25 @@ def test_a_vae_changed_under_the_same_path_is_refused_on_resume(train, tiny_reci
 
 
 # ----------------------------------------------------------------------------- streamed latents
+def test_a_latent_run_killed_while_saving_resumes_from_the_checkpoint_before_bit_exact(launch, train, tiny_recipe,
+                                                                                        tmp_path):
+    """SIGKILL in its own process while checkpoint-6 is written: the resume starts from checkpoint-3
+    and ends as a straight run does (weights, optimizer state)."""
+    folder = save_random_images(tmp_path / "images", 16, 8, 8)
+    recipe = tiny_recipe(model=LATENT_MODEL, checkpointing_steps=3, train_batch_size=8)
+    flags = ("--train_data_dir", folder, "--pretrained_vae_model_name_or_path", save_tiny_vae(tmp_path / "vae"),
+             "--random_flip", "--max_train_steps", 6, "--cache_dir", tmp_path / "cache")
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    train(recipe, straight, *flags)
+    assert launch(recipe, killed, *flags, faults=("--sigkill_in_save", 6), check=False).returncode == -9
+    assert not (killed / "checkpoint-6").exists() and (killed / "checkpoint-3").is_dir()
+    assert "at optimizer step 3" in train(recipe, killed, *flags, "--resume_from_checkpoint", "latest").stdout
+    a, b = (load_file(run / "checkpoint-6" / "model.safetensors") for run in (straight, killed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a, b = (torch.load(run / "checkpoint-6" / "optimizer.bin", weights_only=True) for run in (straight, killed))
+    assert all(torch.equal(x["exp_avg_sq"], y["exp_avg_sq"]) for x, y in zip(a["state"].values(), b["state"].values()))
+
+
 def write_parquet_images(path, images: np.ndarray) -> str:
     """[N, H, W, 3] uint8 images as one parquet file, in this order; returns its path."""
     import datasets
