@@ -98,6 +98,28 @@ def test_a_resolution_the_vae_cannot_encode_is_one_line_before_training(tmp_path
     assert not os.path.exists(tmp_path / "run" / "logs")
 
 
+def latent_unet_at(tmp_path, resolution: str, factor: int):
+    """The UNet a digits run with no model chosen builds on a tiny VAE of downsampling `factor`."""
+    blocks = [8] * (factor.bit_length())  # factor 2: 2 blocks, 4: 3 blocks
+    vae = save_tiny_vae(tmp_path / f"vae{factor}", block_out_channels=blocks,
+                        down_block_types=["DownEncoderBlock2D"] * len(blocks),
+                        up_block_types=["UpDecoderBlock2D"] * len(blocks))
+    config = parse_config(["--output_dir", str(tmp_path / "run"), "--resolution", resolution,
+                           "--pretrained_vae_model_name_or_path", vae])
+    space = autoencoder.load_latent_space(config)
+    return models.build_unet(config, models.follow_data(config, 1, None, space).model, space)
+
+
+def test_latents_the_unet_cannot_halve_are_refused_naming_the_pixel_resolution(tmp_path):
+    """16x24 px through the digits UNet (3 blocks): a factor-2 VAE's 8x12 latents halve twice, a
+    factor-4 VAE's 4x6 do not; the message names the --resolution given and the pixel multiple."""
+    assert latent_unet_at(tmp_path, "16,24", 2).config.sample_size == [8, 12]
+    with pytest.raises(ConfigError) as refused:
+        latent_unet_at(tmp_path, "16,24", 4)
+    assert str(refused.value) == ("--resolution 16x24: its width 24 cannot be halved 2 times by the UNet's 3 "
+                                  "blocks after the VAE's factor 4; use a multiple of 16 (e.g. 16)")
+
+
 def test_what_latent_runs_do_not_combine_with_is_refused(tmp_path):
     vae = save_tiny_vae(tmp_path / "vae")
     with pytest.raises(ConfigError, match="does not combine with --no-center_crop"):

@@ -534,15 +534,18 @@ def validate_latent(c: TrainConfig) -> None:
                           "crop): drop --no-center_crop")
 
 
-def validate_model_shape(model: dict, resolution: Resolution) -> None:
-    """The UNet halves the image once per down block but the last: each side must allow it."""
+def validate_model_shape(model: dict, resolution: Resolution, vae_factor: int = 1) -> None:
+    """The UNet halves its input once per down block but the last: each side of --resolution must
+    allow it (in a latent run, after the VAE's downsampling by `vae_factor`). The message names the
+    pixel sides the user gave."""
     blocks = model.get("block_out_channels") or [224, 448, 672, 896]  # UNet2DModel's default
     halvings = len(blocks) - 1
-    multiple = 2 ** halvings
+    multiple = 2 ** halvings * vae_factor
     unfitting = unfitting_side(resolution, multiple)
     if unfitting:
         named, side = unfitting
-        raise ConfigError(f"{named} cannot be halved {halvings} times by the UNet's {len(blocks)} blocks; "
+        after = f" after the VAE's factor {vae_factor}" if vae_factor > 1 else ""
+        raise ConfigError(f"{named} cannot be halved {halvings} times by the UNet's {len(blocks)} blocks{after}; "
                           f"use a multiple of {multiple} (e.g. {side - side % multiple or multiple})")
 
 

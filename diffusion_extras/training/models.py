@@ -46,7 +46,7 @@ def unet_config(config: TrainConfig, model: dict | None = None, latent: LatentSp
         raise ConfigError(f"the UNet outputs {outputs} channels for {channels}-channel images: a learned-variance "
                           "UNet; add --variance_type learned_range")
     values["out_channels"] = expected  # the prediction and, with a learned variance, its C values
-    validate_model_shape(values, values["sample_size"])
+    validate_model_shape(values, config.resolution, latent.factor if latent else 1)
     return values
 
 
