@@ -3,6 +3,7 @@ and its source files; loaded without the package (trust_remote_code), it decodes
 unconditional and class-conditional, with any scheduler, and output_type="latent" gives latents."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -142,6 +143,12 @@ def test_fine_tuning_a_latent_export_takes_its_vae_and_exports_a_latent_pipeline
         in result.stdout
     index = json.loads((tmp_path / "tuned" / "model_index.json").read_text())
     assert index["_class_name"] == ["pipeline_latent", "LatentDiffusionPipeline"]
+    older = shutil.copytree(base, tmp_path / "older")  # exported when latent runs still clipped x0 to [-1, 1]
+    scheduler = older / "scheduler" / "scheduler_config.json"
+    scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "clip_sample": True}))
+    train(tiny_recipe(), tmp_path / "from-older", "--pretrained_model_name_or_path", older, "--max_train_steps", 1)
+    assert json.loads((tmp_path / "from-older" / "scheduler" / "scheduler_config.json").read_text())["clip_sample"] \
+        is False
     refused = train(tiny_recipe(), tmp_path / "pixels", "--pretrained_model_name_or_path", base,
                     "--pretrained_vae_model_name_or_path", base / "vae", "--resolution", 16, "--max_train_steps", 1,
                     check=False)

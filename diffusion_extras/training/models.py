@@ -191,15 +191,16 @@ def build_noise_scheduler(config: TrainConfig, base_scheduler: dict | None = Non
     (pretrained.resolve took them from it unless the user set them): its betas' range, clipping
     and timestep spacing stay the pipeline's. A latent run's scheduler does not clip its x0 estimates
     to the pixels' [-1, 1]: normalised latents of unit variance lie beyond it a third of the time."""
+    latent = config.pretrained_vae_model_name_or_path is not None
     if base_scheduler is not None:
         from diffusers import DDPMScheduler
-        return DDPMScheduler.from_config(
+        return DDPMScheduler.from_config(  # a latent base exported with clip_sample on loses it
             base_scheduler, num_train_timesteps=config.ddpm_num_steps, beta_schedule=config.ddpm_beta_schedule,
             prediction_type=config.prediction_type, variance_type=config.variance_type,
-            rescale_betas_zero_snr=config.rescale_betas_zero_snr)
+            rescale_betas_zero_snr=config.rescale_betas_zero_snr, **({"clip_sample": False} if latent else {}))
     return losses.ddpm_scheduler(config.ddpm_num_steps, config.ddpm_beta_schedule, config.prediction_type,
                                  config.rescale_betas_zero_snr, config.variance_type,
-                                 clip_sample=config.pretrained_vae_model_name_or_path is None)
+                                 clip_sample=not latent)
 
 
 def count_parameters(model) -> int:
