@@ -66,8 +66,8 @@ def test_a_vae_without_a_scale_gets_the_measured_statistics_saved_in_its_config(
     class Source:  # what posterior() reads of a source: its stored posteriors
         images = stored
     space = autoencoder.LatentSpace(vae, vae_folder, 3, 2, 2, 4)
-    posterior, line = autoencoder.posterior(space, Source, latents.Encoder.of(vae, False, 2), streamed=False)
-    assert line.startswith("latents: normalised by their per-channel mean and std, measured on the training")
+    posterior, normalisation = autoencoder.posterior(space, Source, latents.Encoder.of(vae, False, 2), streamed=False)
+    assert normalisation.startswith("normalised by their per-channel mean and std, measured on the training")
     assert vae.config.scaling_factor == 1.0 and len(vae.config.latents_mean) == 2
     batch = torch.from_numpy(np.stack([stored.image(i) for i in range(40)])).permute(0, 3, 1, 2)
     # the normalised latents' moments, exactly: E[z] = E[mean], E[z^2] = E[mean^2 + std^2]

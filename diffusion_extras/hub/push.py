@@ -157,8 +157,8 @@ def write_model_card(folder: str, info: dict) -> str:
     folder/images/), dataset_name, license, title, class_names (a class-conditional pipeline), _redact
     (secrets to keep out of the card), base_model (the pipeline a fine-tune started from: named in
     the text, and in the metadata's `base_model` when it is a Hub id), vae (a latent pipeline: the
-    AutoencoderKL it was trained with), latent_normalization (its start-up line "latents: normalised
-    by ...")."""
+    AutoencoderKL it was trained with), latent_normalization (how its latents were: "normalised by
+    ...")."""
     secrets = [s for s in info.get("_redact") or [] if s]
     config = redact_config(info.get("config") or {}, secrets)
     repo_id = info.get("repo_id") or default_repo_id(folder, None)
@@ -205,8 +205,8 @@ def _card_body(folder: str, info: dict, config: dict, repo_id: str, dataset: str
     if info.get("vae"):
         lines += [f"Latent diffusion: the UNet was trained on the latents of the AutoencoderKL `{info['vae']}`, "
                   "saved in `vae/`, which decodes its samples."
-                  + (f" Its {info['latent_normalization'].replace(': normalised', ' were normalised', 1)}."
-                     if info.get("latent_normalization") else ""), ""]
+                  + (f" Its latents were {info['latent_normalization']}." if info.get("latent_normalization")
+                     else ""), ""]
     if "global_step" in info or "images_seen" in info:
         lines += [f"Trained for {info.get('global_step', '?')} optimizer steps "
                   f"({info.get('images_seen', '?')} training images seen).", ""]

@@ -116,23 +116,24 @@ def posterior(latent: LatentSpace, source, encoder: latents.Encoder, streamed: b
     of the training latents (of a stream's first STATISTICS_IMAGES images), measured once here (by
     the main one of the `processes`, the accelerator) and written into the VAE's config as
     latents_mean / latents_std (scaling_factor 1), so the exported vae/ decodes with them. Returns
-    it with the line that says which."""
+    it with what says which ("normalised by ...": the start-up line and the model card say it)."""
     vae = latent.vae
     config = vae.config
     if measures_statistics(vae):
         mean, std, measured = measure_statistics(latent, source, encoder, streamed, processes)
         vae.register_to_config(latents_mean=[float(v) for v in mean], latents_std=[float(v) for v in std],
                                scaling_factor=1.0)
-        line = (f"latents: normalised by their per-channel mean and std, measured on {measured} (the VAE config "
-                "names no scale) and saved as latents_mean / latents_std in the exported vae/")
+        normalisation = (f"normalised by their per-channel mean and std, measured on {measured} (the VAE "
+                         "config names no scale) and saved as latents_mean / latents_std in the exported vae/")
     elif config.get("latents_mean") is not None and config.get("latents_std") is not None:
-        line = ("latents: normalised by the VAE config's latents_mean / latents_std x scaling_factor "
-                f"{config.scaling_factor:g}")
+        normalisation = ("normalised by the VAE config's latents_mean / latents_std x scaling_factor "
+                         f"{config.scaling_factor:g}")
     else:
-        line = (f"latents: normalised by the VAE config's scaling_factor {config.scaling_factor:g}"
-                + (f" and shift_factor {config.shift_factor:g}" if config.get("shift_factor") else ""))
+        normalisation = (f"normalised by the VAE config's scaling_factor {config.scaling_factor:g}"
+                         + (f" and shift_factor {config.shift_factor:g}" if config.get("shift_factor") else ""))
     shift, scale = latent_normalization(vae.config, latent.channels)
-    return latents.Posterior(latent.channels, encoder.views, shift, scale, encoder if streamed else None), line
+    drawn = latents.Posterior(latent.channels, encoder.views, shift, scale, encoder if streamed else None)
+    return drawn, normalisation
 
 
 def measure_statistics(latent: LatentSpace, source, encoder: latents.Encoder, streamed: bool, processes=None) -> tuple:

@@ -184,13 +184,13 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
     they come) and sigma_data."""
     if latent is None:
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
-        encoder = posterior = line = None
+        encoder = posterior = normalisation = None
     else:  # cached: the source holds posteriors; streamed: pixels, which the posterior encodes each step
         encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor)
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
                              encoder=encoder)
-        posterior, line = autoencoder.posterior(latent, source, encoder, config.streaming, accelerator)
-        accelerator.print(line)
+        posterior, normalisation = autoencoder.posterior(latent, source, encoder, config.streaming, accelerator)
+        accelerator.print(f"latents: {normalisation}")
     sample = torch.from_numpy(source.reference_sample(2048))
     # sigma_data of the model input per dimension (pixels in [-1, 1], or the latent means):
     # the scale of the Bayes-optimal reference curve
@@ -200,7 +200,7 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
                          global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
                          gradient_accumulation_steps=config.gradient_accumulation_steps, posterior=posterior,
                          vae=latent.vae if latent else None, vae_fingerprint=encoder.fingerprint if encoder else None,
-                         latent_normalization=line)
+                         latent_normalization=normalisation)
     return training_data, source.held_out_images
 
 

@@ -136,7 +136,7 @@ class Data:
     posterior: Posterior | None = None  # latent diffusion: batches hold VAE posteriors, the UNet sees latents
     vae: torch.nn.Module | None = None  # latent diffusion: the frozen AutoencoderKL (grids and export decode)
     vae_fingerprint: str | None = None  # latent diffusion: of its config and weights (checkpoints record it)
-    latent_normalization: str | None = None  # latent diffusion: how the latents are normalised (the model card)
+    latent_normalization: str | None = None  # latent diffusion: "normalised by ..." (the model card)
 
     def images_seen(self, optimizer_steps: int) -> int:
         """Training images consumed by that many optimizer steps, over all processes."""
