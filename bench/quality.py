@@ -157,10 +157,12 @@ def evaluate(run_dir: str, scorer: DigitScorer, num_samples: int) -> dict:
 def reconstructed(vae, images: np.ndarray) -> np.ndarray:
     """uint8 [N, H, W, C] images encoded (posterior means) and decoded by `vae`."""
     import torch
-    pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+
+    from diffusion_extras.data.batch_order import to_model_input
+    from diffusion_extras.evaluation import sampling
+    pixels = to_model_input(torch.from_numpy(images).permute(0, 3, 1, 2), vae.device).to(vae.dtype)
     with torch.no_grad():
-        decoded = vae.decode(vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean).sample.float().cpu()
-    return ((decoded.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        return sampling.to_uint8(vae.decode(vae.encode(pixels).latent_dist.mean).sample)
 
 
 def export_checkpoint(recipe: str | None, extra: list[str], checkpoint: str, folder: str) -> str:

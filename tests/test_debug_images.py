@@ -52,7 +52,7 @@ def test_debug_images_show_raw_beside_ema_and_the_denoising_trajectory(train, ti
         x_t_row = cells[2 * seed_index * columns:(2 * seed_index + 1) * columns]
         x0_row = cells[(2 * seed_index + 1) * columns:(2 * seed_index + 2) * columns]
         noise = torch.randn((1, 1, 8, 8), generator=torch.Generator().manual_seed(sampling.image_seed(0, seed_index)))
-        np.testing.assert_array_equal(x_t_row[0], sampling._to_uint8(noise)[0, ..., 0])  # starts from the seed's noise
+        np.testing.assert_array_equal(x_t_row[0], sampling.to_uint8(noise)[0, ..., 0])  # starts from the seed's noise
         final = grid_cells(ema_grid, 2, 8)[seed_index]
         assert np.abs(x0_row[-1].astype(int) - final).max() <= 1  # the last x_0 prediction is the sample
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

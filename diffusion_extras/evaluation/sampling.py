@@ -60,7 +60,8 @@ def _image_shape(unet) -> tuple[int, int, int]:
     return unet.config.in_channels, height, width
 
 
-def _to_uint8(sample: torch.Tensor) -> np.ndarray:
+def to_uint8(sample: torch.Tensor) -> np.ndarray:
+    """Images in [-1, 1] [N, C, H, W] -> uint8 [N, H, W, C] (clipped, rounded)."""
     images = (sample.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
     return (images * 255).round().astype(np.uint8)
 
@@ -91,7 +92,7 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
         # the guided path's step function: an unguided sample equals one guided by the model itself
         sample = scheduler_step(scheduler, model_output, t, sample, generators)
         step_bar.update(len(generators))
-    return _to_uint8(sample if vae is None else decode_latents(vae, sample))
+    return to_uint8(sample if vae is None else decode_latents(vae, sample))
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ from diffusion_extras.evaluation.pipeline_class_conditional import (
     scheduler_step_output,
     unconditional_inputs,
 )
-from diffusion_extras.evaluation.sampling import _image_shape, _to_uint8, image_grid, image_seed
+from diffusion_extras.evaluation.sampling import _image_shape, image_grid, image_seed, to_uint8
 
 
 def side_by_side(left: np.ndarray, right: np.ndarray, gap: int = 4) -> Image.Image:
@@ -57,7 +57,7 @@ def denoising_strip(unet, scheduler, num_seeds: int, num_inference_steps: int, s
             model_output = scheduler_model_output(scheduler, model_output, sample)  # 2C: DDIM takes the mean part
             output = scheduler_step_output(scheduler, model_output, t, sample, generators)  # as the grid steps
             if index in keep:
-                columns.append((_to_uint8(sample), _to_uint8(output.pred_original_sample)))
+                columns.append((to_uint8(sample), to_uint8(output.pred_original_sample)))
                 timesteps.append(int(t))
             sample = output.prev_sample
     finally:
