@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from diffusion_extras.core import losses, optimization, vlb
+from diffusion_extras.core import cpu_threads, losses, optimization, vlb
 from diffusion_extras.core.ema import ExponentialMovingAverage
 from diffusion_extras.core.optimization import make_optimizer
 from diffusion_extras.core.phema import PowerFunctionEMA
@@ -68,6 +68,7 @@ def start(config: TrainConfig):
 
     accelerator = make_accelerator(config)
     refuse_sharded_training(accelerator)
+    accelerator.print(cpu_threads.describe())  # a CPU run's speed beside other work depends on it
     set_seed(config.seed)  # the init; per-step randomness has its own generators
     if config.overwrite_output_dir:  # before anything is written there; the other ranks wait for the rename
         moved = compat.move_aside_earlier_run(config.output_dir) if accelerator.is_main_process else None
