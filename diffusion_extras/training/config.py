@@ -525,10 +525,11 @@ def validate_latent(c: TrainConfig) -> None:
                               "or drop --vae_subfolder")
         return
     flag = f"--pretrained_vae_model_name_or_path {vae}"
-    missing = missing_dataset_folder(vae)  # a path that names no folder (a Hub id is checked when loaded)
-    if missing:
-        raise ConfigError(f"{flag}: no such folder (give an AutoencoderKL folder, a pipeline folder with vae/ "
-                          "or a Hub id)")
+    try:  # a folder or a Hub id (read when it is loaded); a name that is neither is refused here, at once
+        local_folder(vae, "VAE folder")
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{flag}: {error} (give an AutoencoderKL folder, a pipeline folder with vae/ or a "
+                          "Hub id)") from None
     if not c.center_crop:
         raise ConfigError(f"{flag} does not combine with --no-center_crop (the latents are those of the centre "
                           "crop): drop --no-center_crop")
