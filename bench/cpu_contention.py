@@ -29,7 +29,9 @@ from bench_report import ROOT, command_line
 # What a user's shell may set that changes how torch's threads run: removed for every variant, so
 # "as shipped" is a plain shell; a variant sets its own.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-BUSY_LOOP = "while True: pass"
+# One core's worth of Python loop that ends with this script, however it ends (a killed script runs no finally)
+BUSY_LOOP = ("import os\nparent = os.getppid()\n"
+             "while os.getppid() == parent:\n    for _ in range(10 ** 6):\n        pass")
 
 
 def parse_args(argv=None):
