@@ -74,8 +74,9 @@ def test_a_users_wait_policy_is_kept(setting, spins):
 def test_the_threads_are_shared_among_a_machines_ranks_unless_the_user_or_launcher_set_them():
     default = torch_default_threads()
     got, _ = command(LOCAL_WORLD_SIZE="2")
-    assert got["threads"] == max(1, min(default, cpu_threads.available_cpus()) // 2)
-    if default > 1:  # a machine of one CPU cannot tell
+    shared = 1 if cpu_threads.bound_to_some_cpus() else 2  # a process bound to CPUs of its own has them
+    assert got["threads"] == max(1, min(default, cpu_threads.available_cpus()) // shared)
+    if default > 1 and shared == 2:  # a machine of one CPU cannot tell
         assert got["threads"] < default
     got, _ = command(LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS=str(default))
     assert got["threads"] == default and f"(OMP_NUM_THREADS={default})" in got["line"]
@@ -104,11 +105,14 @@ def test_a_cgroup_cpu_quota_is_read_from_cgroup_v2_and_v1(tmp_path, files, quota
     assert cpu_threads.cgroup_cpu_quota(str(tmp_path)) == quota
 
 
-def test_the_count_is_capped_by_the_cpus_available(monkeypatch):
-    monkeypatch.setattr(cpu_threads, "available_cpus", lambda: 2)
-    assert cpu_threads.thread_count(16, {}) == 2  # docker --cpus 2 on a 16-core host
-    assert cpu_threads.thread_count(16, {"LOCAL_WORLD_SIZE": "4"}) == 1
+def test_the_count_is_capped_by_the_cpus_available_and_shared_unless_bound(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "available_cpus", lambda: 8)
+    monkeypatch.setattr(cpu_threads, "bound_to_some_cpus", lambda: False)
+    assert cpu_threads.thread_count(16, {}) == 8  # docker --cpus 8 on a 16-core host
+    assert cpu_threads.thread_count(16, {"LOCAL_WORLD_SIZE": "4"}) == 2  # 4 ranks share the 8
     assert cpu_threads.thread_count(1, {}) == 1
+    monkeypatch.setattr(cpu_threads, "bound_to_some_cpus", lambda: True)  # srun --cpu-bind: 8 CPUs of its own
+    assert cpu_threads.thread_count(16, {"LOCAL_WORLD_SIZE": "4"}) == 8
 
 
 def test_the_trainer_says_how_many_threads_it_uses(train, tiny_recipe, tmp_path):

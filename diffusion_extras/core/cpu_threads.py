@@ -13,11 +13,11 @@ imported torch before calling a command keeps its own.
 
 The thread count: torch's default (its count of cores) at most the CPUs this process may use
 (its affinity, and a cgroup CPU quota such as docker's --cpus, which torch ignores), shared among
-the ranks of this machine (LOCAL_WORLD_SIZE). A count the user or a launcher set (OMP_NUM_THREADS:
-`accelerate launch` sets one unless told, torchrun with several processes) or a program's own
-torch.set_num_threads before it called the command is kept. Not from the load average: a reading
-at start-up says little about hours of training beside other work, and passive waiting makes the
-extra threads cheap there.
+the ranks of this machine (LOCAL_WORLD_SIZE) unless each is bound to CPUs of its own. A count the
+user or a launcher set (OMP_NUM_THREADS: `accelerate launch` sets one unless told, torchrun with
+several processes) or a program's own torch.set_num_threads before it called the command is kept.
+Not from the load average: a reading at start-up says little about hours of training beside other
+work, and passive waiting makes the extra threads cheap there.
 """
 from __future__ import annotations
 
@@ -66,9 +66,16 @@ def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
     return None
 
 
+def bound_to_some_cpus() -> bool:
+    """Whether the process may run on fewer than all of the machine's CPUs (taskset, Slurm's
+    --cpu-bind): then they are its own, not shared with the machine's other ranks."""
+    return hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)
+
+
 def thread_count(torch_default: int, environ=os.environ) -> int:
-    """Threads per process: torch's default, at most the CPUs available, shared among the machine's ranks."""
-    local_ranks = max(1, int(environ.get("LOCAL_WORLD_SIZE") or 1))
+    """Threads per process: torch's default, at most the CPUs available, shared among the machine's
+    ranks (LOCAL_WORLD_SIZE) unless the process is bound to CPUs of its own."""
+    local_ranks = 1 if bound_to_some_cpus() else max(1, int(environ.get("LOCAL_WORLD_SIZE") or 1))
     return max(1, min(torch_default, available_cpus()) // local_ranks)
 
 
