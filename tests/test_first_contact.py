@@ -155,6 +155,9 @@ LIGHT_CASES = [  # (flags, the one line's words; None: --help)
     (lambda tmp: ["--dataset_name", "./no/such/folder"], "--dataset_name ./no/such/folder: no such folder"),
     (lambda tmp: ["--train_data_files", f"{tmp}/shards/train-*.tar"], "train-*.tar matches no file"),
     (lambda tmp: ["--train_data_files", "README.md"], "must name only .tar shards or only .parquet files"),
+    # a mistyped local VAE folder: a bare name is no Hub id (namespace/name), so the Hub is not asked
+    (lambda tmp: ["--pretrained_vae_model_name_or_path", "digits-vea"],
+     "--pretrained_vae_model_name_or_path digits-vea: VAE folder digits-vea does not exist (nor is it a Hub id"),
     (_earlier_run, "already holds checkpoint-2: pass --resume_from_checkpoint latest to continue it"),
     (lambda tmp: ["--eval_steps", "1"], "offline (HF_HUB_OFFLINE=1), so the Inception detector cannot be downloaded"),
     (lambda tmp: ["--push_to_hub"], "--push_to_hub needs a token: pass --hub_token"),
@@ -195,6 +198,7 @@ UNCONDITIONAL_FLAG = ("this pipeline is unconditional (a DDPMPipeline) and has n
 PIPELINE_CASES = [  # (command, PIPELINE, its other arguments, the one line); "plain": a saved DDPMPipeline
     ("sample", "no/such/../../folder", ["--output", "o"], "error: pipeline folder no/such/../../folder does not exist"),
     ("sample", "images", ["--output", "o"], "is not a diffusers pipeline folder (no model_index.json)"),
+    ("sample", "ddpm-digts", ["--output", "o"], "error: pipeline folder ddpm-digts does not exist (nor is it a Hub id"),
     ("sample", "plain/model_index.json", ["--output", "o"], "model_index.json is a file; pass the pipeline folder"),
     ("sample", "plain", ["--output", "o", "--class_labels", "3"], f"error: --class_labels: {UNCONDITIONAL_FLAG}"),
     ("sample", "conditional", ["--output", "o", "--class_labels", "1,eleven"],

@@ -107,6 +107,20 @@ def check_module_command(module: str, args: list[str], monkeypatch) -> str | Non
     return f"{module} ran without parsing its flags"
 
 
+def check_script(path: str, args: list[str]) -> str | None:
+    """A script's flags, by its parse_args(argv)."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stderr = io.StringIO()
+    try:
+        with _quiet(stderr):
+            module.parse_args(args)
+    except SystemExit as stop:
+        return _argparse_error(stop, stderr.getvalue())
+    return None
+
+
 def check_line(line: str, monkeypatch, pytestconfig) -> str | None:
     """None when the command line parses, else what is wrong with it."""
     words = shlex.split(line)
@@ -133,6 +147,8 @@ def check_line(line: str, monkeypatch, pytestconfig) -> str | None:
         return check_train(args[1:])
     if args[:1] == ["train_ddpm.py"]:
         return check_train(args[1:])
+    if args[:1] == ["bench/train_digits_vae.py"]:  # the README's latent example makes its VAE so
+        return check_script("bench/train_digits_vae.py", args[1:])
     if args[:1] == ["docs/generate_tables.py"]:
         return None if set(args[1:]) <= {"--check"} else "docs/generate_tables.py takes only --check"
     if args[:1] == ["-m"] and args[1] in COMMANDS:
@@ -179,6 +195,7 @@ def test_readme_keeps_its_two_first_commands():
     ("python -m pytest -n 3 --made-up-option tests", "unknown ['--made-up-option']"),
     ("python -m pytest tests/test_made_up.py", "missing ['tests/test_made_up.py']"),
     ("python bench/made_up.py", "no parser known"),
+    ("python bench/train_digits_vae.py --output_dir v --made_up_flag 1", "unrecognized arguments: --made_up_flag"),
 ])
 def test_a_flag_no_command_knows_is_caught(line, problem, monkeypatch, pytestconfig):
     """Each checker rejects what its command would reject: none of them passes anything."""

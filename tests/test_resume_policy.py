@@ -72,6 +72,7 @@ def test_changed_lr_weight_decay_and_betas_apply_from_the_first_resumed_step(tra
     assert "resuming with --learning_rate 1e-05 (was 0.001): applied from step 3" in result.stdout
     assert "resuming with --adam_weight_decay 0.5 (was 0.0): applied from step 3" in result.stdout
     assert "resuming with --adam_beta1 0.8 (was 0.9)" in result.stdout
+    assert "Warning" not in result.stderr  # the lines only, not a Python warning (file, line) repeating them
     history = {h["step"]: h["lr"] for h in read_history(out)}
     assert history[1] == 0.0 and history[2] == pytest.approx(5e-4)  # the first run's own schedule
     assert history[3] == pytest.approx(cosine_lr(1e-5, 2, 2, 4))

@@ -116,3 +116,23 @@ def test_cli_writes_pngs_and_grid(run_cli, tmp_path):
     assert sorted(os.listdir(output)) == [f"{index:06d}.png" for index in range(5)] + ["grid.png"]
     assert Image.open(output / "000004.png").size == (8, 8)
     assert Image.open(output / "grid.png").size == (2 + 3 * 10, 2 + 2 * 10)
+
+
+def option_help(help_text: str, flag: str) -> str:
+    """The help of `flag` in argparse's --help output: its line and the indented lines after it, one-spaced."""
+    lines = help_text.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.strip().startswith(flag + " "))
+    end = next((index for index in range(start + 1, len(lines)) if lines[index].strip().startswith("-")), len(lines))
+    return " ".join(" ".join(lines[start:end]).split())
+
+
+@pytest.mark.parametrize("command, defaults", [
+    ("diffusion_extras.sample", {"--num_images": 16, "--scheduler": "ddim", "--num_inference_steps": 50, "--seed": 0,
+                                 "--batch_size": 16, "--dtype": "fp32", "--device": "auto"}),
+    ("diffusion_extras.evaluate", {"--scheduler": "ddim", "--num_inference_steps": 50, "--seed": 0})])
+def test_cli_help_says_what_each_sampling_flag_does_and_its_default(run_cli, command, defaults):
+    result = run_cli(["-m", command, "--help"])
+    assert result.returncode == 0
+    for flag, default in defaults.items():
+        text = option_help(result.stdout, flag)
+        assert f"(default: {default})" in text and len(text.split()) > 6, text  # words beside the default

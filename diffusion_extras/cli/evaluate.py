@@ -21,6 +21,7 @@ import os
 from diffusion_extras.cli.arguments import (
     add_device_argument,
     add_guidance_arguments,
+    add_sampler_arguments,
     one_line_errors,
     pipeline_parser,
     positive_int,
@@ -29,7 +30,7 @@ from diffusion_extras.cli.inputs import check_pipeline_argument, check_reference
 from diffusion_extras.core.commands import importing_the_stack, leaves_the_process_as_found
 from diffusion_extras.data.spec import Resolution
 from diffusion_extras.evaluation import distributed
-from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT, SCHEDULERS, extractors_for, parse_metrics
+from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT, extractors_for, parse_metrics
 from diffusion_extras.evaluation.inception_file import check_inception_reachable
 
 
@@ -52,9 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "default: downloaded once into the Hugging Face cache folder")
     parser.add_argument("--dinov2_model", default=DINOV2_DEFAULT, help="Hub id or local folder for fd_dinov2")
     parser.add_argument("--clip_model", default=CLIP_DEFAULT, help="Hub id or local folder for cmmd")
-    parser.add_argument("--scheduler", choices=SCHEDULERS, default="ddim")
-    parser.add_argument("--num_inference_steps", type=positive_int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
+    add_sampler_arguments(parser)
     parser.add_argument("--batch_size", type=positive_int, default=64, help="images per UNet call")
     add_guidance_arguments(parser)
     parser.add_argument("--cache_dir", default=None, help="where reference statistics are cached")

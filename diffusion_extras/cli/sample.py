@@ -11,23 +11,22 @@ import argparse
 from diffusion_extras.cli.arguments import (
     add_device_argument,
     add_guidance_arguments,
+    add_sampler_arguments,
     one_line_errors,
     pipeline_parser,
     positive_int,
 )
 from diffusion_extras.cli.inputs import check_pipeline_argument, saved_id2label
 from diffusion_extras.core.commands import importing_the_stack, leaves_the_process_as_found
-from diffusion_extras.evaluation.choices import SAMPLING_DTYPES, SCHEDULERS
+from diffusion_extras.evaluation.choices import SAMPLING_DTYPES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = pipeline_parser("sample", __doc__)
-    parser.add_argument("--num_images", type=positive_int, default=16)
-    parser.add_argument("--scheduler", choices=SCHEDULERS, default="ddim",
-                        help="ddpm: ancestral; ddim: eta=0; dpm: DPM-Solver++ (2M)")
-    parser.add_argument("--num_inference_steps", type=positive_int, default=50)
-    parser.add_argument("--seed", type=int, default=0, help="image i uses noise seeded from (seed, i)")
-    parser.add_argument("--batch_size", type=positive_int, default=16, help="images per UNet call")
+    parser.add_argument("--num_images", type=positive_int, default=16, help="images to sample (default: %(default)s)")
+    add_sampler_arguments(parser)
+    parser.add_argument("--batch_size", type=positive_int, default=16,
+                        help="images per UNet call (default: %(default)s)")
     parser.add_argument("--output", required=True, help="folder for 000000.png ... and grid.png")
     parser.add_argument("--class_labels", default=None,
                         help="class-conditional pipelines: comma list of class ids or names (image i is of "
@@ -35,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_guidance_arguments(parser)
     add_device_argument(parser)
     parser.add_argument("--dtype", choices=SAMPLING_DTYPES, default="fp32",
-                        help="UNet precision; the sampler state stays fp32")
+                        help="UNet precision; the sampler state stays fp32 (default: %(default)s)")
     return parser.parse_args(argv)
 
 

@@ -279,8 +279,10 @@ class ClassConditionalPipeline(DiffusionPipeline):
             raise ValueError(f"class_labels must be ids in [0, {num_classes}); got {list(class_labels)}")
         size = unet.config.sample_size
         shape = (len(labels), unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
-        sample = _randn(shape, generator, device) * self.scheduler.init_noise_sigma
+        # timesteps first (diffusers' order): a sigma scheduler's init_noise_sigma (Euler, Heun, LMS,
+        # KDPM2) is the first inference sigma only once they are set
         self.scheduler.set_timesteps(num_inference_steps, device=device)
+        sample = _randn(shape, generator, device) * self.scheduler.init_noise_sigma
         for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # x_t stays fp32 whatever the UNet's dtype
             sample = guided_step(self.scheduler, unet, sample, step, labels, guidance_scale, generator,
                                  guide=guide, guidance_interval=guidance_interval)

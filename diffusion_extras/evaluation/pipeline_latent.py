@@ -101,8 +101,8 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
             guidance_scale = 1.0  # nothing to guide with: the UNet's own prediction
         size = unet.config.sample_size
         shape = (batch_size, unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
+        self.scheduler.set_timesteps(num_inference_steps, device=device)  # before init_noise_sigma, as diffusers
         latents = _randn(shape, generator, device) * self.scheduler.init_noise_sigma
-        self.scheduler.set_timesteps(num_inference_steps, device=device)
         for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # fp32 whatever the UNet's dtype
             latents = guided_step(self.scheduler, unet, latents, step, labels, guidance_scale, generator,
                                   guide=guide, guidance_interval=guidance_interval)

@@ -2,18 +2,19 @@
 returns the typed Run (run_state.py); each builder returns what it makes."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 
 import torch
 
-from diffusion_extras.core import losses, optimization, vlb
+from diffusion_extras.core import cpu_threads, losses, optimization, vlb
 from diffusion_extras.core.ema import ExponentialMovingAverage
 from diffusion_extras.core.optimization import make_optimizer
 from diffusion_extras.core.phema import PowerFunctionEMA
 from diffusion_extras.core.timesteps import make_timestep_sampler
-from diffusion_extras.data import latents, sources
+from diffusion_extras.data import batch_order, latents, sources
 from diffusion_extras.data.spec import Resolution
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
@@ -68,6 +69,7 @@ def start(config: TrainConfig):
 
     accelerator = make_accelerator(config)
     refuse_sharded_training(accelerator)
+    accelerator.print(cpu_threads.describe())  # a CPU run's speed beside other work depends on it
     set_seed(config.seed)  # the init; per-step randomness has its own generators
     if config.overwrite_output_dir:  # before anything is written there; the other ranks wait for the rename
         moved = compat.move_aside_earlier_run(config.output_dir) if accelerator.is_main_process else None
@@ -125,6 +127,7 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     switches = run_state.extras_switches(config, spec.uses_embedded_digits)
     # the data is opened before the model: with no model chosen, the model follows the images
     dataset, data_channels, classes = sources.open_training_data(spec, accelerator)  # labels read once, here
+    config = fit_batch_to_data(config, accelerator, dataset, switches["validation_split"])
     latent = autoencoder.load_latent_space(config) if config.pretrained_vae_model_name_or_path else None
     choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None, base, latent)
     image_channels = latent.image_channels if latent else unet.config.in_channels
@@ -144,6 +147,25 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     return Run(config=config, plan=plan, accelerator=accelerator, learner=learner, objective=objective,
                data=training_data, extras=extras, progress=progress, history=tracking.History(config.output_dir),
                hooks=hooks)
+
+
+def fit_batch_to_data(config: TrainConfig, accelerator, dataset, validation_split: float) -> TrainConfig:
+    """The config with the batch following the data, as the model does: with no --train_batch_size
+    given (by flag or recipe), a data set smaller than the global batch trains with the largest
+    batch it fills, said in one line. A batch the user gave is kept (the data source refuses it
+    then); a stream's length is unknown, so its batch is kept too."""
+    if "train_batch_size" in config.given or config.streaming:
+        return config
+    count = len(dataset) - batch_order.held_out_count(len(dataset), validation_split)
+    batch = batch_order.fitted_batch_size(count, config.train_batch_size, accelerator.num_processes)
+    if batch == config.train_batch_size:
+        return config
+    accelerator.print(f"data: {count} training images, fewer than the recipe's batch of {config.train_batch_size}"
+                      + (f" x {accelerator.num_processes} processes" if accelerator.num_processes > 1 else "")
+                      + f": training with --train_batch_size {batch} (give one to choose)")
+    fitted = dataclasses.replace(config, train_batch_size=batch)
+    fitted._given = config.given  # the fitted batch is not the user's
+    return fitted
 
 
 def refuse_sharded_training(accelerator) -> None:

@@ -338,7 +338,8 @@ def _unflatten(value):
 
 def check_resumable(path: str, current: dict) -> tuple[dict, dict[str, tuple]]:
     """The checkpoint's train state and the changed settings a resume applies ({key: (saved,
-    current)}), after refusing, with the full list, any change the saved state cannot serve."""
+    current)}, for the caller to announce), after refusing, with the full list, any change the
+    saved state cannot serve."""
     state = read_train_state(path)
     changes = compare_configs(state["config"], current)
     refused = changes.get(REFUSE, {})
@@ -347,11 +348,8 @@ def check_resumable(path: str, current: dict) -> tuple[dict, dict[str, tuple]]:
             f"cannot resume from {path}: the config differs in ways the saved state depends on: "
             + "; ".join(describe_change(k, *_decoded(refused[k])) for k in sorted(refused))
             + ". Resume with the original settings or start a new --output_dir")
-    applied = {k: _decoded(v) for k, v in sorted(changes.get(APPLY, {}).items())}
-    if applied:
-        warnings.warn("resuming with changed settings; the run will differ from an uninterrupted one: "
-                      + "; ".join(describe_change(k, *v) for k, v in applied.items()), stacklevel=2)
-    return state, applied
+    # no warning here: resume() prints one line per applied change (resume_policy.applied_change_lines)
+    return state, {k: _decoded(v) for k, v in sorted(changes.get(APPLY, {}).items())}
 
 
 def _decoded(pair: tuple) -> tuple:

@@ -136,7 +136,7 @@ class TrainConfig:
     offset_noise: float = _f(0.0, "Offset noise strength s (lucidrains' offset_noise_strength): the noise is eps + s x a per-image, per-channel constant, drawn from the seed and micro-step; lets the model change an image's mean brightness. 0: off.", resume=APPLY, group="objective")
     timestep_sampling: str = _f("uniform", "How timesteps are drawn: uniform, or loss_aware (importance sampling by the per-timestep loss second moment, reweighted to stay unbiased).", choices=TIMESTEP_SAMPLING, resume=REFUSE, group="objective")
     # --- optimization -----------------------------------------------------------------
-    train_batch_size: int = _f(64, "Images per process per micro-batch.", resume=REFUSE, group="optimization")
+    train_batch_size: int = _f(64, "Images per process per micro-batch. Not given (by flag or recipe), a data set smaller than the global batch trains with the largest batch it fills.", resume=REFUSE, group="optimization")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.", resume=REFUSE, group="optimization")
     max_train_steps: int | None = _f(1200, "Optimizer steps to train; wins over --num_epochs when both are given, and giving only --num_epochs trains that many epochs.", resume=APPLY, group="optimization")
     learning_rate: float = _f(2e-3, "Peak learning rate (after warmup).", resume=APPLY, group="optimization")
@@ -525,10 +525,11 @@ def validate_latent(c: TrainConfig) -> None:
                               "or drop --vae_subfolder")
         return
     flag = f"--pretrained_vae_model_name_or_path {vae}"
-    missing = missing_dataset_folder(vae)  # a path that names no folder (a Hub id is checked when loaded)
-    if missing:
-        raise ConfigError(f"{flag}: no such folder (give an AutoencoderKL folder, a pipeline folder with vae/ "
-                          "or a Hub id)")
+    try:  # a folder or a Hub id (read when it is loaded); a name that is neither is refused here, at once
+        local_folder(vae, "VAE folder")
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{flag}: {error} (give an AutoencoderKL folder, a pipeline folder with vae/ or a "
+                          "Hub id)") from None
     if not c.center_crop:
         raise ConfigError(f"{flag} does not combine with --no-center_crop (the latents are those of the centre "
                           "crop): drop --no-center_crop")
