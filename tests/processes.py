@@ -10,7 +10,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, checked
+
+
+def torchrun() -> list[str]:
+    """A 2-rank launcher on one machine. --standalone: the launcher's rendezvous binds a free port
+    itself (probing for a free port and passing it races with the connections other tests open)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
 def cli_env() -> dict:
@@ -132,13 +138,6 @@ def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False
                                          "".join(err for _, err in texts))
     result.returncodes = group.returncodes
     return checked(result, " ".join(command), check)
-
-
-def checked(result, what: str, check: bool = True):
-    """`result`, or with `check` a failed test naming `what`, its exit code and its stderr's end when it failed."""
-    if check and result.returncode != 0:
-        raise AssertionError(f"{what} failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    return result
 
 
 def read_back(fh) -> str:

@@ -10,7 +10,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import load_bench_module, run_main
+from helpers import load_bench_module, run_main
 
 diffusers_reference = load_bench_module("diffusers_reference")
 
@@ -118,8 +118,8 @@ def test_flop_count_leaves_a_compiled_unet_compiled(tmp_path, fresh_accelerate):
     H200: the profile of the compiled run held no generated kernel). The eager backend captures
     the same frames as inductor without generating code."""
     import torch
-    from conftest import tiny_run as setup_tiny_run
     from faults import dynamo_counts
+    from helpers import tiny_run as setup_tiny_run
 
     from diffusion_extras.training import loop, step
     device_figures = load_bench_module("device_figures")

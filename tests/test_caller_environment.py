@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from helpers import ROOT
 
 PROBE_TEST = '''
 import os

@@ -9,10 +9,9 @@ import faults
 import numpy as np
 import pytest
 import torch
-from conftest import load_unet_weights, read_history, save_random_images, tiny_unet
+from helpers import assert_same_state, load_unet_weights, read_history, save_random_images, tiny_unet
 from package_blocker import BLOCK_THE_PACKAGE
 from processes import run_command
-from test_resume import assert_same_state
 
 from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, guided_model_output
 
@@ -34,7 +33,7 @@ print(type(pipe).__name__, sorted(pipe.id2label.items())[:2])
 @pytest.fixture(scope="module")
 def conditional_run(tmp_path_factory):
     """A 3-step class-conditional run on the digits (tiny recipe), shared by the loading tests."""
-    from conftest import run_training, write_tiny_recipe
+    from helpers import run_training, write_tiny_recipe
     folder = tmp_path_factory.mktemp("conditional")
     recipe = write_tiny_recipe(folder, save_images_steps=3, eval_batch_size=20)
     run_training(recipe, folder / "run", "--class_conditional", "--max_train_steps", 3)
@@ -85,7 +84,7 @@ def test_sample_cli_takes_class_ids_or_names_and_refuses_unknown_ones(conditiona
 
 @pytest.mark.parametrize("command", ["sample", "evaluate"])
 def test_guidance_scale_on_an_unconditional_pipeline_is_refused(run_cli, tmp_path, command):
-    from conftest import save_tiny_pipeline
+    from helpers import save_tiny_pipeline
     folder = save_tiny_pipeline(tmp_path / "plain")
     rest = ["--output", tmp_path / "o"] if command == "sample" else ["--reference", tmp_path, "--feature_extractor",
                                                                      "tiny"]

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 import yaml
-from conftest import TINY_RECIPE, save_tiny_pipeline, tiny_unet
 from diffusers import UNet2DModel
+from helpers import TINY_RECIPE, save_tiny_pipeline, tiny_unet
 from processes import run_command
 
 from diffusion_extras.cli.arguments import one_line_errors, positive_int

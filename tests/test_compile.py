@@ -14,8 +14,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_RECIPE, read_history, tiny_run, write_tiny_recipe
 from faults import dynamo_counts, read_shares
+from helpers import TINY_RECIPE, read_history, tiny_run, write_tiny_recipe
 
 from diffusion_extras.training import loop
 from diffusion_extras.training.hooks import Hooks
@@ -221,8 +221,8 @@ def test_the_sampling_copy_compiles_once_and_follows_the_weights():
     later evaluations, with other weights (raw, EMA, trained further), capture no graph; each
     evaluation's images are those of a fresh eager copy of the same weights. 3 images in batches of
     2 (a ragged last batch) at each evaluation."""
-    from conftest import tiny_unet
     from diffusers import DDIMScheduler
+    from helpers import tiny_unet
 
     from diffusion_extras.core.ema import ExponentialMovingAverage
     from diffusion_extras.evaluation import sampling

@@ -10,9 +10,8 @@ import contextlib
 
 import pytest
 import torch
-from conftest import tiny_run
 from faults import dynamo_counts
-from test_host_sync import ALL_EXTRAS
+from helpers import ALL_EXTRAS, tiny_run
 
 from diffusion_extras.data import batch_order
 from diffusion_extras.training import loop, step

@@ -1,38 +1,16 @@
 """--train_data_files: webdataset .tar shards and parquet files, through datasets' own builders,
 cached or streamed; shards written by the tests."""
-import io
 import os
-import tarfile
 
 import datasets
 import numpy as np
 import pytest
+from helpers import write_tar_shards
 from PIL import Image
 
 from diffusion_extras.data import decode_cache, streaming
 from diffusion_extras.data import images as data
 from diffusion_extras.training.config import TrainConfig
-
-
-def write_tar_shards(folder, shards=3, per_shard=4, size=(10, 12), extension="jpg", grey_step=10, pixels=None,
-                     entries=lambda i: {"cls": str(i)}):
-    """Image i (grey value grey_step*i, or pixels[i]: uint8 HxW or HxWx3) in shard i // per_shard as JPEG
-    (or PNG), with entries(i) beside it ({extension: text}; default a .cls label i), webdataset style
-    (one key, several extensions; every key has the same ones)."""
-    os.makedirs(folder, exist_ok=True)
-    for shard in range(shards):
-        with tarfile.open(os.path.join(folder, f"train-{shard:03d}.tar"), "w") as tar:
-            for i in range(shard * per_shard, (shard + 1) * per_shard):
-                encoded = io.BytesIO()
-                image = Image.fromarray(np.full((*size, 3), grey_step * i % 256, np.uint8) if pixels is None
-                                        else pixels[i])
-                image.save(encoded, format={"jpg": "JPEG", "png": "PNG"}[extension])
-                for name, payload in ((f"{i:05d}.{extension}", encoded.getvalue()),
-                                      *((f"{i:05d}.{kind}", text.encode()) for kind, text in entries(i).items())):
-                    info = tarfile.TarInfo(name)
-                    info.size = len(payload)
-                    tar.addfile(info, io.BytesIO(payload))
-    return str(folder)
 
 
 def write_parquet(path, count=12):

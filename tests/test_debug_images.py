@@ -70,7 +70,7 @@ def test_without_ema_only_the_denoising_strip_is_written(train, tiny_recipe, tmp
 
 def test_save_images_steps_0_draws_no_grid_debug_image_or_plot(tmp_path, fresh_accelerate):
     """--save_images_steps 0: no sampling at all, not even at the end; the pipeline is still exported."""
-    from conftest import tiny_run
+    from helpers import tiny_run
 
     from diffusion_extras.training import loop
     loop.train(tiny_run(tmp_path, "--max_train_steps", 2, "--save_images_steps", 0, "--use_ema"))

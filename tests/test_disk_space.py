@@ -11,8 +11,7 @@ import subprocess
 import faults
 import pytest
 import torch
-from conftest import load_unet_weights, run_training, write_tiny_recipe
-from test_resume import assert_same_state
+from helpers import assert_same_state, load_unet_weights, run_training, write_tiny_recipe
 
 STEPS = 6
 RECIPE = dict(max_train_steps=STEPS, checkpointing_steps=2, save_images_steps=4, save_model_steps=4)

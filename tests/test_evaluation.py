@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import save_random_images, save_tiny_pipeline, tiny_unet
 from diffusers import DDPMScheduler
 from faults import read_shares
+from helpers import save_random_images, save_tiny_pipeline, tiny_unet
 from processes import run_command
 
 from diffusion_extras.evaluation.metrics import (

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import yaml
-from conftest import run_cli_in_process
+from helpers import run_cli_in_process
 from PIL import Image
 from processes import run_command
 
@@ -213,8 +213,8 @@ def test_a_pipeline_or_reference_that_cannot_serve_answers_without_importing_tor
     """The files the sample and evaluate commands read are checked before torch loads: one line,
     exit 2, none of the HEAVY libraries imported (the same refusals once loaded: test_sampling,
     test_class_conditional, test_evaluation, test_metric_backbones)."""
-    from conftest import save_tiny_pipeline, tiny_unet
     from diffusers import DDPMScheduler
+    from helpers import save_tiny_pipeline, tiny_unet
 
     from diffusion_extras.training.models import save_class_conditional
     save_tiny_pipeline(tmp_path / "plain")

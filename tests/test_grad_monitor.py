@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_RECIPE, load_unet_weights, read_history, tiny_unet
 from diffusers import DDPMScheduler
+from helpers import TINY_RECIPE, load_unet_weights, read_history, tiny_unet
 from safetensors.torch import load_file
 
 from diffusion_extras.core.losses import NoiseSchedule, min_snr_weight

@@ -108,7 +108,7 @@ def sample_pipeline(pipe, guidance_scale=3.0, **call) -> torch.Tensor:
 
 
 def conditional_pipeline(**parts) -> ClassConditionalPipeline:
-    from conftest import tiny_unet
+    from helpers import tiny_unet
     unet = tiny_unet(num_class_embeds=3)
     return ClassConditionalPipeline(unet=unet, scheduler=DDIMScheduler.from_config(DDPMScheduler().config),
                                     id2label={0: "dark", 1: "bright"}, **parts)
@@ -127,7 +127,7 @@ def test_every_compatible_scheduler_samples_guided_and_unguided_reproducibly(sch
     """The pipeline and the package's sampler (its unconditional path included) pass a scheduler's step
     only the keyword arguments it accepts: UniPC, PNDM, DEIS, Heun, LMS and KDPM2 take no generator.
     The same seeded generator gives the same images, so the ancestral ones do get it."""
-    from conftest import tiny_unet
+    from helpers import tiny_unet
     pipe = conditional_pipeline()
     pipe.scheduler = scheduler_class.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
@@ -211,7 +211,7 @@ def test_a_guide_equal_to_the_model_is_no_guidance_bit_for_bit():
 
 def test_autoguidance_of_an_unconditional_model_through_generate():
     """The same with the package's sampler and an unconditional UNet; a different guide does guide."""
-    from conftest import tiny_unet
+    from helpers import tiny_unet
     unet, weaker = tiny_unet(seed=0), tiny_unet(seed=1)
     scheduler = sampling.make_scheduler("ddim", DDPMScheduler().config)
     plain = sampling.generate(unet, scheduler, 2, 5, seed=0)
@@ -220,7 +220,7 @@ def test_autoguidance_of_an_unconditional_model_through_generate():
 
 
 def test_a_saved_guide_loads_with_the_pipeline(tmp_path):
-    from conftest import tiny_unet
+    from helpers import tiny_unet
     pipe = conditional_pipeline(guide=tiny_unet(num_class_embeds=3, seed=1))
     pipe.save_pretrained(tmp_path)
     loaded = ClassConditionalPipeline.from_pretrained(tmp_path)
@@ -234,7 +234,7 @@ def test_a_saved_guide_loads_with_the_pipeline(tmp_path):
 
 def saved_with_a_guide(folder) -> ClassConditionalPipeline:
     """The README's recipe: a weaker UNet set as the guide, then save_pretrained."""
-    from conftest import tiny_unet
+    from helpers import tiny_unet
     pipe = conditional_pipeline()
     pipe.guide = tiny_unet(num_class_embeds=3, seed=1)
     pipe.save_pretrained(folder)
@@ -297,7 +297,7 @@ def test_a_hub_push_takes_the_guide(tmp_path):
     ({"num_class_embeds": 5}, r"num_class_embeds 5 \(the model's: 3\)"),
 ])
 def test_a_guide_that_does_not_fit_the_model_is_one_line_at_assignment_and_at_load(tmp_path, mismatch, message):
-    from conftest import tiny_unet
+    from helpers import tiny_unet
     pipe = conditional_pipeline()
     with pytest.raises(ValueError, match=f"^the guide does not fit the model: its {message}; .*same kind"):
         pipe.guide = tiny_unet(**{"num_class_embeds": 3, **mismatch})
@@ -311,7 +311,7 @@ def test_a_guide_that_does_not_fit_the_model_is_one_line_at_assignment_and_at_lo
 def test_the_commands_refuse_a_guide_of_another_kind_in_one_line(tmp_path, capsys):
     """--guide of another prediction type (recorded by its pipeline's scheduler) or shape answers with
     one line naming the mismatch, before any sampling."""
-    from conftest import tiny_unet
+    from helpers import tiny_unet
 
     from diffusion_extras.cli import sample
     saved_with_a_guide(tmp_path / "model")

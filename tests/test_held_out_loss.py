@@ -4,8 +4,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import read_history
 from diffusers import DDPMScheduler, UNet2DModel
+from helpers import read_history
 
 from diffusion_extras.core.losses import NoiseSchedule
 from diffusion_extras.data import batch_order, decode_cache

@@ -299,8 +299,8 @@ def test_conditional_model_card_shows_a_call_that_runs_as_written(tmp_path, monk
     """The card of a class-conditional export: its tag, its classes, the pipeline file named, and a
     usage block (DiffusionPipeline with trust_remote_code, class_labels by name, guidance_scale)
     whose code runs as written against the exported folder (its repo id here)."""
-    from conftest import tiny_unet
     from diffusers import DDPMScheduler
+    from helpers import tiny_unet
 
     from diffusion_extras.training.models import save_class_conditional
     folder = tmp_path / "ddpm-pets"

@@ -367,7 +367,7 @@ def test_the_command_line_trains_16_bit_and_transparent_images_as_stored(train, 
 
 
 def _tiny_model(overrides: dict) -> dict:
-    from conftest import TINY_RECIPE
+    from helpers import TINY_RECIPE
     return {**TINY_RECIPE["model"], **overrides}
 
 

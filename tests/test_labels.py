@@ -8,9 +8,7 @@ import os
 import datasets
 import faults
 import pytest
-from conftest import read_history, run_training, write_tiny_recipe
-from test_data_files import write_tar_shards
-from test_resume import assert_same_state
+from helpers import assert_same_state, read_history, run_training, write_tar_shards, write_tiny_recipe
 
 from diffusion_extras.data import images as data
 from diffusion_extras.data import labels, streaming

@@ -7,9 +7,8 @@ import faults
 import numpy as np
 import pytest
 import torch
-from conftest import load_unet_weights, read_history, save_random_images
+from helpers import LATENT_MODEL, load_unet_weights, read_history, save_random_images, save_tiny_vae
 from safetensors.torch import load_file
-from test_autoencoder import LATENT_MODEL, save_tiny_vae
 
 from diffusion_extras.data import latents
 from diffusion_extras.data.decode_cache import DecodedImages
@@ -286,8 +285,8 @@ def test_the_held_out_loss_and_the_gradient_probe_score_normalised_latent_means(
     """On the digits with a VAE, the held-out images are split off the encoded latents, and the
     held-out loss and the gradient probe feed the UNet the normalised posterior means of their
     images: the VAE's encoding of those pixel images, times the config's scaling_factor."""
-    from conftest import tiny_run
     from diffusers import AutoencoderKL
+    from helpers import tiny_run
 
     from diffusion_extras.data.batch_order import to_model_input
     vae_folder = save_tiny_vae(tmp_path / "vae")
@@ -352,7 +351,7 @@ def test_two_streaming_ranks_equal_one_with_the_statistics_of_the_streams_first_
 
 def test_the_model_card_says_how_the_latents_were_normalised(tmp_path, fresh_accelerate):
     """The start-up line's normalisation reaches the Hub model card (the VAE config's scaling_factor here)."""
-    from conftest import tiny_run
+    from helpers import tiny_run
 
     from diffusion_extras.hub.push import write_model_card
     from diffusion_extras.training.periodic import model_card

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import read_history, run_training, tiny_unet, write_tiny_recipe
 from diffusers import DDIMScheduler, DDPMPipeline, DDPMScheduler, DPMSolverMultistepScheduler
+from helpers import read_history, run_training, tiny_unet, write_tiny_recipe
 
 from diffusion_extras.cli import posthoc_ema
 from diffusion_extras.cli import sample as sample_cli

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import read_history, save_random_images, save_tiny_pipeline
+from helpers import read_history, save_random_images, save_tiny_pipeline
 from PIL import Image
 from processes import cli_env, run_command
 

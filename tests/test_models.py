@@ -2,7 +2,7 @@
 value the user set (a flag or the --config recipe) wins."""
 import pytest
 import yaml
-from conftest import save_random_images
+from helpers import save_random_images
 
 from diffusion_extras.training import models
 from diffusion_extras.training.config import DIGITS_UNET, TrainConfig, parse_config

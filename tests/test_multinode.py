@@ -9,9 +9,8 @@ import sys
 import faults
 import numpy as np
 import pytest
-from conftest import ROOT
+from helpers import ROOT, write_tar_shards
 from processes import cli_env
-from test_data_files import write_tar_shards
 
 from diffusion_extras.data import decode_cache
 from diffusion_extras.data import images as data

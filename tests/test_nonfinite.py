@@ -5,7 +5,7 @@ import os
 
 import faults
 import torch
-from conftest import read_history
+from helpers import read_history
 from safetensors.torch import load_file
 
 

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import LATENT_MODEL, save_tiny_vae
 from package_blocker import BLOCK_THE_PACKAGE
 from PIL import Image
-from test_autoencoder import LATENT_MODEL, save_tiny_vae
 
 # A process that cannot import the package, as a user without it installed.
 BLOCKED_LOAD = BLOCK_THE_PACKAGE + """
@@ -36,7 +36,7 @@ for folder, labels in ((sys.argv[1], None), (sys.argv[2], ["3", "7"])):
 
 
 def latent_run(folder, *flags):
-    from conftest import run_training, write_tiny_recipe
+    from helpers import run_training, write_tiny_recipe
     recipe = write_tiny_recipe(folder, model=LATENT_MODEL, save_images_steps=2, eval_batch_size=4)
     run_training(recipe, folder / "run", "--max_train_steps", 2, "--pretrained_vae_model_name_or_path",
                  save_tiny_vae(folder / "vae"), *flags)
@@ -119,7 +119,7 @@ def test_the_model_card_of_a_latent_export_shows_calls_that_run_as_written(laten
 
 
 def test_the_evaluate_command_scores_decoded_images_against_pixel_references(latent_runs, run_cli, tmp_path):
-    from conftest import save_random_images
+    from helpers import save_random_images
     reference = save_random_images(tmp_path / "reference", 6, 8, 8)
     result = run_cli(["-m", "diffusion_extras.evaluate", latent_runs[0], "--reference", reference,
                       "--num_samples", 4, "--feature_extractor", "tiny", "--num_inference_steps", 2,
@@ -154,7 +154,7 @@ def test_fine_tuning_a_latent_export_takes_its_vae_and_exports_a_latent_pipeline
                     check=False)
     assert refused.returncode == 2
     assert "its UNet takes 2-channel latents of 4 px and the VAE makes 2-channel latents of 8 px" in refused.stderr
-    from conftest import save_tiny_pipeline
+    from helpers import save_tiny_pipeline
     pixel = save_tiny_pipeline(tmp_path / "pixel")
     refused = train(tiny_recipe(), tmp_path / "mixed", "--pretrained_model_name_or_path", pixel,
                     "--pretrained_vae_model_name_or_path", base, "--max_train_steps", 1, check=False)

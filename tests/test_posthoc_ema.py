@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_unet
+from helpers import tiny_unet
 
 from diffusion_extras.cli import common
 from diffusion_extras.cli.posthoc_ema import main

@@ -10,9 +10,8 @@ import re
 import faults
 import pytest
 import torch
-from conftest import read_history, run_training, write_tiny_recipe
-from processes import launch_training
-from test_resume import assert_same_state, torchrun
+from helpers import assert_same_state, read_history, run_training, write_tiny_recipe
+from processes import launch_training, torchrun
 
 from diffusion_extras.training.checkpointing import verify_checkpoint
 
@@ -254,7 +253,7 @@ def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_res
     denoising steps (core/stop_flag.py), checkpoint-3 is written within 10 s, nothing of the grid
     or the export is left; the resume at the last step does the end-of-run work (grid, export),
     and the exported weights and losses equal those of an uninterrupted run."""
-    from conftest import load_unet_weights
+    from helpers import load_unet_weights
     recipe = tiny_recipe(max_train_steps=3, checkpointing_steps=2, save_images_steps=1000,
                          ddpm_num_inference_steps=1000)
     out = tmp_path / "run"

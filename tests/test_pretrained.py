@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 import yaml
-from conftest import TINY_RECIPE, load_unet_weights, save_random_images, save_tiny_pipeline, tiny_run, tiny_unet
+from helpers import TINY_RECIPE, load_unet_weights, save_random_images, save_tiny_pipeline, tiny_run, tiny_unet
 from hub_server import HubServer
 
 from diffusion_extras.training import models, pretrained

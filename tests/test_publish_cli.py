@@ -7,7 +7,7 @@ import secrets
 
 import pytest
 import yaml
-from conftest import read_history
+from helpers import read_history
 from hub_server import HubServer
 
 TOKEN = "hf_" + secrets.token_hex(17)

@@ -3,59 +3,21 @@ and in processes of their own where a process is the subject (a SIGKILL inside a
 import functools
 import os
 import shutil
-import sys
 
 import faults
 import pytest
 import torch
-from conftest import load_unet_weights, read_history, run_training, write_tiny_recipe
+from helpers import (
+    assert_same_state,
+    assert_same_tree,
+    load_unet_weights,
+    read_history,
+    run_training,
+    write_tiny_recipe,
+)
 from processes import launch_training
-from safetensors.torch import load_file
 
 from diffusion_extras.training import checkpointing
-
-
-# 64 images, 8 per micro-batch: 8 micro-batches an epoch, so step 5 (accumulation 1) and step 3
-# (accumulation 2: micro-step 6) stop mid-epoch, and the run to 2N crosses an epoch boundary.
-def torchrun():
-    """A 2-rank launcher on one machine. --standalone: the launcher's rendezvous binds a free port
-    itself (probing for a free port and passing it races with the connections other tests open)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-
-
-def assert_same_tree(x, y, where: str) -> None:
-    """x and y equal all the way down (dicts: same keys; lists: same length; tensors: bitwise)."""
-    assert type(x) is type(y), f"{where}: {type(x).__name__} vs {type(y).__name__}"
-    if isinstance(x, dict):
-        assert x.keys() == y.keys(), f"{where}: keys {sorted(map(str, x))} vs {sorted(map(str, y))}"
-        for key in x:
-            assert_same_tree(x[key], y[key], f"{where}[{key!r}]")
-    elif isinstance(x, (list, tuple)):
-        assert len(x) == len(y), f"{where}: {len(x)} vs {len(y)} items"
-        for index, (item_x, item_y) in enumerate(zip(x, y)):
-            assert_same_tree(item_x, item_y, f"{where}[{index}]")
-    elif isinstance(x, torch.Tensor):
-        assert x.dtype == y.dtype and torch.equal(x, y), f"{where}: tensors differ"
-    else:
-        assert x == y or (x != x and y != y), f"{where}: {x!r} vs {y!r}"  # (nan == nan here)
-
-
-def assert_same_state(a, b, step):
-    """Same losses at every step, same exported (EMA) weights, and checkpoint-`step` the same in its
-    training weights, optimizer state and every custom state (LR schedule, EMA, diagnostics, ...)."""
-    la, lb = ([h for h in read_history(folder) if "loss" in h] for folder in (a, b))  # not FID, held-out, ...
-    assert [h["step"] for h in la] == [h["step"] for h in lb] == list(range(1, step + 1))
-    assert [h["loss"] for h in la] == [h["loss"] for h in lb]
-    assert_same_tree(load_unet_weights(a), load_unet_weights(b), "exported weights")
-    ca, cb = os.path.join(a, f"checkpoint-{step}"), os.path.join(b, f"checkpoint-{step}")
-    states = sorted(name for name in os.listdir(ca) if name == "optimizer.bin" or name.startswith("custom_checkpoint_"))
-    assert "optimizer.bin" in states and states == sorted(
-        name for name in os.listdir(cb) if name == "optimizer.bin" or name.startswith("custom_checkpoint_"))
-    assert_same_tree(load_file(os.path.join(ca, "model.safetensors")), load_file(os.path.join(cb, "model.safetensors")),
-                     "training weights")
-    for name in states:
-        assert_same_tree(torch.load(os.path.join(ca, name), weights_only=True),
-                         torch.load(os.path.join(cb, name), weights_only=True), f"checkpoint-{step}/{name}")
 
 
 def test_assert_same_tree_sees_an_optimizer_moment_and_a_missing_item():
@@ -72,6 +34,8 @@ def test_assert_same_tree_sees_an_optimizer_moment_and_a_missing_item():
         assert_same_tree({"shadow_params": [torch.zeros(1), torch.ones(1)]}, {"shadow_params": [torch.zeros(1)]}, "ema")
 
 
+# 64 images, 8 per micro-batch: 8 micro-batches an epoch, so step 5 (accumulation 1) and step 3
+# (accumulation 2: micro-step 6) stop mid-epoch, and the run to 2N crosses an epoch boundary.
 @pytest.mark.parametrize("accumulation,half,extras", [
     (1, 5, {}), (2, 3, {}),
     # loss-aware timesteps, min-SNR, v-prediction and post-hoc EMA: all their state must round-trip
@@ -230,7 +194,7 @@ def test_resume_with_other_process_count_is_refused(train, tiny_recipe, tmp_path
 
 
 def _tiny_model():
-    from conftest import TINY_RECIPE
+    from helpers import TINY_RECIPE
     return dict(TINY_RECIPE["model"])
 
 

@@ -1,14 +1,13 @@
 """Resume policies (refuse / apply / free, read from the config fields), applied changes through
 the trainer's command line (its main() in this process), rollback without loss, and torn-file detection."""
 import json
-import math
 import os
 import shutil
 from dataclasses import fields
 
 import pytest
 import torch
-from conftest import read_history, run_training, write_tiny_recipe
+from helpers import cosine_lr, optimizer_state, read_history, run_training, write_tiny_recipe
 
 from diffusion_extras.training import checkpointing
 from diffusion_extras.training.config import RESUME_POLICIES, TrainConfig, resume_policy
@@ -50,17 +49,6 @@ def copy_of(base, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(run, out)
     return recipe, out
-
-
-def optimizer_state(checkpoint):
-    return torch.load(os.path.join(checkpoint, "optimizer.bin"), weights_only=False)
-
-
-def cosine_lr(peak, step, warmup, total):
-    """diffusers' cosine-with-warmup at `step` (the lr of history step step+1)."""
-    if step < warmup:
-        return peak * step / max(1, warmup)
-    return peak * max(0.0, 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
 
 
 def test_changed_lr_weight_decay_and_betas_apply_from_the_first_resumed_step(train, base, tmp_path):

@@ -7,8 +7,7 @@ import shutil
 
 import faults
 import pytest
-from conftest import read_history, run_training, write_tiny_recipe
-from test_resume_policy import cosine_lr, optimizer_state
+from helpers import cosine_lr, optimizer_state, read_history, run_training, write_tiny_recipe
 
 
 @pytest.fixture(scope="module")

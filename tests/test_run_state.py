@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 import yaml
-from conftest import read_history, tiny_run
+from helpers import read_history, tiny_run
 
 from diffusion_extras.training import compat, loop, run_state
 from diffusion_extras.training.config import TrainConfig, parse_config
@@ -102,7 +102,7 @@ def test_the_digits_default_run_writes_the_held_out_and_gradient_plots(train, tm
 
 def _small_digits_recipe(tmp_path) -> str:
     """The digits recipe's data and flags with the tiny UNet (the default model is 1.1M parameters)."""
-    from conftest import TINY_RECIPE
+    from helpers import TINY_RECIPE
     path = tmp_path / "small.yaml"
     path.write_text(yaml.safe_dump({"model": TINY_RECIPE["model"]}))
     return str(path)

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import save_tiny_pipeline, tiny_unet
 from diffusers import DDPMScheduler
+from helpers import save_tiny_pipeline, tiny_unet
 from PIL import Image
 
 from diffusion_extras.evaluation.sampling import SCHEDULERS, generate, image_grid, make_scheduler, save_images

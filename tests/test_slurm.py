@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, load_unet_weights, read_history, write_tiny_recipe
+from helpers import ROOT, load_unet_weights, read_history, write_tiny_recipe
 from processes import cli_env
 
 

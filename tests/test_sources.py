@@ -8,7 +8,7 @@ import re
 import faults
 import numpy as np
 import torch
-from conftest import ROOT
+from helpers import ROOT
 
 from diffusion_extras.data.sources import CachedImages
 from diffusion_extras.training.config import TrainConfig

@@ -7,9 +7,8 @@ breaks and recompiles at the same places) without generating code, so the counts
 """
 import pytest
 import torch
-from conftest import TINY_RECIPE, load_bench_module, tiny_run
 from faults import dynamo_counts
-from test_host_sync import SYNCING_OPS
+from helpers import SYNCING_OPS, TINY_RECIPE, load_bench_module, tiny_run
 
 from diffusion_extras.training import loop, step
 

@@ -2,7 +2,7 @@
 count it uses for the GPU estimate is the UNet's (counted on the meta device)."""
 import json
 
-from conftest import load_bench_module, run_main
+from helpers import load_bench_module, run_main
 
 
 def test_stream_bench_runs_and_writes_json(tmp_path):

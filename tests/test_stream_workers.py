@@ -9,9 +9,7 @@ import datasets
 import faults
 import pytest
 import torch
-from conftest import load_unet_weights, read_history
-from test_data_files import write_tar_shards
-from test_resume import assert_same_state
+from helpers import assert_same_state, load_unet_weights, read_history, write_tar_shards
 
 from diffusion_extras.data import streaming
 from diffusion_extras.data.images import DataError

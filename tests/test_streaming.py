@@ -3,8 +3,8 @@ import os
 
 import numpy as np
 import pytest
+from helpers import assert_same_state
 from PIL import Image
-from test_resume import assert_same_state
 
 from diffusion_extras.data import streaming
 from diffusion_extras.training.config import TrainConfig

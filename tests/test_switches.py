@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from conftest import read_history, tiny_run
+from helpers import read_history, tiny_run
 
 
 def losses(train, recipe, tmp_path, name, *flags):

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import load_unet_weights, read_history
+from helpers import load_unet_weights, read_history
 from PIL import Image
 from safetensors.torch import load_file
 

@@ -1,7 +1,7 @@
 """bench/train_digits_vae.py: a small AutoencoderKL trained on the digits, saved so the trainer loads it
 as --pretrained_vae_model_name_or_path, with a scaling_factor that gives its latents unit std."""
 import torch
-from conftest import load_bench_module
+from helpers import load_bench_module
 
 from diffusion_extras.training import autoencoder
 from diffusion_extras.training.config import parse_config

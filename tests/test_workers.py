@@ -8,8 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_run
-from test_data_files import write_tar_shards
+from helpers import tiny_run, write_tar_shards
 
 from diffusion_extras.data import workers
 

@@ -2,8 +2,8 @@
 in-training grids and FID, the sample CLI, and DDPMPipeline.from_pretrained of the export."""
 import pytest
 import torch
-from conftest import tiny_run
 from diffusers import DDPMPipeline, DDPMScheduler
+from helpers import tiny_run
 
 from diffusion_extras.cli import sample
 from diffusion_extras.evaluation import metrics as evaluation
