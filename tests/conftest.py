@@ -1,15 +1,13 @@
 """The session's hooks (every test as in a clean shell) and the fixtures tests share. What tests
 share that is not a fixture (the tiny recipe, the runners of the commands in this process, files a
 test makes) is in tests/helpers.py; commands in processes of their own in tests/processes.py."""
-import functools
 import os
 import shutil
 import sys
 import tempfile
 
 import pytest
-from helpers import run_cli_in_process, run_training, write_tiny_recipe
-from processes import launch_training
+from helpers import run_training, write_tiny_recipe
 
 # Variables of the caller's shell that change what the libraries do (offline mode, endpoint, cache
 # folders, the tracker's mode, an accelerate config): no test may depend on them.
@@ -61,19 +59,6 @@ def tiny_recipe(tmp_path):
     return lambda **overrides: write_tiny_recipe(tmp_path, **overrides)
 
 
-@pytest.fixture
-def run_cli():
-    """run_cli(args, env=None, check=False, merge_stderr=False): a command line run in this process
-    (run_cli_in_process)."""
-    return run_cli_in_process
-
-
-@pytest.fixture
-def train():
-    """train(recipe, output_dir, *flags, hooks=None, env=None, check=True): run_training."""
-    return run_training
-
-
 @pytest.fixture(scope="session")
 def tiny_reference_run(tmp_path_factory):
     """The output folder of the tiny recipe trained 3 steps (seed 0, no other flag), trained once per
@@ -81,13 +66,6 @@ def tiny_reference_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_reference_run")
     run_training(write_tiny_recipe(folder), folder / "run", "--max_train_steps", 3)
     return folder / "run"
-
-
-@pytest.fixture
-def launch(tmp_path):
-    """launch(recipe, output_dir, *flags, faults=(), ranks=1, launcher=None, env=None, check=True):
-    launch_training with this test's folder for what the processes download."""
-    return functools.partial(launch_training, tmp_path)
 
 
 @pytest.fixture

@@ -131,7 +131,10 @@ def write_tar_shards(folder, shards=3, per_shard=4, size=(10, 12), extension="jp
 
 
 # ----------------------------------------------------------------------------- commands in this process
-def run_main(main, argv, *extra, env=None, merge_stderr=False):
+# Each runner returns a subprocess.CompletedProcess and, unless check=False (a test of a refusal, which
+# then asserts the exit code itself), fails the test when the command exits non-zero. In processes of
+# their own: processes.run_command and processes.launch_training, the same way.
+def run_main(main, argv, *extra, env=None, merge_stderr=False, check=True):
     """`main(argv, *extra)` (a command's main: the trainer's takes hooks) in this process, as its
     command line would run: a CompletedProcess with the exit code it returned (or exited with) and
     what it printed. `env`: variables set for the call (None unsets), for those read while it runs.
@@ -152,7 +155,8 @@ def run_main(main, argv, *extra, env=None, merge_stderr=False):
     if isinstance(code, str):  # sys.exit("message") prints it and exits 1
         err.write(code + "\n")
         code = 1
-    return subprocess.CompletedProcess(argv, code or 0, out.getvalue(), "" if merge_stderr else err.getvalue())
+    result = subprocess.CompletedProcess(argv, code or 0, out.getvalue(), "" if merge_stderr else err.getvalue())
+    return checked(result, f"{main.__module__}.main {' '.join(argv)}", check)
 
 
 @contextlib.contextmanager
@@ -168,39 +172,35 @@ def environment(values: dict):
             os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
 
 
-def command_main(name: str):
-    """The main() of a command: "train_ddpm.py" or a module run with -m ("diffusion_extras.sample")."""
+COMMANDS = {"train_ddpm.py": "diffusion_extras.training.main",  # the main() of each command line
+            "diffusion_extras.sample": "diffusion_extras.cli.sample",
+            "diffusion_extras.evaluate": "diffusion_extras.cli.evaluate",
+            "diffusion_extras.posthoc_ema": "diffusion_extras.cli.posthoc_ema",
+            "diffusion_extras.report": "diffusion_extras.report.health"}
+
+
+def run_cli(args, env=None, check=True, merge_stderr=False):
+    """`python ARGS` (train_ddpm.py, or -m one of the package's commands) through that command's
+    main() in this process (run_main)."""
     import importlib
-    mains = {"train_ddpm.py": "diffusion_extras.training.main",
-             "diffusion_extras.sample": "diffusion_extras.cli.sample",
-             "diffusion_extras.evaluate": "diffusion_extras.cli.evaluate",
-             "diffusion_extras.posthoc_ema": "diffusion_extras.cli.posthoc_ema",
-             "diffusion_extras.report": "diffusion_extras.report.health"}
-    return importlib.import_module(mains[name]).main
-
-
-def run_cli_in_process(args, env=None, check=False, merge_stderr=False):
-    """`python ARGS` (train_ddpm.py or -m one of the package's commands) through its main() in this
-    process (run_main); check: a non-zero exit fails the test."""
     args = [str(arg) for arg in args]
     name, argv = (args[1], args[2:]) if args[0] == "-m" else (args[0], args[1:])
-    result = run_main(command_main(name), argv, env=env, merge_stderr=merge_stderr)
-    return checked(result, " ".join(args), check)
+    return run_main(importlib.import_module(COMMANDS[name]).main, argv, env=env, merge_stderr=merge_stderr,
+                    check=check)
 
 
 def run_training(recipe, output_dir, *flags, hooks=None, env=None, check=True):
-    """The trainer on a recipe in this process: `train_ddpm.py --config RECIPE --output_dir OUTPUT_DIR
-    FLAGS` through training.main.main with `hooks` (tests/faults.py makes them); a CompletedProcess.
-    A non-zero exit fails the test unless check=False (for tests of a refusal)."""
+    """`train_ddpm.py --config RECIPE --output_dir OUTPUT_DIR FLAGS` in this process (run_main), with
+    `hooks` (tests/faults.py makes them)."""
     from diffusion_extras.training.main import main
-    result = run_main(main, ["--config", recipe, "--output_dir", output_dir, *flags], hooks, env=env)
-    return checked(result, "training", check)
+    return run_main(main, ["--config", recipe, "--output_dir", output_dir, *flags], hooks, env=env, check=check)
 
 
 def checked(result, what: str, check: bool = True):
-    """`result`, or with `check` a failed test naming `what`, its exit code and its stderr's end when it failed."""
+    """`result`; with `check`, a non-zero exit fails the test, naming `what`, the exit code and the end
+    of what the command printed on stderr (or, merged, on stdout)."""
     if check and result.returncode != 0:
-        raise AssertionError(f"{what} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+        raise AssertionError(f"{what} failed ({result.returncode}):\n{(result.stderr or result.stdout)[-4000:]}")
     return result
 
 

@@ -43,15 +43,6 @@ def rank_environments(env: dict, ranks: int):
              "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"} for rank in range(ranks)], store
 
 
-def process_environment(env_dir, env=None) -> dict:
-    """cli_env() with `env` (None unsets); what a command downloads stays in its test (HF_HOME in
-    `env_dir`) unless it is offline or `env` names a home."""
-    merged = {k: v for k, v in {**cli_env(), **(env or {})}.items() if v is not None}
-    if merged.get("HF_HUB_OFFLINE") != "1" and "HF_HOME" not in (env or {}):
-        merged["HF_HOME"] = str(env_dir / "hf_home")
-    return merged
-
-
 def start_command(command, env, stdout, stderr, ranks=1):
     """`command` (`python ...`) started from the project root in a session of its own, as a job
     scheduler starts a job, with `env` as its whole environment and its output to the files `stdout`
@@ -117,15 +108,17 @@ class Ranks:
             process.wait()
 
 
-def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False, ranks=1, merge_stderr=False):
+def run_command(args, *, launcher=None, env=None, timeout=300, check=True, ranks=1, merge_stderr=False):
     """`launcher + args` (default launcher: this interpreter, `sys.executable`) run from the project
-    root in a process of its own (process_environment); returns a CompletedProcess. merge_stderr:
-    stderr into stdout in the order written (`2>&1`); the result's stderr is then "".
+    root in a process of its own, in cli_env() with `env` (None unsets); returns a CompletedProcess
+    and, unless check=False, fails the test when the command exits non-zero. merge_stderr: stderr
+    into stdout in the order written (`2>&1`); the result's stderr is then "".
     ranks > 1: `python ARGS` as that many ranks of one process group on this machine (start_command):
     their stdout and stderr in rank order, the group's exit code, and `returncodes`, each rank's."""
     command = (launcher or [sys.executable]) + [str(arg) for arg in args]
     assert ranks == 1 or launcher is None, "ranks start as `python ARGS`"
-    envs, store = rank_environments(process_environment(env_dir, env), ranks)
+    merged = {name: str(value) for name, value in {**cli_env(), **(env or {})}.items() if value is not None}
+    envs, store = rank_environments(merged, ranks)
     with tempfile.TemporaryDirectory(prefix="ddpm-test-command-") as outputs, contextlib.ExitStack() as files:
         streams = [[files.enter_context(open(os.path.join(outputs, f"{rank}.{name}"), "w+"))
                     for name in ("stdout", "stderr")] for rank in range(ranks)]
@@ -145,11 +138,12 @@ def read_back(fh) -> str:
     return fh.read()
 
 
-def launch_training(env_dir, recipe, output_dir, *flags, faults=(), launcher=None, env=None, timeout=300,
-                    check=True, ranks=1):
-    """The training command line on a recipe in processes of its own (run_command): train_ddpm.py, or
-    with `faults` (flags of tests/faults.py, e.g. ("--stop_after_checkpoint", 3)) tests/faults.py,
-    which runs the trainer with those faults. launcher: e.g. torch.distributed.run; ranks: run_command's."""
+def launch_training(recipe, output_dir, *flags, faults=(), launcher=None, env=None, timeout=300, check=True,
+                    ranks=1):
+    """`train_ddpm.py --config RECIPE --output_dir OUTPUT_DIR FLAGS` in processes of their own
+    (run_command), or with `faults` (flags of tests/faults.py, e.g. ("--stop_after_checkpoint", 3))
+    tests/faults.py, which runs the trainer with those faults. launcher: e.g. torchrun(); ranks:
+    run_command's."""
     script = ["tests/faults.py", *faults, "--"] if faults else ["train_ddpm.py"]
-    return run_command([*script, "--config", recipe, "--output_dir", output_dir, *flags], env_dir,
-                       launcher=launcher, env=env, timeout=timeout, check=check, ranks=ranks)
+    return run_command([*script, "--config", recipe, "--output_dir", output_dir, *flags], launcher=launcher, env=env,
+                       timeout=timeout, check=check, ranks=ranks)

@@ -15,9 +15,9 @@ from helpers import load_bench_module, run_main
 diffusers_reference = load_bench_module("diffusers_reference")
 
 
-def run_bench(*args):
+def run_bench(*args, check=True):
     """`python bench/bench_step.py ARGS` through its main() in this process: a CompletedProcess."""
-    return run_main(load_bench_module("bench_step").main, args)
+    return run_main(load_bench_module("bench_step").main, args, check=check)
 
 
 def positive_finite(value) -> bool:
@@ -31,7 +31,6 @@ def tiny_run(tmp_path_factory):
     out = tmp_path / "bench.json"
     result = run_bench("--tiny", "--steps", "2", "--warmup", "1", "--data_seconds", "0.2",
                        "--json", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout, json.loads(out.read_text())
 
 
@@ -138,7 +137,7 @@ def test_flop_count_leaves_a_compiled_unet_compiled(tmp_path, fresh_accelerate):
                                           (["--diffusers_script", "/nonexistent/train_unconditional.py"],
                                            "--diffusers_script")])
 def test_bad_input_is_one_line_error(args, needle):
-    result = run_bench(*args)
+    result = run_bench(*args, check=False)
     assert result.returncode == 2
     assert result.stderr.startswith("error:") and needle in result.stderr
     assert "Traceback" not in result.stderr

@@ -16,6 +16,7 @@ import pytest
 import torch
 from faults import dynamo_counts, read_shares
 from helpers import TINY_RECIPE, read_history, tiny_run, write_tiny_recipe
+from processes import launch_training
 
 from diffusion_extras.training import loop
 from diffusion_extras.training.hooks import Hooks
@@ -144,7 +145,7 @@ def test_a_compiled_checkpoint_resumes_eager_and_back(compiled_run, tmp_path):
     assert [compiled_resume[s] for s in (5, 6)] == [straight[s] for s in (5, 6)]
 
 
-def test_two_ranks_stay_compiled_and_share_the_evaluation(launch, tmp_path):
+def test_two_ranks_stay_compiled_and_share_the_evaluation(tmp_path):
     """2 ranks (DDP, no_sync on the first micro-batch; the UNet at ONE_LEVEL), the gradient monitor on rank 0 only,
     checkpoints, grids and FID on both: each rank keeps its graphs after warm-up, with no break.
     The FID images are sampled on both ranks (12 images in batches of 4: ranks 0, 1, 0), and the
@@ -161,10 +162,10 @@ def test_two_ranks_stay_compiled_and_share_the_evaluation(launch, tmp_path):
     out, counts_folder = tmp_path / "run", tmp_path / "counts"
     recipe = write_tiny_recipe(tmp_path, grad_diagnostics_steps=2, save_images_steps=2, checkpointing_steps=2,
                                model=ONE_LEVEL)
-    launch(recipe, out, *CHEAP_COMPILE, "--use_ema", "--gradient_accumulation_steps", 2, "--max_train_steps", 4,
-           "--eval_steps", 2, "--feature_extractor", "tiny", "--eval_num_samples", 12, ranks=2,
-           env={"ACCELERATE_USE_CPU": "1"},
-           faults=("--dynamo_counts", counts_folder, "--record_shares", tmp_path / "shares"))
+    launch_training(recipe, out, *CHEAP_COMPILE, "--use_ema", "--gradient_accumulation_steps", 2, "--max_train_steps",
+                    4, "--eval_steps", 2, "--feature_extractor", "tiny", "--eval_num_samples", 12, ranks=2,
+                    env={"ACCELERATE_USE_CPU": "1"},
+                    faults=("--dynamo_counts", counts_folder, "--record_shares", tmp_path / "shares"))
     # at each of the 2 evaluations every rank sampled its own batches: rank 0 images 0-3 and 8-11, rank 1 4-7
     assert read_shares(tmp_path / "shares") == {0: [{"firsts": [0, 8], "images": 8}] * 2,
                                                 1: [{"firsts": [4], "images": 4}] * 2}

@@ -5,7 +5,7 @@ import os
 import datasets
 import numpy as np
 import pytest
-from helpers import write_tar_shards
+from helpers import run_training, write_tar_shards
 from PIL import Image
 
 from diffusion_extras.data import decode_cache, streaming
@@ -78,15 +78,15 @@ def test_bad_data_files_are_refused_in_one_line(tmp_path, spec, message):
         data.load_image_dataset(TrainConfig(train_data_files=spec.format(folder=folder, parquet=parquet)))
 
 
-def test_cli_trains_on_tar_shards_cached_and_streamed(train, tiny_recipe, tmp_path):
+def test_cli_trains_on_tar_shards_cached_and_streamed(tiny_recipe, tmp_path):
     folder = write_tar_shards(tmp_path / "shards", shards=4, per_shard=8)
     recipe = tiny_recipe(train_batch_size=4, max_train_samples=None)
     for name, extra in (("cached", []), ("streamed", ["--streaming", "--shuffle_buffer_size", 0])):
-        result = train(recipe, tmp_path / name, "--train_data_files", f"{folder}/train-{{000..003}}.tar",
-                       "--max_train_steps", 2, *extra)
+        result = run_training(recipe, tmp_path / name, "--train_data_files", f"{folder}/train-{{000..003}}.tar",
+                              "--max_train_steps", 2, *extra)
         assert os.path.isfile(tmp_path / name / "unet" / "diffusion_pytorch_model.safetensors"), result.stderr[-800:]
-    result = train(recipe, tmp_path / "bad", "--train_data_files", f"{folder}/nope-*.tar", "--max_train_steps", 2,
-                   check=False)
+    result = run_training(recipe, tmp_path / "bad", "--train_data_files", f"{folder}/nope-*.tar", "--max_train_steps",
+                          2, check=False)
     assert result.returncode == 2 and "--train_data_files" in result.stderr and "matches no file" in result.stderr
 
 

@@ -23,6 +23,7 @@ from diffusers import (
 )
 from diffusers.configuration_utils import register_to_config
 from diffusers.models.unets.unet_2d import UNet2DOutput
+from helpers import run_cli, run_training
 from PIL import Image
 
 from diffusion_extras.evaluation import sampling
@@ -264,21 +265,21 @@ def test_a_guide_set_then_saved_round_trips_through_remote_code_and_a_resave(tmp
     assert not (tmp_path / "unguided" / "guide").exists()
 
 
-def test_the_sample_command_autoguides_with_a_saved_guide(tmp_path, capsys):
+def test_the_sample_command_autoguides_with_a_saved_guide(tmp_path):
     """It loaded such a folder as an unconditional DDPMPipeline, without a word."""
-    from diffusion_extras.cli import sample
     pipe = saved_with_a_guide(tmp_path / "saved")
-    argv = [str(tmp_path / "saved"), "--num_images", "4", "--num_inference_steps", "3", "--device", "cpu"]
-    assert sample.main([*argv, "--output", str(tmp_path / "out")]) == 0
+    argv = ["-m", "diffusion_extras.sample", tmp_path / "saved", "--num_images", "4", "--num_inference_steps", "3",
+            "--device", "cpu"]
+    result = run_cli([*argv, "--output", tmp_path / "out"])
     written = np.stack([np.asarray(Image.open(tmp_path / "out" / f"{i:06d}.png")) for i in range(4)])
     expected = sampling.generate(pipe.unet, sampling.make_scheduler("ddim", pipe.scheduler.config), 4, 3, seed=0,
                                  class_labels=[0, 1, 0, 1], guidance_scale=DEFAULT_GUIDANCE_SCALE, guide=pipe.guide)
     assert (written == expected[..., 0]).all()
-    assert "wrote 4 images" in capsys.readouterr().out
+    assert "wrote 4 images" in result.stdout
     # a folder whose index names the class alone (as save_pretrained wrote it) is not a DDPMPipeline either
     index_path = tmp_path / "saved" / "model_index.json"
     index_path.write_text(json.dumps({**json.loads(index_path.read_text()), "_class_name": "ClassConditionalPipeline"}))
-    assert sample.main([*argv, "--output", str(tmp_path / "bare")]) == 0
+    run_cli([*argv, "--output", tmp_path / "bare"])
     assert all((np.asarray(Image.open(tmp_path / "bare" / f"{i:06d}.png")) == written[i]).all() for i in range(4))
 
 
@@ -308,26 +309,23 @@ def test_a_guide_that_does_not_fit_the_model_is_one_line_at_assignment_and_at_lo
         ClassConditionalPipeline.from_pretrained(tmp_path / "saved")
 
 
-def test_the_commands_refuse_a_guide_of_another_kind_in_one_line(tmp_path, capsys):
+def test_the_commands_refuse_a_guide_of_another_kind_in_one_line(tmp_path):
     """--guide of another prediction type (recorded by its pipeline's scheduler) or shape answers with
     one line naming the mismatch, before any sampling."""
     from helpers import tiny_unet
-
-    from diffusion_extras.cli import sample
     saved_with_a_guide(tmp_path / "model")
     other = ClassConditionalPipeline(unet=tiny_unet(num_class_embeds=3, seed=2),
                                      scheduler=DDPMScheduler(prediction_type="v_prediction"), id2label={0: "a", 1: "b"})
     other.save_pretrained(tmp_path / "v")
     tiny_unet(num_class_embeds=3, out_channels=2).save_pretrained(tmp_path / "learned_variance")
-    argv = [str(tmp_path / "model"), "--num_images", "2", "--num_inference_steps", "2", "--device", "cpu",
-            "--output", str(tmp_path / "out")]
+    argv = ["-m", "diffusion_extras.sample", tmp_path / "model", "--num_images", "2", "--num_inference_steps", "2",
+            "--device", "cpu", "--output", tmp_path / "out"]
     for guide, message in [("v", "it predicts v_prediction and the model epsilon"),
                            ("v/unet", "it predicts v_prediction and the model epsilon"),
                            ("learned_variance", "out_channels 2 (the model's: 1)")]:
-        with pytest.raises(SystemExit) as exit_info:
-            sample.main([*argv, "--guide", str(tmp_path / guide)])
-        error = capsys.readouterr().err
-        assert exit_info.value.code == 2 and error.startswith(f"error: --guide {tmp_path / guide}: ")
+        result = run_cli([*argv, "--guide", tmp_path / guide], check=False)
+        error = result.stderr
+        assert result.returncode == 2 and error.startswith(f"error: --guide {tmp_path / guide}: ")
         assert message in error and error.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
@@ -341,12 +339,9 @@ def test_a_training_checkpoint_guides_with_its_ema_weights(tmp_path, tiny_recipe
     from safetensors.torch import load_file
 
     from diffusion_extras.cli.common import load_guide
-    from diffusion_extras.training.main import main
     run = tmp_path / "run"
-    assert main(["--config", tiny_recipe(), "--output_dir", str(run), "--class_conditional", "--max_train_steps", "2",
-                 "--checkpointing_steps", "2"]) == 0
+    run_training(tiny_recipe(), run, "--class_conditional", "--max_train_steps", 2, "--checkpointing_steps", 2)
     exported = ClassConditionalPipeline.from_pretrained(run).unet  # EMA weights at step 2
-    capsys.readouterr()
     guide = load_guide(str(run / "checkpoint-2"), exported, "cpu", "epsilon")
     assert capsys.readouterr().err == f"--guide {run / 'checkpoint-2'}: the checkpoint's EMA weights\n"
     assert all(torch.equal(value, exported.state_dict()[name]) for name, value in guide.state_dict().items())

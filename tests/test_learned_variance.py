@@ -7,10 +7,8 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DDIMScheduler, DDPMPipeline, DDPMScheduler, DPMSolverMultistepScheduler
-from helpers import read_history, run_training, tiny_unet, write_tiny_recipe
+from helpers import read_history, run_cli, run_training, tiny_unet, write_tiny_recipe
 
-from diffusion_extras.cli import posthoc_ema
-from diffusion_extras.cli import sample as sample_cli
 from diffusion_extras.core import vlb
 from diffusion_extras.evaluation.pipeline_class_conditional import guided_model_output, scheduler_model_output
 from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
@@ -77,13 +75,14 @@ def test_diagnostics_bin_the_bound_terms_and_sum_them_over_t():
 
 @pytest.mark.parametrize("scheduler", ["ddpm", "ddim", "dpm"])
 def test_sample_command_with_each_scheduler(learned_run, tmp_path, scheduler):
-    sample_cli.main([str(a) for a in (learned_run.output, "--num_images", 2, "--num_inference_steps", 3,
-                                      "--scheduler", scheduler, "--output", tmp_path, "--device", "cpu")])
+    run_cli(["-m", "diffusion_extras.sample", learned_run.output, "--num_images", 2, "--num_inference_steps", 3,
+             "--scheduler", scheduler, "--output", tmp_path, "--device", "cpu"])
     assert len(list(tmp_path.glob("0000*.png"))) == 2
 
 
 def test_posthoc_ema_exports_a_learned_variance_pipeline(learned_run, tmp_path):
-    posthoc_ema.main([str(learned_run.output), "--sigma_rels", "0.1", "--export", str(tmp_path / "best")])
+    run_cli(["-m", "diffusion_extras.posthoc_ema", learned_run.output, "--sigma_rels", "0.1", "--export",
+             tmp_path / "best"])
     pipeline = DDPMPipeline.from_pretrained(tmp_path / "best")
     assert pipeline.scheduler.config.variance_type == "learned_range"
     assert pipeline.unet.config.out_channels == 2

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DDPMPipeline, DDPMScheduler
-from helpers import VLB_BETAS, VLB_T, save_random_images, save_tiny_pipeline, tiny_unet, vlb_term_by_hand
+from helpers import VLB_BETAS, VLB_T, run_cli, save_random_images, save_tiny_pipeline, tiny_unet, vlb_term_by_hand
 
-from diffusion_extras.cli import evaluate
 from diffusion_extras.data.batch_order import mix_seed
 from diffusion_extras.evaluation.likelihood import NLL_STREAM, bits_per_dim, kl_blocks
 
@@ -69,8 +68,8 @@ def test_evaluate_command_reports_bits_per_dim(tmp_path, learned):
             pipeline)
     references = save_random_images(tmp_path / "refs", 3, 8, 8)
     output = tmp_path / "nll.json"
-    evaluate.main([pipeline, "--reference", references, "--eval_metrics", "nll", "--nll_timestep_stride", "25",
-                   "--device", "cpu", "--output", str(output)])
+    run_cli(["-m", "diffusion_extras.evaluate", pipeline, "--reference", references, "--eval_metrics", "nll",
+             "--nll_timestep_stride", "25", "--device", "cpu", "--output", output])
     report = json.loads(output.read_text())
     assert report["nll_images"] == 3 and report["nll_unet_calls_per_image"] == 1 + 4
     assert report["nll_timestep_stride"] == 25 and 0 < report["nll_bits_per_dim"] < 100
