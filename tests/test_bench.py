@@ -113,9 +113,8 @@ def test_cifar10_recipe_gets_its_synthetic_images_before_the_config_is_checked(t
 
 def test_flop_count_leaves_a_compiled_unet_compiled(tmp_path, fresh_accelerate):
     """count_flops runs before the timed steps; a compiled module first called inside
-    FlopCounterMode stayed uncompiled, and --torch_compile's figures were eager ones (seen on an
-    H200: the profile of the compiled run held no generated kernel). The eager backend captures
-    the same frames as inductor without generating code."""
+    FlopCounterMode would stay uncompiled, and --torch_compile's figures would be eager ones. The
+    eager backend captures the same frames as inductor without generating code."""
     import torch
     from faults import dynamo_counts
     from helpers import tiny_run as setup_tiny_run

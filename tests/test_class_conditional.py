@@ -1,4 +1,4 @@
-"""Class-conditional training (issue 23): labels through the batch order, the exported
+"""Class-conditional training: labels through the batch order, the exported
 ClassConditionalPipeline (loaded with and without the package), guidance, sampling, refusals and
 exact resume."""
 import json

@@ -31,10 +31,10 @@ FLAGS = ("--use_ema", "--snr_gamma", 5, "--gradient_accumulation_steps", 2, "--e
 CHEAP_COMPILE = ("--torch_compile", "--torch_compile_backend", "eager")
 # The tiny recipe's blocks at one level (no down- or upsampling), its mid-block attention kept: less
 # for dynamo to trace and for inductor to compile. Inductor compiles a kernel per fused op and shape:
-# at one level a fresh machine compiles 34 C++ kernels instead of 61, and the inductor test took 110
-# instead of 197 CPU-s with a cold cache (24.5 warm), measured alone on 2 cores on 2026-11-26. The runs
-# whose subject acts outside the UNet (a prediction type, a second rank) use it too; the run with
-# every extra and its resumes count graphs on both levels.
+# at one level a fresh machine compiles about half as many C++ kernels, and the inductor test takes
+# about half the CPU time with a cold cache. The runs whose subject acts outside the UNet (a
+# prediction type, a second rank) use it too; the run with every extra and its resumes count graphs
+# on both levels.
 ONE_LEVEL = {**TINY_RECIPE["model"], "block_out_channels": [8], "down_block_types": ["DownBlock2D"],
              "up_block_types": ["UpBlock2D"]}
 # Each prediction type with a precision and a layout. The prediction type acts outside the UNet

@@ -29,7 +29,7 @@ class OneProcess:
         return contextlib.nullcontext()
 
 
-SIXTEEN_BIT = np.array([[0, 1000, 30000, 65535]] * 4, dtype=np.uint16)  # the values
+SIXTEEN_BIT = np.array([[0, 1000, 30000, 65535]] * 4, dtype=np.uint16)  # black, white and two levels between
 
 
 def training_tensor(folder, channels=None, streaming=False, **spec) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""--variance_type learned_range end to end (issue 25): one tiny learned-variance run through the
+"""--variance_type learned_range end to end: one tiny learned-variance run through the
 command line, shared by every test here, and each path that samples its 2C-channel UNet."""
 import json
 from types import SimpleNamespace

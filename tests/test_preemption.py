@@ -222,10 +222,10 @@ def test_a_scheduler_sigterm_to_the_launched_command_saves_and_resumes_bit_ident
                                               launcher=launcher)
 
 
-# 1 to 3 loader workers, each signal once, cached and streamed (issue 33): a run per pair, not per product
+# 1 to 3 loader workers, each signal once, cached and streamed: a run per pair, not per product
 @pytest.mark.parametrize("workers, signal_name", [(1, "SIGTERM"), (2, "SIGUSR1"), (3, "SIGINT")])
 def test_a_signal_to_the_process_group_with_loader_workers(tiny_recipe, tmp_path, workers, signal_name):
-    """Slurm and Ctrl-C signal every process, the DataLoader workers included (issue 33): the
+    """Slurm and Ctrl-C signal every process, the DataLoader workers included: the
     workers ignore it (data/workers.py), the trainer saves at the step, exits 4 with one line and no
     traceback, and the resume equals the straight run."""
     recipe, out = endless_recipe(tiny_recipe, dataloader_num_workers=workers), tmp_path / "run"

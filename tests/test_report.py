@@ -259,7 +259,7 @@ def test_noisiest_bins_error_floor_is_info_not_an_imbalance():
 
 
 def test_five_times_the_optimum_at_the_noisiest_bin_is_below_the_floor():
-    """What the check used to warn about: 5x a ~3e-5 optimum is 1e-4 of excess, 0.01 % of the loss."""
+    """Not worth a warning: 5x a ~3e-5 optimum is 1e-4 of excess, 0.01 % of the loss."""
     history = make_history(**{loss_bin_key(9, NUM_BINS): lambda s, rng, v: REFERENCE[loss_bin_key(9, NUM_BINS)] * 5})
     findings = report.analyze(history, CONFIG, REFERENCE)
     assert _serious(findings) == set() and "timestep_error_floor" in {f.code for f in findings}

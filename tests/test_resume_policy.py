@@ -77,7 +77,7 @@ def test_changed_lr_weight_decay_and_betas_apply_from_the_first_resumed_step(bas
 
 
 def test_rollback_with_total_limit_keeps_the_abandoned_future(base, tmp_path):
-    """The issue's scenario: checkpoint-2 and checkpoint-4, resume from checkpoint-2 with
+    """A rollback under a total limit: checkpoint-2 and checkpoint-4, resume from checkpoint-2 with
     --checkpointing_steps 1 --checkpoints_total_limit 1 --max_train_steps 3."""
     recipe, out = copy_of(base, tmp_path)
     result = run_training(recipe, out, "--resume_from_checkpoint", out / "checkpoint-2",

@@ -1,4 +1,4 @@
-"""Preemption on a real (one-node) Slurm cluster (issue 33): examples/slurm/local_cluster.sh brings
+"""Preemption on a real (one-node) Slurm cluster: examples/slurm/local_cluster.sh brings
 it up when this machine allows (root, the slurm-wlm and munge packages; .ci/run installs them),
 else the tests are skipped with the reason. A job under --time=1 (Slurm's smallest limit: one
 minute) with --signal=USR1@15 stops with a checkpoint, requeues itself (exit 4 ->

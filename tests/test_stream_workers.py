@@ -124,7 +124,7 @@ def train_segment(recipe, output_dir, *flags, stop=None, race=False, ranks=1):
     dies right after checkpoint `stop` (faults.hooks(stop_after_checkpoint=...); in this process
     faults.ProcessDied, which the trainer does not catch); race=True: datasets' set_epoch waits
     between its read and its write of the shared epoch (faults.slow_set_epoch), patched before the
-    loader workers fork, so workers restored together race on it (issue 21)."""
+    loader workers fork, so workers restored together race on it."""
     if ranks > 1:
         named = (*(("--stop_after_checkpoint", stop) if stop else ()), *(("--slow_set_epoch", 0.3) if race else ()))
         launch_training(recipe, output_dir, *flags, ranks=ranks, env={"ACCELERATE_USE_CPU": "1"}, faults=named)
