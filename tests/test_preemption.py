@@ -245,33 +245,43 @@ def test_a_process_group_signal_to_a_streamed_run_with_loader_workers(tiny_recip
     assert_stopped_and_resume_equals_straight(recipe, out, tmp_path, result, signal_name, flags)
 
 
-def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_resume_does_the_end_work(
+# Each denoising step of a signalled run that samples sleeps DENOISE_SECONDS (tests/faults.py
+# --denoise_seconds): a batch of 100 DDIM steps then takes SLOW_BATCH_SECONDS however loaded the
+# machine, at little CPU. A stop that comes sooner than that gave up between denoising steps.
+DENOISE_SECONDS = 0.25
+SLOW_DENOISING = ("--denoise_seconds", DENOISE_SECONDS)
+SLOW_BATCH_SECONDS = 100 * DENOISE_SECONDS
+QUICK_SAMPLING = ("--ddpm_num_inference_steps", 2)
+
+
+def test_a_signal_during_the_final_grid_stops_between_denoising_steps_and_the_resume_does_the_end_work(
         tiny_recipe, tmp_path):
-    """The signal lands in the end-of-run sample grid (1000 DDIM steps): the grid gives up between
-    denoising steps (core/stop_flag.py), checkpoint-3 is written within 10 s, nothing of the grid
-    or the export is left; the resume at the last step does the end-of-run work (grid, export),
-    and the exported weights and losses equal those of an uninterrupted run."""
+    """The signal lands in the end-of-run sample grid (100 slowed DDIM steps): the grid gives up
+    between denoising steps (core/stop_flag.py), checkpoint-3 is written before the grid could have
+    finished, nothing of the grid or the export is left; the resume at the last step does the
+    end-of-run work (grid, export), and the exported weights and losses equal those of an
+    uninterrupted run."""
     from helpers import load_unet_weights
     recipe = tiny_recipe(max_train_steps=3, checkpointing_steps=2, save_images_steps=1000,
-                         ddpm_num_inference_steps=1000)
+                         ddpm_num_inference_steps=100)
     out = tmp_path / "run"
 
     def in_the_final_grid(process, read_stdout):
         wait_while_running(process, lambda: re.search(r"^final sample grid", read_stdout(), re.MULTILINE))
     returncodes, _, stderr, seconds = signal_a_running_command(recipe, out, tmp_path, signal_name="SIGUSR1",
-                                                               group=True, ready=in_the_final_grid)
+                                                               group=True, ready=in_the_final_grid,
+                                                               with_faults=SLOW_DENOISING)
     assert returncodes == [4] and "Traceback" not in stderr, stderr[-3000:]
     assert STOP_LINE.findall(stderr) == [("SIGUSR1", "3", str(out / "checkpoint-3"))]
-    assert seconds < 10, f"{seconds:.1f} s from the signal to the exit"
+    assert seconds < SLOW_BATCH_SECONDS, f"{seconds:.1f} s from the signal to the exit: the grid ran on"
     assert verify_checkpoint(str(out / "checkpoint-3")) is None
     assert not os.path.exists(out / "samples") and not os.path.exists(out / "unet")  # nothing half-written
     # The end-of-run grid's length shapes no weight: the resume and the reference draw theirs in 2
-    # steps (1000 CPU steps each would add a minute to the test and test nothing more).
-    short_grid = ("--ddpm_num_inference_steps", 2)
-    resumed = run_training(recipe, out, "--resume_from_checkpoint", "latest", *short_grid)
+    # steps, unslowed.
+    resumed = run_training(recipe, out, "--resume_from_checkpoint", "latest", *QUICK_SAMPLING)
     assert "resumed at the last step (3)" in resumed.stdout
     assert os.path.exists(out / "samples" / "step_000003.png") and os.path.exists(out / "unet")
-    run_training(recipe, tmp_path / "straight", *short_grid)
+    run_training(recipe, tmp_path / "straight", *QUICK_SAMPLING)
     assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
     exported, straight = load_unet_weights(out), load_unet_weights(tmp_path / "straight")
     assert all(torch.equal(exported[k], straight[k]) for k in straight)
@@ -280,16 +290,13 @@ def test_a_signal_during_a_1000_step_final_grid_saves_within_seconds_and_the_res
 # Two ranks (one loader worker each), the signal during the work between steps (core/stop_flag.py),
 # all at step 2: FID/KID of 12 images in batches of 4 (batch k to rank k mod 2: rank 0 samples 8,
 # rank 1 4), a 4-image grid of rows (one row of 2 a rank), then the held-out loss and gradient
-# monitor on rank 0 alone. Each denoising step of the signalled run sleeps 0.25 s
-# (tests/faults.py --denoise_seconds), so each batch's 100 DDIM steps take 25 s on little CPU:
-# the work at step 2 would take 75 s (50 s with the grid test's own FID), and the stop must come
-# within seconds at step 2 on both ranks. The resume, and the uninterrupted run it is compared
-# with, sample with 2 DDIM steps unslowed (sampling never touches the training state).
+# monitor on rank 0 alone. The signalled run's denoising is slowed (SLOW_DENOISING): the work at
+# step 2 would take three slowed batches (two with the grid test's own FID), and the stop must
+# come before one could finish, at step 2 on both ranks. The resume, and the uninterrupted run it
+# is compared with, sample with 2 DDIM steps unslowed (sampling never touches the training state).
 IN_WORK = dict(train_batch_size=4, dataloader_num_workers=1, max_train_steps=4, checkpointing_steps=2,
                save_images_steps=2, eval_steps=2, eval_num_samples=12, eval_batch_size=4, feature_extractor="tiny",
                ddpm_num_inference_steps=100, validation_split=0.1, validation_steps=2, grad_diagnostics_steps=2)
-SLOW_DENOISING = ("--denoise_seconds", 0.25)
-QUICK_SAMPLING = ("--ddpm_num_inference_steps", 2)
 
 
 @pytest.fixture(scope="module")
@@ -300,14 +307,14 @@ def straight_two_ranks_with_work(tmp_path_factory):
 
 
 def assert_stopped_in_work_and_resume_equals_straight(recipe, out, straight, result, signal_name):
-    """Stopped at step 2 within 10 s (uninterrupted, the work at step 2 takes 50 s or more), one
-    stop line, exit code 4 on both ranks, no traceback, checkpoint-2 whole and nothing of the step-2
-    grid or export written; the resumed run's losses, weights and checkpoint-4 equal the
-    uninterrupted run's, bit for bit."""
+    """Stopped at step 2 before a slowed batch could finish (uninterrupted, the work at step 2 takes
+    two batches or more), one stop line, exit code 4 on both ranks, no traceback, checkpoint-2 whole
+    and nothing of the step-2 grid or export written; the resumed run's losses, weights and
+    checkpoint-4 equal the uninterrupted run's, bit for bit."""
     returncodes, _, stderr, seconds = result
     assert returncodes == [4, 4] and "Traceback" not in stderr, stderr[-3000:]
     assert STOP_LINE.findall(stderr) == [(signal_name, "2", str(out / "checkpoint-2"))], stderr[-3000:]
-    assert seconds < 10, f"{seconds:.1f} s from the signal to the exit"
+    assert seconds < SLOW_BATCH_SECONDS, f"{seconds:.1f} s from the signal to the exit: a batch ran on"
     assert verify_checkpoint(str(out / "checkpoint-2")) is None
     assert not os.path.exists(out / "samples") and not os.path.exists(out / "unet")
     assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
