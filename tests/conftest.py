@@ -21,6 +21,8 @@ def pytest_configure(config):
     them (huggingface_hub and datasets read them once, at import), and HF_HOME is a folder of this
     session. A test that needs offline mode or an endpoint sets it itself, in a process of its own."""
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run them with `pytest -m cuda`")
+    # pytest-xdist's own mark, declared here too for a run without it (-p no:xdist)
+    config.addinivalue_line("markers", "xdist_group(name): tests that run on one worker under --dist loadgroup")
     imported = sorted(name for name in sys.modules if name.split(".")[0] in READ_AT_IMPORT)
     if imported:
         raise pytest.UsageError(f"{imported[0]} was imported before the tests cleared the caller's HF_*/WANDB_* "
@@ -39,18 +41,6 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if getattr(config, "hf_home", None):
         shutil.rmtree(config.hf_home, ignore_errors=True)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Tests that read one module-scoped fixture of their module (most are a training run made once
-    and read by several tests) run on one xdist worker, so that it is made once, not once per worker."""
-    for item in items:
-        for name in item.fixturenames:
-            definitions = item._fixtureinfo.name2fixturedefs.get(name)
-            if (definitions and definitions[-1].scope == "module"
-                    and definitions[-1].func.__module__ == item.module.__name__):
-                item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))
-                break
 
 
 @pytest.fixture

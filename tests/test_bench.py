@@ -34,6 +34,7 @@ def tiny_run(tmp_path_factory):
     return result.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.xdist_group("test_bench.tiny_run")
 def test_tiny_bench_writes_complete_json(tiny_run):
     stdout, report = tiny_run
     assert "full optimizer_step" in stdout and "extras cost" in stdout
@@ -71,6 +72,7 @@ def test_tiny_bench_writes_complete_json(tiny_run):
     assert report["sanity"]["weights_finite_after"] is True
 
 
+@pytest.mark.xdist_group("test_bench.tiny_run")
 def test_table_renders_the_gpu_rows(tiny_run):
     """The GPU-only rows (MFU, memory, diffusers reference, profile) cannot run here: render them
     from a CPU report with those sections filled in, so a format slip shows before a GPU run."""

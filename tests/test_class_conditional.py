@@ -48,6 +48,7 @@ def conditional_run(tmp_path_factory):
     return folder / "run"
 
 
+@pytest.mark.xdist_group("test_class_conditional.conditional_run")
 def test_export_names_the_pipeline_file_and_the_classes(conditional_run):
     index = json.loads((conditional_run / "model_index.json").read_text())
     assert index["_class_name"] == ["pipeline_class_conditional", "ClassConditionalPipeline"]
@@ -61,6 +62,7 @@ def test_export_names_the_pipeline_file_and_the_classes(conditional_run):
     assert grid.size == (2 + 2 * 10, 2 + 10 * 10)
 
 
+@pytest.mark.xdist_group("test_class_conditional.conditional_run")
 def test_loads_without_the_package_with_trust_remote_code(conditional_run, tmp_path):
     script = tmp_path / "load.py"
     script.write_text(BLOCKED_LOAD)
@@ -68,6 +70,7 @@ def test_loads_without_the_package_with_trust_remote_code(conditional_run, tmp_p
     assert "ClassConditionalPipeline [(0, '0'), (1, '1')]" in result.stdout
 
 
+@pytest.mark.xdist_group("test_class_conditional.conditional_run")
 def test_the_package_class_loads_the_folder_directly(conditional_run):
     pipe = ClassConditionalPipeline.from_pretrained(conditional_run)
     assert type(pipe) is ClassConditionalPipeline and pipe.get_label_ids(["9"]) == [9]
@@ -79,6 +82,7 @@ def test_the_package_class_loads_the_folder_directly(conditional_run):
         pipe(class_labels=[10], num_inference_steps=1)
 
 
+@pytest.mark.xdist_group("test_class_conditional.conditional_run")
 def test_sample_cli_takes_class_ids_or_names_and_refuses_unknown_ones(conditional_run, tmp_path):
     result = run_cli(["-m", "diffusion_extras.sample", conditional_run, "--class_labels", "3,7", "--guidance_scale",
                       "3", "--num_images", 2, "--num_inference_steps", 2, "--output", tmp_path / "out"])
@@ -102,6 +106,7 @@ def test_guidance_scale_on_an_unconditional_pipeline_is_refused(tmp_path, comman
                                                        "a --guide")
 
 
+@pytest.mark.xdist_group("test_class_conditional.conditional_run")
 def test_evaluate_samples_a_conditional_pipeline_class_balanced_at_the_guidance_scale(conditional_run, tmp_path,
                                                                                      monkeypatch):
     """`python -m diffusion_extras.evaluate` (its main, in this process, so the sampler can be watched):

@@ -94,6 +94,7 @@ def compiled_run(request, tmp_path_factory):
     return prediction_type, folder / "run", counts
 
 
+@pytest.mark.xdist_group("test_compile.compiled_run")
 def test_training_stays_compiled_with_every_extra(compiled_run):
     """Per prediction type (min-SNR weights differ per type), with accumulation 2 (no_sync on the first
     micro-batch), channels_last and bf16 autocast: no break, and no graph after warm-up but the one
@@ -115,6 +116,7 @@ def test_training_stays_compiled_with_every_extra(compiled_run):
     assert counts["end"]["graphs"] == STEP_GRAPHS + (4 if every_extra else 2), counts
 
 
+@pytest.mark.xdist_group("test_compile.compiled_run")
 def test_a_compiled_checkpoint_resumes_eager_and_back(compiled_run, tmp_path):
     """Compiled to step 2, eager from 2 to 4, compiled again from 4 to 6 (counted: after a resume it
     warms up again and keeps its graphs); and the uninterrupted run's checkpoint-4 resumed compiled.

@@ -36,6 +36,7 @@ def leftovers(output_dir) -> list:
     return [name for name in os.listdir(output_dir) if name.endswith(".tmp")]
 
 
+@pytest.mark.xdist_group("test_disk_space.straight")
 @pytest.mark.parametrize("what, newest", [("checkpoint", 2), ("pipeline export", 4), ("sample grid", 4),
                                           ("log history", 2)])
 def test_enospc_at_each_write_is_one_line_cleanup_and_resume(straight, tmp_path, what, newest):
@@ -61,6 +62,7 @@ def test_enospc_at_each_write_is_one_line_cleanup_and_resume(straight, tmp_path,
     assert_same_state(reference, out, STEPS)
 
 
+@pytest.mark.xdist_group("test_disk_space.straight")
 def test_precheck_refuses_with_the_numbers_then_resume_after_freeing(straight, tmp_path, monkeypatch):
     recipe, reference = straight
     out = tmp_path / "run"
@@ -81,6 +83,7 @@ def test_precheck_refuses_with_the_numbers_then_resume_after_freeing(straight, t
     assert_same_state(reference, out, STEPS)
 
 
+@pytest.mark.xdist_group("test_disk_space.straight")
 def test_precheck_before_the_first_checkpoint_estimates_and_says_run_again(straight, tmp_path, monkeypatch):
     recipe, reference = straight
     out = tmp_path / "run"
@@ -108,6 +111,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
+@pytest.mark.xdist_group("test_disk_space.straight")
 def test_real_full_disk_mid_save_then_free_and_resume(straight, small_disk):
     """The disk fills while checkpoint-4 is completed (another writer takes the space): the marker
     meets a real ENOSPC. Deleting that writer's file and resuming finishes the run exactly."""
@@ -124,6 +128,7 @@ def test_real_full_disk_mid_save_then_free_and_resume(straight, small_disk):
     assert_same_state(reference, out, STEPS)
 
 
+@pytest.mark.xdist_group("test_disk_space.straight")
 @pytest.mark.parametrize("what, partial", [("pipeline export", ".pipeline.tmp"),
                                            ("sample grid", "samples/step_000004")])
 def test_real_full_disk_at_export_and_grid_removes_what_the_write_created(straight, small_disk, what, partial):

@@ -32,6 +32,7 @@ def learned_run(tmp_path_factory):
 
 
 
+@pytest.mark.xdist_group("test_learned_variance.learned_run")
 def test_run_exports_a_ddpm_pipeline_that_samples_with_the_learned_variance(learned_run):
     out = learned_run.output
     with open(out / "scheduler" / "scheduler_config.json") as fh:
@@ -73,6 +74,7 @@ def test_diagnostics_bin_the_bound_terms_and_sum_them_over_t():
     assert got == expected and got["vlb_bin/00"] == 7.0 and got["vlb_bin/01"] == 0.25
 
 
+@pytest.mark.xdist_group("test_learned_variance.learned_run")
 @pytest.mark.parametrize("scheduler", ["ddpm", "ddim", "dpm"])
 def test_sample_command_with_each_scheduler(learned_run, tmp_path, scheduler):
     run_cli(["-m", "diffusion_extras.sample", learned_run.output, "--num_images", 2, "--num_inference_steps", 3,
@@ -80,6 +82,7 @@ def test_sample_command_with_each_scheduler(learned_run, tmp_path, scheduler):
     assert len(list(tmp_path.glob("0000*.png"))) == 2
 
 
+@pytest.mark.xdist_group("test_learned_variance.learned_run")
 def test_posthoc_ema_exports_a_learned_variance_pipeline(learned_run, tmp_path):
     run_cli(["-m", "diffusion_extras.posthoc_ema", learned_run.output, "--sigma_rels", "0.1", "--export",
              tmp_path / "best"])
@@ -147,6 +150,7 @@ def test_model_gets_2c_outputs_and_settings_are_checked(tmp_path):
         parse_config(["--vlb_weight=-1"])
 
 
+@pytest.mark.xdist_group("test_learned_variance.learned_run")
 def test_resume_refuses_a_change_of_variance_type(learned_run):
     checkpoint = str(learned_run.output / "checkpoint-4")
     saved = checkpointing.read_train_state(checkpoint)["config"]

@@ -31,6 +31,7 @@ def pixel_run(tmp_path_factory):
     return folder / "run", recipe, images, result.stdout
 
 
+@pytest.mark.xdist_group("test_nonsquare.pixel_run")
 def test_the_pixel_export_samples_height_by_width_with_ddpm_pipeline(pixel_run):
     import torch
     from diffusers import DDPMPipeline
@@ -50,6 +51,7 @@ def test_the_pixel_export_samples_height_by_width_with_ddpm_pipeline(pixel_run):
         assert strip.size[0] == 2 + 2 * (WIDTH + 2) and (strip.size[1] - 2) % (HEIGHT + 2) == 0
 
 
+@pytest.mark.xdist_group("test_nonsquare.pixel_run")
 def test_the_sample_and_evaluate_commands_take_a_non_square_export(pixel_run, tmp_path):
     run, _, images, _ = pixel_run
     run_cli(["-m", "diffusion_extras.sample", run, "--num_images", 3, "--num_inference_steps", 2,
@@ -68,6 +70,7 @@ def test_the_sample_and_evaluate_commands_take_a_non_square_export(pixel_run, tm
     assert metrics["reference_images"] == 16 and metrics["fid"] > 0
 
 
+@pytest.mark.xdist_group("test_nonsquare.pixel_run")
 def test_a_resume_compares_both_sides(pixel_run, tmp_path):
     import shutil
     run, recipe, images, _ = pixel_run
@@ -82,6 +85,7 @@ def test_a_resume_compares_both_sides(pixel_run, tmp_path):
     assert "done: 3 optimizer steps" in resumed.stdout
 
 
+@pytest.mark.xdist_group("test_nonsquare.pixel_run")
 def test_fine_tuning_a_non_square_export_trains_at_its_size(pixel_run, tmp_path):
     from diffusion_extras.training import pretrained
     from diffusion_extras.training.config import ConfigError, parse_config

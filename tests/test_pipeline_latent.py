@@ -12,6 +12,10 @@ from helpers import LATENT_MODEL, run_cli, run_training, save_tiny_vae
 from package_blocker import BLOCK_THE_PACKAGE
 from PIL import Image
 
+# Every test here reads `latent_runs` (module-scoped): on one xdist worker (--dist loadgroup) they are made once.
+pytestmark = pytest.mark.xdist_group("test_pipeline_latent.latent_runs")
+
+
 # A process that cannot import the package, as a user without it installed.
 BLOCKED_LOAD = BLOCK_THE_PACKAGE + """
 import sys

@@ -59,6 +59,7 @@ def straight(tmp_path_factory):
     return recipe, folder / "run"
 
 
+@pytest.mark.xdist_group("test_preemption.straight")
 def test_sigterm_saves_at_the_step_and_resumes_bit_identical(straight, tmp_path):
     recipe, reference = straight
     out = tmp_path / "run"
@@ -68,6 +69,7 @@ def test_sigterm_saves_at_the_step_and_resumes_bit_identical(straight, tmp_path)
     assert_same_state(reference, out, STEPS)
 
 
+@pytest.mark.xdist_group("test_preemption.straight")
 def test_sigusr1_at_a_checkpoint_step_with_a_second_signal_in_the_save(straight, tmp_path):
     """Stop at a step that checkpoints anyway: one save, not two; a SIGTERM while it is completed
     (files written, marker not yet) is ignored and the checkpoint is whole."""
@@ -322,6 +324,7 @@ def assert_stopped_in_work_and_resume_equals_straight(recipe, out, straight, res
     assert_same_state(straight, out, IN_WORK["max_train_steps"])
 
 
+@pytest.mark.xdist_group("test_preemption.straight_two_ranks_with_work")
 def test_two_ranks_sigterm_to_every_rank_and_worker_during_the_sample_grid_stops_both_within_seconds(
         straight_two_ranks_with_work, tmp_path):
     """SIGTERM to both ranks and their loader workers at once, as srun delivers it to the tasks of
@@ -340,6 +343,7 @@ def test_two_ranks_sigterm_to_every_rank_and_worker_during_the_sample_grid_stops
                                                       "SIGTERM")
 
 
+@pytest.mark.xdist_group("test_preemption.straight_two_ranks_with_work")
 def test_two_ranks_a_sigusr1_to_rank_1_alone_waiting_for_rank_0s_fid_share_stops_both(
         straight_two_ranks_with_work, tmp_path):
     """SIGUSR1 to rank 1 alone once it has sampled its batch of FID images (25 s) and waits for rank

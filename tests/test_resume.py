@@ -75,6 +75,7 @@ def two_step_copy(two_step_run, tmp_path):
     return shutil.copytree(two_step_run, tmp_path / "first")
 
 
+@pytest.mark.xdist_group("test_resume.two_step_run")
 def test_resume_from_explicit_path_outside_output_dir(tiny_recipe, tmp_path, two_step_copy):
     recipe = tiny_recipe(checkpointing_steps=2)
     first = two_step_copy
@@ -129,6 +130,7 @@ def test_total_limit_keeps_newest(tiny_recipe, tmp_path):
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
 
 
+@pytest.mark.xdist_group("test_resume.two_step_run")
 def test_state_breaking_change_is_refused_with_the_differences(tiny_recipe, two_step_copy):
     out = two_step_copy
     # one refusal names every difference the saved state cannot serve, each with its old and new value
@@ -169,6 +171,7 @@ def two_rank_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.xdist_group("test_resume.two_rank_runs")
 def test_two_ranks_train_checkpoint_resume_and_match_one_rank(two_rank_runs):
     """2 gloo ranks x batch 4 == 1 rank x batch 8 (same data, noise, timesteps), resume restores
     every rank's RNG (dropout on), and the ranks' replicas agree."""
@@ -184,6 +187,7 @@ def test_two_ranks_train_checkpoint_resume_and_match_one_rank(two_rank_runs):
     assert [h["lr"] for h in l2] == [h["lr"] for h in l1]  # the schedule counts optimizer steps, not ranks
 
 
+@pytest.mark.xdist_group("test_resume.two_rank_runs")
 def test_resume_with_other_process_count_is_refused(tiny_recipe, tmp_path, two_rank_runs):
     out = shutil.copytree(two_rank_runs["two"], tmp_path / "run")  # a 2-process run with checkpoint-3
     recipe = tiny_recipe(checkpointing_steps=3, train_batch_size=4)

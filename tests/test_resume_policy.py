@@ -51,6 +51,7 @@ def copy_of(base, tmp_path):
     return recipe, out
 
 
+@pytest.mark.xdist_group("test_resume_policy.base")
 def test_changed_lr_weight_decay_and_betas_apply_from_the_first_resumed_step(base, tmp_path):
     recipe, out = copy_of(base, tmp_path)
     shutil.rmtree(out / "checkpoint-4")  # a run cut off after checkpoint-2
@@ -76,6 +77,7 @@ def test_changed_lr_weight_decay_and_betas_apply_from_the_first_resumed_step(bas
     assert "resuming with --learning_rate" not in again.stdout and "--adam_beta1" not in again.stderr
 
 
+@pytest.mark.xdist_group("test_resume_policy.base")
 def test_rollback_with_total_limit_keeps_the_abandoned_future(base, tmp_path):
     """A rollback under a total limit: checkpoint-2 and checkpoint-4, resume from checkpoint-2 with
     --checkpointing_steps 1 --checkpoints_total_limit 1 --max_train_steps 3."""
@@ -91,6 +93,7 @@ def test_rollback_with_total_limit_keeps_the_abandoned_future(base, tmp_path):
     assert [h["step"] for h in read_history(out)] == [1, 2, 3]
 
 
+@pytest.mark.xdist_group("test_resume_policy.base")
 def test_rollback_without_limit_latest_never_picks_the_abandoned_future(base, tmp_path):
     """Also resumes with --scale_lr: the peak becomes 1e-3 x batch 8 from the first resumed step."""
     recipe, out = copy_of(base, tmp_path)
@@ -104,6 +107,7 @@ def test_rollback_without_limit_latest_never_picks_the_abandoned_future(base, tm
     assert os.listdir(out / abandoned / "checkpoint-4")
 
 
+@pytest.mark.xdist_group("test_resume_policy.base")
 def test_same_size_torn_file_is_caught_and_latest_falls_back(base, tmp_path):
     recipe, out = copy_of(base, tmp_path)
     optimizer = out / "checkpoint-4" / "optimizer.bin"
@@ -116,6 +120,7 @@ def test_same_size_torn_file_is_caught_and_latest_falls_back(base, tmp_path):
     assert "at optimizer step 2" in result.stdout
 
 
+@pytest.mark.xdist_group("test_resume_policy.base")
 def test_precision_no_to_bf16_and_back_resumes_and_changes_the_numerics(base, tmp_path):
     recipe, out = copy_of(base, tmp_path)
     shutil.rmtree(out / "checkpoint-4")

@@ -9,6 +9,9 @@ import faults
 import pytest
 from helpers import cosine_lr, optimizer_state, read_history, run_training, write_tiny_recipe
 
+# Every test here reads `stopped` (module-scoped): on one xdist worker (--dist loadgroup) it is made once.
+pytestmark = pytest.mark.xdist_group("test_resume_remedies.stopped")
+
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory):

@@ -20,6 +20,9 @@ import pytest
 from helpers import ROOT, load_unet_weights, read_history, run_training, write_tiny_recipe
 from processes import cli_env, launch_training
 
+# Every test here reads `slurm` (module-scoped): on one xdist worker (--dist loadgroup) the cluster is started once.
+pytestmark = pytest.mark.xdist_group("test_slurm.slurm")
+
 
 def _cluster_unavailable() -> str | None:
     if os.geteuid() != 0:
