@@ -4,9 +4,11 @@ import re
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from helpers import run_cli
 
+from diffusion_extras.core.ema import ExponentialMovingAverage
 from diffusion_extras.monitoring.bins import loss_bin_key
 from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 from diffusion_extras.report import checks as report_checks
@@ -32,9 +34,10 @@ REFERENCE = _reference()
 
 
 def _ema_decay(step, config=CONFIG):
-    """The project's EMA warm-up (diffusion_extras/core/ema.py): 0 at the first update."""
-    k = max(0, step - 1)
-    return min(1 - (1 + k / config["ema_inv_gamma"]) ** -config["ema_power"], config["ema_max_decay"])
+    """The decay a run's EMA (core/ema.py, with the config's settings) logs at `step`."""
+    ema = ExponentialMovingAverage([torch.zeros(1)], max_decay=config["ema_max_decay"],
+                                   inv_gamma=config["ema_inv_gamma"], power=config["ema_power"])
+    return ema.decay(step)
 
 
 def make_history(steps=20_000, every=100, seed=0, loss_noise=0.03, timescale=800.0, config=CONFIG,
