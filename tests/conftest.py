@@ -16,10 +16,10 @@ READ_AT_IMPORT = ("huggingface_hub", "datasets", "diffusers", "transformers", "a
 
 
 def pytest_configure(config):
-    """Every test runs as in a clean shell, whatever the caller exported (HF_HUB_OFFLINE=1, a custom
+    """Every test runs as in a clean shell, whatever the caller exported (HF_HUB_OFFLINE, a custom
     HF_HOME or HF_ENDPOINT, WANDB_MODE, ...): those variables are removed before any library reads
-    them (huggingface_hub and datasets read them once, at import), and HF_HOME is a folder of this
-    session. A test that needs offline mode or an endpoint sets it itself, in a process of its own."""
+    them (huggingface_hub and datasets read them once, at import); then the suite sets its own,
+    which the processes the tests start inherit (processes.cli_env)."""
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); run them with `pytest -m cuda`")
     # pytest-xdist's own mark, declared here too for a run without it (-p no:xdist)
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one worker under --dist loadgroup")
@@ -34,7 +34,13 @@ def pytest_configure(config):
     # tests at once, and a thread per core each would have them wait on each other. Also the summation
     # order that tests which recompute a command's numbers rely on.
     os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["WANDB_MODE"] = "offline"  # a run with --logger wandb logs locally, in-process and in commands
+    # Offline, in this process and in every process a test starts: no test reaches the Hub (with a
+    # network a download would be slow and not the subject; without one, a request waits on
+    # huggingface_hub's retries). A test of Hub code talks to tests/hub_server.py and goes online
+    # itself: in this process through hub_server.serve_in_process, in a process of its own with
+    # HF_ENDPOINT, HF_HUB_OFFLINE=0 and an HF_HOME of its own. wandb likewise logs locally.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["WANDB_MODE"] = "offline"
     config.hf_home = os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="ddpm-tests-hf-home-")
 
 

@@ -20,11 +20,10 @@ def torchrun() -> list[str]:
 
 
 def cli_env() -> dict:
-    """The environment of a command a test runs as a process: the test's, offline, with a fixed
-    hash seed and output written as it is printed (a test that signals a running command watches
-    its lines)."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONUNBUFFERED": "1"}
+    """The environment of a command a test runs as a process: the test process's (offline, as
+    tests/conftest.py set it), with a fixed hash seed and output written as it is printed (a test
+    that signals a running command watches its lines)."""
+    return {**os.environ, "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
 def rank_environments(env: dict, ranks: int):

@@ -72,8 +72,11 @@ def test_the_repo_privacy_is_the_flags(monkeypatch, tmp_path, flags, private):
     assert created == [private]
 
 
-def test_push_to_hub_without_token_fails_before_training(tiny_recipe, tmp_path):
-    """(This process is online: the tests clear the caller's HF_HUB_OFFLINE before the Hub client loads.)"""
+def test_push_to_hub_without_token_fails_before_training(tiny_recipe, tmp_path, monkeypatch):
+    """Online (the suite is offline: huggingface_hub's reading of HF_HUB_OFFLINE, made at import, is
+    set as HF_HUB_OFFLINE=0 would have set it), with no token anywhere."""
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     result = run_training(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--push_to_hub",
                           env={"HF_TOKEN": None}, check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -82,9 +85,9 @@ def test_push_to_hub_without_token_fails_before_training(tiny_recipe, tmp_path):
 
 
 def test_push_to_hub_while_offline_fails_before_training(tiny_recipe, tmp_path):
-    """A process of its own started with HF_HUB_OFFLINE=1 (launch's default)."""
-    result = launch_training(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--push_to_hub",
-                             "--hub_token", TOKEN, check=False)
+    """Offline, as the suite is (HF_HUB_OFFLINE=1 when huggingface_hub was imported)."""
+    result = run_training(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--push_to_hub",
+                          "--hub_token", TOKEN, check=False)
     assert result.returncode == 2 and "offline" in result.stderr.lower() and "Traceback" not in result.stderr
     assert TOKEN not in result.stderr
 
@@ -124,6 +127,6 @@ def test_evaluation_during_training_and_posthoc_ema_export(tiny_recipe, tmp_path
 
 
 def test_eval_with_inception_but_no_weights_is_refused(tiny_recipe, tmp_path):
-    """Offline (a process started with HF_HUB_OFFLINE=1): the detector cannot be downloaded."""
-    result = launch_training(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--eval_steps", 1, check=False)
+    """Offline, as the suite is: the detector cannot be downloaded."""
+    result = run_training(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, "--eval_steps", 1, check=False)
     assert result.returncode == 2 and "--inception_weights FILE" in result.stderr
