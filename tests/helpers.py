@@ -307,6 +307,8 @@ class SyncRecorder(TorchDispatchMode):
         return [(op, at) for phase, op, at in self.events if phase == name]
 
 
+# Every extra of the optimizer step, for the tests that watch a step for host syncs (on CPU here, on
+# a GPU in test_cuda).
 ALL_EXTRAS = ("--use_ema", "--snr_gamma", 5, "--timestep_sampling", "loss_aware", "--posthoc_ema",
               "--gradient_accumulation_steps", 2, "--max_grad_norm", 1.0, "--variance_type", "learned_range",
               "--offset_noise", 0.1, "--class_conditional")  # labels, their dropout and the loss per class as well
