@@ -4,24 +4,10 @@ import os
 
 import pytest
 import torch
-from conftest import TINY_RECIPE, save_tiny_pipeline
+from helpers import LATENT_MODEL, TINY_RECIPE, TINY_VAE, run_training, save_tiny_pipeline, save_tiny_vae
 
 from diffusion_extras.training import autoencoder, models
 from diffusion_extras.training.config import ConfigError, parse_config
-
-# 3 -> 2 channels, two blocks: factor 2 (8 px images -> 4x4 latents); ~15k parameters
-TINY_VAE = dict(in_channels=3, out_channels=3, latent_channels=2, block_out_channels=[8, 8], layers_per_block=1,
-                down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
-                norm_num_groups=4, sample_size=8)
-LATENT_MODEL = {**TINY_RECIPE["model"], "in_channels": 2, "out_channels": 2}  # the tiny UNet on TINY_VAE's latents
-
-
-def save_tiny_vae(path, seed: int = 0, **overrides) -> str:
-    """A tiny AutoencoderKL saved with save_pretrained (TINY_VAE with `overrides`); returns the folder."""
-    from diffusers import AutoencoderKL
-    torch.manual_seed(seed)
-    AutoencoderKL(**{**TINY_VAE, **overrides}).save_pretrained(path)
-    return str(path)
 
 
 def latent_config(tmp_path, vae, *flags, **recipe):
@@ -87,11 +73,11 @@ def test_a_vae_that_does_not_read_images_is_refused(tmp_path):
         autoencoder.load_latent_space(latent_config(tmp_path, vae))
 
 
-def test_a_resolution_the_vae_cannot_encode_is_one_line_before_training(tmp_path, train, tiny_recipe):
+def test_a_resolution_the_vae_cannot_encode_is_one_line_before_training(tmp_path, tiny_recipe):
     vae = save_tiny_vae(tmp_path / "vae", block_out_channels=[8, 8, 8], down_block_types=["DownEncoderBlock2D"] * 3,
                         up_block_types=["UpDecoderBlock2D"] * 3)  # factor 4
-    result = train(tiny_recipe(resolution=10, model=LATENT_MODEL), tmp_path / "run",
-                   "--pretrained_vae_model_name_or_path", vae, check=False)
+    result = run_training(tiny_recipe(resolution=10, model=LATENT_MODEL), tmp_path / "run",
+                          "--pretrained_vae_model_name_or_path", vae, check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "error: --resolution 10 is not a multiple of the VAE's downsampling factor 4: use a multiple of 4 (e.g. 8)")
@@ -128,8 +114,7 @@ def test_what_latent_runs_do_not_combine_with_is_refused(tmp_path):
         parse_config(["--vae_subfolder", "vae"])
 
 
-
-def test_a_hub_id_vae_trains_and_exports_and_offline_is_one_line_naming_why(train, tiny_recipe, tmp_path, monkeypatch):
+def test_a_hub_id_vae_trains_and_exports_and_offline_is_one_line_naming_why(tiny_recipe, tmp_path, monkeypatch):
     """A tiny AutoencoderKL served as the Hub repo user/tiny-vae by the loopback Hub: the run
     downloads it, trains and exports its weights in vae/, which decode. Offline and not in the Hub
     cache, the error is one line naming HF_HUB_OFFLINE (hub.download.offline_reason, whose other
@@ -144,7 +129,7 @@ def test_a_hub_id_vae_trains_and_exports_and_offline_is_one_line_naming_why(trai
     with HubServer() as server:
         server.add_repo("user/tiny-vae", save_tiny_vae(tmp_path / "vae"))
         serve_in_process(monkeypatch, server, tmp_path / "hub_cache")
-        result = train(recipe, tmp_path / "run", *flags)
+        result = run_training(recipe, tmp_path / "run", *flags)
     assert "(latents of the VAE user/tiny-vae (4x4 from 8 px, factor 2))" in result.stdout
     saved, exported = (AutoencoderKL.from_pretrained(folder).state_dict() for folder in (tmp_path / "vae",
                                                                                           tmp_path / "run" / "vae"))
@@ -153,7 +138,8 @@ def test_a_hub_id_vae_trains_and_exports_and_offline_is_one_line_naming_why(trai
     assert images[0].size == (8, 8) and images[0].mode == "RGB"
     # offline, a repo never downloaded (diffusers keeps its own reading of the Hub cache's folder, from import)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    result = train(recipe, tmp_path / "offline", "--pretrained_vae_model_name_or_path", "user/other-vae", check=False)
+    result = run_training(recipe, tmp_path / "offline", "--pretrained_vae_model_name_or_path", "user/other-vae",
+                          check=False)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith(
         "error: --pretrained_vae_model_name_or_path user/other-vae: cannot download it: HF_HUB_OFFLINE is set and "

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import run_training
 
 from diffusion_extras.core import commands, cpu_threads
 
@@ -115,6 +116,6 @@ def test_the_count_is_capped_by_the_cpus_available_and_shared_unless_bound(monke
     assert cpu_threads.thread_count(16, {"LOCAL_WORLD_SIZE": "4"}) == 8
 
 
-def test_the_trainer_says_how_many_threads_it_uses(train, tiny_recipe, tmp_path):
-    result = train(tiny_recipe(), tmp_path / "run", "--max_train_steps", 1)
+def test_the_trainer_says_how_many_threads_it_uses(tiny_recipe, tmp_path):
+    result = run_training(tiny_recipe(), tmp_path / "run", "--max_train_steps", 1)
     assert "cpu: 1 torch thread(s) per process (OMP_NUM_THREADS=1)\n" in result.stdout  # the suite's setting

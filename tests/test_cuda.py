@@ -1,18 +1,15 @@
 """GPU checks (`pytest -m cuda`; skipped without CUDA; `bash bench/gpu_commands.sh device` runs them
 first). What the CPU tests can only approximate: `torch.cuda.set_sync_debug_mode("error")` turns
 every host sync the CUDA runtime sees (scalar reads, device-to-host and pageable copies, stream
-synchronizations) into an error, around the real `optimizer_step` of each precision.
-
-Run on an NVIDIA H200 (torch 2.11.0+cu130) on 2026-11-26: 8 passed (docs/BENCHMARKS.md, "GPU"); the
-compile test's graph-count assertion and the reduce-overhead test were added after that run.
+synchronizations) into an error, around the real `optimizer_step` of each precision. Their results
+on a GPU: docs/BENCHMARKS.md, "GPU".
 """
 import contextlib
 
 import pytest
 import torch
-from conftest import tiny_run
 from faults import dynamo_counts
-from test_host_sync import ALL_EXTRAS
+from helpers import ALL_EXTRAS, tiny_run
 
 from diffusion_extras.data import batch_order
 from diffusion_extras.training import loop, step

@@ -8,9 +8,13 @@ import subprocess
 import sys
 
 import pytest
+from helpers import LATENT_MODEL, run_cli, run_training, save_tiny_vae
 from package_blocker import BLOCK_THE_PACKAGE
 from PIL import Image
-from test_autoencoder import LATENT_MODEL, save_tiny_vae
+
+# Every test here reads `latent_runs` (module-scoped): on one xdist worker (--dist loadgroup) they are made once.
+pytestmark = pytest.mark.xdist_group("test_pipeline_latent.latent_runs")
+
 
 # A process that cannot import the package, as a user without it installed.
 BLOCKED_LOAD = BLOCK_THE_PACKAGE + """
@@ -36,7 +40,7 @@ for folder, labels in ((sys.argv[1], None), (sys.argv[2], ["3", "7"])):
 
 
 def latent_run(folder, *flags):
-    from conftest import run_training, write_tiny_recipe
+    from helpers import run_training, write_tiny_recipe
     recipe = write_tiny_recipe(folder, model=LATENT_MODEL, save_images_steps=2, eval_batch_size=4)
     run_training(recipe, folder / "run", "--max_train_steps", 2, "--pretrained_vae_model_name_or_path",
                  save_tiny_vae(folder / "vae"), *flags)
@@ -89,12 +93,11 @@ def test_the_package_class_loads_the_folder_and_refuses_labels_for_an_unconditio
         conditional(batch_size=2, num_inference_steps=1)
 
 
-def test_the_sample_command_decodes_a_latent_export(latent_runs, run_cli, tmp_path):
+def test_the_sample_command_decodes_a_latent_export(latent_runs, tmp_path):
     for run, flags in zip(latent_runs, ((), ("--class_labels", "3,7"))):
         out = tmp_path / run.parent.name
-        result = run_cli(["-m", "diffusion_extras.sample", run, "--num_images", 2, "--num_inference_steps", 2,
-                          "--output", out, *flags])
-        assert result.returncode == 0, result.stderr[-3000:]
+        run_cli(["-m", "diffusion_extras.sample", run, "--num_images", 2, "--num_inference_steps", 2,
+                 "--output", out, *flags])
         with Image.open(out / "000001.png") as image:
             assert image.size == (8, 8) and image.mode == "RGB"  # decoded: 8 px RGB, not 4 px latents
 
@@ -118,27 +121,26 @@ def test_the_model_card_of_a_latent_export_shows_calls_that_run_as_written(laten
         assert tuple(namespace["latents"].shape) == (2, 2, 4, 4)
 
 
-def test_the_evaluate_command_scores_decoded_images_against_pixel_references(latent_runs, run_cli, tmp_path):
-    from conftest import save_random_images
+def test_the_evaluate_command_scores_decoded_images_against_pixel_references(latent_runs, tmp_path):
+    from helpers import save_random_images
     reference = save_random_images(tmp_path / "reference", 6, 8, 8)
-    result = run_cli(["-m", "diffusion_extras.evaluate", latent_runs[0], "--reference", reference,
-                      "--num_samples", 4, "--feature_extractor", "tiny", "--num_inference_steps", 2,
-                      "--batch_size", 4, "--cache_dir", tmp_path / "cache", "--output", tmp_path / "m.json",
-                      "--device", "cpu"])
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_cli(["-m", "diffusion_extras.evaluate", latent_runs[0], "--reference", reference,
+             "--num_samples", 4, "--feature_extractor", "tiny", "--num_inference_steps", 2,
+             "--batch_size", 4, "--cache_dir", tmp_path / "cache", "--output", tmp_path / "m.json",
+             "--device", "cpu"])
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["num_samples"] == 4 and metrics["reference_images"] == 6 and metrics["fid"] > 0
     from diffusion_extras.cli.common import load_pipeline, pipeline_resolution
     assert pipeline_resolution(load_pipeline(str(latent_runs[0]))) == 8  # references resized to the decoded side
     refused = run_cli(["-m", "diffusion_extras.evaluate", latent_runs[0], "--reference", reference,
-                       "--eval_metrics", "nll", "--device", "cpu"])
+                       "--eval_metrics", "nll", "--device", "cpu"], check=False)
     assert refused.returncode == 2 and "nll scores pixel pipelines" in refused.stderr
 
 
-def test_fine_tuning_a_latent_export_takes_its_vae_and_exports_a_latent_pipeline(latent_runs, train, tiny_recipe,
-                                                                                    tmp_path):
+def test_fine_tuning_a_latent_export_takes_its_vae_and_exports_a_latent_pipeline(latent_runs, tiny_recipe, tmp_path):
     base = latent_runs[0]
-    result = train(tiny_recipe(), tmp_path / "tuned", "--pretrained_model_name_or_path", base, "--max_train_steps", 1)
+    result = run_training(tiny_recipe(), tmp_path / "tuned", "--pretrained_model_name_or_path", base,
+                          "--max_train_steps", 1)
     assert f"model: pretrained UNet of {base}: 2 channel(s) (latents of the VAE {base} (vae/) (4x4 from 8 px" \
         in result.stdout
     index = json.loads((tmp_path / "tuned" / "model_index.json").read_text())
@@ -146,18 +148,19 @@ def test_fine_tuning_a_latent_export_takes_its_vae_and_exports_a_latent_pipeline
     older = shutil.copytree(base, tmp_path / "older")  # exported when latent runs still clipped x0 to [-1, 1]
     scheduler = older / "scheduler" / "scheduler_config.json"
     scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "clip_sample": True}))
-    train(tiny_recipe(), tmp_path / "from-older", "--pretrained_model_name_or_path", older, "--max_train_steps", 1)
+    run_training(tiny_recipe(), tmp_path / "from-older", "--pretrained_model_name_or_path", older, "--max_train_steps",
+                 1)
     assert json.loads((tmp_path / "from-older" / "scheduler" / "scheduler_config.json").read_text())["clip_sample"] \
         is False
-    refused = train(tiny_recipe(), tmp_path / "pixels", "--pretrained_model_name_or_path", base,
-                    "--pretrained_vae_model_name_or_path", base / "vae", "--resolution", 16, "--max_train_steps", 1,
-                    check=False)
+    refused = run_training(tiny_recipe(), tmp_path / "pixels", "--pretrained_model_name_or_path", base,
+                           "--pretrained_vae_model_name_or_path", base / "vae", "--resolution", 16, "--max_train_steps",
+                           1, check=False)
     assert refused.returncode == 2
     assert "its UNet takes 2-channel latents of 4 px and the VAE makes 2-channel latents of 8 px" in refused.stderr
-    from conftest import save_tiny_pipeline
+    from helpers import save_tiny_pipeline
     pixel = save_tiny_pipeline(tmp_path / "pixel")
-    refused = train(tiny_recipe(), tmp_path / "mixed", "--pretrained_model_name_or_path", pixel,
-                    "--pretrained_vae_model_name_or_path", base, "--max_train_steps", 1, check=False)
+    refused = run_training(tiny_recipe(), tmp_path / "mixed", "--pretrained_model_name_or_path", pixel,
+                           "--pretrained_vae_model_name_or_path", base, "--max_train_steps", 1, check=False)
     assert refused.returncode == 2 and "its UNet was trained on pixels: drop --pretrained_vae" in refused.stderr
 
 

@@ -1,4 +1,4 @@
-"""Preemption on a real (one-node) Slurm cluster (issue 33): examples/slurm/local_cluster.sh brings
+"""Preemption on a real (one-node) Slurm cluster: examples/slurm/local_cluster.sh brings
 it up when this machine allows (root, the slurm-wlm and munge packages; .ci/run installs them),
 else the tests are skipped with the reason. A job under --time=1 (Slurm's smallest limit: one
 minute) with --signal=USR1@15 stops with a checkpoint, requeues itself (exit 4 ->
@@ -17,8 +17,11 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, load_unet_weights, read_history, write_tiny_recipe
-from processes import cli_env
+from helpers import ROOT, load_unet_weights, read_history, run_training, write_tiny_recipe
+from processes import cli_env, launch_training
+
+# Every test here reads `slurm` (module-scoped): on one xdist worker (--dist loadgroup) the cluster is started once.
+pytestmark = pytest.mark.xdist_group("test_slurm.slurm")
 
 
 def _cluster_unavailable() -> str | None:
@@ -83,7 +86,7 @@ def job_environment() -> dict:
     return {**cli_env(), "ACCELERATE_USE_CPU": "1", "PYTHONPATH": ROOT, "PYTHON": sys.executable}
 
 
-def test_a_time_limited_job_requeues_itself_until_done_bit_identical(slurm, tmp_path, train):
+def test_a_time_limited_job_requeues_itself_until_done_bit_identical(slurm, tmp_path):
     # The job must not fit in one segment. slurmctld sends --signal=SIG@W at a periodic check (every 30 s)
     # once now + W + 30 s >= the end (send_job_warn_signal in its job_mgr.c): with --time=1, W=15 puts it
     # 15 to ~45 s into the job, before the limit at 60 s. (W=40 allowed it at once: a job started just
@@ -103,14 +106,14 @@ def test_a_time_limited_job_requeues_itself_until_done_bit_identical(slurm, tmp_
     text = log.read_text(errors="replace")  # tqdm bars cut mid-character by a stop
     assert state == "COMPLETED" and "done: 100 optimizer steps" in text, text[-3000:]
     assert text.count("preempted: SIGUSR1 received") >= 1 and "Traceback" not in text, text[-3000:]
-    train(recipe, tmp_path / "straight", env={"ACCELERATE_USE_CPU": "1"})
+    run_training(recipe, tmp_path / "straight", env={"ACCELERATE_USE_CPU": "1"})
     assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
     exported, straight = load_unet_weights(out), load_unet_weights(tmp_path / "straight")
     import torch
     assert all(torch.equal(exported[k], straight[k]) for k in straight)
 
 
-def test_a_two_rank_job_cancelled_with_sigterm_requeues_and_ends_bit_identical(slurm, tmp_path, launch):
+def test_a_two_rank_job_cancelled_with_sigterm_requeues_and_ends_bit_identical(slurm, tmp_path):
     """`scancel --signal=TERM JOB` signals every process of the job's steps at once: both ranks and
     their loader workers. The ranks agree on a stop step, write checkpoint-N, exit 4, srun exits 4,
     the script requeues the job, and the requeued job finishes the run."""
@@ -128,14 +131,14 @@ def test_a_two_rank_job_cancelled_with_sigterm_requeues_and_ends_bit_identical(s
     while not (out / "checkpoint-25").is_dir():  # training, past start-up, before the end
         assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:] if log.exists() else "no log"
         time.sleep(0.5)
-    subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
+    subprocess.run(["scancel", "--signal=TERM", job_id])
     state = wait_for_job(job_id, timeout=900)
     text = log.read_text(errors="replace")
     assert state == "COMPLETED" and "done: 100 optimizer steps" in text, text[-3000:]
     assert text.count("preempted: SIGTERM received") == 1 and "Traceback" not in text, text[-3000:]
     stopped_at = int(text.split("stopped after optimizer step ")[1].split()[0])
     assert 25 <= stopped_at < 100 and (out / f"checkpoint-{stopped_at}").is_dir()
-    launch(recipe, tmp_path / "straight", ranks=2, env={"ACCELERATE_USE_CPU": "1"})
+    launch_training(recipe, tmp_path / "straight", ranks=2, env={"ACCELERATE_USE_CPU": "1"})
     assert [h["loss"] for h in read_history(out)] == [h["loss"] for h in read_history(tmp_path / "straight")]
     exported, straight = load_unet_weights(out), load_unet_weights(tmp_path / "straight")
     import torch

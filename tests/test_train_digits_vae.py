@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import load_bench_module
+from helpers import load_bench_module, run_main
 
 from diffusion_extras.training import autoencoder
 from diffusion_extras.training.config import parse_config
@@ -19,10 +19,10 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 TINY = ["--resolution", "8", "--batch_size", "16", "--block_out_channels", "8,8", "--latent_channels", "2"]
 
 
-def test_a_few_steps_save_a_vae_the_trainer_loads_with_unit_scale(tmp_path, capsys):
+def test_a_few_steps_save_a_vae_the_trainer_loads_with_unit_scale(tmp_path):
     out = tmp_path / "digits-vae"
-    assert train_digits_vae.main(["--output_dir", str(out), "--steps", "3", *TINY]) == 0
-    printed = capsys.readouterr().out
+    result = run_main(train_digits_vae.main, ["--output_dir", out, "--steps", "3", *TINY])
+    printed = result.stdout
     assert "VAE steps: 100%" in printed and "3/3 [" in printed and "l1=" in printed  # tqdm's bar, its times
     assert f"saved to {out} (scaling_factor" in printed
     space = autoencoder.load_latent_space(parse_config(["--output_dir", str(tmp_path / "run"), "--resolution", "8",

@@ -34,7 +34,7 @@ from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT, ex
 from diffusion_extras.evaluation.inception_file import check_inception_reachable
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = pipeline_parser("evaluate", __doc__)
     parser.add_argument("--reference", required=True,
                         help="folder of reference images (resized and centre-cropped to the model resolution, as "
@@ -59,12 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cache_dir", default=None, help="where reference statistics are cached")
     parser.add_argument("--output", default=None, help="metrics JSON file")
     add_device_argument(parser)
-    return parser.parse_args(argv)
+    return parser
 
 
 @leaves_the_process_as_found
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     with one_line_errors():  # a missing file, a misplaced flag or no detector offline answer at once too
         check_pipeline_argument(args)
         check_reference(args.reference)

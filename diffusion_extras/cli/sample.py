@@ -21,7 +21,7 @@ from diffusion_extras.core.commands import importing_the_stack, leaves_the_proce
 from diffusion_extras.evaluation.choices import SAMPLING_DTYPES
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = pipeline_parser("sample", __doc__)
     parser.add_argument("--num_images", type=positive_int, default=16, help="images to sample (default: %(default)s)")
     add_sampler_arguments(parser)
@@ -35,12 +35,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_device_argument(parser)
     parser.add_argument("--dtype", choices=SAMPLING_DTYPES, default="fp32",
                         help="UNet precision; the sampler state stays fp32 (default: %(default)s)")
-    return parser.parse_args(argv)
+    return parser
 
 
 @leaves_the_process_as_found
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     with one_line_errors():  # a missing folder, a misplaced flag or an unknown class answers at once too
         folder = check_pipeline_argument(args, **{"--class_labels": args.class_labels})
         if folder is not None:
