@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A Slurm cluster on this machine, to try the batch scripts here and for the tests (tests/test_slurm.py).
-# Needs root and the Debian packages: apt-get install -y slurm-wlm munge.
+# Needs root and the Debian packages: apt-get install -y slurm-wlm munge (and iproute2 for --nodes).
 #   bash examples/slurm/local_cluster.sh             one node: this machine, under its own hostname
 #   bash examples/slurm/local_cluster.sh --nodes 2   a controller and two nodes, node1 and node2, each
 #                                                    with its own hostname and address
@@ -130,6 +130,10 @@ pgrep -x munged >/dev/null || runuser -u munge -- munged --force 9>&- 2>/dev/nul
 running() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 if [ "$nodes" -gt 1 ]; then
+  if ! command -v ip >/dev/null || ! command -v nsenter >/dev/null; then
+    echo "error: --nodes $nodes needs ip and nsenter: apt-get install -y iproute2 util-linux" >&2
+    exit 1
+  fi
   if ip route show | grep -v "dev $bridge" | grep -q "^$subnet\."; then
     echo "error: $subnet.0/24 is already routed on this machine: LOCAL_CLUSTER_SUBNET=A.B.C picks another /24" >&2
     exit 1
