@@ -19,7 +19,6 @@ steps sleep until the first stop: the first segment lasts as long as the schedul
 CPU, and the requeued one finishes in seconds. The jobs' interpreter is this one (the examples'
 PYTHON variable), whichever python is first on PATH. The uninterrupted runs compared with: one rank
 in this process, two as processes on this machine (one straight 2-rank run serves every 2-rank job)."""
-import filecmp
 import os
 import re
 import shutil
@@ -29,7 +28,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, load_unet_weights, read_history, write_tiny_recipe
+from conftest import ROOT, load_bench_module, load_unet_weights, read_history, write_tiny_recipe
 from processes import cli_env, launch_training
 
 from diffusion_extras.training.checkpointing import list_checkpoints, verify_checkpoint
@@ -112,6 +111,11 @@ def wait_for_job(job_id: str, timeout: float) -> str:
 TRAINER = '"${PYTHON:-python}" train_ddpm.py'  # how the examples start the trainer
 
 
+def trainer_process(job_id: str, rank: int) -> int:
+    """The pid of rank `rank`'s trainer in the job (bench/two_nodes.py finds it for its lost node too)."""
+    return load_bench_module("two_nodes").trainer_process(job_id, rank)
+
+
 def slurm_script(tmp_path, example: str, step_seconds: float | None) -> str:
     """examples/slurm/EXAMPLE, or with step_seconds S a copy in tmp_path with tests/faults.py
     --step_seconds S (the trainer whose steps sleep S seconds until its first stop) in place of
@@ -157,10 +161,8 @@ def assert_same_run(run, straight, step: int = 100) -> None:
     exported, reference = load_unet_weights(run), load_unet_weights(straight)
     assert exported.keys() == reference.keys() and all(torch.equal(exported[k], reference[k]) for k in reference)
     ours, theirs = run / f"checkpoint-{step}", straight / f"checkpoint-{step}"
-    names = sorted(set(os.listdir(theirs)) - {"train_state.json", "checkpoint_complete.json"})
-    assert "optimizer.bin" in names and "random_states_1.pkl" in names, names
-    assert sorted(set(os.listdir(ours)) - {"train_state.json", "checkpoint_complete.json"}) == names
-    differing = [name for name in names if not filecmp.cmp(ours / name, theirs / name, shallow=False)]
+    assert {"optimizer.bin", "random_states_1.pkl"} <= set(os.listdir(theirs))
+    differing = load_bench_module("two_nodes").state_differences(ours, theirs)
     assert not differing, f"checkpoint-{step}: {differing} differ from one node's"
 
 
@@ -288,27 +290,6 @@ def wait_for_checkpoint(path, log, timeout: float = 300) -> None:
     while not path.is_dir():
         assert time.monotonic() < deadline, read_log(log)[-3000:] if log.exists() else "no log"
         time.sleep(0.5)
-
-
-def trainer_process(job_id: str, rank: int) -> int:
-    """The pid of rank `rank`'s trainer in the job: the process srun's step started with that
-    SLURM_PROCID (its parent is slurmstepd; its loader workers' parent is the trainer)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                environ = set(fh.read().split(b"\0"))
-            with open(f"/proc/{pid}/stat") as fh:
-                parent = fh.read().rsplit(")", 1)[1].split()[1]
-            with open(f"/proc/{parent}/comm") as fh:
-                parent_name = fh.read().strip()
-        except OSError:  # ended meanwhile, or not ours to read
-            continue
-        if ({f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()} <= environ
-                and parent_name == "slurmstepd"):
-            found.append(int(pid))
-    assert len(found) == 1, f"rank {rank} of job {job_id}: {found}"
-    return found[0]
 
 
 def test_a_lost_node_ends_the_job_in_bounded_time_and_the_same_command_resumes_bit_identical(two_nodes, tmp_path,
