@@ -5,6 +5,7 @@
 #   bash examples/slurm/local_cluster.sh --nodes 2   a controller and two nodes, node1 and node2, each
 #                                                    with its own hostname and address
 #   bash examples/slurm/local_cluster.sh --stop      the daemons stopped, the nodes' namespaces removed
+#                                                    (munged, which other programs may use, keeps running)
 # Idempotent: a second call with the same shape finds the daemons up and only waits for the nodes; a
 # call with another shape stops the daemons and starts them on the new configuration. Concurrent calls
 # (test workers) take turns on a lock.
@@ -17,16 +18,19 @@
 # see one hostname and reach the others on one address, which no cluster does. The namespaces share
 # this machine's file systems, as the nodes of a cluster share a network file system: the output
 # folder is one folder for every node. Names resolve through /etc/netns/<namespace>/hosts, mounted
-# over /etc/hosts for the node's processes only (this machine's /etc/hosts is not changed). The bridge carries only the addresses below (SUBNET.1: the controller,
-# on this machine; SUBNET.(10+i): node i), and is connected to no other interface: no traffic leaves
-# this machine. LOCAL_CLUSTER_SUBNET picks another /24 where 10.213.64 is taken.
+# over /etc/hosts for the node's processes only (this machine's /etc/hosts is not changed). The
+# bridge carries only the addresses below (SUBNET.1: the controller, on this machine; SUBNET.(10+i):
+# node i) and is connected to no other interface: no traffic leaves this machine.
+# LOCAL_CLUSTER_SUBNET picks another /24 where 10.213.64 is taken.
 #
 # Process tracking by parent PID (linuxproc) and no task plugin: no cgroups needed, so it also runs
 # in a container. The signal paths are those of a cluster: slurmstepd signals every process of a step.
 set -euo pipefail
 nodes=1
 case "${1:-}" in
-  --nodes) nodes=${2:?--nodes needs a number}; [[ "$nodes" =~ ^[1-9][0-9]?$ ]] || { echo "error: --nodes $nodes: give a number from 1 to 99" >&2; exit 2; } ;;
+  --nodes)
+    nodes=${2:?--nodes needs a number}
+    [[ "$nodes" =~ ^[1-9][0-9]?$ ]] || { echo "error: --nodes $nodes: give a number from 1 to 99" >&2; exit 2; } ;;
   --stop) nodes=0 ;;
   "") ;;
   *) echo "usage: bash $0 [--nodes N | --stop]" >&2; exit 2 ;;
@@ -168,9 +172,9 @@ if [ "$nodes" = 1 ]; then
   running "/run/slurmd-$host.pid" || slurmd 9>&-
 else
   for i in $(seq "$nodes"); do
-    # its own hostname in a UTS namespace of its own: slurmd finds its NodeName by it, and the jobs see it
-    # and a mount namespace of its own for its /etc/hosts (not `ip netns exec`, which also mounts a
-    # /sys of its own, where slurmd finds no cgroup file system and refuses to start)
+    # its own hostname in a UTS namespace of its own (slurmd finds its NodeName by it, and the jobs see
+    # it), and a mount namespace of its own for its /etc/hosts (not `ip netns exec`, which also mounts
+    # a /sys of its own, where slurmd finds no cgroup file system and refuses to start)
     mkdir -p "/var/spool/slurmd/node$i"
     running "/run/slurmd-node$i.pid" ||
       nsenter --net="/run/netns/slurm-node$i" unshare --uts --mount --propagation slave \
