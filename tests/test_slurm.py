@@ -11,9 +11,10 @@ cluster serves the one-node tests).
 - examples/slurm/train_multi_node.sbatch (ranks started by srun): on one node with 2 ranks, cancelled
   with `scancel --signal=TERM`, it does the same; on two nodes with one rank each it trains as one
   node with two processes, its checkpoint's files byte for byte; in one-minute slots on two nodes
-  every rank stops at the same step and the requeued job finishes the run; when one node's rank is
-  killed, the other ends in bounded time, Slurm's line names the lost task and node, and the same
-  command resumes from the newest complete checkpoint.
+  every rank stops at the same step and the requeued job finishes the run; a signal to one node's
+  rank alone stops both at one step; when one node's rank is killed, the other fails by itself on
+  the closed connection, Slurm's line names the lost task and node, and the same command resumes
+  from the newest complete checkpoint. Each 2-rank job ends as the uninterrupted run.
 The slowed jobs run the examples with tests/faults.py --step_seconds S for train_ddpm.py, whose
 steps sleep until the first stop: the first segment lasts as long as the scheduler needs, at little
 CPU, and the requeued one finishes in seconds. The jobs' interpreter is this one (the examples'
