@@ -47,7 +47,7 @@ def test_time_budget_calibrates_then_trains_the_steps_that_fit(tmp_path, tiny_re
 def test_a_latent_run_is_scored_on_decoded_samples_beside_its_vaes_reconstruction_floor(tmp_path, tiny_recipe):
     """The samples are decoded by the export's VAE (grayscale digits-sized images the classifier
     reads), and vae_floor is the classifier FID of the floor's real digits after the VAE."""
-    from test_autoencoder import LATENT_MODEL, save_tiny_vae
+    from helpers import LATENT_MODEL, save_tiny_vae
     vae = save_tiny_vae(tmp_path / "vae", in_channels=1, out_channels=1)
     out = tmp_path / "quality"
     result = run_quality(tmp_path, "--max_train_steps", "2", "--num_samples", "16",

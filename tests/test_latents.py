@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_unet_weights, read_history, save_random_images
+from helpers import LATENT_MODEL, save_tiny_vae
 from safetensors.torch import load_file
-from test_autoencoder import LATENT_MODEL, save_tiny_vae
 
 from diffusion_extras.data import latents
 from diffusion_extras.data.decode_cache import DecodedImages

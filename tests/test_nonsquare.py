@@ -6,8 +6,8 @@ import json
 import pytest
 import yaml
 from conftest import TINY_RECIPE, run_training, save_random_images, tiny_unet, write_tiny_recipe
+from helpers import LATENT_MODEL, save_tiny_vae
 from PIL import Image
-from test_autoencoder import LATENT_MODEL, save_tiny_vae
 
 HEIGHT, WIDTH = 8, 16
 

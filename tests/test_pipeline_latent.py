@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import LATENT_MODEL, save_tiny_vae
 from package_blocker import BLOCK_THE_PACKAGE
 from PIL import Image
-from test_autoencoder import LATENT_MODEL, save_tiny_vae
 
 # A process that cannot import the package, as a user without it installed.
 BLOCKED_LOAD = BLOCK_THE_PACKAGE + """
