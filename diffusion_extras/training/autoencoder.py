@@ -157,3 +157,43 @@ def measure_statistics(latent: LatentSpace, source, encoder: latents.Encoder, st
         both = broadcast(torch.from_numpy(np.stack([mean, std])).to(processes.device), from_process=0)
         mean, std = both.cpu().numpy()
     return mean, std, measured
+
+
+@dataclass(frozen=True)
+class EarlierFingerprint:
+    """The VAE fingerprint a checkpoint recorded in an earlier release's form (latents.earlier_fingerprints:
+    it changed with the interpreter's hash seed), and how this VAE was recognised as the one it names."""
+    fingerprint: str
+    exact: bool  # recognised by recomputing it (latents.earlier_fingerprints), not only by what it shaped
+
+
+def earlier_fingerprint(recorded: dict | None, vae, config: dict) -> EarlierFingerprint | None:
+    """A resumed checkpoint's VAE fingerprint where an earlier release wrote it (None otherwise),
+    recognised exactly where its recomputation is affordable (`config`: the VAE's as loaded)."""
+    record = (recorded or {}).get("vae")
+    if not record or record.get("fingerprint_format") is not None:
+        return None
+    candidates = latents.earlier_fingerprints(vae, config)
+    exact = candidates is not None and record["fingerprint"] in candidates
+    return EarlierFingerprint(record["fingerprint"], exact)
+
+
+def reconcile_vae_record(saved: dict, current: dict, earlier: EarlierFingerprint | None) -> tuple[dict, str | None]:
+    """(the checkpoint's recorded config, with its VAE fingerprint in today's form where this VAE is
+    the one an earlier release fingerprinted; the line that says so, or None). Recognised by the
+    fingerprint recomputed, or else by what did not depend on the hash seed: the latent
+    normalisation (per-channel statistics measured on this VAE's latents of the data, the earlier
+    cache's where cached_latents took it over, or the config's scale) and the VAE's path, which the
+    resume check compares as usual. Anything else is left as recorded: the check names the difference."""
+    record, now = saved.get("vae"), current.get("vae")
+    if not record or not now or earlier is None or record.get("fingerprint") != earlier.fingerprint:
+        return saved, None
+    how = "its fingerprint recomputed"
+    if not earlier.exact:
+        if (record.get("shift"), record.get("scale")) != (now["shift"], now["scale"]):
+            return saved, None
+        how = "its latent normalisation and path (the weights could not be compared)"
+    upgraded = {**record, "fingerprint": now["fingerprint"], "fingerprint_format": now["fingerprint_format"]}
+    return ({**saved, "vae": upgraded},
+            f"the checkpoint's VAE fingerprint is an earlier release's, which depended on the interpreter's hash "
+            f"seed: the VAE is recognised by {how}; checkpoints from now on record the new fingerprint")
