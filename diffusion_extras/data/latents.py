@@ -40,7 +40,7 @@ STATISTICS_IMAGES = 2048  # streamed images the per-channel statistics are measu
 @dataclass(frozen=True)
 class Encoder:
     """The frozen VAE that encodes the training images, and what the stored latents depend on."""
-    vae: object          # diffusers AutoencoderKL (eval, no gradients), on the device that encodes
+    vae: object          # diffusers AutoencoderKL, VQModel or AutoencoderTiny (eval, no gradients), on the device
     views: int           # 1, or 2 with --random_flip: the image and its mirror, each encoded
     fingerprint: str     # of the VAE's config and weights: names the cache
     factor: int = 1      # pixels per latent along each side (the cache's size check)
@@ -110,6 +110,13 @@ class Posterior:
         factor = 1 if self.encoder is None else self.encoder.factor
         return (self.channels, *(side // factor for side in batch_shape[-2:]))
 
+    def normalised(self, batch: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each image's normalised posterior: its mean's (mean - shift) x scale (model_input without
+        noise) and its std x scale."""
+        mean, std = self.stored(batch, device, None) if self.encoder is None else self.encoded(batch, device, None)
+        shift, scale = (value.to(device).view(1, -1, 1, 1) for value in (self.shift, self.scale))
+        return (mean - shift) * scale, std * scale
+
     def model_input(self, batch: torch.Tensor, device, flip: torch.Tensor | None = None,
                     noise: torch.Tensor | None = None) -> torch.Tensor:
         """The normalised latent of each image (its mirror's where `flip`): mean + std x `noise`,
@@ -141,9 +148,14 @@ class Posterior:
 
 def encode(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The VAE posterior's (mean, std), float32, of pixels in [-1, 1] on its device: what the cache
-    stores and what a stream's batches are turned into."""
+    stores and what a stream's batches are turned into. A deterministic encoder (a VQModel's latents
+    before quantisation, which its decoder quantises, as diffusers' LDMPipeline decodes them; an
+    AutoencoderTiny's) has std 0: every draw is its latent."""
     with torch.autocast(pixels.device.type, enabled=False):
-        distribution = vae.encode(pixels.to(vae.dtype)).latent_dist
+        output = vae.encode(pixels.to(vae.dtype))
+    distribution = getattr(output, "latent_dist", None)
+    if distribution is None:
+        return output.latents.float(), torch.zeros_like(output.latents, dtype=torch.float32)
     return distribution.mean.float(), distribution.std.float()
 
 

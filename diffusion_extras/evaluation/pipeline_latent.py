@@ -1,5 +1,7 @@
-"""A latent diffusion pipeline: a frozen AutoencoderKL, a UNet2DModel trained on its normalised
-latents (with a class embedding or without) and any diffusers scheduler:
+"""A latent diffusion pipeline: a frozen autoencoder (an AutoencoderKL, or a VQModel or an
+AutoencoderTiny, whose deterministic latents it decodes as diffusers' LDMPipeline does), a
+UNet2DModel trained on its normalised latents (with a class embedding or without) and any
+diffusers scheduler:
 
     pipe = DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)
     images = pipe(batch_size=4, num_inference_steps=50, generator=torch.manual_seed(0)).images
@@ -17,7 +19,7 @@ import json
 import os
 
 import torch
-from diffusers import AutoencoderKL, ImagePipelineOutput, UNet2DModel
+from diffusers import AutoencoderKL, AutoencoderTiny, ImagePipelineOutput, UNet2DModel, VQModel
 
 from .pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE, ClassConditionalPipeline, _randn, guided_step
 
@@ -39,8 +41,10 @@ def latent_normalization(vae_config, channels: int) -> tuple[torch.Tensor, torch
 
 def vae_scale_factor(vae_config) -> int:
     """Pixels per latent along each side: the encoder halves the image once per block but the last
-    (diffusers' pipelines compute their vae_scale_factor so)."""
-    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+    (diffusers' pipelines compute their vae_scale_factor so; an AutoencoderTiny config may name only
+    its encoder's blocks)."""
+    blocks = vae_config.get("block_out_channels") or vae_config.get("encoder_block_out_channels")
+    return 2 ** (len(blocks) - 1)
 
 
 @torch.no_grad()
@@ -69,8 +73,8 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
 
     download_patterns = (*ClassConditionalPipeline.download_patterns, "vae/*")
 
-    def __init__(self, vae: AutoencoderKL, unet: UNet2DModel, scheduler, id2label: dict | None = None,
-                 guide: UNet2DModel | None = None):
+    def __init__(self, vae: AutoencoderKL | VQModel | AutoencoderTiny, unet: UNet2DModel, scheduler,
+                 id2label: dict | None = None, guide: UNet2DModel | None = None):
         super().__init__(unet=unet, scheduler=scheduler, id2label=id2label, guide=guide)
         self.register_modules(vae=vae)
         self.vae_scale_factor = vae_scale_factor(vae.config)  # pixels per latent, as diffusers' pipelines name it

@@ -194,12 +194,21 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
                                      (earlier.fingerprint,) if earlier else ())
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
                              encoder=encoder)
+        measured = autoencoder.measures_statistics(latent.vae)
         posterior, normalisation = autoencoder.posterior(latent, source, encoder, config.streaming, accelerator)
         accelerator.print(f"latents: {normalisation}")
+        if not config.streaming:  # the latents are cached: the encoder's work is done
+            autoencoder.offload_encoder(latent.vae)
     sample = torch.from_numpy(source.reference_sample(2048))
     # sigma_data of the model input per dimension (pixels in [-1, 1], or the latent means):
     # the scale of the Bayes-optimal reference curve
-    clean = latents.model_input(sample, "cpu", posterior=posterior)
+    if posterior is None:
+        clean = latents.model_input(sample, "cpu")
+    else:  # the normalised latents' std, checked where the config's scale normalises them
+        clean, spread = posterior.normalised(sample, "cpu")
+        note = None if measured else autoencoder.scale_note(latent, clean, spread)
+        if note:
+            accelerator.print(note)
     sigma_data = diagnostics.per_dimension_variance(clean, bounded=posterior is None) ** 0.5
     training_data = Data(source=source, sigma_data=sigma_data, class_names=getattr(source, "class_names", None),
                          global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
