@@ -142,6 +142,8 @@ def test_every_run_resumes_in_another_interpreter_and_pushes_its_export(corpus_r
         expected = {"model_index.json", "unet/config.json", "scheduler/scheduler_config.json", "README.md"}
         assert expected <= set(files), name
         assert name not in VAES or {"vae/config.json", "pipeline_latent.py"} <= set(files), name
+    card = repos["test-user/ldm-celebahq"]["files"]["README.md"].decode()
+    assert "trained on the latents of the VQModel `" in card
 
 
 @pytest.mark.parametrize("name", NAMES)
