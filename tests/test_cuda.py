@@ -169,3 +169,18 @@ def test_reduce_overhead_replays_cuda_graphs_and_resumes_bit_exactly(tmp_path, f
     assert all(torch.equal(a, b) for a, b in zip(expected[0], weights(resumed)))
     assert all(torch.equal(a, b) for a, b in zip(expected[1], resumed.extras.ema.shadow_params))
     fresh_compile()
+
+
+def test_cached_latents_keep_only_the_decoder_on_the_gpu(tmp_path, fresh_accelerate):
+    """A latent run whose latents are cached: after setup the VAE's encoder parts are on the CPU and
+    its decoder on the GPU, where the grids decode (the CPU tests see only that the move is asked)."""
+    from helpers import LATENT_MODEL, save_tiny_vae
+
+    from diffusion_extras.evaluation.pipeline_latent import decode_latents
+    from diffusion_extras.training import autoencoder
+    run = tiny_run(tmp_path, "--pretrained_vae_model_name_or_path", save_tiny_vae(tmp_path / "vae"), model=LATENT_MODEL)
+    vae = run.data.vae
+    for name in autoencoder.ENCODER_PARTS:
+        assert {p.device.type for p in getattr(vae, name).parameters()} == {"cpu"}, name
+    assert {p.device.type for p in vae.decoder.parameters()} == {"cuda"}
+    assert decode_latents(vae, torch.randn(2, 2, 4, 4, device="cuda")).device.type == "cuda"

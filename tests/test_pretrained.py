@@ -243,3 +243,27 @@ def test_a_fine_tuning_resume_reads_the_base_from_its_checkpoint_not_the_hub(tmp
         exported = json.load(fh)
     assert (exported["beta_end"], exported["clip_sample"]) == (0.02, True)
     assert exported["num_train_timesteps"] == 100
+
+
+def test_a_hub_pipeline_laid_out_at_its_root_fine_tunes(tmp_path, monkeypatch):
+    """google/ddpm-cifar10-32 keeps its UNet (config.json, weights) and scheduler_config.json at the
+    repo's root, which diffusers' pipelines load when unet/ and scheduler/ are missing: served by
+    the loopback Hub in that form (its stored configs, narrower), it fine-tunes from its weights."""
+    from diffusers import UNet2DModel
+    from helpers import save_google_ddpm_form
+    from hub_server import serve_in_process
+
+    from diffusion_extras.training import build
+    from diffusion_extras.training.config import parse_config
+    base = save_google_ddpm_form(tmp_path / "base", "google--ddpm-cifar10-32")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({k: v for k, v in TINY_RECIPE.items() if k not in ("model", "resolution")}))
+    with HubServer() as server:
+        server.add_repo("google/ddpm-cifar10-32", base)
+        serve_in_process(monkeypatch, server, tmp_path / "hub_cache")
+        run = build.setup(parse_config(["--config", str(recipe), "--output_dir", str(tmp_path / "run"),
+                                        "--pretrained_model_name_or_path", "google/ddpm-cifar10-32"]))
+    expected = UNet2DModel.from_pretrained(base).state_dict()
+    unet = run.accelerator.unwrap_model(run.learner.unet)
+    assert all(torch.equal(value, expected[name]) for name, value in unet.state_dict().items())
+    assert (run.config.resolution, run.config.variance_type) == (32, "fixed_large")

@@ -114,13 +114,14 @@ def in_guidance_interval(scheduler, step: int, guidance_interval) -> bool:
 
 
 def guided_step(scheduler, unet, sample: torch.Tensor, step: int, class_labels, guidance_scale: float,
-                generator=None, dtype: torch.dtype = torch.float32, guide=None, guidance_interval=None) -> torch.Tensor:
+                generator=None, dtype: torch.dtype = torch.float32, guide=None, guidance_interval=None,
+                eta: float | None = None) -> torch.Tensor:
     """Sampling step `step` (an index into scheduler.timesteps), x_t -> x_{t-1}, guided (the pipeline's
-    and the package's sampler share it)."""
+    and the package's sampler share it). `eta`: DDIM's, for the schedulers whose step takes one."""
     t = scheduler.timesteps[step]
     scale = guidance_scale if in_guidance_interval(scheduler, step, guidance_interval) else 1.0
     output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels, scale, dtype, guide)
-    return scheduler_step(scheduler, scheduler_model_output(scheduler, output, sample), t, sample, generator)
+    return scheduler_step(scheduler, scheduler_model_output(scheduler, output, sample), t, sample, generator, eta)
 
 
 def scheduler_model_output(scheduler, model_output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
@@ -135,12 +136,14 @@ def scheduler_model_output(scheduler, model_output: torch.Tensor, sample: torch.
     return model_output if learned else model_output[:, :channels]
 
 
-def scheduler_step(scheduler, model_output: torch.Tensor, t, sample: torch.Tensor, generator=None) -> torch.Tensor:
+def scheduler_step(scheduler, model_output: torch.Tensor, t, sample: torch.Tensor, generator=None,
+                   eta: float | None = None) -> torch.Tensor:
     """x_{t-1} of `scheduler_step_output`."""
-    return scheduler_step_output(scheduler, model_output, t, sample, generator).prev_sample
+    return scheduler_step_output(scheduler, model_output, t, sample, generator, eta).prev_sample
 
 
-def scheduler_step_output(scheduler, model_output: torch.Tensor, t, sample: torch.Tensor, generator=None):
+def scheduler_step_output(scheduler, model_output: torch.Tensor, t, sample: torch.Tensor, generator=None,
+                          eta: float | None = None):
     """`scheduler.step`'s whole output (x_{t-1}, and x0 where the scheduler gives it), with DDIM's
     noise recomputed from its clipped x0 estimate.
 
@@ -154,9 +157,11 @@ def scheduler_step_output(scheduler, model_output: torch.Tensor, t, sample: torc
     range. Measured on the digits (DDIM 50 steps, guidance 2-4): both give 1.00 class accuracy where
     the inherited clip gave 0.57-0.01 (docs/BENCHMARKS.md)."""
     # Only the keyword arguments this scheduler's step accepts, as diffusers' pipelines do
-    # (prepare_extra_step_kwargs): UniPC, PNDM, DEIS, Heun, LMS and KDPM2 take no generator.
+    # (prepare_extra_step_kwargs): UniPC, PNDM, DEIS, Heun, LMS and KDPM2 take no generator, only DDIM an eta.
     accepted = inspect.signature(scheduler.step).parameters
     kwargs = {"generator": generator} if "generator" in accepted else {}
+    if eta is not None and "eta" in accepted:
+        kwargs["eta"] = eta
     if "use_clipped_model_output" in accepted:
         kwargs["use_clipped_model_output"] = True
     return scheduler.step(model_output, t, sample, **kwargs)
@@ -227,6 +232,11 @@ class ClassConditionalPipeline(DiffusionPipeline):
                 shutil.copyfile(source, target)
         super().save_config(save_directory, *args, **kwargs)
 
+    # what the class's own loading downloads of a Hub id (the latent pipeline adds vae/), and the
+    # from_pretrained keywords that reach that download, as they reach diffusers' own
+    download_patterns = ("model_index.json", "unet/*", "guide/*", "scheduler/*")
+    DOWNLOAD_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """Loading through this class itself (the package installed): a folder's model_index.json
@@ -234,20 +244,40 @@ class ClassConditionalPipeline(DiffusionPipeline):
         class is already at hand, so the parts are loaded directly into it."""
         if cls is not ClassConditionalPipeline or kwargs.get("trust_remote_code"):
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        folder = cls.local_files(pretrained_model_name_or_path, kwargs)
+        return cls(**cls.load_parts(folder, kwargs.get("torch_dtype", kwargs.get("dtype"))))
+
+    @classmethod
+    def local_files(cls, pretrained_model_name_or_path, kwargs: dict) -> str:
+        """The folder, or the Hub id's files (download_patterns) downloaded with from_pretrained's
+        revision, token, cache_dir, ... (DOWNLOAD_KWARGS)."""
+        folder = str(pretrained_model_name_or_path)
+        if os.path.isdir(folder):
+            return folder
+        from huggingface_hub import snapshot_download
+        return snapshot_download(folder, allow_patterns=list(cls.download_patterns),
+                                 **{name: kwargs[name] for name in cls.DOWNLOAD_KWARGS if name in kwargs})
+
+    @staticmethod
+    def load_parts(folder: str, dtype=None) -> dict:
+        """The constructor's arguments read from a pipeline folder: unet, scheduler, id2label, guide."""
         import diffusers
 
-        folder = str(pretrained_model_name_or_path)
-        if not os.path.isdir(folder):
-            from huggingface_hub import snapshot_download
-            folder = snapshot_download(folder, allow_patterns=["model_index.json", "unet/*", "guide/*", "scheduler/*"])
         with open(os.path.join(folder, "model_index.json")) as fh:
             index = json.load(fh)
-        dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
         unet = UNet2DModel.from_pretrained(folder, subfolder="unet", torch_dtype=dtype)
         scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(folder, subfolder="scheduler")
         guide = (UNet2DModel.from_pretrained(folder, subfolder="guide", torch_dtype=dtype)
                  if (index.get("guide") or [None])[0] else None)
-        return cls(unet=unet, scheduler=scheduler, id2label=index.get("id2label"), guide=guide)
+        return dict(unet=unet, scheduler=scheduler, id2label=index.get("id2label"), guide=guide)
+
+    def guide_for(self, autoguidance: bool | None):
+        """The UNet that autoguidance guides with: the saved guide unless autoguidance is False; a
+        ValueError for autoguidance=True without one."""
+        guide = getattr(self, "guide", None) if autoguidance is not False else None
+        if autoguidance and guide is None:
+            raise ValueError("autoguidance=True needs a guide: set pipe.guide to a weaker UNet2DModel (and save it)")
+        return guide
 
     def get_label_ids(self, label: str | list[str]) -> list[int]:
         """Class names -> class ids, as DiTPipeline.get_label_ids."""
@@ -270,9 +300,7 @@ class ClassConditionalPipeline(DiffusionPipeline):
         class" branch (Karras et al. 2024); None: when the pipeline has one. output_type: "pil",
         "np" (float [N, H, W, C] in [0, 1]) or "pt"."""
         unet, device = self.unet, self._execution_device
-        guide = getattr(self, "guide", None) if autoguidance is not False else None
-        if autoguidance and guide is None:
-            raise ValueError("autoguidance=True needs a guide: set pipe.guide to a weaker UNet2DModel (and save it)")
+        guide = self.guide_for(autoguidance)
         labels = torch.as_tensor(class_labels, dtype=torch.long).reshape(-1).to(device)
         num_classes = null_class(unet)
         if len(labels) == 0 or labels.min() < 0 or labels.max() >= num_classes:
@@ -296,7 +324,12 @@ class ClassConditionalPipeline(DiffusionPipeline):
 
 
 def _randn(shape, generator, device) -> torch.Tensor:
-    """fp32 noise; a list of generators draws one image each (on the CPU, device-independent)."""
+    """fp32 noise; a list of generators draws one image each (on the CPU, device-independent), and
+    must have one per image (diffusers' randn_tensor's ValueError)."""
+    if isinstance(generator, list) and len(generator) != shape[0]:
+        raise ValueError(f"You have passed a list of generators of length {len(generator)}, but requested an "
+                         f"effective batch size of {shape[0]}. Make sure the batch size matches the length of the "
+                         "generators.")
     if isinstance(generator, list):
         return torch.cat([torch.randn((1, *shape[1:]), generator=g) for g in generator]).to(device)
     on = generator.device if generator is not None else device

@@ -129,11 +129,12 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     dataset, data_channels, classes = sources.open_training_data(spec, accelerator)  # labels read once, here
     config = fit_batch_to_data(config, accelerator, dataset, switches["validation_split"])
     latent = autoencoder.load_latent_space(config) if config.pretrained_vae_model_name_or_path else None
+    recorded = checkpointing.recorded_config(config.output_dir, config.resume_from_checkpoint)
     choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None, base, latent)
     image_channels = latent.image_channels if latent else unet.config.in_channels
     training_data, held_out_images = build_data(config, accelerator, image_channels, dataset,
                                                 switches["validation_split"], classes,
-                                                hooks.data_source or sources.build_source, latent)
+                                                hooks.data_source or sources.build_source, latent, recorded)
     plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
     learner = build_learner(config, accelerator, plan, unet, lr_schedule, base, latent_record(training_data))
     objective = build_objective(config, accelerator, noise_scheduler)
@@ -199,30 +200,43 @@ def build_model(config: TrainConfig, accelerator, data_channels: int, class_name
 
 
 def build_data(config: TrainConfig, accelerator, channels: int, dataset, validation_split: float, classes,
-               data_source=sources.build_source, latent: autoencoder.LatentSpace | None = None) -> tuple:
+               data_source=sources.build_source, latent: autoencoder.LatentSpace | None = None,
+               recorded: dict | None = None) -> tuple:
     """(the training data, the held-out images or None): the data source (decode-once cache or
     this rank's shard of a stream, with the `classes` open_training_data read; with a `latent`
     space, the images' posteriors, encoded once on this device, or a stream's pixels, encoded as
-    they come) and sigma_data."""
+    they come) and sigma_data. `recorded`: the config of the checkpoint a resume starts from."""
+    earlier = None
     if latent is None:
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
         encoder = posterior = normalisation = None
     else:  # cached: the source holds posteriors; streamed: pixels, which the posterior encodes each step
-        encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor)
+        earlier = autoencoder.earlier_fingerprint(recorded, latent.vae, dict(latent.vae.config))
+        encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor,
+                                     (earlier.fingerprint,) if earlier else ())
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
                              encoder=encoder)
+        measured = autoencoder.measures_statistics(latent.vae)
         posterior, normalisation = autoencoder.posterior(latent, source, encoder, config.streaming, accelerator)
         accelerator.print(f"latents: {normalisation}")
+        if not config.streaming:  # the latents are cached: the encoder's work is done
+            autoencoder.offload_encoder(latent.vae)
     sample = torch.from_numpy(source.reference_sample(2048))
     # sigma_data of the model input per dimension (pixels in [-1, 1], or the latent means):
     # the scale of the Bayes-optimal reference curve
-    clean = latents.model_input(sample, "cpu", posterior=posterior)
+    if posterior is None:
+        clean = latents.model_input(sample, "cpu")
+    else:  # the normalised latents' std, checked where the config's scale normalises them
+        clean, spread = posterior.normalised(sample, "cpu")
+        note = None if measured else autoencoder.scale_note(latent, clean, spread)
+        if note:
+            accelerator.print(note)
     sigma_data = diagnostics.per_dimension_variance(clean, bounded=posterior is None) ** 0.5
     training_data = Data(source=source, sigma_data=sigma_data, class_names=getattr(source, "class_names", None),
                          global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
                          gradient_accumulation_steps=config.gradient_accumulation_steps, posterior=posterior,
                          vae=latent.vae if latent else None, vae_fingerprint=encoder.fingerprint if encoder else None,
-                         latent_normalization=normalisation)
+                         vae_earlier=earlier, latent_normalization=normalisation)
     return training_data, source.held_out_images
 
 
@@ -398,5 +412,6 @@ def latent_record(training_data: Data) -> dict | None:
     posterior = training_data.posterior
     if posterior is None:
         return None
-    return {"fingerprint": training_data.vae_fingerprint, "shift": [float(v) for v in posterior.shift],
+    return {"fingerprint": training_data.vae_fingerprint, "fingerprint_format": latents.FINGERPRINT_FORMAT,
+            "shift": [float(v) for v in posterior.shift],
             "scale": [float(v) for v in posterior.scale]}

@@ -336,11 +336,15 @@ def _unflatten(value):
     return value
 
 
-def check_resumable(path: str, current: dict) -> tuple[dict, dict[str, tuple]]:
+def check_resumable(path: str, current: dict, reconcile=None) -> tuple[dict, dict[str, tuple]]:
     """The checkpoint's train state and the changed settings a resume applies ({key: (saved,
     current)}, for the caller to announce), after refusing, with the full list, any change the
-    saved state cannot serve."""
+    saved state cannot serve. `reconcile(recorded config)` -> the recorded config as this release
+    writes it (a record in an earlier release's form that is recognised as the current one), before
+    the comparison."""
     state = read_train_state(path)
+    if reconcile is not None:
+        state = {**state, "config": reconcile(state["config"])}
     changes = compare_configs(state["config"], current)
     refused = changes.get(REFUSE, {})
     if refused:
