@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from diffusion_extras.core import commands, cpu_threads, stop_flag  # noqa: E402
 
-with commands.importing_the_stack():  # torch's idle threads sleep: a shared CPU keeps its speed (cpu_threads)
+with commands.importing_the_stack():  # torch's threads: sleeping when idle where the CPU is shared (cpu_threads)
     import torch
     from tqdm.auto import tqdm
 

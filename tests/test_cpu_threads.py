@@ -1,8 +1,9 @@
 """torch's CPU threads in a command (core/cpu_threads.py, through commands.importing_the_stack): idle
-threads sleep (OMP_WAIT_POLICY=PASSIVE, as the OpenMP runtime reads it when torch loads) unless the
-user chose how they wait; as many as the CPUs the process may use, shared among a machine's ranks,
-unless the user or the launcher chose; a program that imported torch first keeps its own; the
-trainer's start-up line says what it uses. Import-time settings: each case is a process of its own."""
+threads sleep (OMP_WAIT_POLICY=PASSIVE, as the OpenMP runtime reads it when torch loads) where other
+work takes the CPUs they need and spin where the CPUs are free, unless the user chose how they wait;
+as many as the CPUs the process may use, shared among a machine's ranks, unless the user or the
+launcher chose; a program that imported torch first keeps its own; the trainer's start-up line says
+what it uses. Import-time settings: each case is a process of its own."""
 import json
 import os
 import subprocess
@@ -17,8 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A command's import of torch, as `train_ddpm.py` and the other commands make it; prints what it got.
 COMMAND_IMPORT = """
-import json, os
+import json, os, sys
 from diffusion_extras.core import commands, cpu_threads
+if len(sys.argv) > 1:  # the CPUs' worth of other work the look before torch loads sees
+    cpu_threads.other_work_cpus = lambda: float(sys.argv[1])
 with commands.leaving_the_process_as_found(record_stop_signals=False):
     with commands.importing_the_stack():
         import torch
@@ -29,22 +32,23 @@ print(json.dumps({"inside": inside, "after": os.environ.get("OMP_WAIT_POLICY"), 
 """
 
 
-def run_python(code: str, **env) -> subprocess.CompletedProcess:
-    """`python -c CODE` with the test process's environment less any thread setting, plus `env`;
+def run_python(code: str, *args, **env) -> subprocess.CompletedProcess:
+    """`python -c CODE ARGS` with the test process's environment less any thread setting, plus `env`;
     OMP_DISPLAY_ENV makes the OpenMP runtime print the settings it read when torch loaded it."""
     base = {name: value for name, value in os.environ.items()
             if name not in (*cpu_threads.USER_WAIT_SETTINGS, *cpu_threads.USER_COUNT_SETTINGS)}
     base.update(PYTHONPATH=ROOT, OMP_DISPLAY_ENV="VERBOSE", **env)
-    result = subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=base, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
 
-def command(**env) -> tuple[dict, str | None]:
-    """(what COMMAND_IMPORT printed, how long GNU libgomp, the OpenMP runtime of torch's Linux wheels,
-    has an idle thread spin as it displayed it; None under another runtime). libgomp's default
-    (OMP_WAIT_POLICY unset) is 300000 spins; PASSIVE 0."""
-    result = run_python(COMMAND_IMPORT, **env)
+def command(*other_work, **env) -> tuple[dict, str | None]:
+    """(what COMMAND_IMPORT printed, given the CPUs' worth of other work it sees if any, how long GNU
+    libgomp, the OpenMP runtime of torch's Linux wheels, has an idle thread spin as it displayed it;
+    None under another runtime). libgomp's default (OMP_WAIT_POLICY unset) is 300000 spins; PASSIVE 0."""
+    result = run_python(COMMAND_IMPORT, *other_work, **env)
     spin = [line.split("=")[1].strip().strip("'") for line in result.stderr.splitlines()
             if line.strip().startswith("GOMP_SPINCOUNT =")]
     return json.loads(result.stdout.splitlines()[-1]), spin[0] if spin else None
@@ -54,14 +58,47 @@ def torch_default_threads() -> int:
     return int(run_python("import torch; print(torch.get_num_threads())").stdout.split()[-1])
 
 
-def test_a_command_has_idle_threads_sleep_and_leaves_the_variable_as_it_found_it():
-    got, spin = command()
+def test_idle_threads_sleep_where_other_work_takes_the_cpus_they_need_and_the_variable_is_left_as_found():
+    cpus = os.cpu_count()
+    got, spin = command(cpus - 1, OMP_NUM_THREADS="2")  # one CPU left free for two threads
     assert spin in ("0", None)  # what torch's OpenMP runtime read as it loaded
     assert got["inside"] == "PASSIVE" and got["after"] is None
-    if got["threads"] > 1:
-        assert "idle ones sleep (OMP_WAIT_POLICY=PASSIVE)" in got["line"]
+    assert got["line"] == (f"cpu: 2 torch thread(s) per process (OMP_NUM_THREADS=2), idle ones sleep "
+                           f"(OMP_WAIT_POLICY=PASSIVE: other work took {cpus - 1:.1f} of the {cpus} CPU(s) at start)")
+
+
+def test_idle_threads_spin_where_the_cpus_are_free():
+    got, spin = command(0.1, OMP_NUM_THREADS="2")
+    assert spin in ("300000", None) and got["inside"] is None and got["after"] is None
+    assert "idle ones spin (the CPUs were free at start; if other work will share them, OMP_WAIT_POLICY=PASSIVE" \
+        in got["line"]
+
+
+def test_the_line_names_the_cpus_available_when_no_one_set_the_count():
+    got, _ = command()
     assert got["line"].startswith(f"cpu: {got['threads']} torch thread(s) per process (of "
                                   f"{cpu_threads.available_cpus()} CPU(s) available")
+
+
+@pytest.mark.parametrize("other_work, cpus, threads, sleep", [
+    (0.05, 2, 2, False), (0.4, 2, 2, False), (0.6, 2, 2, True), (1.0, 2, 2, True),  # one busy process on 2 CPUs
+    (1.0, 16, 8, False), (9.0, 16, 8, True), (15.0, 16, 16, True), (0.0, 4, 4, False)])
+def test_threads_sleep_when_the_free_cpus_are_fewer_than_the_threads(other_work, cpus, threads, sleep):
+    assert cpu_threads.threads_should_sleep(other_work, cpus, threads) is sleep
+
+
+def test_other_work_is_the_busy_share_of_every_cpu_read_from_proc_stat(tmp_path):
+    stat = tmp_path / "stat"
+    # cpu  user nice system idle iowait irq softirq steal (guest fields after are ignored)
+    stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 50 0 25 400 25 0 0 0 0 0\ncpu1 50 0 25 400 25 0 0 0 0 0\n"
+                    "intr 1 2 3\n")
+    assert cpu_threads.machine_cpu_times(str(stat)) == (150, 1000, 2)
+    assert cpu_threads.machine_cpu_times(str(tmp_path / "absent")) is None
+    readings = iter([(150, 1000, 2), (150 + 75, 1000 + 100, 2)])  # 75 of 100 ticks busy, on 2 CPUs
+    assert cpu_threads.other_work_cpus(0, read=lambda: next(readings)) == 1.5
+    assert cpu_threads.other_work_cpus(0, read=lambda: None) is None
+    # on this machine, while the test sleeps: a figure between none and every CPU
+    assert 0 <= cpu_threads.other_work_cpus(0.05) <= os.cpu_count() + 1e-9
 
 
 @pytest.mark.parametrize("setting, spins", [({"OMP_WAIT_POLICY": "ACTIVE"}, "30000000000"),

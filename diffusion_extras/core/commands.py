@@ -28,8 +28,9 @@ def importing_the_stack() -> Iterator[None]:
     collections): 8.8 -> 6.3-7.5 CPU-s for the trainer's imports, measured on 2 cores. Frozen,
     they are also left out of the collections while the command runs and at its exit (exit_with).
     What is lost: collecting cyclic garbage made while importing (6 objects, measured).
-    Also torch's CPU threads: they sleep when idle instead of spinning, and they are as many as
-    the CPUs the process may use (cpu_threads), unless the user chose either.
+    Also torch's CPU threads: idle ones sleep instead of spinning where other work takes the CPUs
+    they need, and they are as many as the CPUs the process may use (cpu_threads), unless the user
+    chose either.
     Where torch is imported already (a program that calls a command's main(), a notebook) it does
     nothing: freezing would keep that program's own objects from the collector for good, and its
     threads are that program's."""

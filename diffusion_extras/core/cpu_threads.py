@@ -2,22 +2,28 @@
 
 torch's intra-op threads are OpenMP threads (GNU libgomp in the Linux wheels). With
 OMP_WAIT_POLICY unset, libgomp has a thread that waits for its partner at the end of a parallel
-region spin for up to 300,000 iterations before it sleeps. On a CPU that other work shares, the
-partner has often lost its core, and the spinning thread burns its own time slice waiting for it:
-the default recipe ran several times slower beside one busy process than with one thread, and
-faster than one thread with OMP_WAIT_POLICY=PASSIVE, where threads sleep at once
-(docs/BENCHMARKS.md, "CPU threads beside other work"). So a command sets OMP_WAIT_POLICY=PASSIVE
-before torch loads, unless the user chose a wait policy (OMP_WAIT_POLICY, or the runtimes' own
-GOMP_SPINCOUNT / KMP_BLOCKTIME). The OpenMP runtime reads it once, as torch loads: a program that
-imported torch before calling a command keeps its own.
+region spin for up to 300,000 iterations before it sleeps. That is the fast choice when the CPUs
+are the run's own, and a ruinous one when other work shares them: the spinning thread holds a core
+its partner needs, and the default recipe ran 5 times slower beside one busy process than with one
+thread. OMP_WAIT_POLICY=PASSIVE (threads sleep at once) is as fast as one thread there, but on an
+idle machine each wake-up costs more than the spin it saves, and a run takes 1.5 times as long
+(docs/BENCHMARKS.md, "CPU threads beside other work"). No spin count serves both.
+
+So a command looks before torch loads: over a fifth of a second, how much of the machine's CPU
+time other work takes (/proc/stat, while this process sleeps). If the CPUs left free are fewer
+than the threads it will run, idle threads sleep (OMP_WAIT_POLICY=PASSIVE); otherwise they spin,
+as torch's default has them. The wait policy changes no result, only the time. The user's choice
+(OMP_WAIT_POLICY, or the runtimes' own GOMP_SPINCOUNT / KMP_BLOCKTIME) is kept and skips the look,
+as does a single thread (nothing waits for a partner). The OpenMP runtime reads the policy once, as
+torch loads: a program that imported torch before calling a command keeps its own.
 
 The thread count: torch's default (its count of cores) at most the CPUs this process may use
 (its affinity, and a cgroup CPU quota such as docker's --cpus, which torch ignores), shared among
 the ranks of this machine (LOCAL_WORLD_SIZE) unless each is bound to CPUs of its own. A count the
 user or a launcher set (OMP_NUM_THREADS: `accelerate launch` sets one unless told, torchrun with
 several processes) or a program's own torch.set_num_threads before it called the command is kept.
-Not from the load average: a reading at start-up says little about hours of training beside other
-work, and passive waiting makes the extra threads cheap there.
+The count is not taken from the load: it changes the order of floating-point sums, and a resumed
+run must add as the first one did.
 """
 from __future__ import annotations
 
@@ -31,13 +37,78 @@ USER_WAIT_SETTINGS = (WAIT_POLICY, "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 USER_COUNT_SETTINGS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def set_wait_policy(environ=os.environ) -> bool:
-    """Before torch is imported: OMP_WAIT_POLICY=PASSIVE in `environ` unless the user chose a wait
-    policy or torch is loaded already (too late). Returns whether it set it."""
+PROBE_SECONDS = 0.2
+# What set_wait_policy saw and chose as this process loaded torch (the OpenMP runtime keeps it for
+# the process's life): (CPUs' worth of other work, whether idle threads sleep); None where it did not
+# look (one thread, the user's policy, torch loaded already, no /proc/stat).
+decision: tuple[float, bool] | None = None
+
+
+def machine_cpu_times(path: str = "/proc/stat") -> tuple[int, int, int] | None:
+    """(busy, total) clock ticks of all the machine's CPUs since boot and how many CPUs, from
+    /proc/stat's first lines; None where there is none (not Linux). Busy: all but idle and iowait
+    (time stolen by a hypervisor counts as busy: it was not free either)."""
+    try:
+        with open(path) as fh:
+            lines = fh.read().splitlines()
+        ticks = [int(v) for v in lines[0].split()[1:9]]
+    except (OSError, ValueError, IndexError):
+        return None
+    cpus = sum(1 for line in lines[1:] if line.startswith("cpu") and line[3:4].isdigit())
+    idle = ticks[3] + ticks[4]
+    return sum(ticks) - idle, sum(ticks), max(1, cpus)
+
+
+def other_work_cpus(seconds: float = PROBE_SECONDS, read=None) -> float | None:
+    """CPUs' worth of time the machine's other work takes now: the busy share of every CPU over
+    `seconds` while this process sleeps (read: machine_cpu_times). None without /proc/stat."""
+    import time
+    read = read or machine_cpu_times
+    first = read()
+    if first is None:
+        return None
+    time.sleep(seconds)
+    second = read()
+    if second is None or second[1] <= first[1]:
+        return None
+    return (second[0] - first[0]) / (second[1] - first[1]) * second[2]
+
+
+def planned_threads(environ=os.environ) -> int:
+    """The threads the command will run, before torch is loaded to say: the user's or launcher's
+    OMP_NUM_THREADS, else the CPUs available shared among the machine's ranks (thread_count)."""
+    given = environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if given.isdigit():
+        return max(1, int(given))
+    return thread_count(available_cpus(), environ)
+
+
+def threads_should_sleep(other_work: float, cpus: int, threads: int) -> bool:
+    """Whether idle threads should sleep rather than spin: the CPUs other work leaves free are fewer
+    than the threads (half a CPU of slack: a light daemon does not count)."""
+    return cpus - other_work < threads - 0.5
+
+
+def set_wait_policy(environ=os.environ, probe=None) -> bool:
+    """Before torch is imported: OMP_WAIT_POLICY=PASSIVE in `environ` when the CPUs that other work
+    leaves free (probe(), other_work_cpus: CPUs' worth it takes, of os.cpu_count()) are fewer than
+    the threads the command will run (threads_should_sleep); otherwise idle threads keep torch's
+    default spin. Nothing is looked at or set when the user chose a wait policy, the command runs
+    one thread, or torch is loaded already (too late). Returns whether it set PASSIVE."""
+    global decision
     if "torch" in sys.modules or any(name in environ for name in USER_WAIT_SETTINGS):
         return False
-    environ[WAIT_POLICY] = "PASSIVE"
-    return True
+    threads = planned_threads(environ)
+    if threads <= 1:
+        return False
+    busy = (probe or other_work_cpus)()
+    if busy is None:
+        return False
+    passive = threads_should_sleep(busy, os.cpu_count() or 1, threads)
+    decision = (busy, passive)
+    if passive:
+        environ[WAIT_POLICY] = "PASSIVE"
+    return passive
 
 
 def available_cpus() -> int:
@@ -96,14 +167,17 @@ def describe(environ=os.environ) -> str:
     count = torch.get_num_threads()
     given = [f"{name}={environ[name]}" for name in USER_COUNT_SETTINGS if name in environ]
     source = given[0] if given else f"of {available_cpus()} CPU(s) available; OMP_NUM_THREADS sets another"
-    policy = environ.get(WAIT_POLICY, "").upper()
+    chosen = [f"{name}={environ[name]}" for name in USER_WAIT_SETTINGS if name in environ]
     if count == 1:
         waiting = ""
-    elif policy == "PASSIVE":
-        waiting = ", idle ones sleep (OMP_WAIT_POLICY=PASSIVE)"
+    elif decision is not None and decision[1]:
+        waiting = (f", idle ones sleep (OMP_WAIT_POLICY=PASSIVE: other work took {decision[0]:.1f} of the "
+                   f"{os.cpu_count()} CPU(s) at start)")
+    elif decision is not None:
+        waiting = (", idle ones spin (the CPUs were free at start; if other work will share them, "
+                   "OMP_WAIT_POLICY=PASSIVE keeps this run's speed)")
+    elif chosen:
+        waiting = f", idle ones wait as {chosen[0]} says"
     else:
-        chosen = [f"{name}={environ[name]}" for name in USER_WAIT_SETTINGS if name in environ]
-        waiting = (f", idle ones wait as {chosen[0]} says" if chosen else
-                   ", idle ones spin (torch was loaded before the command could set OMP_WAIT_POLICY=PASSIVE: "
-                   "slow beside other work)")
+        waiting = ", idle ones spin (torch's default: the command did not look at the CPUs' load)"
     return f"cpu: {count} torch thread(s) per process ({source}){waiting}"
