@@ -45,14 +45,24 @@ def unconditional_inputs(unet, batch_size: int, device) -> dict:
     return {"class_labels": torch.full((batch_size,), null_class(unet), dtype=torch.long, device=device)}
 
 
+def with_condition(sample: torch.Tensor, condition: torch.Tensor | None) -> torch.Tensor:
+    """The UNet's input: x_t, followed by an image condition's channels where there is one (SR3 and
+    Palette concatenate the conditioning image; Stable Diffusion inpainting the mask and the masked
+    image). The condition is not scaled with x_t (scale_model_input): it is not noisy."""
+    return sample if condition is None else torch.cat([sample, condition.to(sample.dtype)], dim=1)
+
+
 def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tensor | None, guidance_scale: float,
-                        dtype: torch.dtype = torch.float32, guide=None) -> torch.Tensor:
+                        dtype: torch.dtype = torch.float32, guide=None, condition: torch.Tensor | None = None
+                        ) -> torch.Tensor:
     """Guided model output, combined in fp32: weak + s * (strong - weak).
 
     Without `guide`: classifier-free guidance (Ho & Salimans 2022), weak = the "no class"
-    prediction, from ONE batched UNet call on [conditional; "no class"]. With `guide` (a weaker
-    model of the same kind, e.g. an earlier checkpoint): autoguidance (Karras et al. 2024), weak =
-    the guide's prediction with the same conditioning (class_labels None: an unconditional UNet).
+    prediction, or with an image `condition` the prediction with the condition dropped (zeros, as
+    training drops it: InstructPix2Pix's guidance on the image), from ONE batched UNet call on
+    [conditional; dropped]. With `guide` (a weaker model of the same kind, e.g. an earlier
+    checkpoint): autoguidance (Karras et al. 2024), weak = the guide's prediction with the same
+    conditioning (class_labels None: an unconditional UNet).
     The combination is made on the raw model output, whatever the prediction type: for a fixed t,
     epsilon, v and x0 predictions are affine in each other given x_t, and an affine map commutes
     with this weighted sum (the weights sum to 1), so guiding the output the scheduler consumes
@@ -60,17 +70,20 @@ def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tenso
     net_dtype = next(unet.parameters()).dtype
     autocast = torch.autocast(sample.device.type, dtype=dtype, enabled=dtype != torch.float32)
     conditioning = {} if class_labels is None else {"class_labels": class_labels}
+    strong_input = with_condition(sample, condition)
     with autocast:
         if guidance_scale == 1.0:
-            return unet(sample.to(net_dtype), t, **conditioning).sample.float()
+            return unet(strong_input.to(net_dtype), t, **conditioning).sample.float()
         if guide is not None:
-            strong = unet(sample.to(net_dtype), t, **conditioning).sample.float()
-            weak = guide(sample.to(next(guide.parameters()).dtype), t, **conditioning).sample.float()
+            strong = unet(strong_input.to(net_dtype), t, **conditioning).sample.float()
+            weak = guide(strong_input.to(next(guide.parameters()).dtype), t, **conditioning).sample.float()
         else:
-            null = torch.full_like(class_labels, null_class(unet))
-            output = unet(torch.cat([sample, sample]).to(net_dtype), t,
-                          class_labels=torch.cat([class_labels, null])).sample.float()
-            strong, weak = output.chunk(2)
+            if condition is not None:  # the image condition dropped
+                both, dropped = torch.cat([strong_input, with_condition(sample, torch.zeros_like(condition))]), {}
+            else:
+                null = torch.full_like(class_labels, null_class(unet))
+                both, dropped = torch.cat([sample, sample]), {"class_labels": torch.cat([class_labels, null])}
+            strong, weak = unet(both.to(net_dtype), t, **dropped).sample.float().chunk(2)
     guided = weak + guidance_scale * (strong - weak)
     channels = sample.shape[1]
     if strong.shape[1] == 2 * channels:  # learned variance: guide the prediction, keep the conditional variance (GLIDE)
@@ -114,12 +127,14 @@ def in_guidance_interval(scheduler, step: int, guidance_interval) -> bool:
 
 
 def guided_step(scheduler, unet, sample: torch.Tensor, step: int, class_labels, guidance_scale: float,
-                generator=None, dtype: torch.dtype = torch.float32, guide=None, guidance_interval=None) -> torch.Tensor:
-    """Sampling step `step` (an index into scheduler.timesteps), x_t -> x_{t-1}, guided (the pipeline's
-    and the package's sampler share it)."""
+                generator=None, dtype: torch.dtype = torch.float32, guide=None, guidance_interval=None,
+                condition: torch.Tensor | None = None) -> torch.Tensor:
+    """Sampling step `step` (an index into scheduler.timesteps), x_t -> x_{t-1}, guided (the pipelines'
+    and the package's sampler share it); `condition`: an image condition (with_condition)."""
     t = scheduler.timesteps[step]
     scale = guidance_scale if in_guidance_interval(scheduler, step, guidance_interval) else 1.0
-    output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels, scale, dtype, guide)
+    output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels, scale, dtype, guide,
+                                 condition)
     return scheduler_step(scheduler, scheduler_model_output(scheduler, output, sample), t, sample, generator)
 
 
@@ -175,7 +190,59 @@ def check_guide(unet, guide) -> None:
                          "UNet of the same kind (same resolution, channels, classes and variance output)")
 
 
-class ClassConditionalPipeline(DiffusionPipeline):
+class PackagePipeline(DiffusionPipeline):
+    """What the trainer's custom pipelines (class-conditional, latent, image-conditioned) share: an
+    exported folder holds a copy of the pipeline's file and of the files it imports relatively, and
+    its model_index.json names that file, so it loads without the training package."""
+
+    def to_json_string(self) -> str:
+        """model_index.json names this file and class, `_class_name` [module, class] (diffusers'
+        custom-pipeline convention), where diffusers writes the bare class name, which
+        DiffusionPipeline.from_pretrained looks for in diffusers itself."""
+        config = json.loads(super().to_json_string())
+        module = os.path.splitext(os.path.basename(self.source_files()[0]))[0]
+        config["_class_name"] = [module, type(self).__name__]
+        return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+    def source_files(self) -> list[str]:
+        """This pipeline's file, then every file it imports relatively, as diffusers resolves them
+        when it loads the folder's copy as remote code (dynamic_modules_utils.get_relative_import_files:
+        the latent pipeline imports this file, the image-conditioned one both)."""
+        from diffusers.utils.dynamic_modules_utils import get_relative_import_files
+
+        own = sys.modules[type(self).__module__].__file__
+        return list(dict.fromkeys([own, *get_relative_import_files(own)]))
+
+    def save_config(self, save_directory, *args, **kwargs):
+        """model_index.json with a copy of the pipeline's source files beside it, the first of which
+        that index names: the folder (save_pretrained's, the trainer's export) loads with
+        DiffusionPipeline.from_pretrained(folder, trust_remote_code=True) without the training package."""
+        os.makedirs(save_directory, exist_ok=True)
+        for source in self.source_files():
+            target = os.path.join(save_directory, os.path.basename(source))
+            if not (os.path.exists(target) and os.path.samefile(source, target)):
+                shutil.copyfile(source, target)
+        super().save_config(save_directory, *args, **kwargs)
+
+    @staticmethod
+    def local_parts(pretrained_model_name_or_path, subfolders: list[str]) -> tuple[str, dict, object]:
+        """(the local folder, its model_index.json, its scheduler) of a saved pipeline, a folder or
+        a Hub id (its `subfolders` downloaded): what a pipeline class loading its folder directly
+        reads, the package installed (from_pretrained)."""
+        import diffusers
+
+        folder = str(pretrained_model_name_or_path)
+        if not os.path.isdir(folder):
+            from huggingface_hub import snapshot_download
+            patterns = ["model_index.json", "scheduler/*", *(f"{name}/*" for name in subfolders)]
+            folder = snapshot_download(folder, allow_patterns=patterns)
+        with open(os.path.join(folder, "model_index.json")) as fh:
+            index = json.load(fh)
+        scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(folder, subfolder="scheduler")
+        return folder, index, scheduler
+
+
+class ClassConditionalPipeline(PackagePipeline):
     """Class-conditional image generation with a UNet2DModel and classifier-free guidance."""
 
     model_cpu_offload_seq = "unet"
@@ -201,32 +268,6 @@ class ClassConditionalPipeline(DiffusionPipeline):
             library = type(value).__module__.split(".")[0]  # "diffusers" for a UNet2DModel
             self.register_to_config(guide=(None, None) if value is None else (library, type(value).__name__))
 
-    def to_json_string(self) -> str:
-        """model_index.json names this file and class, `_class_name` [module, class] (diffusers'
-        custom-pipeline convention), where diffusers writes the bare class name, which
-        DiffusionPipeline.from_pretrained looks for in diffusers itself."""
-        config = json.loads(super().to_json_string())
-        module = os.path.splitext(os.path.basename(self.source_files()[0]))[0]
-        config["_class_name"] = [module, type(self).__name__]
-        return json.dumps(config, indent=2, sort_keys=True) + "\n"
-
-    def source_files(self) -> list[str]:
-        """The files of this pipeline's class and of the classes of this file it derives from (a
-        subclass in another file, the latent pipeline, imports this one relatively), its own first."""
-        return [sys.modules[cls.__module__].__file__ for cls in type(self).__mro__
-                if issubclass(cls, ClassConditionalPipeline)]
-
-    def save_config(self, save_directory, *args, **kwargs):
-        """model_index.json with a copy of the pipeline's source files beside it, the first of which
-        that index names: the folder (save_pretrained's, the trainer's export) loads with
-        DiffusionPipeline.from_pretrained(folder, trust_remote_code=True) without the training package."""
-        os.makedirs(save_directory, exist_ok=True)
-        for source in self.source_files():
-            target = os.path.join(save_directory, os.path.basename(source))
-            if not (os.path.exists(target) and os.path.samefile(source, target)):
-                shutil.copyfile(source, target)
-        super().save_config(save_directory, *args, **kwargs)
-
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """Loading through this class itself (the package installed): a folder's model_index.json
@@ -234,17 +275,9 @@ class ClassConditionalPipeline(DiffusionPipeline):
         class is already at hand, so the parts are loaded directly into it."""
         if cls is not ClassConditionalPipeline or kwargs.get("trust_remote_code"):
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        import diffusers
-
-        folder = str(pretrained_model_name_or_path)
-        if not os.path.isdir(folder):
-            from huggingface_hub import snapshot_download
-            folder = snapshot_download(folder, allow_patterns=["model_index.json", "unet/*", "guide/*", "scheduler/*"])
-        with open(os.path.join(folder, "model_index.json")) as fh:
-            index = json.load(fh)
+        folder, index, scheduler = cls.local_parts(pretrained_model_name_or_path, ["unet", "guide"])
         dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
         unet = UNet2DModel.from_pretrained(folder, subfolder="unet", torch_dtype=dtype)
-        scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(folder, subfolder="scheduler")
         guide = (UNet2DModel.from_pretrained(folder, subfolder="guide", torch_dtype=dtype)
                  if (index.get("guide") or [None])[0] else None)
         return cls(unet=unet, scheduler=scheduler, id2label=index.get("id2label"), guide=guide)
@@ -301,6 +334,6 @@ def _randn(shape, generator, device) -> torch.Tensor:
     return torch.randn(shape, generator=generator, device=on).to(device)
 
 
-__all__ = ["DEFAULT_GUIDANCE_SCALE", "ClassConditionalPipeline", "check_guide", "guided_model_output", "guided_step",
-           "in_guidance_interval", "noise_level", "null_class", "scheduler_model_output", "scheduler_step",
-           "unconditional_inputs"]
+__all__ = ["DEFAULT_GUIDANCE_SCALE", "ClassConditionalPipeline", "PackagePipeline", "check_guide",
+           "guided_model_output", "guided_step", "in_guidance_interval", "noise_level", "null_class",
+           "scheduler_model_output", "scheduler_step", "unconditional_inputs", "with_condition"]

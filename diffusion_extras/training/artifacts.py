@@ -113,25 +113,63 @@ def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int
         num_images = len(labels)
     else:
         per_row = sampling.grid_columns(num_images)
-    rows = {}
     # a stop gives up on every rank before the gather (core/stop_flag.py)
     with stop_flag.interruptible(), (sampling_copy or SamplingCopy())(unet, ema) as copy:
-        for first in range(rank * per_row, num_images, num_ranks * per_row):
-            count = min(per_row, num_images - first)
-            rows[first] = sampling.generate(copy, scheduler, count, num_inference_steps, seed=seed,
-                                            device=target.device, start_index=first, guidance_scale=guidance_scale,
-                                            class_labels=None if labels is None else labels[first:first + count],
-                                            vae=vae)
+        rows = sample_rows(lambda first, count: sampling.generate(
+            copy, scheduler, count, num_inference_steps, seed=seed, device=target.device, start_index=first,
+            guidance_scale=guidance_scale, class_labels=None if labels is None else labels[first:first + count],
+            vae=vae), num_images, per_row, rank, num_ranks)
     if num_ranks > 1:
         rows = distributed.gather_to_main(rows, rank, num_ranks)
     if rank != 0:
         return None
-    grid = sampling.image_grid(np.concatenate([rows[first] for first in sorted(rows)]), nrow=per_row)
+    return write_grid(np.concatenate([rows[first] for first in sorted(rows)]), per_row, target)
+
+
+def sample_rows(make_row, num_images: int, per_row: int, rank: int = 0, num_ranks: int = 1) -> dict:
+    """{first image: make_row(first, count)} of the grid rows (`per_row` images each) that fall to
+    `rank` of `num_ranks`: row r to rank r mod num_ranks, a row one batch whatever the ranks."""
+    return {first: make_row(first, min(per_row, num_images - first))
+            for first in range(rank * per_row, num_images, num_ranks * per_row)}
+
+
+def write_grid(images: np.ndarray, per_row: int, target: Target) -> str:
+    """uint8 [N, H, W, C] as samples/step_XXXXXX.png, images/samples.png (the card's) and to the trackers."""
+    grid = sampling.image_grid(images, nrow=per_row)
     path = target.path(samples_file(target.step))
     grid.save(path)
     shutil.copyfile(path, target.path(CARD_GRID))
     target.log_image("samples", grid)
     return path
+
+
+def save_conditioned_grid(unet, ema, noise_scheduler, target: Target, images: np.ndarray, condition,
+                          num_inference_steps: int, seed: int, guidance_scale: float = 1.0,
+                          sampling_copy: SamplingCopy | None = None, rank: int = 0, num_ranks: int = 1,
+                          vae=None) -> str | None:
+    """A conditional run's grid (as save_sample_grid: EMA, fp32, DDIM, every rank its rows): each
+    of the stored `images` [N, C + S, H, W] (held-out or training images) as condition | sample |
+    target, the sample made by the exported pipeline's __call__ from the condition (`condition`: the
+    run's training.conditioning.ImageCondition; fixed masks from `seed`), grid_columns(N) such
+    triplets a row."""
+    from diffusion_extras.evaluation import conditioned
+    from diffusion_extras.training.conditioning import conditions_of
+
+    inputs = conditions_of(condition, images, seed)
+    per_row = sampling.grid_columns(len(images))
+    with stop_flag.interruptible(), (sampling_copy or SamplingCopy())(unet, ema) as copy:
+        pipeline = conditioned.conditioned_pipeline(copy, sampling.make_scheduler("ddim", noise_scheduler.config), vae,
+                                                    condition.pipeline_config())
+        rows = sample_rows(lambda first, count: conditioned.sample_conditioned(
+            pipeline, inputs, first, count, num_inference_steps, seed, guidance_scale), len(images), per_row, rank,
+            num_ranks)
+    if num_ranks > 1:
+        rows = distributed.gather_to_main(rows, rank, num_ranks)
+    if rank != 0:
+        return None
+    samples = np.concatenate([rows[first] for first in sorted(rows)])
+    shown, targets = (conditioned.to_uint8(inputs[name]) for name in ("shown", "images"))
+    return write_grid(np.stack([shown, samples, targets], axis=1).reshape(-1, *samples.shape[1:]), 3 * per_row, target)
 
 
 def save_debug_images(unet, ema, noise_scheduler, target: Target, num_images: int, num_inference_steps: int,
@@ -242,14 +280,15 @@ def connect_hub(config, is_main_process: bool):
 
 
 def export(unet, ema, noise_scheduler, target: Target, hub_pusher=None, card: dict | None = None,
-           final: bool = False, class_names: list | None = None, vae=None) -> None:
-    """The DDPMPipeline with EMA weights (the latent pipeline with a `vae`); with a `hub_pusher`, the
+           final: bool = False, class_names: list | None = None, vae=None, conditioning: dict | None = None) -> None:
+    """The DDPMPipeline with EMA weights (the latent pipeline with a `vae`, the image-conditioned one
+    with `conditioning`: models.export_pipeline); with a `hub_pusher`, the
     model card (from `card`: config, images_seen, metrics, dataset_name, _redact; see
     hub.write_model_card) and a push, in the background except the final one, which waits and
     reports the commit URL."""
     # a one-off copy, not the run's SamplingCopy: save_pretrained edits the config a compiled copy guards on
     with sampling_unet(unet, ema) as copy:
-        models.export_pipeline(copy, noise_scheduler, target.output_dir, class_names, vae)
+        models.export_pipeline(copy, noise_scheduler, target.output_dir, class_names, vae, conditioning)
     if hub_pusher is None:
         return
     info = {"repo_id": hub_pusher.repo_id, "global_step": target.step, **(card or {})}

@@ -14,6 +14,7 @@ from diffusion_extras.core.optimization import make_optimizer
 from diffusion_extras.core.phema import PowerFunctionEMA
 from diffusion_extras.core.timesteps import make_timestep_sampler
 from diffusion_extras.data import latents, sources
+from diffusion_extras.data.conditioning import stored_channels
 from diffusion_extras.data.spec import Resolution
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
@@ -23,6 +24,7 @@ from diffusion_extras.training import (
     autoencoder,
     checkpointing,
     compat,
+    conditioning,
     models,
     pretrained,
     run_state,
@@ -127,7 +129,8 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     dataset, data_channels, classes = sources.open_training_data(spec, accelerator)  # labels read once, here
     latent = autoencoder.load_latent_space(config) if config.pretrained_vae_model_name_or_path else None
     choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None, base, latent)
-    image_channels = latent.image_channels if latent else unet.config.in_channels
+    image_channels = latent.image_channels if latent else models.sample_channels(unet.config.in_channels,
+                                                                               config.conditioning)
     training_data, held_out_images = build_data(config, accelerator, image_channels, dataset,
                                                 switches["validation_split"], classes,
                                                 hooks.data_source or sources.build_source, latent)
@@ -135,7 +138,8 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     learner = build_learner(config, accelerator, plan, unet, lr_schedule, base, latent_record(training_data))
     objective = build_objective(config, accelerator, noise_scheduler)
     extras = build_extras(config, accelerator, plan, learner.unet, held_out_images, training_data.class_names,
-                          latent.size if latent else config.resolution, clean_input(training_data))
+                          latent.size if latent and not training_data.condition else config.resolution,
+                          clean_input(training_data))
     register_checkpointed_state(accelerator, learner, objective, extras)
     progress = Progress(step_lr=learner.peak_lr,
                         input_statistics=torch.full((4,), float("nan"), device=accelerator.device),
@@ -171,7 +175,7 @@ def build_model(config: TrainConfig, accelerator, data_channels: int, class_name
         choice = models.follow_data(config, data_channels, class_names, latent)
         unet = models.build_unet(config, choice.model, latent)
     for line in models.describe(unet, choice.description, data_channels, choice.optimization, latent,
-                                config.resolution):
+                                config.resolution, None if config.conditioning == "none" else config.conditioning):
         accelerator.print(line)
     return choice, unet
 
@@ -181,17 +185,24 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
     """(the training data, the held-out images or None): the data source (decode-once cache or
     this rank's shard of a stream, with the `classes` open_training_data read; with a `latent`
     space, the images' posteriors, encoded once on this device, or a stream's pixels, encoded as
-    they come) and sigma_data."""
+    they come; with --conditioning, pixels with a stored condition beside them, which the step
+    encodes) and sigma_data."""
+    conditional = config.conditioning != "none"
     if latent is None:
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
         encoder = posterior = normalisation = None
-    else:  # cached: the source holds posteriors; streamed: pixels, which the posterior encodes each step
+    else:  # cached: the source holds posteriors; streamed (or conditional): pixels, which the step encodes
         encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor)
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
-                             encoder=encoder)
-        posterior, normalisation = autoencoder.posterior(latent, source, encoder, config.streaming, accelerator)
+                             encoder=None if conditional else encoder)
+        posterior, normalisation = autoencoder.posterior(latent, source, encoder, config.streaming or conditional,
+                                                         accelerator)
         accelerator.print(f"latents: {normalisation}")
+    condition = conditioning.for_run(config.conditioning, channels, stored_channels(config.data_spec(), channels),
+                                     config.sr_factor, config.seed, latent.vae if latent else None)
     sample = torch.from_numpy(source.reference_sample(2048))
+    if condition is not None:  # pixels: a stored condition's channels off
+        sample = sample[:, :channels]
     # sigma_data of the model input per dimension (pixels in [-1, 1], or the latent means):
     # the scale of the Bayes-optimal reference curve
     clean = latents.model_input(sample, "cpu", posterior=posterior)
@@ -200,7 +211,7 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
                          global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
                          gradient_accumulation_steps=config.gradient_accumulation_steps, posterior=posterior,
                          vae=latent.vae if latent else None, vae_fingerprint=encoder.fingerprint if encoder else None,
-                         latent_normalization=normalisation)
+                         latent_normalization=normalisation, condition=condition)
     return training_data, source.held_out_images
 
 
@@ -341,7 +352,10 @@ def make_grad_monitor(config: TrainConfig, plan: Plan, source, probe_input=laten
 def clean_input(data: Data):
     """(a source's stored batch, device) -> the UNet's clean input, for the held-out loss and the
     gradient probe: pixels in [-1, 1], or in a latent run the normalised posterior means (no draw:
-    the same input at every measurement)."""
+    the same input at every measurement); with --conditioning (clean input, condition), the
+    condition made with fixed masks (ImageCondition.fixed_inputs)."""
+    if data.condition is not None:
+        return functools.partial(data.condition.fixed_inputs, posterior=data.posterior)
     return functools.partial(latents.model_input, posterior=data.posterior)
 
 
