@@ -55,3 +55,35 @@ def write_paired_folders(folder, images: np.ndarray, pairs: np.ndarray, pair_ext
             os.makedirs(os.path.join(folder, part, str(index % 2)), exist_ok=True)
             Image.fromarray(array).save(os.path.join(folder, part, str(index % 2), f"{index}{extension}"))
     return os.path.join(folder, "images"), os.path.join(folder, "pairs")
+
+
+def same_values(a, b) -> bool:
+    """Whether two (nested dicts / lists / tuples of) tensors and plain values are bitwise equal."""
+    import torch
+
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def assert_same_training(a, b, step: int) -> None:
+    """Two runs' output folders trained alike, bit for bit: the same loss at each of the `step`
+    steps, the same exported weights, and in checkpoint-`step` the same weights and every saved
+    state (optimizer, LR schedule, EMA, diagnostics, ...)."""
+    import torch
+    from conftest import load_unet_weights, read_history
+    from safetensors.torch import load_file
+
+    losses = [[row["loss"] for row in read_history(run) if "loss" in row] for run in (a, b)]
+    assert losses[0] == losses[1] and len(losses[0]) == step, losses
+    assert same_values(load_unet_weights(a), load_unet_weights(b)), "exported weights differ"
+    folders = [os.path.join(run, f"checkpoint-{step}") for run in (a, b)]
+    names = sorted(name for name in os.listdir(folders[0]) if name.endswith((".bin", ".safetensors")))
+    assert "optimizer.bin" in names and "model.safetensors" in names
+    for name in names:
+        load = load_file if name.endswith(".safetensors") else lambda path: torch.load(path, weights_only=True)
+        assert same_values(*(load(os.path.join(folder, name)) for folder in folders)), f"checkpoint-{step}/{name}"
