@@ -105,3 +105,59 @@ def test_the_unet_sees_x_t_then_the_bicubic_upsampling_of_its_degraded_image(tmp
 def test_what_the_config_refuses(flags, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(flags)
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_fine_tuning_an_unconditional_pipeline_widens_its_input_with_zeros(tmp_path, capsys):
+    """An unconditional DDPMPipeline fine-tuned for super-resolution: conv_in gains the condition's
+    channel with zero weights, so before the first step the UNet predicts what the base predicts
+    whatever the condition; the step then trains those weights."""
+    from conftest import save_tiny_pipeline, tiny_run
+    from diffusers import UNet2DModel
+
+    from diffusion_extras.training import loop, step
+    base = save_tiny_pipeline(tmp_path / "base")
+    run = tiny_run(tmp_path, "--pretrained_model_name_or_path", base, "--conditioning", "super_resolution",
+                   "--sr_factor", 2)
+    assert "its input widened by 1 zero-initialised channel(s) for the super_resolution condition" in \
+        capsys.readouterr().out
+    widened = run.accelerator.unwrap_model(run.learner.unet)
+    original = UNet2DModel.from_pretrained(base, subfolder="unet").eval()
+    sample, condition = (torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(k)) for k in (0, 1))
+    with torch.no_grad():
+        before = widened.eval()(torch.cat([sample, condition], 1), torch.tensor(30)).sample
+        torch.testing.assert_close(before, original(sample, torch.tensor(30)).sample, atol=1e-6, rtol=1e-6)
+    assert widened.config.in_channels == 2 and not widened.conv_in.weight[:, 1:].any()
+    widened.train()
+    batches = loop.make_batches(run)
+    for _ in range(2):  # the first step's learning rate is the warmup's 0
+        step.optimizer_step(run, batches)
+    run.accelerator.end_training()
+    assert widened.conv_in.weight[:, 1:].abs().sum() > 0
+
+
+def test_fine_tuning_an_image_conditioned_export_keeps_its_kind(super_resolution_run, tmp_path, train, tiny_recipe):
+    """A super-resolution export fine-tunes as one (its kind and factor taken, no widening); another
+    kind is refused in one line."""
+    result = train(tiny_recipe(), tmp_path / "tuned", "--pretrained_model_name_or_path", super_resolution_run,
+                   "--max_train_steps", 1)
+    assert "widened" not in result.stdout
+    index = json.loads((tmp_path / "tuned" / "model_index.json").read_text())
+    assert (index["conditioning"], index["sr_factor"]) == ("super_resolution", 2)
+    refused = train(tiny_recipe(), tmp_path / "other", "--pretrained_model_name_or_path", super_resolution_run,
+                    "--conditioning", "inpainting", "--max_train_steps", 1, check=False)
+    assert refused.returncode == 2
+    assert "its UNet is conditioned for super_resolution: fine-tune it with --conditioning super_resolution" in \
+        refused.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_dropped_conditions_are_zeros_drawn_per_image(tmp_path):
+    """--conditioning_dropout_prob 0.5: some images of the step see a zero condition (dropped for
+    guidance on the image), the others their own."""
+    cleans, inputs = first_step_inputs(tmp_path, "--conditioning", "super_resolution", "--sr_factor", 2,
+                                       "--conditioning_dropout_prob", 0.5)
+    condition, expected = inputs[0][:, 1:], upsample(degrade(cleans[0], 2), 2)
+    dropped = (condition == 0).flatten(1).all(1)
+    assert 0 < dropped.sum() < len(dropped)
+    torch.testing.assert_close(condition[~dropped], expected[~dropped])

@@ -171,6 +171,8 @@ def build_model(config: TrainConfig, accelerator, data_channels: int, class_name
         choice = base.choice(config, data_channels, class_names, latent)
         resuming = checkpointing.recorded_config(config.output_dir, config.resume_from_checkpoint) is not None
         unet = base.load_unet(with_weights=not resuming)  # the checkpoint's weights, not re-read pretrained ones
+        if base.widened_input(config):  # an unconditional base fine-tuned with --conditioning
+            models.widen_input(unet, base.widened_input(config))
     else:
         choice = models.follow_data(config, data_channels, class_names, latent)
         unet = models.build_unet(config, choice.model, latent)
