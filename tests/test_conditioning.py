@@ -161,3 +161,23 @@ def test_dropped_conditions_are_zeros_drawn_per_image(tmp_path):
     dropped = (condition == 0).flatten(1).all(1)
     assert 0 < dropped.sum() < len(dropped)
     torch.testing.assert_close(condition[~dropped], expected[~dropped])
+
+
+def test_the_model_card_says_what_the_model_does_and_its_call_runs_as_written(super_resolution_run, tmp_path,
+                                                                            monkeypatch):
+    """The card of the super-resolution export (as the Hub push writes it, from the run's model_card
+    info): image-to-image, a 2x super-resolution model; its usage block runs against the folder."""
+    from diffusion_extras.hub.push import write_model_card
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    card = write_model_card(str(super_resolution_run), {"repo_id": str(super_resolution_run), "conditioning": {
+        "conditioning": "super_resolution", "sr_factor": 2}})
+    text = open(card).read()
+    assert "pipeline_tag: image-to-image" in text and "super-resolution" in text
+    assert "A 2x super-resolution model" in text
+    code = text.split("## Usage")[1].split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    Image.fromarray(np.zeros((4, 6), np.uint8)).save(tmp_path / "low_resolution.png")
+    code = code.replace("num_inference_steps=50", "num_inference_steps=2")
+    exec(compile(code, "model card", "exec"), {})
+    with Image.open(tmp_path / "result.png") as image:
+        assert image.size == (12, 8)

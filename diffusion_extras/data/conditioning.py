@@ -72,7 +72,7 @@ def paired_folder(spec: DataSpec) -> tuple[str, str] | None:
     return None
 
 
-def _image_files(folder: str) -> dict[str, str]:
+def image_files(folder: str) -> dict[str, str]:
     """{relative path without extension: path} of the images under `folder` (Pillow's extensions)."""
     from PIL import Image
 
@@ -93,7 +93,7 @@ def paired_folders_dataset(image_folder: str, condition_folder: str, column: str
     dataset with the two columns is cached once)."""
     import datasets
 
-    images, conditions = _image_files(image_folder), _image_files(condition_folder)
+    images, conditions = image_files(image_folder), image_files(condition_folder)
     if not images:
         raise DataError(f"--train_data_dir {image_folder}: no images found")
     unpaired = sorted(set(images) - set(conditions))
@@ -140,10 +140,7 @@ def random_mask(height: int, width: int, seed: int) -> np.ndarray:
         top, left = int(rng.integers(0, height - box_height + 1)), int(rng.integers(0, width - box_width + 1))
         mask[top:top + box_height, left:left + box_width] = True
     elif kind == "half":
-        side = int(rng.integers(4))
-        rows, columns = [slice(None, height // 2), slice(height // 2, None)], [slice(None, width // 2),
-                                                                                slice(width // 2, None)]
-        mask[(rows[side], slice(None)) if side < 2 else (slice(None), columns[side - 2])] = True
+        mask = half_mask(height, width, HALVES[int(rng.integers(4))])
     else:
         canvas = Image.new("L", (width, height), 0)
         draw = ImageDraw.Draw(canvas)
@@ -159,6 +156,21 @@ def random_mask(height: int, width: int, seed: int) -> np.ndarray:
                 points.append(point)
             draw.line(points, fill=255, width=brush, joint="curve")
         mask = np.asarray(canvas) > 0
+    return mask
+
+
+HALVES = ("top", "bottom", "left", "right")
+
+
+def half_mask(height: int, width: int, side: str) -> np.ndarray:
+    """bool [height, width], True on the `side` half (one of HALVES), the shorter part for odd sides."""
+    mask = np.zeros((height, width), dtype=bool)
+    rows, columns = slice(None), slice(None)
+    if side in ("top", "bottom"):
+        rows = slice(None, height // 2) if side == "top" else slice(height - height // 2, None)
+    else:
+        columns = slice(None, width // 2) if side == "left" else slice(width - width // 2, None)
+    mask[rows, columns] = True
     return mask
 
 

@@ -53,5 +53,6 @@ PIPELINE_CLASS = _pipeline_constant("PIPELINE_CLASS")  # its class name in model
 LATENT_PIPELINE_CLASS = _pipeline_constant("PIPELINE_CLASS", "pipeline_latent.py")  # a latent export's (cli/inputs.py)
 # an image-conditioned export's class, its kinds of condition (the trainer's --conditioning) and its guidance default
 IMAGE_PIPELINE_CLASS = _pipeline_constant("PIPELINE_CLASS", "pipeline_image_conditioned.py")
+IMAGE_PIPELINE_MODULE = _pipeline_constant("PIPELINE_MODULE", "pipeline_image_conditioned.py")
 CONDITIONING_KINDS = _pipeline_constant("CONDITIONING_KINDS", "pipeline_image_conditioned.py")
 DEFAULT_IMAGE_GUIDANCE_SCALE = _pipeline_constant("DEFAULT_IMAGE_GUIDANCE_SCALE", "pipeline_image_conditioned.py")

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from diffusion_extras.core import stop_flag
+from diffusion_extras.evaluation import digits, distributed
 from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline, degrade, upsample
 from diffusion_extras.evaluation.sampling import image_seed
 
@@ -28,19 +29,43 @@ def stop_between_steps(pipeline, step, timestep, callback_kwargs) -> dict:
     return {}
 
 
-def sample_conditioned(pipeline: ImageConditionedPipeline, inputs: dict, first: int, count: int,
-                       num_inference_steps: int, seed: int, guidance_scale: float,
-                       guidance_interval: tuple[float, float] | None = None) -> np.ndarray:
-    """uint8 [count, H, W, C]: the samples of images first..first+count-1 of `inputs` ({"image": ...,
-    "mask_image": ... for inpainting}, tensors in [0, 1] as the pipeline takes them), image i with
-    noise from image_seed(seed, i), so an image is the same in any chunk of any batch size (to the
+def sample_conditioned(pipeline: ImageConditionedPipeline, inputs: dict, indices: range, num_inference_steps: int,
+                       seed: int, guidance_scale: float, guidance_interval: tuple[float, float] | None = None
+                       ) -> np.ndarray:
+    """uint8 [N, H, W, C]: the samples of `inputs` ({"image": ..., "mask_image": ... for inpainting},
+    N tensors in [0, 1] as the pipeline takes them), the images numbered `indices` (image i with
+    noise from image_seed(seed, i)), so an image is the same in any chunk of any batch size (to the
     UNet's float rounding across batch sizes)."""
-    generators = [torch.Generator().manual_seed(image_seed(seed, index)) for index in range(first, first + count)]
-    arguments = {name: value[first:first + count] for name, value in inputs.items() if name in ("image", "mask_image")}
+    generators = [torch.Generator().manual_seed(image_seed(seed, index)) for index in indices]
+    arguments = {name: value for name, value in inputs.items() if name in ("image", "mask_image")}
     images = pipeline(**arguments, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                       generator=generators, output_type="np", guidance_interval=guidance_interval,
                       callback_on_step_end=stop_between_steps).images
     return (images * 255).round().astype(np.uint8)
+
+
+def batch(inputs: dict, first: int, count: int) -> dict:
+    """Images first..first+count-1 of every tensor in `inputs`."""
+    return {name: value[first:first + count] for name, value in inputs.items()}
+
+
+def conditioned_samples(pipeline: ImageConditionedPipeline, inputs: dict, num_inference_steps: int, seed: int,
+                        guidance_scale: float, batch_size: int, rank: int = 0, num_ranks: int = 1,
+                        guidance_interval: tuple[float, float] | None = None) -> np.ndarray | None:
+    """The samples of all of `inputs` (sample_conditioned), on rank 0 (None elsewhere): over the
+    ranks of a launch a collective, batch k (images k x batch_size on) made by rank k mod num_ranks,
+    as metrics.sample_features shares its images."""
+    count = len(inputs["image"])
+    with stop_flag.interruptible():  # a stop gives up on every rank before the gather (core/stop_flag.py)
+        made = {first: sample_conditioned(pipeline, batch(inputs, first, batch_size),
+                                          range(first, min(first + batch_size, count)), num_inference_steps, seed,
+                                          guidance_scale, guidance_interval)
+                for first in range(rank * batch_size, count, num_ranks * batch_size)}
+    if num_ranks > 1:
+        made = distributed.gather_to_main(made, rank, num_ranks)
+        if rank != 0:
+            return None
+    return np.concatenate([made[first] for first in sorted(made)])
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -93,3 +118,46 @@ def closeness(samples: np.ndarray, references: np.ndarray, prefix: str = "") -> 
     finite = values[np.isfinite(values)]
     return {f"{prefix}psnr": float(finite.mean()) if len(finite) else float("inf"),
             f"{prefix}ssim": float(ssim(samples, references).mean())}
+
+
+def scores(kind: str, samples: np.ndarray, targets: np.ndarray, sr_factor: int = 1) -> dict[str, float]:
+    """How close the samples (uint8 [N, H, W, C]) come to the images their conditions were made from:
+    psnr, ssim; super-resolution also bicubic_psnr, bicubic_ssim (its baseline); digits (every target
+    one of scikit-learn's: digits.recognised) also digit_accuracy (of the samples) and
+    reference_digit_accuracy (of the targets: the classifier's ceiling)."""
+    values = closeness(samples, targets)
+    if kind == "super_resolution":
+        values.update(closeness(bicubic(targets, sr_factor), targets, prefix="bicubic_"))
+    known = digits.recognised(targets)
+    if known is not None:
+        labels, classifier = known
+        values.update(digit_accuracy=classifier.accuracy(samples, labels),
+                      reference_digit_accuracy=classifier.accuracy(targets, labels))
+    return values
+
+
+@torch.no_grad()
+def inpaint_by_replacement(unet, scheduler, images: torch.Tensor, masks: torch.Tensor, num_inference_steps: int,
+                           indices: range, seed: int) -> np.ndarray:
+    """An unconditional UNet's completions (the baseline an inpainting model is measured against):
+    images [N, C, H, W] in [-1, 1] whose `masks` (1 = to fill) are filled by the replacement method
+    (Song et al. 2021; RePaint without resampling): after each sampling step the known pixels are
+    replaced by the image noised to the next step's level. `scheduler`: one with add_noise (DDPM,
+    DDIM), set here; image i's noise from image_seed(seed, i). uint8 [N, H, W, C], the known pixels
+    as given."""
+    from diffusion_extras.evaluation.pipeline_class_conditional import _randn, scheduler_model_output, scheduler_step
+
+    device = next(unet.parameters()).device
+    images, masks = images.to(device), masks.to(device)
+    generators = [torch.Generator().manual_seed(image_seed(seed, index)) for index in indices]
+    scheduler.set_timesteps(num_inference_steps, device=device)
+    sample = _randn(images.shape, generators, device) * scheduler.init_noise_sigma
+    timesteps = scheduler.timesteps
+    for step, t in enumerate(timesteps):
+        stop_flag.check()
+        output = unet(scheduler.scale_model_input(sample, t), t).sample
+        sample = scheduler_step(scheduler, scheduler_model_output(scheduler, output, sample), t, sample, generators)
+        if step + 1 < len(timesteps):
+            known = scheduler.add_noise(images, _randn(images.shape, generators, device), timesteps[step + 1:step + 2])
+            sample = masks * sample + (1 - masks) * known
+    return to_uint8((masks * sample + (1 - masks) * images + 1) / 2)

@@ -27,6 +27,7 @@ from diffusers.image_processor import VaeImageProcessor
 from .pipeline_class_conditional import PackagePipeline, _randn, guided_step
 from .pipeline_latent import decode_latents, latent_normalization, vae_scale_factor
 
+PIPELINE_MODULE = "pipeline_image_conditioned"  # this file's name in an exported folder, without .py
 PIPELINE_CLASS = "ImageConditionedPipeline"
 CONDITIONING_KINDS = ("super_resolution", "inpainting", "image")
 # No guidance by default: a model trained without --conditioning_dropout_prob has no dropped-condition

@@ -161,8 +161,8 @@ def save_conditioned_grid(unet, ema, noise_scheduler, target: Target, images: np
         pipeline = conditioned.conditioned_pipeline(copy, sampling.make_scheduler("ddim", noise_scheduler.config), vae,
                                                     condition.pipeline_config())
         rows = sample_rows(lambda first, count: conditioned.sample_conditioned(
-            pipeline, inputs, first, count, num_inference_steps, seed, guidance_scale), len(images), per_row, rank,
-            num_ranks)
+            pipeline, conditioned.batch(inputs, first, count), range(first, first + count), num_inference_steps, seed,
+            guidance_scale), len(images), per_row, rank, num_ranks)
     if num_ranks > 1:
         rows = distributed.gather_to_main(rows, rank, num_ranks)
     if rank != 0:
@@ -302,17 +302,19 @@ def export(unet, ema, noise_scheduler, target: Target, hub_pusher=None, card: di
 
 
 # ----------------------------------------------------------------------------- FID / KID
-def prepare_evaluation(config, source, device, with_reference: bool = True):
+def prepare_evaluation(config, source, device, with_reference: bool = True, image_channels: int | None = None):
     """(extractor, reference statistics, metrics) per extractor that --eval_metrics needs, before
     training; reference statistics cached per extractor as logs/fid_reference_<extractor>.npz
     (None without `with_reference`: the ranks other than the main one only extract features).
     `source`: the run's data source (its reference sample; a latent run's pixel images, from which
-    its posteriors were encoded: the samples are decoded before they are scored). None without --eval_steps."""
+    its posteriors were encoded: the samples are decoded before they are scored; `image_channels`:
+    a conditional run's, its stored condition's channels left out). None without --eval_steps."""
     if config.eval_steps is None:
         return None
     sample = source.reference_images if config.pretrained_vae_model_name_or_path else source.reference_sample
     # FID/KID extractors read 8-bit images: 16- and 32-bit training images are rounded to 8 bits here only
-    reference = batch_order.as_uint8(sample(config.eval_num_samples)).transpose(0, 2, 3, 1) if with_reference else ()
+    reference = (batch_order.as_uint8(sample(config.eval_num_samples)[:, :image_channels]).transpose(0, 2, 3, 1)
+                 if with_reference else ())
     fingerprint = f"{source.description}-{resolution_text(config.resolution)}-{len(reference)}-{config.seed}"
     groups = extractors_for(parse_metrics(config.eval_metrics), config.feature_extractor)
     suites = []
@@ -351,6 +353,38 @@ def evaluate(unet, ema, noise_scheduler, suites, target: Target, num_samples: in
                                                    rank, num_ranks, vae=vae)
     if metrics is None:  # not the main process
         return None, None
+    target.log_values({f"eval/{k}": float(v) for k, v in metrics.items()})
+    names = {metric: extractor.name for extractor, _, group in suites for metric in group}
+    return metrics, {f"{k} ({names[k]})" if k in names else k: v for k, v in metrics.items()}
+
+
+def evaluate_conditioned(unet, ema, noise_scheduler, suites, target: Target, images: np.ndarray, condition,
+                         num_inference_steps: int, seed: int, batch_size: int, guidance_scale: float = 1.0,
+                         sampling_copy: SamplingCopy | None = None, vae=None) -> tuple[dict, dict] | tuple[None, None]:
+    """A conditional run's evaluation (as `evaluate`: EMA, DDIM, every rank its batches): the
+    samples of the conditions of the stored `images` [N, C + S, H, W] (held-out or training images;
+    `condition`: the run's ImageCondition, fixed masks from `seed`), scored against those images
+    (evaluation/conditioned.py scores: PSNR, SSIM, the bicubic baseline, a digit classifier's
+    accuracy) and by --eval_metrics against the reference statistics."""
+    from diffusion_extras.evaluation import conditioned
+    from diffusion_extras.training.conditioning import conditions_of
+
+    accelerator = target.accelerator
+    rank, num_ranks = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    inputs = conditions_of(condition, images, seed)
+    with (sampling_copy or SamplingCopy())(unet, ema) as copy:
+        pipeline = conditioned.conditioned_pipeline(copy, sampling.make_scheduler("ddim", noise_scheduler.config),
+                                                    vae, condition.pipeline_config())
+        samples = conditioned.conditioned_samples(pipeline, {k: v for k, v in inputs.items() if k != "shown"},
+                                                  num_inference_steps, seed, guidance_scale, batch_size, rank,
+                                                  num_ranks)
+    if samples is None:  # not the main process
+        return None, None
+    metrics = conditioned.scores(condition.kind, samples, conditioned.to_uint8(inputs["images"]), condition.sr_factor)
+    evaluation.check_suites(suites)
+    for extractor, reference, wanted in suites:
+        metrics.update(evaluation.score(evaluation.extract_all([samples], extractor), reference, wanted, seed))
+    metrics["num_samples"] = len(samples)
     target.log_values({f"eval/{k}": float(v) for k, v in metrics.items()})
     names = {metric: extractor.name for extractor, _, group in suites for metric in group}
     return metrics, {f"{k} ({names[k]})" if k in names else k: v for k, v in metrics.items()}

@@ -103,7 +103,9 @@ def prepare_evaluation_and_probes(run: Run) -> None:
     """The FID/KID detector and reference statistics, the gradient monitor and the reference bins."""
     config, accelerator = run.config, run.accelerator
     if accelerator.is_main_process:
-        run.extras.evaluation = artifacts.prepare_evaluation(config, run.data.source, accelerator.device)
+        run.extras.evaluation = artifacts.prepare_evaluation(
+            config, run.data.source, accelerator.device,
+            image_channels=run.data.condition.image_channels if run.data.condition else None)
         run.extras.grad_monitor = make_grad_monitor(config, run.plan, run.data.source, clean_input(run.data))
         write_reference_bins(run)  # on-demand reports of a running or killed run use it
     if config.eval_steps is not None and accelerator.num_processes > 1:

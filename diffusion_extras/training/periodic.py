@@ -124,14 +124,18 @@ def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
 CONDITIONED_GRID_IMAGES = 16  # at most: the conditions a conditional run's grid samples
 
 
-def grid_images(run: Run, count: int = CONDITIONED_GRID_IMAGES):
-    """The stored images [N, C + S, H, W] whose conditions a conditional run's grid samples: the first
-    held-out images (never trained on) when there are, else a seeded sample of training images;
-    at most --eval_batch_size."""
-    count = min(count, run.config.eval_batch_size)
+def condition_images(run: Run, count: int):
+    """The stored images [N, C + S, H, W] whose conditions a conditional run samples for its grids
+    and evaluation: up to `count` held-out images (never trained on) when there are, else a seeded
+    sample of training images."""
     if run.extras.held_out is not None:
         return run.extras.held_out.images[:count].numpy()
     return run.data.source.reference_sample(count)
+
+
+def grid_images(run: Run):
+    """A conditional run's grid's images (condition_images): up to 16, at most --eval_batch_size."""
+    return condition_images(run, min(CONDITIONED_GRID_IMAGES, run.config.eval_batch_size))
 
 
 def image_guidance_scale(config) -> float:
@@ -147,11 +151,20 @@ def evaluate_on_every_rank(run: Run, step: int, last: bool) -> None:
     if extras.evaluation is None or not (step % config.eval_steps == 0 or last):
         return
     target = artifacts.Target(config.output_dir, step, run.accelerator, run.history)
-    with end_of_run_work(run, f"final FID/KID ({config.eval_num_samples} samples)", last):
-        metrics, card_metrics = artifacts.evaluate(
-            run.accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler,
-            extras.evaluation, target, config.eval_num_samples, config.ddpm_num_inference_steps, config.seed,
-            config.eval_batch_size, run.data.class_names, config.guidance_scale, extras.sampling_copy, run.data.vae)
+    if run.data.condition is not None:
+        images = condition_images(run, config.eval_num_samples)
+        with end_of_run_work(run, f"final evaluation (the conditions of {len(images)} images)", last):
+            metrics, card_metrics = artifacts.evaluate_conditioned(
+                run.accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler,
+                extras.evaluation, target, images, run.data.condition, config.ddpm_num_inference_steps, config.seed,
+                config.eval_batch_size, image_guidance_scale(config), extras.sampling_copy, run.data.vae)
+    else:
+        with end_of_run_work(run, f"final FID/KID ({config.eval_num_samples} samples)", last):
+            metrics, card_metrics = artifacts.evaluate(
+                run.accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler,
+                extras.evaluation, target, config.eval_num_samples, config.ddpm_num_inference_steps, config.seed,
+                config.eval_batch_size, run.data.class_names, config.guidance_scale, extras.sampling_copy,
+                run.data.vae)
     if metrics is not None:  # the main process
         run.progress.last_metrics = card_metrics
         run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
@@ -173,7 +186,8 @@ def model_card(run: Run) -> dict:
             "dataset_name": config.dataset_name or ("sklearn digits" if embedded else None),
             "_redact": list(run.secrets), "class_names": run.data.class_names,
             "base_model": config.pretrained_model_name_or_path, "vae": config.pretrained_vae_model_name_or_path,
-            "latent_normalization": run.data.latent_normalization}
+            "latent_normalization": run.data.latent_normalization,
+            "conditioning": run.data.condition.pipeline_config() if run.data.condition else None}
 
 
 def write_reference_bins(run: Run) -> dict:
