@@ -224,22 +224,45 @@ class PackagePipeline(DiffusionPipeline):
                 shutil.copyfile(source, target)
         super().save_config(save_directory, *args, **kwargs)
 
-    @staticmethod
-    def local_parts(pretrained_model_name_or_path, subfolders: list[str]) -> tuple[str, dict, object]:
-        """(the local folder, its model_index.json, its scheduler) of a saved pipeline, a folder or
-        a Hub id (its `subfolders` downloaded): what a pipeline class loading its folder directly
-        reads, the package installed (from_pretrained)."""
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """Loading through the class itself (the package installed, or the folder's copy imported):
+        a folder's model_index.json names the saved copy of the pipeline's file, which diffusers would
+        import as remote code; here the class is at hand, so each part the index names (unet/,
+        scheduler/, vae/, guide/: diffusers classes) and each of its settings (id2label, the
+        conditioning) go straight into it. A Hub id is downloaded first (those parts only).
+        With trust_remote_code, diffusers' own loading."""
+        if kwargs.get("trust_remote_code"):
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         import diffusers
 
         folder = str(pretrained_model_name_or_path)
         if not os.path.isdir(folder):
-            from huggingface_hub import snapshot_download
-            patterns = ["model_index.json", "scheduler/*", *(f"{name}/*" for name in subfolders)]
-            folder = snapshot_download(folder, allow_patterns=patterns)
+            from huggingface_hub import hf_hub_download, snapshot_download
+            with open(hf_hub_download(folder, "model_index.json")) as fh:
+                names = [name for name, value in json.load(fh).items() if _is_part(value) and value[0]]
+            folder = snapshot_download(folder, allow_patterns=["model_index.json", *(f"{name}/*" for name in names)])
         with open(os.path.join(folder, "model_index.json")) as fh:
             index = json.load(fh)
-        scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(folder, subfolder="scheduler")
-        return folder, index, scheduler
+        dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
+        arguments = {}
+        for name, value in index.items():
+            if name.startswith("_"):
+                continue
+            if not _is_part(value):
+                arguments[name] = value  # a setting of the pipeline's config
+            elif value[0] is None:
+                arguments[name] = None  # an optional part it was saved without
+            else:
+                part = getattr(diffusers, value[1])
+                typed = {} if issubclass(part, diffusers.SchedulerMixin) else {"torch_dtype": dtype}
+                arguments[name] = part.from_pretrained(folder, subfolder=name, **typed)
+        return cls(**arguments)
+
+
+def _is_part(value) -> bool:
+    """Whether a model_index.json entry names a part ([library, class]) rather than a setting."""
+    return isinstance(value, list) and len(value) == 2 and value[0] in (None, "diffusers")
 
 
 class ClassConditionalPipeline(PackagePipeline):
@@ -267,20 +290,6 @@ class ClassConditionalPipeline(PackagePipeline):
         if name == "guide" and "_internal_dict" in self.__dict__:
             library = type(value).__module__.split(".")[0]  # "diffusers" for a UNet2DModel
             self.register_to_config(guide=(None, None) if value is None else (library, type(value).__name__))
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """Loading through this class itself (the package installed): a folder's model_index.json
-        names the saved copy of this file, which diffusers would import as remote code; here the
-        class is already at hand, so the parts are loaded directly into it."""
-        if cls is not ClassConditionalPipeline or kwargs.get("trust_remote_code"):
-            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        folder, index, scheduler = cls.local_parts(pretrained_model_name_or_path, ["unet", "guide"])
-        dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
-        unet = UNet2DModel.from_pretrained(folder, subfolder="unet", torch_dtype=dtype)
-        guide = (UNet2DModel.from_pretrained(folder, subfolder="guide", torch_dtype=dtype)
-                 if (index.get("guide") or [None])[0] else None)
-        return cls(unet=unet, scheduler=scheduler, id2label=index.get("id2label"), guide=guide)
 
     def get_label_ids(self, label: str | list[str]) -> list[int]:
         """Class names -> class ids, as DiTPipeline.get_label_ids."""

@@ -123,20 +123,6 @@ class ImageConditionedPipeline(PackagePipeline):
         self.register_modules(unet=unet, scheduler=scheduler, vae=vae)
         self.register_to_config(conditioning=conditioning, sr_factor=int(sr_factor))
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """Loading through this class itself (the package installed), as ClassConditionalPipeline
-        does: the parts are loaded directly into it; otherwise diffusers' (remote code)."""
-        if cls is not ImageConditionedPipeline or kwargs.get("trust_remote_code"):
-            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        folder, index, scheduler = cls.local_parts(pretrained_model_name_or_path, ["unet", "vae"])
-        dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
-        unet = UNet2DModel.from_pretrained(folder, subfolder="unet", torch_dtype=dtype)
-        vae = (AutoencoderKL.from_pretrained(folder, subfolder="vae", torch_dtype=dtype)
-               if (index.get("vae") or [None])[0] else None)
-        return cls(unet=unet, scheduler=scheduler, vae=vae, conditioning=index["conditioning"],
-                   sr_factor=index["sr_factor"])
-
     @property
     def sample_channels(self) -> int:
         """The channels of x_t (pixels, or latents): the UNet's input less the condition's."""

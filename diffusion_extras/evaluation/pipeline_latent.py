@@ -62,18 +62,6 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
         super().__init__(unet=unet, scheduler=scheduler, id2label=id2label, guide=guide)
         self.register_modules(vae=vae)
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """Loading through this class itself (the package installed): the parent's direct loading of
-        unet/, scheduler/, guide/ and the classes, and vae/; otherwise diffusers' (remote code)."""
-        if cls is not LatentDiffusionPipeline or kwargs.get("trust_remote_code"):
-            return super(ClassConditionalPipeline, cls).from_pretrained(pretrained_model_name_or_path, **kwargs)
-        parts = ClassConditionalPipeline.from_pretrained(pretrained_model_name_or_path, **kwargs)
-        vae = AutoencoderKL.from_pretrained(pretrained_model_name_or_path, subfolder="vae",
-                                            torch_dtype=kwargs.get("torch_dtype", kwargs.get("dtype")))
-        return cls(vae=vae, unet=parts.unet, scheduler=parts.scheduler, id2label=parts.id2label,
-                   guide=getattr(parts, "guide", None))
-
     @torch.no_grad()
     def __call__(self, class_labels: list[int] | None = None, batch_size: int = 1,
                  guidance_scale: float = DEFAULT_GUIDANCE_SCALE,

@@ -64,8 +64,11 @@ class ImageCondition:
         if self.kind == "inpainting":
             if self.stored_channels:
                 mask = (stored > 0).float()  # a stored mask, binarised at half its range
-            else:
-                mask = torch.from_numpy(random_masks(*images.shape[-2:], mask_seeds)).to(images.device)
+            else:  # drawn on the CPU; pinned, its copy to a GPU does not wait for the stream (no host sync)
+                mask = torch.from_numpy(random_masks(*images.shape[-2:], mask_seeds))
+                if images.device.type == "cuda":
+                    mask = mask.pin_memory()
+                mask = mask.to(images.device, non_blocking=True)
             return images, pixel_condition(self.kind, images, mask)
         return images, stored
 

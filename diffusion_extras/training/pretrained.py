@@ -162,9 +162,10 @@ class Pretrained(NamedTuple):
         optimization += self.objective_note(config.snr_gamma)
         description = f"pretrained UNet of {self.name}" + (f", {len(class_names)} classes" if class_names else "")
         model = dict(unet)
+        if config.conditioning != "none":  # the image UNet's shape, as a recipe's `model` describes it
+            model["in_channels"] = channels
         widened = self.widened_input(config)
         if widened:  # build_model widens the loaded UNet (models.widen_input)
-            model["in_channels"] = channels + widened
             description += (f", its input widened by {widened} zero-initialised channel(s) for the "
                             f"{config.conditioning} condition (at first it predicts as the base)")
         return Choice(model, settings, description, optimization)
