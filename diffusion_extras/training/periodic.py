@@ -10,7 +10,7 @@ import time
 from diffusion_extras.core import stop_flag
 from diffusion_extras.evaluation.choices import DEFAULT_IMAGE_GUIDANCE_SCALE
 from diffusion_extras.hub.secrets import redact_config
-from diffusion_extras.training import artifacts, disk_space, models
+from diffusion_extras.training import artifacts, conditioned_artifacts, disk_space, models
 from diffusion_extras.training.hooks import hook
 from diffusion_extras.training.run_state import Run
 
@@ -106,7 +106,7 @@ def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
     if run.data.condition is not None:
         with end_of_run_work(run, f"final sample grid (conditions of {len(grid_images(run))} images, "
                                   f"{config.ddpm_num_inference_steps} DDIM steps)", last), writes:
-            artifacts.save_conditioned_grid(
+            conditioned_artifacts.save_conditioned_grid(
                 accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler, target,
                 grid_images(run), run.data.condition, config.ddpm_num_inference_steps, config.seed,
                 image_guidance_scale(config), extras.sampling_copy, accelerator.process_index,
@@ -154,7 +154,7 @@ def evaluate_on_every_rank(run: Run, step: int, last: bool) -> None:
     if run.data.condition is not None:
         images = condition_images(run, config.eval_num_samples)
         with end_of_run_work(run, f"final evaluation (the conditions of {len(images)} images)", last):
-            metrics, card_metrics = artifacts.evaluate_conditioned(
+            metrics, card_metrics = conditioned_artifacts.evaluate_conditioned(
                 run.accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler,
                 extras.evaluation, target, images, run.data.condition, config.ddpm_num_inference_steps, config.seed,
                 config.eval_batch_size, image_guidance_scale(config), extras.sampling_copy, run.data.vae)
