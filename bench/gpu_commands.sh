@@ -110,7 +110,7 @@ EOF
         # The GPU checks (tests/test_cuda.py: sync-free steps, the reduce-overhead save/resume) once
         # the first figures are in; a failure does not stop the bench.
         if [[ $name == bf16-compiled ]]; then
-            part 150 pytest-cuda $PYTHON -m pytest -m cuda -q -p no:cacheprovider -o addopts= tests/test_cuda.py \
+            part 150 pytest-cuda $PYTHON -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py \
                 >"$out/pytest-cuda.log" 2>&1
             tail -15 "$out/pytest-cuda.log"
         fi

@@ -23,8 +23,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the tests' shard writer, tiny recipe and CLI runner
 
-from conftest import load_unet_weights, read_history, run_training, write_tiny_recipe  # noqa: E402
-from test_data_files import write_tar_shards  # noqa: E402
+from helpers import load_unet_weights, read_history, run_training, write_tar_shards, write_tiny_recipe  # noqa: E402
 
 
 def parse_args(argv=None):

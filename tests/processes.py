@@ -10,15 +10,20 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, checked
+
+
+def torchrun() -> list[str]:
+    """A 2-rank launcher on one machine. --standalone: the launcher's rendezvous binds a free port
+    itself (probing for a free port and passing it races with the connections other tests open)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
 def cli_env() -> dict:
-    """The environment of a command a test runs as a process: the test's, offline, with a fixed
-    hash seed and output written as it is printed (a test that signals a running command watches
-    its lines)."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONUNBUFFERED": "1"}
+    """The environment of a command a test runs as a process: the test process's (offline, as
+    tests/conftest.py set it), with a fixed hash seed and output written as it is printed (a test
+    that signals a running command watches its lines)."""
+    return {**os.environ, "PYTHONHASHSEED": "0", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
 def rank_environments(env: dict, ranks: int):
@@ -35,15 +40,6 @@ def rank_environments(env: dict, ranks: int):
     return [{**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
              "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"} for rank in range(ranks)], store
-
-
-def process_environment(env_dir, env=None) -> dict:
-    """cli_env() with `env` (None unsets); what a command downloads stays in its test (HF_HOME in
-    `env_dir`) unless it is offline or `env` names a home."""
-    merged = {k: v for k, v in {**cli_env(), **(env or {})}.items() if v is not None}
-    if merged.get("HF_HUB_OFFLINE") != "1" and "HF_HOME" not in (env or {}):
-        merged["HF_HOME"] = str(env_dir / "hf_home")
-    return merged
 
 
 def start_command(command, env, stdout, stderr, ranks=1):
@@ -111,15 +107,17 @@ class Ranks:
             process.wait()
 
 
-def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False, ranks=1, merge_stderr=False):
+def run_command(args, *, launcher=None, env=None, timeout=300, check=True, ranks=1, merge_stderr=False):
     """`launcher + args` (default launcher: this interpreter, `sys.executable`) run from the project
-    root in a process of its own (process_environment); returns a CompletedProcess. merge_stderr:
-    stderr into stdout in the order written (`2>&1`); the result's stderr is then "".
+    root in a process of its own, in cli_env() with `env` (None unsets); returns a CompletedProcess
+    and, unless check=False, fails the test when the command exits non-zero. merge_stderr: stderr
+    into stdout in the order written (`2>&1`); the result's stderr is then "".
     ranks > 1: `python ARGS` as that many ranks of one process group on this machine (start_command):
     their stdout and stderr in rank order, the group's exit code, and `returncodes`, each rank's."""
     command = (launcher or [sys.executable]) + [str(arg) for arg in args]
     assert ranks == 1 or launcher is None, "ranks start as `python ARGS`"
-    envs, store = rank_environments(process_environment(env_dir, env), ranks)
+    merged = {name: str(value) for name, value in {**cli_env(), **(env or {})}.items() if value is not None}
+    envs, store = rank_environments(merged, ranks)
     with tempfile.TemporaryDirectory(prefix="ddpm-test-command-") as outputs, contextlib.ExitStack() as files:
         streams = [[files.enter_context(open(os.path.join(outputs, f"{rank}.{name}"), "w+"))
                     for name in ("stdout", "stderr")] for rank in range(ranks)]
@@ -134,23 +132,17 @@ def run_command(args, env_dir, launcher=None, env=None, timeout=300, check=False
     return checked(result, " ".join(command), check)
 
 
-def checked(result, what: str, check: bool = True):
-    """`result`, or with `check` a failed test naming `what`, its exit code and its stderr's end when it failed."""
-    if check and result.returncode != 0:
-        raise AssertionError(f"{what} failed ({result.returncode}):\n{result.stderr[-4000:]}")
-    return result
-
-
 def read_back(fh) -> str:
     fh.seek(0)
     return fh.read()
 
 
-def launch_training(env_dir, recipe, output_dir, *flags, faults=(), launcher=None, env=None, timeout=300,
-                    check=True, ranks=1):
-    """The training command line on a recipe in processes of its own (run_command): train_ddpm.py, or
-    with `faults` (flags of tests/faults.py, e.g. ("--stop_after_checkpoint", 3)) tests/faults.py,
-    which runs the trainer with those faults. launcher: e.g. torch.distributed.run; ranks: run_command's."""
+def launch_training(recipe, output_dir, *flags, faults=(), launcher=None, env=None, timeout=300, check=True,
+                    ranks=1):
+    """`train_ddpm.py --config RECIPE --output_dir OUTPUT_DIR FLAGS` in processes of their own
+    (run_command), or with `faults` (flags of tests/faults.py, e.g. ("--stop_after_checkpoint", 3))
+    tests/faults.py, which runs the trainer with those faults. launcher: e.g. torchrun(); ranks:
+    run_command's."""
     script = ["tests/faults.py", *faults, "--"] if faults else ["train_ddpm.py"]
-    return run_command([*script, "--config", recipe, "--output_dir", output_dir, *flags], env_dir,
-                       launcher=launcher, env=env, timeout=timeout, check=check, ranks=ranks)
+    return run_command([*script, "--config", recipe, "--output_dir", output_dir, *flags], launcher=launcher, env=env,
+                       timeout=timeout, check=check, ranks=ranks)

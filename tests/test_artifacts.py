@@ -3,8 +3,8 @@ import json
 
 import numpy as np
 import torch
-from conftest import tiny_unet
 from diffusers import DDPMPipeline, DDPMScheduler
+from helpers import tiny_unet
 from PIL import Image
 
 from diffusion_extras.core.ema import ExponentialMovingAverage

@@ -10,14 +10,14 @@ import textwrap
 import time
 
 import pytest
-from conftest import load_bench_module, run_main
+from helpers import load_bench_module, run_main
 
 diffusers_reference = load_bench_module("diffusers_reference")
 
 
-def run_bench(*args):
+def run_bench(*args, check=True):
     """`python bench/bench_step.py ARGS` through its main() in this process: a CompletedProcess."""
-    return run_main(load_bench_module("bench_step").main, args)
+    return run_main(load_bench_module("bench_step").main, args, check=check)
 
 
 def positive_finite(value) -> bool:
@@ -31,10 +31,10 @@ def tiny_run(tmp_path_factory):
     out = tmp_path / "bench.json"
     result = run_bench("--tiny", "--steps", "2", "--warmup", "1", "--data_seconds", "0.2",
                        "--json", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.xdist_group("test_bench.tiny_run")
 def test_tiny_bench_writes_complete_json(tiny_run):
     stdout, report = tiny_run
     assert "full optimizer_step" in stdout and "extras cost" in stdout
@@ -72,6 +72,7 @@ def test_tiny_bench_writes_complete_json(tiny_run):
     assert report["sanity"]["weights_finite_after"] is True
 
 
+@pytest.mark.xdist_group("test_bench.tiny_run")
 def test_table_renders_the_gpu_rows(tiny_run):
     """The GPU-only rows (MFU, memory, diffusers reference, profile) cannot run here: render them
     from a CPU report with those sections filled in, so a format slip shows before a GPU run."""
@@ -114,12 +115,11 @@ def test_cifar10_recipe_gets_its_synthetic_images_before_the_config_is_checked(t
 
 def test_flop_count_leaves_a_compiled_unet_compiled(tmp_path, fresh_accelerate):
     """count_flops runs before the timed steps; a compiled module first called inside
-    FlopCounterMode stayed uncompiled, and --torch_compile's figures were eager ones (seen on an
-    H200: the profile of the compiled run held no generated kernel). The eager backend captures
-    the same frames as inductor without generating code."""
+    FlopCounterMode would stay uncompiled, and --torch_compile's figures would be eager ones. The
+    eager backend captures the same frames as inductor without generating code."""
     import torch
-    from conftest import tiny_run as setup_tiny_run
     from faults import dynamo_counts
+    from helpers import tiny_run as setup_tiny_run
 
     from diffusion_extras.training import loop, step
     device_figures = load_bench_module("device_figures")
@@ -138,7 +138,7 @@ def test_flop_count_leaves_a_compiled_unet_compiled(tmp_path, fresh_accelerate):
                                           (["--diffusers_script", "/nonexistent/train_unconditional.py"],
                                            "--diffusers_script")])
 def test_bad_input_is_one_line_error(args, needle):
-    result = run_bench(*args)
+    result = run_bench(*args, check=False)
     assert result.returncode == 2
     assert result.stderr.startswith("error:") and needle in result.stderr
     assert "Traceback" not in result.stderr
@@ -159,6 +159,7 @@ for step in range(40):
     bar.update(1)
     bar.set_postfix(loss=0.5, lr=1e-4, step=step + 1)
 time.sleep(60)  # silent, like end-of-epoch sampling: the bench must stop it, not wait for it
+open(sys.argv[1] + ".finished", "w").close()
 """
 
 
@@ -166,12 +167,11 @@ def test_follow_progress_reads_tqdm_and_stops_the_process_group(tmp_path):
     launcher, trainer, pid_file = tmp_path / "launch.py", tmp_path / "train.py", tmp_path / "pid"
     launcher.write_text(textwrap.dedent(FAKE_LAUNCHER))
     trainer.write_text(textwrap.dedent(FAKE_TRAINER))
-    start = time.monotonic()
     points, code, tail = diffusers_reference.follow_progress(
-        [sys.executable, str(launcher), str(trainer), str(pid_file)], stop_at=40, timeout=50,
+        [sys.executable, str(launcher), str(trainer), str(pid_file)], stop_at=40, timeout=300,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert time.monotonic() - start < 40, "it waited for the trainer instead of stopping it"
     assert code is None  # stopped by us, not finished
+    assert not os.path.exists(f"{pid_file}.finished"), "it waited for the trainer instead of stopping it"
     counts = [n for n, _ in points]
     assert counts == sorted(set(counts)) and counts[-1] >= 40
     assert "Epoch 0" in tail

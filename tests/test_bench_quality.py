@@ -8,20 +8,19 @@ import os
 
 import numpy as np
 import pytest
-from conftest import TINY_RECIPE, load_bench_module
+from helpers import TINY_RECIPE, load_bench_module, run_main
 from PIL import Image
 from processes import run_command
 
 
-def run_quality(tmp_path, *args):
-    return run_command([os.path.join("bench", "quality.py"), *args], tmp_path, timeout=600)
+def run_quality(*args):
+    return run_command([os.path.join("bench", "quality.py"), *args], timeout=600)
 
 
 def test_step_budget_reports_classifier_fid_and_the_real_data_floor(tmp_path, tiny_recipe):
     out = tmp_path / "quality"
-    result = run_quality(tmp_path, "--max_train_steps", "3", "--num_samples", "24", "--config", tiny_recipe(),
+    result = run_quality("--max_train_steps", "3", "--num_samples", "24", "--config", tiny_recipe(),
                          "--out", str(out), "--", "--learning_rate", "2e-3")
-    assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())
     assert report["steps"] == 3 and report["extra_flags"] == ["--learning_rate", "2e-3"]
     assert all(math.isfinite(report[k]) and report[k] > 0 for k in ("fid_classifier", "floor", "train_seconds"))
@@ -34,9 +33,8 @@ def test_step_budget_reports_classifier_fid_and_the_real_data_floor(tmp_path, ti
 def test_time_budget_calibrates_then_trains_the_steps_that_fit(tmp_path, tiny_recipe):
     out = tmp_path / "quality"
     budget_seconds = 20  # start-up (~2 s forked) included: the training after it fills the rest
-    result = run_quality(tmp_path, "--time_budget", budget_seconds, "--calibration_steps", "4", "--num_samples", "16",
-                         "--config", tiny_recipe(max_train_samples=32), "--out", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_quality("--time_budget", budget_seconds, "--calibration_steps", "4", "--num_samples", "16",
+                "--config", tiny_recipe(max_train_samples=32), "--out", str(out))
     report = json.loads((out / "results.json").read_text())
     budget = report["time_budget"]
     expected = int((budget_seconds - budget["startup_seconds"]) / budget["seconds_per_step"])
@@ -47,13 +45,12 @@ def test_time_budget_calibrates_then_trains_the_steps_that_fit(tmp_path, tiny_re
 def test_a_latent_run_is_scored_on_decoded_samples_beside_its_vaes_reconstruction_floor(tmp_path, tiny_recipe):
     """The samples are decoded by the export's VAE (grayscale digits-sized images the classifier
     reads), and vae_floor is the classifier FID of the floor's real digits after the VAE."""
-    from test_autoencoder import LATENT_MODEL, save_tiny_vae
+    from helpers import LATENT_MODEL, save_tiny_vae
     vae = save_tiny_vae(tmp_path / "vae", in_channels=1, out_channels=1)
     out = tmp_path / "quality"
-    result = run_quality(tmp_path, "--max_train_steps", "2", "--num_samples", "16",
+    result = run_quality("--max_train_steps", "2", "--num_samples", "16",
                          "--config", tiny_recipe(model=LATENT_MODEL), "--out", str(out),
                          "--", "--pretrained_vae_model_name_or_path", vae)
-    assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())
     assert all(math.isfinite(report[k]) and report[k] > 0 for k in ("fid_classifier", "floor", "vae_floor"))
     assert report["vae_floor"] != report["floor"]  # an untrained VAE's reconstructions are not the real digits
@@ -91,7 +88,7 @@ def test_conditional_accuracy_is_scored_against_the_requested_labels():
     assert "| 4.0 | 1.000 |" in quality.conditional_table(report, 0.5)
 
 
-def test_a_class_conditional_folder_is_scored_per_guidance_through_its_pipeline(tmp_path, tiny_recipe, capsys):
+def test_a_class_conditional_folder_is_scored_per_guidance_through_its_pipeline(tmp_path, tiny_recipe):
     """The whole command on an exported (untrained, tiny) ClassConditionalPipeline: a folder that
     holds a pipeline is not trained again, so no training process is paid for here (the
     conditional training itself is tested in test_class_conditional.py)."""
@@ -104,8 +101,8 @@ def test_a_class_conditional_folder_is_scored_per_guidance_through_its_pipeline(
     torch.manual_seed(0)
     unet = UNet2DModel(sample_size=8, num_class_embeds=11, **TINY_RECIPE["model"])
     save_class_conditional(unet, DDPMScheduler(), [str(k) for k in range(10)], str(out / "run-2"))
-    quality.main(["--max_train_steps", "2", "--num_samples", "10", "--guidance_scales", "1,3",
-                  "--config", tiny_recipe(class_conditional=True), "--out", str(out)])
+    result = run_main(quality.main, ["--max_train_steps", "2", "--num_samples", "10", "--guidance_scales", "1,3",
+                                     "--config", tiny_recipe(class_conditional=True), "--out", out])
     report = json.loads((out / "results.json").read_text())
     conditional = report["class_conditional"]
     assert set(conditional["guidance"]) == {"1.0", "3.0"} and conditional["samples_per_class"] == 1
@@ -115,4 +112,4 @@ def test_a_class_conditional_folder_is_scored_per_guidance_through_its_pipeline(
             row["fid_classifier"] / report["floor"])
     assert report["held_out_images"] == 13 and len(conditional["real_held_out_per_class_accuracy"]) == 10
     assert (out / "run-2" / "quality_samples_guidance_3.0.png").is_file()
-    assert "| guidance | class accuracy |" in capsys.readouterr().out
+    assert "| guidance | class accuracy |" in result.stdout

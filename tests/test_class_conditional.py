@@ -1,4 +1,4 @@
-"""Class-conditional training (issue 23): labels through the batch order, the exported
+"""Class-conditional training: labels through the batch order, the exported
 ClassConditionalPipeline (loaded with and without the package), guidance, sampling, refusals and
 exact resume."""
 import json
@@ -9,10 +9,17 @@ import faults
 import numpy as np
 import pytest
 import torch
-from conftest import load_unet_weights, read_history, save_random_images, tiny_unet
+from helpers import (
+    assert_same_state,
+    load_unet_weights,
+    read_history,
+    run_cli,
+    run_training,
+    save_random_images,
+    tiny_unet,
+)
 from package_blocker import BLOCK_THE_PACKAGE
-from processes import run_command
-from test_resume import assert_same_state
+from processes import launch_training, run_command
 
 from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, guided_model_output
 
@@ -34,13 +41,14 @@ print(type(pipe).__name__, sorted(pipe.id2label.items())[:2])
 @pytest.fixture(scope="module")
 def conditional_run(tmp_path_factory):
     """A 3-step class-conditional run on the digits (tiny recipe), shared by the loading tests."""
-    from conftest import run_training, write_tiny_recipe
+    from helpers import run_training, write_tiny_recipe
     folder = tmp_path_factory.mktemp("conditional")
     recipe = write_tiny_recipe(folder, save_images_steps=3, eval_batch_size=20)
     run_training(recipe, folder / "run", "--class_conditional", "--max_train_steps", 3)
     return folder / "run"
 
 
+@pytest.mark.xdist_group("test_class_conditional.conditional_run")
 def test_export_names_the_pipeline_file_and_the_classes(conditional_run):
     index = json.loads((conditional_run / "model_index.json").read_text())
     assert index["_class_name"] == ["pipeline_class_conditional", "ClassConditionalPipeline"]
@@ -54,13 +62,15 @@ def test_export_names_the_pipeline_file_and_the_classes(conditional_run):
     assert grid.size == (2 + 2 * 10, 2 + 10 * 10)
 
 
+@pytest.mark.xdist_group("test_class_conditional.conditional_run")
 def test_loads_without_the_package_with_trust_remote_code(conditional_run, tmp_path):
     script = tmp_path / "load.py"
     script.write_text(BLOCKED_LOAD)
-    result = run_command([script, conditional_run], tmp_path, env={"PYTHONPATH": None}, check=True)
+    result = run_command([script, conditional_run], env={"PYTHONPATH": None})
     assert "ClassConditionalPipeline [(0, '0'), (1, '1')]" in result.stdout
 
 
+@pytest.mark.xdist_group("test_class_conditional.conditional_run")
 def test_the_package_class_loads_the_folder_directly(conditional_run):
     pipe = ClassConditionalPipeline.from_pretrained(conditional_run)
     assert type(pipe) is ClassConditionalPipeline and pipe.get_label_ids(["9"]) == [9]
@@ -72,35 +82,35 @@ def test_the_package_class_loads_the_folder_directly(conditional_run):
         pipe(class_labels=[10], num_inference_steps=1)
 
 
-def test_sample_cli_takes_class_ids_or_names_and_refuses_unknown_ones(conditional_run, run_cli, tmp_path):
+@pytest.mark.xdist_group("test_class_conditional.conditional_run")
+def test_sample_cli_takes_class_ids_or_names_and_refuses_unknown_ones(conditional_run, tmp_path):
     result = run_cli(["-m", "diffusion_extras.sample", conditional_run, "--class_labels", "3,7", "--guidance_scale",
                       "3", "--num_images", 2, "--num_inference_steps", 2, "--output", tmp_path / "out"])
-    assert result.returncode == 0, result.stderr
     assert len(os.listdir(tmp_path / "out")) == 3
     result = run_cli(["-m", "diffusion_extras.sample", conditional_run, "--class_labels", "3,eleven",
-                      "--output", tmp_path / "bad"])
+                      "--output", tmp_path / "bad"], check=False)
     assert result.returncode == 2 and "unknown class 'eleven'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("command", ["sample", "evaluate"])
-def test_guidance_scale_on_an_unconditional_pipeline_is_refused(run_cli, tmp_path, command):
-    from conftest import save_tiny_pipeline
+def test_guidance_scale_on_an_unconditional_pipeline_is_refused(tmp_path, command):
+    from helpers import save_tiny_pipeline
     folder = save_tiny_pipeline(tmp_path / "plain")
     rest = ["--output", tmp_path / "o"] if command == "sample" else ["--reference", tmp_path, "--feature_extractor",
                                                                      "tiny"]
-    result = run_cli(["-m", f"diffusion_extras.{command}", folder, "--guidance_scale", "2", *rest])
+    result = run_cli(["-m", f"diffusion_extras.{command}", folder, "--guidance_scale", "2", *rest], check=False)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1] == ("error: --guidance_scale: this pipeline is unconditional "
                                                        "(a DDPMPipeline) and has no --guide; drop the flag or give "
                                                        "a --guide")
 
 
+@pytest.mark.xdist_group("test_class_conditional.conditional_run")
 def test_evaluate_samples_a_conditional_pipeline_class_balanced_at_the_guidance_scale(conditional_run, tmp_path,
-                                                                                     monkeypatch, capsys):
+                                                                                     monkeypatch):
     """`python -m diffusion_extras.evaluate` (its main, in this process, so the sampler can be watched):
     sample i is of class i mod 10, every batch guided at --guidance_scale."""
-    from diffusion_extras.cli import evaluate
     from diffusion_extras.evaluation import metrics
     drawn, sample = [], metrics.generate
 
@@ -109,14 +119,15 @@ def test_evaluate_samples_a_conditional_pipeline_class_balanced_at_the_guidance_
         return sample(*args, class_labels=class_labels, guidance_scale=guidance_scale, **kwargs)
     monkeypatch.setattr(metrics, "generate", watched)
     reference = save_random_images(tmp_path / "reference", 8, 8, 8)
-    assert evaluate.main([str(conditional_run), "--reference", reference, "--feature_extractor", "tiny",
-                          "--num_samples", "25", "--batch_size", "10", "--num_inference_steps", "2",
-                          "--guidance_scale", "3", "--device", "cpu", "--output", str(tmp_path / "m.json")]) == 0
+    result = run_cli(["-m", "diffusion_extras.evaluate", conditional_run, "--reference", reference,
+                      "--feature_extractor", "tiny", "--num_samples", "25", "--batch_size", "10",
+                      "--num_inference_steps", "2", "--guidance_scale", "3", "--device", "cpu",
+                      "--output", tmp_path / "m.json"])
     assert [labels for labels, _ in drawn] == [list(range(10)), list(range(10)), list(range(5))]
     assert {scale for _, scale in drawn} == {3.0}
     report = json.loads((tmp_path / "m.json").read_text())
     assert (report["num_classes"], report["guidance_scale"], report["num_samples"]) == (10, 3.0, 25)
-    assert np.isfinite(report["fid"]) and json.loads(capsys.readouterr().out) == report
+    assert np.isfinite(report["fid"]) and json.loads(result.stdout) == report
 
 
 @pytest.mark.parametrize("net_dtype", [torch.float32, torch.bfloat16])
@@ -138,10 +149,10 @@ def test_guidance_is_one_batched_call_combined_in_fp32(net_dtype):
     torch.testing.assert_close(guided, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_no_label_column_is_one_line_naming_the_columns(train, tiny_recipe, tmp_path):
+def test_no_label_column_is_one_line_naming_the_columns(tiny_recipe, tmp_path):
     images = save_random_images(tmp_path / "flat", 16, 8, 8)  # no subfolders: imagefolder gives no label
-    result = train(tiny_recipe(), tmp_path / "run", "--train_data_dir", images, "--class_conditional",
-                   "--max_train_steps", 1, check=False)
+    result = run_training(tiny_recipe(), tmp_path / "run", "--train_data_dir", images, "--class_conditional",
+                          "--max_train_steps", 1, check=False)
     assert result.returncode != 0
     assert "no ClassLabel column (columns: image)" in result.stderr and "--label_column" in result.stderr
 
@@ -165,25 +176,25 @@ def test_labels_outside_the_declared_classes_or_not_labels_are_refused():
             {"label": datasets.ClassLabel(names=["a", "b"])})), "label")
 
 
-def test_resume_with_labels_is_bitwise_identical(train, tiny_recipe, tmp_path):
+def test_resume_with_labels_is_bitwise_identical(tiny_recipe, tmp_path):
     recipe = tiny_recipe(checkpointing_steps=3, class_conditional=True, condition_dropout=0.5)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(recipe, straight, "--max_train_steps", 6)
+    run_training(recipe, straight, "--max_train_steps", 6)
     with pytest.raises(faults.ProcessDied):  # cut off right after checkpoint 3
-        train(recipe, resumed, "--max_train_steps", 6, hooks=faults.hooks(stop_after_checkpoint=3))
-    train(recipe, resumed, "--max_train_steps", 6, "--resume_from_checkpoint", "latest")
+        run_training(recipe, resumed, "--max_train_steps", 6, hooks=faults.hooks(stop_after_checkpoint=3))
+    run_training(recipe, resumed, "--max_train_steps", 6, "--resume_from_checkpoint", "latest")
     assert_same_state(straight, resumed, 6)
     # the labels and their dropout are used: another dropout gives other weights
     other = tmp_path / "other"
-    train(tiny_recipe(class_conditional=True, condition_dropout=0.0), other, "--max_train_steps", 6)
+    run_training(tiny_recipe(class_conditional=True, condition_dropout=0.0), other, "--max_train_steps", 6)
     a, b = load_unet_weights(straight), load_unet_weights(other)
     assert not all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_class_conditional_and_the_number_of_classes_are_refused_on_resume(train, tiny_recipe, tmp_path):
+def test_class_conditional_and_the_number_of_classes_are_refused_on_resume(tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 2, "--class_conditional")
-    result = train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 4,
+    run_training(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 2, "--class_conditional")
+    result = run_training(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 4,
                           "--resume_from_checkpoint", "latest", check=False)
     # (named as the refusal names them: the test's folder holds "class_conditional" too)
     assert result.returncode == 2 and "class_conditional: True -> False" in result.stderr
@@ -191,12 +202,12 @@ def test_class_conditional_and_the_number_of_classes_are_refused_on_resume(train
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo ranks on linux")
-def test_two_ranks_with_labels_equal_one_rank(launch, train, tiny_recipe, tmp_path):
+def test_two_ranks_with_labels_equal_one_rank(tiny_recipe, tmp_path):
     """Two ranks (processes of one gloo group) against one rank in this process."""
     two, single = tmp_path / "two", tmp_path / "single"
-    launch(tiny_recipe(train_batch_size=4, class_conditional=True), two, "--max_train_steps", 3,
-           ranks=2, env={"ACCELERATE_USE_CPU": "1"})
-    train(tiny_recipe(train_batch_size=8, class_conditional=True), single, "--max_train_steps", 3)
+    launch_training(tiny_recipe(train_batch_size=4, class_conditional=True), two, "--max_train_steps", 3,
+                    ranks=2, env={"ACCELERATE_USE_CPU": "1"})
+    run_training(tiny_recipe(train_batch_size=8, class_conditional=True), single, "--max_train_steps", 3)
     w2, w1 = load_unet_weights(two), load_unet_weights(single)
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
     assert np.isfinite([v.abs().max().item() for v in w1.values()]).all()
@@ -210,21 +221,21 @@ def test_two_ranks_with_labels_equal_one_rank(launch, train, tiny_recipe, tmp_pa
     ("score", "--label_column score: labels must be ints or class names (got 0.5)"),
     ("kind", "--label_column kind: label -1 is outside the declared classes 0..1 (1 row(s))"),
 ])
-def test_bad_label_values_are_one_line_before_training(train, tiny_recipe, tmp_path, column, message):
+def test_bad_label_values_are_one_line_before_training(tiny_recipe, tmp_path, column, message):
     """Through the command line: an image folder whose metadata.jsonl gives each image a `score`
     (floats: not labels) and a `kind` (ints, one of them -1: outside the classes 0..1)."""
     folder = save_random_images(tmp_path / "images", 4, 8, 8)
     with open(os.path.join(folder, "metadata.jsonl"), "w") as fh:
         for index, kind in enumerate([0, 1, 1, -1]):
             fh.write(json.dumps({"file_name": f"{index}.png", "score": index + 0.5, "kind": kind}) + "\n")
-    result = train(tiny_recipe(), tmp_path / "run", "--train_data_dir", folder, "--class_conditional",
-                   "--label_column", column, "--max_train_steps", 1, check=False)
+    result = run_training(tiny_recipe(), tmp_path / "run", "--train_data_dir", folder, "--class_conditional",
+                          "--label_column", column, "--max_train_steps", 1, check=False)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1] == f"error: {message}"
     assert not os.path.exists(tmp_path / "run" / "checkpoint-1")
 
 
-def test_a_class_with_no_images_is_a_warning_and_training_goes_on(train, tiny_recipe, tmp_path):
+def test_a_class_with_no_images_is_a_warning_and_training_goes_on(tiny_recipe, tmp_path):
     import datasets
     from PIL import Image
 
@@ -232,8 +243,8 @@ def test_a_class_with_no_images_is_a_warning_and_training_goes_on(train, tiny_re
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])})
     datasets.Dataset.from_dict({"image": images, "label": [0, 1] * 4}, features=features).save_to_disk(
         str(tmp_path / "saved"))
-    result = train(tiny_recipe(), tmp_path / "run", "--dataset_name", tmp_path / "saved", "--class_conditional",
-                   "--max_train_steps", 1)
+    result = run_training(tiny_recipe(), tmp_path / "run", "--dataset_name", tmp_path / "saved", "--class_conditional",
+                          "--max_train_steps", 1)
     assert "--label_column label: class(es) with no images: c" in result.stderr
     with open(tmp_path / "run" / "model_index.json") as fh:
         assert json.load(fh)["id2label"] == {"0": "a", "1": "b", "2": "c"}

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 import yaml
-from conftest import TINY_RECIPE, save_tiny_pipeline, tiny_unet
 from diffusers import UNet2DModel
+from helpers import TINY_RECIPE, run_cli, run_training, save_tiny_pipeline, tiny_unet
 from processes import run_command
 
 from diffusion_extras.cli.arguments import one_line_errors, positive_int
@@ -91,7 +91,7 @@ def test_importing_the_stack_imports_without_the_collector_then_freezes_what_was
     import json
     script = tmp_path / "importing.py"
     script.write_text(IMPORTING_THE_STACK)
-    result = run_command([script], tmp_path, check=True)
+    result = run_command([script])
     report = json.loads(result.stdout)
     assert not report.pop("torch before") and report.pop("frozen before") == 0
     assert report.pop("frozen after") > 100_000  # torch's module-level objects, at the least
@@ -120,7 +120,6 @@ def test_the_trainer_imports_its_stack_inside_importing_the_stack(monkeypatch, t
     from diffusion_extras.core import commands
     from diffusion_extras.training import build
     from diffusion_extras.training.config import ConfigError
-    from diffusion_extras.training.main import main
     events = []
 
     @contextlib.contextmanager
@@ -136,11 +135,11 @@ def test_the_trainer_imports_its_stack_inside_importing_the_stack(monkeypatch, t
     monkeypatch.setattr(build, "setup", setup)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(TINY_RECIPE))
-    assert main(["--config", str(recipe), "--output_dir", str(tmp_path / "run")]) == 2
+    assert run_training(recipe, tmp_path / "run", check=False).returncode == 2
     assert events == ["importing", "imported", "setup"]
 
 
-def test_load_pipeline_reads_the_trainers_class_conditional_export_from_the_hub(tmp_path, monkeypatch, capsys):
+def test_load_pipeline_reads_the_trainers_class_conditional_export_from_the_hub(tmp_path, monkeypatch):
     """What the trainer's --push_to_hub uploads (model_index.json naming its pipeline file) loads
     by Hub id as the package's ClassConditionalPipeline, its classes with it, without running the
     uploaded file; the sample command samples it by class name. An unconditional repo loads as a
@@ -148,7 +147,6 @@ def test_load_pipeline_reads_the_trainers_class_conditional_export_from_the_hub(
     from diffusers import DDPMPipeline, DDPMScheduler
     from hub_server import HubServer, serve_in_process
 
-    from diffusion_extras.cli import sample
     from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline
     from diffusion_extras.training.models import save_class_conditional
 
@@ -170,9 +168,10 @@ def test_load_pipeline_reads_the_trainers_class_conditional_export_from_the_hub(
         with pytest.raises(ValueError, match=r"holds a custom pipeline \['pipeline_other', 'OtherPipeline'\]"):
             load_pipeline("someone/foreign")
         assert not any("foreign/resolve/main/unet" in request["path"] for request in server.requests)
-        assert sample.main(["someone/conditional", "--class_labels", "bee", "--num_images", "2", "--output",
-                            str(tmp_path / "images"), "--num_inference_steps", "2", "--device", "cpu"]) == 0
-    assert "wrote 2 images" in capsys.readouterr().out
+        result = run_cli(["-m", "diffusion_extras.sample", "someone/conditional", "--class_labels", "bee",
+                          "--num_images", "2", "--output", tmp_path / "images", "--num_inference_steps", "2",
+                          "--device", "cpu"])
+    assert "wrote 2 images" in result.stdout
     assert sorted(os.listdir(tmp_path / "images")) == ["000000.png", "000001.png", "grid.png"]
 
 

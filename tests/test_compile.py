@@ -14,8 +14,9 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_RECIPE, read_history, tiny_run, write_tiny_recipe
 from faults import dynamo_counts, read_shares
+from helpers import TINY_RECIPE, read_history, tiny_run, write_tiny_recipe
+from processes import launch_training
 
 from diffusion_extras.training import loop
 from diffusion_extras.training.hooks import Hooks
@@ -30,10 +31,10 @@ FLAGS = ("--use_ema", "--snr_gamma", 5, "--gradient_accumulation_steps", 2, "--e
 CHEAP_COMPILE = ("--torch_compile", "--torch_compile_backend", "eager")
 # The tiny recipe's blocks at one level (no down- or upsampling), its mid-block attention kept: less
 # for dynamo to trace and for inductor to compile. Inductor compiles a kernel per fused op and shape:
-# at one level a fresh machine compiles 34 C++ kernels instead of 61, and the inductor test took 110
-# instead of 197 CPU-s with a cold cache (24.5 warm), measured alone on 2 cores on 2026-11-26. The runs
-# whose subject acts outside the UNet (a prediction type, a second rank) use it too; the run with
-# every extra and its resumes count graphs on both levels.
+# at one level a fresh machine compiles about half as many C++ kernels, and the inductor test takes
+# about half the CPU time with a cold cache. The runs whose subject acts outside the UNet (a
+# prediction type, a second rank) use it too; the run with every extra and its resumes count graphs
+# on both levels.
 ONE_LEVEL = {**TINY_RECIPE["model"], "block_out_channels": [8], "down_block_types": ["DownBlock2D"],
              "up_block_types": ["UpBlock2D"]}
 # Each prediction type with a precision and a layout. The prediction type acts outside the UNet
@@ -93,6 +94,7 @@ def compiled_run(request, tmp_path_factory):
     return prediction_type, folder / "run", counts
 
 
+@pytest.mark.xdist_group("test_compile.compiled_run")
 def test_training_stays_compiled_with_every_extra(compiled_run):
     """Per prediction type (min-SNR weights differ per type), with accumulation 2 (no_sync on the first
     micro-batch), channels_last and bf16 autocast: no break, and no graph after warm-up but the one
@@ -114,6 +116,8 @@ def test_training_stays_compiled_with_every_extra(compiled_run):
     assert counts["end"]["graphs"] == STEP_GRAPHS + (4 if every_extra else 2), counts
 
 
+@pytest.mark.xdist_group("test_compile.compiled_run")
+@pytest.mark.parametrize("compiled_run", ["epsilon"], indirect=True)  # the checkpoint does not depend on the type
 def test_a_compiled_checkpoint_resumes_eager_and_back(compiled_run, tmp_path):
     """Compiled to step 2, eager from 2 to 4, compiled again from 4 to 6 (counted: after a resume it
     warms up again and keeps its graphs); and the uninterrupted run's checkpoint-4 resumed compiled.
@@ -124,8 +128,6 @@ def test_a_compiled_checkpoint_resumes_eager_and_back(compiled_run, tmp_path):
     lr-sized ones. A compiled resume of a compiled checkpoint is exact: steps 5-6 bit for bit.
     The resumed legs leave out the periodic extras that change no weights (grids, FID, probes)."""
     prediction_type, reference, _ = compiled_run
-    if prediction_type != "epsilon":
-        pytest.skip("one prediction type suffices: the checkpoint does not depend on it")
     out, exact = tmp_path / "run", tmp_path / "exact"
     shutil.copytree(reference / "checkpoint-2", out / "checkpoint-2")
     shutil.copytree(reference / "checkpoint-4", exact / "checkpoint-4")
@@ -144,7 +146,7 @@ def test_a_compiled_checkpoint_resumes_eager_and_back(compiled_run, tmp_path):
     assert [compiled_resume[s] for s in (5, 6)] == [straight[s] for s in (5, 6)]
 
 
-def test_two_ranks_stay_compiled_and_share_the_evaluation(launch, tmp_path):
+def test_two_ranks_stay_compiled_and_share_the_evaluation(tmp_path):
     """2 ranks (DDP, no_sync on the first micro-batch; the UNet at ONE_LEVEL), the gradient monitor on rank 0 only,
     checkpoints, grids and FID on both: each rank keeps its graphs after warm-up, with no break.
     The FID images are sampled on both ranks (12 images in batches of 4: ranks 0, 1, 0), and the
@@ -161,10 +163,10 @@ def test_two_ranks_stay_compiled_and_share_the_evaluation(launch, tmp_path):
     out, counts_folder = tmp_path / "run", tmp_path / "counts"
     recipe = write_tiny_recipe(tmp_path, grad_diagnostics_steps=2, save_images_steps=2, checkpointing_steps=2,
                                model=ONE_LEVEL)
-    launch(recipe, out, *CHEAP_COMPILE, "--use_ema", "--gradient_accumulation_steps", 2, "--max_train_steps", 4,
-           "--eval_steps", 2, "--feature_extractor", "tiny", "--eval_num_samples", 12, ranks=2,
-           env={"ACCELERATE_USE_CPU": "1"},
-           faults=("--dynamo_counts", counts_folder, "--record_shares", tmp_path / "shares"))
+    launch_training(recipe, out, *CHEAP_COMPILE, "--use_ema", "--gradient_accumulation_steps", 2, "--max_train_steps",
+                    4, "--eval_steps", 2, "--feature_extractor", "tiny", "--eval_num_samples", 12, ranks=2,
+                    env={"ACCELERATE_USE_CPU": "1"},
+                    faults=("--dynamo_counts", counts_folder, "--record_shares", tmp_path / "shares"))
     # at each of the 2 evaluations every rank sampled its own batches: rank 0 images 0-3 and 8-11, rank 1 4-7
     assert read_shares(tmp_path / "shares") == {0: [{"firsts": [0, 8], "images": 8}] * 2,
                                                 1: [{"firsts": [4], "images": 4}] * 2}
@@ -221,8 +223,8 @@ def test_the_sampling_copy_compiles_once_and_follows_the_weights():
     later evaluations, with other weights (raw, EMA, trained further), capture no graph; each
     evaluation's images are those of a fresh eager copy of the same weights. 3 images in batches of
     2 (a ragged last batch) at each evaluation."""
-    from conftest import tiny_unet
     from diffusers import DDIMScheduler
+    from helpers import tiny_unet
 
     from diffusion_extras.core.ema import ExponentialMovingAverage
     from diffusion_extras.evaluation import sampling

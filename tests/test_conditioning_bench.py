@@ -2,7 +2,7 @@
 to end at a tiny size and report what docs/BENCHMARKS.md quotes."""
 import json
 
-from conftest import load_bench_module, write_tiny_recipe
+from helpers import load_bench_module, write_tiny_recipe
 
 
 def test_the_cost_benchmark_times_both_runs(tmp_path):

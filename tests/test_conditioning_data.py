@@ -4,7 +4,7 @@ their image through crops and flips."""
 import numpy as np
 import pytest
 import torch
-from helpers import first_step_inputs, paired_images, write_paired_folders, write_paired_parquet
+from helpers import first_step_inputs, paired_images, run_training, write_paired_folders, write_paired_parquet
 
 from diffusion_extras.data import conditioning
 from diffusion_extras.training.conditioning import ImageCondition
@@ -80,21 +80,23 @@ def test_paired_folders_reach_the_unet_as_pairs(tmp_path):
     assert torch.equal(inputs[0][:, 1:], torch.where(cleans[0] > 0, 1.0, -1.0))
 
 
-def test_an_image_without_its_pair_is_refused_naming_it(tmp_path, train, tiny_recipe):
+def test_an_image_without_its_pair_is_refused_naming_it(tmp_path, tiny_recipe):
     images, masks = paired_images(4, 8, 8)
     image_dir, mask_dir = write_paired_folders(tmp_path / "data", images, masks)
     (tmp_path / "data" / "pairs" / "1" / "3.bmp").unlink()
-    result = train(tiny_recipe(max_train_samples=None), tmp_path / "run", "--train_data_dir", image_dir,
-                   "--conditioning", "inpainting", "--mask_data_dir", mask_dir, "--max_train_steps", 1, check=False)
+    result = run_training(tiny_recipe(max_train_samples=None), tmp_path / "run", "--train_data_dir", image_dir,
+                          "--conditioning", "inpainting", "--mask_data_dir", mask_dir, "--max_train_steps", 1,
+                          check=False)
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert "1 image(s) of" in last and "3.png" in last and "give every image its pair" in last
 
 
-def test_a_condition_column_that_is_missing_or_not_images_is_refused(tmp_path, train, tiny_recipe):
+def test_a_condition_column_that_is_missing_or_not_images_is_refused(tmp_path, tiny_recipe):
     images, masks = paired_images(4, 8, 8)
     data = write_paired_parquet(tmp_path / "pairs.parquet", images, masks, "m")
     for column, message in (("mask", "--mask_column mask is not in the dataset (columns: image, m)"),):
-        result = train(tiny_recipe(max_train_samples=None), tmp_path / "run", "--train_data_files", data,
-                       "--conditioning", "inpainting", "--mask_column", column, "--max_train_steps", 1, check=False)
+        result = run_training(tiny_recipe(max_train_samples=None), tmp_path / "run", "--train_data_files", data,
+                              "--conditioning", "inpainting", "--mask_column", column, "--max_train_steps", 1,
+                              check=False)
         assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]

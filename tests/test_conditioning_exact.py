@@ -4,30 +4,38 @@ micro-step, image), so a stopped and resumed run ends bit for bit where a straig
 import faults
 import numpy as np
 import pytest
-from conftest import load_unet_weights, read_history
-from helpers import assert_same_training, paired_images, write_paired_parquet
+from helpers import (
+    assert_same_state,
+    load_unet_weights,
+    paired_images,
+    read_history,
+    run_training,
+    write_paired_parquet,
+)
+from processes import launch_training
 
+CPU = {"ACCELERATE_USE_CPU": "1"}
 MASKS = ("--conditioning", "inpainting", "--conditioning_dropout_prob", 0.3, "--random_flip")
 
 
-def stop_and_resume(train, recipe, folder, *flags):
+def stop_and_resume(recipe, folder, *flags):
     """A run of `flags` stopped by a signal after step 3 (a checkpoint there), resumed to its end."""
-    stopped = train(recipe, folder, *flags, hooks=faults.hooks(signal_at_step=3), check=False)
+    stopped = run_training(recipe, folder, *flags, hooks=faults.hooks(signal_at_step=3), check=False)
     assert stopped.returncode == 4, stopped.stderr[-3000:]
-    train(recipe, folder, *flags, "--resume_from_checkpoint", "latest")
+    run_training(recipe, folder, *flags, "--resume_from_checkpoint", "latest")
 
 
-def test_a_resumed_inpainting_run_with_random_masks_and_drops_is_bit_exact(train, tiny_recipe, tmp_path):
+def test_a_resumed_inpainting_run_with_random_masks_and_drops_is_bit_exact(tiny_recipe, tmp_path):
     """32 digits, 4 micro-batches an epoch: stopped after step 3, resumed to 6 (an epoch boundary
     crossed), against a straight run to 6."""
     recipe = tiny_recipe(checkpointing_steps=3, max_train_samples=32)
     flags = (*MASKS, "--max_train_steps", 6)
-    train(recipe, tmp_path / "straight", *flags)
-    stop_and_resume(train, recipe, tmp_path / "resumed", *flags)
-    assert_same_training(tmp_path / "straight", tmp_path / "resumed", 6)
+    run_training(recipe, tmp_path / "straight", *flags)
+    stop_and_resume(recipe, tmp_path / "resumed", *flags)
+    assert_same_state(tmp_path / "straight", tmp_path / "resumed", 6)
 
 
-def test_a_resumed_streamed_inpainting_run_is_bit_exact(train, tiny_recipe, tmp_path):
+def test_a_resumed_streamed_inpainting_run_is_bit_exact(tiny_recipe, tmp_path):
     """24 images in 4 parquet shards, streamed by 2 loader workers, random masks and drops: stopped
     after step 3 and resumed to 6 (past the stream's epoch), it ends where a straight run does."""
     images, masks = paired_images(24, 8, 8, seed=2)
@@ -37,9 +45,9 @@ def test_a_resumed_streamed_inpainting_run_is_bit_exact(train, tiny_recipe, tmp_
     recipe = tiny_recipe(checkpointing_steps=3, max_train_samples=None)
     flags = ("--dataset_name", tmp_path / "pq", "--streaming", "--dataloader_num_workers", 2, *MASKS,
              "--max_train_steps", 6)
-    train(recipe, tmp_path / "straight", *flags)
-    stop_and_resume(train, recipe, tmp_path / "resumed", *flags)
-    assert_same_training(tmp_path / "straight", tmp_path / "resumed", 6)
+    run_training(recipe, tmp_path / "straight", *flags)
+    stop_and_resume(recipe, tmp_path / "resumed", *flags)
+    assert_same_state(tmp_path / "straight", tmp_path / "resumed", 6)
 
 
 def assert_trained_alike(two, one):
@@ -49,16 +57,16 @@ def assert_trained_alike(two, one):
             == pytest.approx([row["loss"] for row in read_history(one)], rel=1e-5))
 
 
-def test_two_ranks_of_an_inpainting_run_equal_one_rank_of_the_same_global_batch(launch, train, tiny_recipe, tmp_path):
+def test_two_ranks_of_an_inpainting_run_equal_one_rank_of_the_same_global_batch(tiny_recipe, tmp_path):
     """Random masks, drops and flips: 2 gloo ranks x 4 images draw, image by image, what 1 rank x 8 does."""
     flags = (*MASKS, "--max_train_steps", 4)
-    two = launch(tiny_recipe(train_batch_size=4), tmp_path / "two", *flags, ranks=2, env={"ACCELERATE_USE_CPU": "1"})
+    two = launch_training(tiny_recipe(train_batch_size=4), tmp_path / "two", *flags, ranks=2, env=CPU)
     assert "replicas identical on 2 processes" in two.stdout
-    train(tiny_recipe(train_batch_size=8), tmp_path / "one", *flags)
+    run_training(tiny_recipe(train_batch_size=8), tmp_path / "one", *flags)
     assert_trained_alike(tmp_path / "two", tmp_path / "one")
 
 
-def test_two_streaming_ranks_of_image_pairs_equal_one(launch, train, tiny_recipe, tmp_path):
+def test_two_streaming_ranks_of_image_pairs_equal_one(tiny_recipe, tmp_path):
     """Image-to-image pairs in a column of 4 unshuffled parquet shards of 4: rank r of 2 reads shards
     r and r + 2, so 2 ranks x 4 pairs hold, step by step, what 1 rank x 8 reads from the shards in
     turn, with their conditions and flips."""
@@ -69,9 +77,9 @@ def test_two_streaming_ranks_of_image_pairs_equal_one(launch, train, tiny_recipe
                              pairs[4 * shard:4 * shard + 4], "edges")
     flags = ("--dataset_name", tmp_path / "pq", "--streaming", "--shuffle_buffer_size", 0, "--random_flip",
              "--conditioning", "image", "--conditioning_image_column", "edges", "--max_train_steps", 4)
-    two = launch(tiny_recipe(train_batch_size=4, max_train_samples=None), tmp_path / "two", *flags, ranks=2,
-                 env={"ACCELERATE_USE_CPU": "1"})
+    two = launch_training(tiny_recipe(train_batch_size=4, max_train_samples=None), tmp_path / "two", *flags,
+                          ranks=2, env=CPU)
     assert "replicas identical on 2 processes" in two.stdout
-    train(tiny_recipe(train_batch_size=8, max_train_samples=None), tmp_path / "one", *flags)
+    run_training(tiny_recipe(train_batch_size=8, max_train_samples=None), tmp_path / "one", *flags)
     assert_trained_alike(tmp_path / "two", tmp_path / "one")
     assert np.isfinite([row["loss"] for row in read_history(tmp_path / "one")]).all()

@@ -7,8 +7,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import read_history, run_training, write_tiny_recipe
-from helpers import LATENT_MODEL, paired_images, save_tiny_vae, write_paired_parquet
+from helpers import (
+    LATENT_MODEL,
+    paired_images,
+    read_history,
+    run_training,
+    save_tiny_vae,
+    write_paired_parquet,
+    write_tiny_recipe,
+)
 from package_blocker import BLOCK_THE_PACKAGE
 from PIL import Image
 from processes import run_command
@@ -63,6 +70,10 @@ def latent_runs(tmp_path_factory):
     return runs
 
 
+LATENT_RUNS = pytest.mark.xdist_group("test_conditioning_latent.latent_runs")
+
+
+@LATENT_RUNS
 def test_the_exports_hold_the_vae_and_a_unet_that_takes_the_latent_condition(latent_runs):
     for kind, added in (("super_resolution", 2), ("inpainting", 3)):  # the latents' 2 channels (and the mask)
         run = latent_runs[kind]
@@ -75,11 +86,12 @@ def test_the_exports_hold_the_vae_and_a_unet_that_takes_the_latent_condition(lat
         assert np.isfinite(history["validation/raw_loss"]) and np.isfinite(history["grad_probe/total_norm"])
 
 
+@LATENT_RUNS
 def test_the_exports_load_without_the_package_decode_and_keep_the_unmasked_pixels(latent_runs, tmp_path):
     script = tmp_path / "load.py"
     script.write_text(BLOCKED_LOAD)
-    result = run_command([script, latent_runs["super_resolution"], latent_runs["inpainting"]], tmp_path,
-                         env={"PYTHONPATH": None}, check=True)
+    result = run_command([script, latent_runs["super_resolution"], latent_runs["inpainting"]],
+                         env={"PYTHONPATH": None})
     assert "ImageConditionedPipeline AutoencoderKL ok" in result.stdout
 
 

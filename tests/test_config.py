@@ -3,7 +3,7 @@ import os
 
 import pytest
 import yaml
-from conftest import tiny_unet
+from helpers import tiny_unet
 
 from diffusion_extras.training import models
 from diffusion_extras.training.config import (

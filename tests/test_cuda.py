@@ -1,18 +1,15 @@
 """GPU checks (`pytest -m cuda`; skipped without CUDA; `bash bench/gpu_commands.sh device` runs them
 first). What the CPU tests can only approximate: `torch.cuda.set_sync_debug_mode("error")` turns
 every host sync the CUDA runtime sees (scalar reads, device-to-host and pageable copies, stream
-synchronizations) into an error, around the real `optimizer_step` of each precision.
-
-Run on an NVIDIA H200 (torch 2.11.0+cu130) on 2026-11-26: 8 passed (docs/BENCHMARKS.md, "GPU"); the
-compile test's graph-count assertion and the reduce-overhead test were added after that run.
+synchronizations) into an error, around the real `optimizer_step` of each precision. Their results
+on a GPU: docs/BENCHMARKS.md, "GPU".
 """
 import contextlib
 
 import pytest
 import torch
-from conftest import tiny_run
 from faults import dynamo_counts
-from test_host_sync import ALL_EXTRAS
+from helpers import ALL_EXTRAS, tiny_run
 
 from diffusion_extras.data import batch_order
 from diffusion_extras.training import loop, step
@@ -172,3 +169,18 @@ def test_reduce_overhead_replays_cuda_graphs_and_resumes_bit_exactly(tmp_path, f
     assert all(torch.equal(a, b) for a, b in zip(expected[0], weights(resumed)))
     assert all(torch.equal(a, b) for a, b in zip(expected[1], resumed.extras.ema.shadow_params))
     fresh_compile()
+
+
+def test_cached_latents_keep_only_the_decoder_on_the_gpu(tmp_path, fresh_accelerate):
+    """A latent run whose latents are cached: after setup the VAE's encoder parts are on the CPU and
+    its decoder on the GPU, where the grids decode (the CPU tests see only that the move is asked)."""
+    from helpers import LATENT_MODEL, save_tiny_vae
+
+    from diffusion_extras.evaluation.pipeline_latent import decode_latents
+    from diffusion_extras.training import autoencoder
+    run = tiny_run(tmp_path, "--pretrained_vae_model_name_or_path", save_tiny_vae(tmp_path / "vae"), model=LATENT_MODEL)
+    vae = run.data.vae
+    for name in autoencoder.ENCODER_PARTS:
+        assert {p.device.type for p in getattr(vae, name).parameters()} == {"cpu"}, name
+    assert {p.device.type for p in vae.decoder.parameters()} == {"cuda"}
+    assert decode_latents(vae, torch.randn(2, 2, 4, 4, device="cuda")).device.type == "cuda"

@@ -1,38 +1,16 @@
 """--train_data_files: webdataset .tar shards and parquet files, through datasets' own builders,
 cached or streamed; shards written by the tests."""
-import io
 import os
-import tarfile
 
 import datasets
 import numpy as np
 import pytest
+from helpers import run_training, write_tar_shards
 from PIL import Image
 
 from diffusion_extras.data import decode_cache, streaming
 from diffusion_extras.data import images as data
 from diffusion_extras.training.config import TrainConfig
-
-
-def write_tar_shards(folder, shards=3, per_shard=4, size=(10, 12), extension="jpg", grey_step=10, pixels=None,
-                     entries=lambda i: {"cls": str(i)}):
-    """Image i (grey value grey_step*i, or pixels[i]: uint8 HxW or HxWx3) in shard i // per_shard as JPEG
-    (or PNG), with entries(i) beside it ({extension: text}; default a .cls label i), webdataset style
-    (one key, several extensions; every key has the same ones)."""
-    os.makedirs(folder, exist_ok=True)
-    for shard in range(shards):
-        with tarfile.open(os.path.join(folder, f"train-{shard:03d}.tar"), "w") as tar:
-            for i in range(shard * per_shard, (shard + 1) * per_shard):
-                encoded = io.BytesIO()
-                image = Image.fromarray(np.full((*size, 3), grey_step * i % 256, np.uint8) if pixels is None
-                                        else pixels[i])
-                image.save(encoded, format={"jpg": "JPEG", "png": "PNG"}[extension])
-                for name, payload in ((f"{i:05d}.{extension}", encoded.getvalue()),
-                                      *((f"{i:05d}.{kind}", text.encode()) for kind, text in entries(i).items())):
-                    info = tarfile.TarInfo(name)
-                    info.size = len(payload)
-                    tar.addfile(info, io.BytesIO(payload))
-    return str(folder)
 
 
 def write_parquet(path, count=12):
@@ -100,15 +78,15 @@ def test_bad_data_files_are_refused_in_one_line(tmp_path, spec, message):
         data.load_image_dataset(TrainConfig(train_data_files=spec.format(folder=folder, parquet=parquet)))
 
 
-def test_cli_trains_on_tar_shards_cached_and_streamed(train, tiny_recipe, tmp_path):
+def test_cli_trains_on_tar_shards_cached_and_streamed(tiny_recipe, tmp_path):
     folder = write_tar_shards(tmp_path / "shards", shards=4, per_shard=8)
     recipe = tiny_recipe(train_batch_size=4, max_train_samples=None)
     for name, extra in (("cached", []), ("streamed", ["--streaming", "--shuffle_buffer_size", 0])):
-        result = train(recipe, tmp_path / name, "--train_data_files", f"{folder}/train-{{000..003}}.tar",
-                       "--max_train_steps", 2, *extra)
+        result = run_training(recipe, tmp_path / name, "--train_data_files", f"{folder}/train-{{000..003}}.tar",
+                              "--max_train_steps", 2, *extra)
         assert os.path.isfile(tmp_path / name / "unet" / "diffusion_pytorch_model.safetensors"), result.stderr[-800:]
-    result = train(recipe, tmp_path / "bad", "--train_data_files", f"{folder}/nope-*.tar", "--max_train_steps", 2,
-                   check=False)
+    result = run_training(recipe, tmp_path / "bad", "--train_data_files", f"{folder}/nope-*.tar", "--max_train_steps",
+                          2, check=False)
     assert result.returncode == 2 and "--train_data_files" in result.stderr and "matches no file" in result.stderr
 
 

@@ -6,6 +6,7 @@ import os
 import numpy as np
 import torch
 from diffusers import UNet2DModel
+from helpers import run_training
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -24,10 +25,10 @@ def grid_cells(grid: np.ndarray, nrow: int, size: int, padding: int = 2) -> list
             for r in range(rows) for c in range(nrow)]
 
 
-def test_debug_images_show_raw_beside_ema_and_the_denoising_trajectory(train, tiny_recipe, tmp_path):
+def test_debug_images_show_raw_beside_ema_and_the_denoising_trajectory(tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    train(tiny_recipe(), out, "--max_train_steps", STEPS, "--save_images_steps", STEPS, "--checkpointing_steps", STEPS,
-          "--learning_rate", 1e-2, "--ddpm_num_inference_steps", SAMPLER_STEPS, "--logger", "tensorboard")
+    run_training(tiny_recipe(), out, "--max_train_steps", STEPS, "--save_images_steps", STEPS, "--checkpointing_steps",
+                 STEPS, "--learning_rate", 1e-2, "--ddpm_num_inference_steps", SAMPLER_STEPS, "--logger", "tensorboard")
     prefix = out / "samples" / f"step_{STEPS:06d}"
     ema_grid = np.asarray(Image.open(f"{prefix}.png"))
     both = np.asarray(Image.open(f"{prefix}_raw_vs_ema.png"))
@@ -61,16 +62,16 @@ def test_debug_images_show_raw_beside_ema_and_the_denoising_trajectory(train, ti
     assert {"raw_vs_ema", "denoising", "samples"} <= set(events.Tags()["images"])
 
 
-def test_without_ema_only_the_denoising_strip_is_written(train, tiny_recipe, tmp_path):
+def test_without_ema_only_the_denoising_strip_is_written(tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    train(tiny_recipe(save_images_steps=1000), out, "--max_train_steps", 2, "--no-use_ema")
+    run_training(tiny_recipe(save_images_steps=1000), out, "--max_train_steps", 2, "--no-use_ema")
     written = sorted(os.path.basename(p) for p in glob.glob(str(out / "samples" / "*.png")))
     assert written == ["step_000002.png", "step_000002_denoising.png"]
 
 
 def test_save_images_steps_0_draws_no_grid_debug_image_or_plot(tmp_path, fresh_accelerate):
     """--save_images_steps 0: no sampling at all, not even at the end; the pipeline is still exported."""
-    from conftest import tiny_run
+    from helpers import tiny_run
 
     from diffusion_extras.training import loop
     loop.train(tiny_run(tmp_path, "--max_train_steps", 2, "--save_images_steps", 0, "--use_ema"))

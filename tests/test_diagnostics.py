@@ -200,14 +200,14 @@ def test_bayes_optimal_loss_matches_monte_carlo(prediction_type):
             assert estimate == pytest.approx(expected, rel=1.2e-2), (abar, sigma)
 
 
-def test_issue_epsilon_formula_is_wrong_and_ours_is_not():
+def test_a_plausible_epsilon_formula_is_wrong_and_ours_is_not():
     abar, sigma = 0.9, 1.0
     estimate = _monte_carlo_mmse(abar, sigma, "epsilon", torch.Generator().manual_seed(1))
-    issue_formula = 1 - abar / (1 - abar + abar / sigma ** 2)
+    wrong_formula = 1 - abar / (1 - abar + abar / sigma ** 2)  # once proposed for the epsilon MMSE
     ours = float(bayes_optimal_loss(torch.tensor([abar]), sigma, "epsilon"))
     assert ours == pytest.approx(abar, rel=1e-6)  # at sigma = 1 the eps-MMSE is abar
     assert estimate == pytest.approx(ours, rel=1.2e-2)
-    assert abs(issue_formula - estimate) > 0.5
+    assert abs(wrong_formula - estimate) > 0.5
 
 
 def test_bayes_optimal_loss_limits_and_guards():

@@ -11,8 +11,7 @@ import subprocess
 import faults
 import pytest
 import torch
-from conftest import load_unet_weights, run_training, write_tiny_recipe
-from test_resume import assert_same_state
+from helpers import assert_same_state, load_unet_weights, run_training, write_tiny_recipe
 
 STEPS = 6
 RECIPE = dict(max_train_steps=STEPS, checkpointing_steps=2, save_images_steps=4, save_model_steps=4)
@@ -37,16 +36,17 @@ def leftovers(output_dir) -> list:
     return [name for name in os.listdir(output_dir) if name.endswith(".tmp")]
 
 
+@pytest.mark.xdist_group("test_disk_space.straight")
 @pytest.mark.parametrize("what, newest", [("checkpoint", 2), ("pipeline export", 4), ("sample grid", 4),
                                           ("log history", 2)])
-def test_enospc_at_each_write_is_one_line_cleanup_and_resume(straight, train, tmp_path, what, newest):
+def test_enospc_at_each_write_is_one_line_cleanup_and_resume(straight, tmp_path, what, newest):
     """The error line and the resume after an ENOSPC at each guarded write. The error is raised
     before that write starts (checkpoint: after its files, before the marker), so the cleanup of
     real partial files is asserted by test_real_full_disk_at_export_and_grid (a tmpfs, root) and
     test_a_failed_write_removes_the_partial_files_it_left (in-process, any user)."""
     recipe, reference = straight
     out = tmp_path / "run"
-    result = train(recipe, out, hooks=faults.hooks(enospc_at=(what, 4)), check=False)
+    result = run_training(recipe, out, hooks=faults.hooks(enospc_at=(what, 4)), check=False)
     line = the_error_line(result)
     name = "checkpoint-4" if what == "checkpoint" else what
     assert line.startswith(f"error: no space left on the device while writing the {name} in {out} (")
@@ -58,18 +58,19 @@ def test_enospc_at_each_write_is_one_line_cleanup_and_resume(straight, train, tm
     if what == "checkpoint":
         assert "removed the partial " + str(out / ".checkpoint-4.tmp") in line
     assert os.path.isdir(out / "checkpoint-2")  # nothing written before is lost
-    train(recipe, out, "--resume_from_checkpoint", "latest")
+    run_training(recipe, out, "--resume_from_checkpoint", "latest")
     assert_same_state(reference, out, STEPS)
 
 
-def test_precheck_refuses_with_the_numbers_then_resume_after_freeing(straight, train, tmp_path, monkeypatch):
+@pytest.mark.xdist_group("test_disk_space.straight")
+def test_precheck_refuses_with_the_numbers_then_resume_after_freeing(straight, tmp_path, monkeypatch):
     recipe, reference = straight
     out = tmp_path / "run"
     with pytest.raises(faults.ProcessDied):
-        train(recipe, out, hooks=faults.hooks(stop_after_checkpoint=2))
+        run_training(recipe, out, hooks=faults.hooks(stop_after_checkpoint=2))
     with monkeypatch.context() as small:  # the disk reports 1000 bytes free
         small.setattr(shutil, "disk_usage", faults.report_free_bytes(1000, shutil.disk_usage))
-        result = train(recipe, out, "--resume_from_checkpoint", "latest", check=False)
+        result = run_training(recipe, out, "--resume_from_checkpoint", "latest", check=False)
     line = the_error_line(result)
     size = sum(os.path.getsize(out / "checkpoint-2" / f) for f in os.listdir(out / "checkpoint-2")
                if f != "checkpoint_complete.json")
@@ -78,20 +79,21 @@ def test_precheck_refuses_with_the_numbers_then_resume_after_freeing(straight, t
                     f"{out / 'checkpoint-2'}. Free space in {out} (or move older checkpoints elsewhere), then "
                     "resume with --resume_from_checkpoint latest")
     assert leftovers(out) == [] and not os.path.exists(out / "checkpoint-4")
-    train(recipe, out, "--resume_from_checkpoint", "latest")
+    run_training(recipe, out, "--resume_from_checkpoint", "latest")
     assert_same_state(reference, out, STEPS)
 
 
-def test_precheck_before_the_first_checkpoint_estimates_and_says_run_again(straight, train, tmp_path, monkeypatch):
+@pytest.mark.xdist_group("test_disk_space.straight")
+def test_precheck_before_the_first_checkpoint_estimates_and_says_run_again(straight, tmp_path, monkeypatch):
     recipe, reference = straight
     out = tmp_path / "run"
     with monkeypatch.context() as small:  # the disk reports 1000 bytes free
         small.setattr(shutil, "disk_usage", faults.report_free_bytes(1000, shutil.disk_usage))
-        result = train(recipe, out, check=False)
+        result = run_training(recipe, out, check=False)
     line = the_error_line(result)
     assert "(estimated from the parameters)" in line and "Newest complete checkpoint: none yet" in line
     assert line.endswith("then run the same command again (no checkpoint to resume from yet)")
-    train(recipe, out)  # (logs/history.jsonl keeps the refused run's lines 1-2 before the new ones)
+    run_training(recipe, out)  # (logs/history.jsonl keeps the refused run's lines 1-2 before the new ones)
     wa, wb = load_unet_weights(reference), load_unet_weights(out)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -109,31 +111,33 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def test_real_full_disk_mid_save_then_free_and_resume(straight, train, small_disk):
+@pytest.mark.xdist_group("test_disk_space.straight")
+def test_real_full_disk_mid_save_then_free_and_resume(straight, small_disk):
     """The disk fills while checkpoint-4 is completed (another writer takes the space): the marker
     meets a real ENOSPC. Deleting that writer's file and resuming finishes the run exactly."""
     recipe, reference = straight
     out, filler = small_disk / "run", small_disk / "filler"
-    result = train(recipe, out, hooks=faults.hooks(fill_disk_in_save=(4, filler)), check=False)
+    result = run_training(recipe, out, hooks=faults.hooks(fill_disk_in_save=(4, filler)), check=False)
     line = the_error_line(result)
     assert line.startswith(f"error: no space left on the device while writing the checkpoint-4 in {out} (")
     assert f"removed the partial {out / '.checkpoint-4.tmp'}" in line
     assert f"newest complete checkpoint: {out / 'checkpoint-2'}" in line
     assert leftovers(out) == [] and os.path.isdir(out / "checkpoint-2") and not os.path.exists(out / "checkpoint-4")
     os.remove(filler)
-    train(recipe, out, "--resume_from_checkpoint", "latest")
+    run_training(recipe, out, "--resume_from_checkpoint", "latest")
     assert_same_state(reference, out, STEPS)
 
 
+@pytest.mark.xdist_group("test_disk_space.straight")
 @pytest.mark.parametrize("what, partial", [("pipeline export", ".pipeline.tmp"),
                                            ("sample grid", "samples/step_000004")])
-def test_real_full_disk_at_export_and_grid_removes_what_the_write_created(straight, train, small_disk, what, partial):
+def test_real_full_disk_at_export_and_grid_removes_what_the_write_created(straight, small_disk, what, partial):
     """The disk fills just before the export / the grid of step 4 (another writer takes the space): the
     write creates its files and meets a real ENOSPC. The line names the partial files it removed
     (so they existed), none is left, and resuming after freeing the space finishes the run exactly."""
     recipe, reference = straight
     out, filler = small_disk / "run", small_disk / "filler"
-    result = train(recipe, out, hooks=faults.hooks(fill_disk_at=(what, 4, filler)), check=False)
+    result = run_training(recipe, out, hooks=faults.hooks(fill_disk_at=(what, 4, filler)), check=False)
     line = the_error_line(result)
     assert line.startswith(f"error: no space left on the device while writing the {what} in {out} (")
     assert f"; removed the partial {out / partial}" in line, line
@@ -141,7 +145,7 @@ def test_real_full_disk_at_export_and_grid_removes_what_the_write_created(straig
     removed = line.split("; removed the partial ", 1)[1].split(". Everything written before", 1)[0].split(", ")
     assert leftovers(out) == [] and not any(os.path.exists(path) for path in removed), line
     os.remove(filler)
-    train(recipe, out, "--resume_from_checkpoint", "latest")
+    run_training(recipe, out, "--resume_from_checkpoint", "latest")
     assert_same_state(reference, out, STEPS)
 
 

@@ -8,7 +8,7 @@ code is unchanged and keeps refusing fp16 on CPU.
 """
 import pytest
 import torch
-from conftest import read_history, tiny_run
+from helpers import read_history, tiny_run
 from tqdm import tqdm
 
 from diffusion_extras.training import build, loop, step
@@ -107,7 +107,7 @@ def test_scaler_state_is_checkpointed_and_restored_bit_exactly(tmp_path, fresh_a
 
 def test_fp16_steps_with_the_scaler_never_sync(tmp_path, fresh_accelerate, fp16_on_cpu):
     """unscale_, the inf check, the fused AdamW skip and the scale update all stay on the device."""
-    from test_host_sync import SyncRecorder
+    from helpers import SyncRecorder
     run = tiny_run(tmp_path, *FLAGS)
     batches = loop.make_batches(run)
     with SyncRecorder() as recorder:

@@ -2,7 +2,7 @@
 says, while training keeps its autocast (bf16 on CPU here)."""
 import numpy as np
 import torch
-from conftest import load_unet_weights, tiny_run
+from helpers import load_unet_weights, tiny_run
 from PIL import Image
 
 from diffusion_extras.evaluation import sampling

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_RECIPE, load_unet_weights, read_history, tiny_unet
 from diffusers import DDPMScheduler
+from helpers import TINY_RECIPE, load_unet_weights, read_history, run_cli, run_training, tiny_unet
 from safetensors.torch import load_file
 
 from diffusion_extras.core.losses import NoiseSchedule, min_snr_weight
@@ -47,12 +47,12 @@ def test_bin_gradients_match_plain_backward_and_leave_grad_untouched():
         np.linalg.norm(total), rel=1e-5)
 
 
-def test_monitor_logs_per_bin_and_does_not_change_the_training_result(train, tiny_recipe, tmp_path):
+def test_monitor_logs_per_bin_and_does_not_change_the_training_result(tiny_recipe, tmp_path):
     # Dropout on: a probe that ran the UNet in training mode would draw from the global RNG.
     recipe = tiny_recipe(model={**TINY_RECIPE["model"], "dropout": 0.1})
     flags = ["--max_train_steps", "4", "--checkpointing_steps", "4"]
     for name, extra in (("plain", []), ("probed", ["--grad_diagnostics_steps", "1"])):
-        train(recipe, tmp_path / name, *flags, *extra)
+        run_training(recipe, tmp_path / name, *flags, *extra)
     for exported in (True, False):  # the exported (EMA) pipeline and the checkpoint's raw weights
         plain, probed = (load_unet_weights(tmp_path / name) if exported else
                          load_file(tmp_path / name / "checkpoint-4" / "model.safetensors")
@@ -72,15 +72,13 @@ def probes(shares_per_probe):
             for k, shares in enumerate(shares_per_probe)]
 
 
-def test_report_warns_when_one_bin_dominates_the_gradient(tmp_path, capsys):
-    from diffusion_extras.report.health import main
+def test_report_warns_when_one_bin_dominates_the_gradient(tmp_path):
     dominated = [0.7] + [0.3 / 9] * 9
     (tmp_path / "logs").mkdir()
     with open(tmp_path / "logs" / "history.jsonl", "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in probes([[0.1] * 10] * 4 + [dominated] * 4))
     (tmp_path / "training_config.yaml").write_text("snr_gamma: 0.0\nddpm_num_steps: 1000\n")
-    main([str(tmp_path)])
-    printed = capsys.readouterr().out
+    printed = run_cli(["-m", "diffusion_extras.report", tmp_path]).stdout
     assert "gradient_dominated_by_one_bin" in printed and "Timesteps 0-99 carry 70%" in printed
     assert "--snr_gamma 5" in printed
     assert not check_gradient_dominance(RunLog(probes([[0.1] * 10] * 8), {}))

@@ -1,7 +1,7 @@
 """Guided sampling against an exact score: a fake UNet whose epsilon prediction is the analytic one
 of a two-class Gaussian mixture (class 0 dark, class 1 bright), so that which class a sample lands
 in is known without training. Guidance must strengthen the class with every scheduler a user swaps
-in from the pipeline's config (issue 35: DDIM's inherited clip_sample inverted it)."""
+in from the pipeline's config (DDIM's inherited clip_sample once inverted it)."""
 from __future__ import annotations
 
 import json
@@ -23,6 +23,7 @@ from diffusers import (
 )
 from diffusers.configuration_utils import register_to_config
 from diffusers.models.unets.unet_2d import UNet2DOutput
+from helpers import run_cli, run_training
 from PIL import Image
 
 from diffusion_extras.evaluation import sampling
@@ -86,8 +87,8 @@ def pipeline_accuracy(scheduler_class, guidance_scale: float, **call) -> float:
 
 @pytest.mark.parametrize("scheduler_class", SWAPPED_IN, ids=lambda c: c.__name__)
 def test_guidance_keeps_the_class_with_any_scheduler_swapped_into_the_pipeline(scheduler_class):
-    """Before the fix DDIM scored 1.0 at guidance 2 and 3 and 0.03 at 4: it clipped the guided x0 but
-    built x_{t-1} from the unclipped noise prediction, which points at the other class."""
+    """A DDIM step that clips the guided x0 but builds x_{t-1} from the unclipped noise prediction
+    (which points at the other class) keeps the class at guidance 2 and 3 and loses it at 4."""
     accuracy = [pipeline_accuracy(scheduler_class, scale) for scale in (2.0, 3.0, 4.0)]
     assert accuracy == [1.0, 1.0, 1.0]
 
@@ -108,7 +109,7 @@ def sample_pipeline(pipe, guidance_scale=3.0, **call) -> torch.Tensor:
 
 
 def conditional_pipeline(**parts) -> ClassConditionalPipeline:
-    from conftest import tiny_unet
+    from helpers import tiny_unet
     unet = tiny_unet(num_class_embeds=3)
     return ClassConditionalPipeline(unet=unet, scheduler=DDIMScheduler.from_config(DDPMScheduler().config),
                                     id2label={0: "dark", 1: "bright"}, **parts)
@@ -127,7 +128,7 @@ def test_every_compatible_scheduler_samples_guided_and_unguided_reproducibly(sch
     """The pipeline and the package's sampler (its unconditional path included) pass a scheduler's step
     only the keyword arguments it accepts: UniPC, PNDM, DEIS, Heun, LMS and KDPM2 take no generator.
     The same seeded generator gives the same images, so the ancestral ones do get it."""
-    from conftest import tiny_unet
+    from helpers import tiny_unet
     pipe = conditional_pipeline()
     pipe.scheduler = scheduler_class.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
@@ -211,7 +212,7 @@ def test_a_guide_equal_to_the_model_is_no_guidance_bit_for_bit():
 
 def test_autoguidance_of_an_unconditional_model_through_generate():
     """The same with the package's sampler and an unconditional UNet; a different guide does guide."""
-    from conftest import tiny_unet
+    from helpers import tiny_unet
     unet, weaker = tiny_unet(seed=0), tiny_unet(seed=1)
     scheduler = sampling.make_scheduler("ddim", DDPMScheduler().config)
     plain = sampling.generate(unet, scheduler, 2, 5, seed=0)
@@ -220,7 +221,7 @@ def test_autoguidance_of_an_unconditional_model_through_generate():
 
 
 def test_a_saved_guide_loads_with_the_pipeline(tmp_path):
-    from conftest import tiny_unet
+    from helpers import tiny_unet
     pipe = conditional_pipeline(guide=tiny_unet(num_class_embeds=3, seed=1))
     pipe.save_pretrained(tmp_path)
     loaded = ClassConditionalPipeline.from_pretrained(tmp_path)
@@ -234,7 +235,7 @@ def test_a_saved_guide_loads_with_the_pipeline(tmp_path):
 
 def saved_with_a_guide(folder) -> ClassConditionalPipeline:
     """The README's recipe: a weaker UNet set as the guide, then save_pretrained."""
-    from conftest import tiny_unet
+    from helpers import tiny_unet
     pipe = conditional_pipeline()
     pipe.guide = tiny_unet(num_class_embeds=3, seed=1)
     pipe.save_pretrained(folder)
@@ -264,21 +265,21 @@ def test_a_guide_set_then_saved_round_trips_through_remote_code_and_a_resave(tmp
     assert not (tmp_path / "unguided" / "guide").exists()
 
 
-def test_the_sample_command_autoguides_with_a_saved_guide(tmp_path, capsys):
+def test_the_sample_command_autoguides_with_a_saved_guide(tmp_path):
     """It loaded such a folder as an unconditional DDPMPipeline, without a word."""
-    from diffusion_extras.cli import sample
     pipe = saved_with_a_guide(tmp_path / "saved")
-    argv = [str(tmp_path / "saved"), "--num_images", "4", "--num_inference_steps", "3", "--device", "cpu"]
-    assert sample.main([*argv, "--output", str(tmp_path / "out")]) == 0
+    argv = ["-m", "diffusion_extras.sample", tmp_path / "saved", "--num_images", "4", "--num_inference_steps", "3",
+            "--device", "cpu"]
+    result = run_cli([*argv, "--output", tmp_path / "out"])
     written = np.stack([np.asarray(Image.open(tmp_path / "out" / f"{i:06d}.png")) for i in range(4)])
     expected = sampling.generate(pipe.unet, sampling.make_scheduler("ddim", pipe.scheduler.config), 4, 3, seed=0,
                                  class_labels=[0, 1, 0, 1], guidance_scale=DEFAULT_GUIDANCE_SCALE, guide=pipe.guide)
     assert (written == expected[..., 0]).all()
-    assert "wrote 4 images" in capsys.readouterr().out
+    assert "wrote 4 images" in result.stdout
     # a folder whose index names the class alone (as save_pretrained wrote it) is not a DDPMPipeline either
     index_path = tmp_path / "saved" / "model_index.json"
     index_path.write_text(json.dumps({**json.loads(index_path.read_text()), "_class_name": "ClassConditionalPipeline"}))
-    assert sample.main([*argv, "--output", str(tmp_path / "bare")]) == 0
+    run_cli([*argv, "--output", tmp_path / "bare"])
     assert all((np.asarray(Image.open(tmp_path / "bare" / f"{i:06d}.png")) == written[i]).all() for i in range(4))
 
 
@@ -297,7 +298,7 @@ def test_a_hub_push_takes_the_guide(tmp_path):
     ({"num_class_embeds": 5}, r"num_class_embeds 5 \(the model's: 3\)"),
 ])
 def test_a_guide_that_does_not_fit_the_model_is_one_line_at_assignment_and_at_load(tmp_path, mismatch, message):
-    from conftest import tiny_unet
+    from helpers import tiny_unet
     pipe = conditional_pipeline()
     with pytest.raises(ValueError, match=f"^the guide does not fit the model: its {message}; .*same kind"):
         pipe.guide = tiny_unet(**{"num_class_embeds": 3, **mismatch})
@@ -308,26 +309,23 @@ def test_a_guide_that_does_not_fit_the_model_is_one_line_at_assignment_and_at_lo
         ClassConditionalPipeline.from_pretrained(tmp_path / "saved")
 
 
-def test_the_commands_refuse_a_guide_of_another_kind_in_one_line(tmp_path, capsys):
+def test_the_commands_refuse_a_guide_of_another_kind_in_one_line(tmp_path):
     """--guide of another prediction type (recorded by its pipeline's scheduler) or shape answers with
     one line naming the mismatch, before any sampling."""
-    from conftest import tiny_unet
-
-    from diffusion_extras.cli import sample
+    from helpers import tiny_unet
     saved_with_a_guide(tmp_path / "model")
     other = ClassConditionalPipeline(unet=tiny_unet(num_class_embeds=3, seed=2),
                                      scheduler=DDPMScheduler(prediction_type="v_prediction"), id2label={0: "a", 1: "b"})
     other.save_pretrained(tmp_path / "v")
     tiny_unet(num_class_embeds=3, out_channels=2).save_pretrained(tmp_path / "learned_variance")
-    argv = [str(tmp_path / "model"), "--num_images", "2", "--num_inference_steps", "2", "--device", "cpu",
-            "--output", str(tmp_path / "out")]
+    argv = ["-m", "diffusion_extras.sample", tmp_path / "model", "--num_images", "2", "--num_inference_steps", "2",
+            "--device", "cpu", "--output", tmp_path / "out"]
     for guide, message in [("v", "it predicts v_prediction and the model epsilon"),
                            ("v/unet", "it predicts v_prediction and the model epsilon"),
                            ("learned_variance", "out_channels 2 (the model's: 1)")]:
-        with pytest.raises(SystemExit) as exit_info:
-            sample.main([*argv, "--guide", str(tmp_path / guide)])
-        error = capsys.readouterr().err
-        assert exit_info.value.code == 2 and error.startswith(f"error: --guide {tmp_path / guide}: ")
+        result = run_cli([*argv, "--guide", tmp_path / guide], check=False)
+        error = result.stderr
+        assert result.returncode == 2 and error.startswith(f"error: --guide {tmp_path / guide}: ")
         assert message in error and error.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
@@ -341,12 +339,9 @@ def test_a_training_checkpoint_guides_with_its_ema_weights(tmp_path, tiny_recipe
     from safetensors.torch import load_file
 
     from diffusion_extras.cli.common import load_guide
-    from diffusion_extras.training.main import main
     run = tmp_path / "run"
-    assert main(["--config", tiny_recipe(), "--output_dir", str(run), "--class_conditional", "--max_train_steps", "2",
-                 "--checkpointing_steps", "2"]) == 0
+    run_training(tiny_recipe(), run, "--class_conditional", "--max_train_steps", 2, "--checkpointing_steps", 2)
     exported = ClassConditionalPipeline.from_pretrained(run).unet  # EMA weights at step 2
-    capsys.readouterr()
     guide = load_guide(str(run / "checkpoint-2"), exported, "cpu", "epsilon")
     assert capsys.readouterr().err == f"--guide {run / 'checkpoint-2'}: the checkpoint's EMA weights\n"
     assert all(torch.equal(value, exported.state_dict()[name]) for name, value in guide.state_dict().items())

@@ -4,8 +4,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import read_history
 from diffusers import DDPMScheduler, UNet2DModel
+from helpers import read_history, run_cli, run_training
 
 from diffusion_extras.core.losses import NoiseSchedule
 from diffusion_extras.data import batch_order, decode_cache
@@ -26,9 +26,9 @@ def test_split_is_seeded_disjoint_and_complete():
     assert batch_order.split_held_out(images, 0.25, seed=4)[1].rows.tolist() != held.rows.tolist()
 
 
-def test_training_logs_raw_and_ema_held_out_loss_per_bin_with_fixed_noise(train, tiny_recipe, tmp_path):
+def test_training_logs_raw_and_ema_held_out_loss_per_bin_with_fixed_noise(tiny_recipe, tmp_path):
     out, recipe = tmp_path / "run", tiny_recipe()
-    train(recipe, out, "--max_train_steps", 6, "--validation_split", 0.25, "--validation_steps", 3)
+    run_training(recipe, out, "--max_train_steps", 6, "--validation_split", 0.25, "--validation_steps", 3)
     rows = [r for r in read_history(out) if "validation/raw_loss" in r]
     assert [r["step"] for r in rows] == [3, 6]
     for row in rows:
@@ -54,10 +54,10 @@ def test_training_logs_raw_and_ema_held_out_loss_per_bin_with_fixed_noise(train,
     assert "ema_behind_raw" in (out / "training_report.md").read_text()
 
 
-def test_held_out_loss_is_off_by_default_and_without_ema_logs_raw_only(train, tiny_recipe, tmp_path):
-    train(tiny_recipe(), tmp_path / "off", "--max_train_steps", 2)
+def test_held_out_loss_is_off_by_default_and_without_ema_logs_raw_only(tiny_recipe, tmp_path):
+    run_training(tiny_recipe(), tmp_path / "off", "--max_train_steps", 2)
     assert not any("validation/raw_loss" in r for r in read_history(tmp_path / "off"))
-    train(tiny_recipe(), tmp_path / "raw", "--max_train_steps", 2, "--validation_split", 0.25, "--no-use_ema")
+    run_training(tiny_recipe(), tmp_path / "raw", "--max_train_steps", 2, "--validation_split", 0.25, "--no-use_ema")
     rows = [r for r in read_history(tmp_path / "raw") if "validation/raw_loss" in r]
     assert len(rows) == 1 and not any(key.startswith("validation/ema") for key in rows[0])
 
@@ -67,8 +67,8 @@ def test_held_out_loss_is_off_by_default_and_without_ema_logs_raw_only(train, ti
     (["--validation_split", "1.5"], "--validation_split must lie in [0, 1)"),
     (["--validation_split", "0.1", "--streaming", "--dataset_name", "x"], "--validation_split needs cached data"),
 ])
-def test_bad_validation_split_is_a_one_line_error_before_training(train, tiny_recipe, tmp_path, flags, message):
-    result = train(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, *flags, check=False)
+def test_bad_validation_split_is_a_one_line_error_before_training(tiny_recipe, tmp_path, flags, message):
+    result = run_training(tiny_recipe(), tmp_path / "run", "--max_train_steps", 2, *flags, check=False)
     assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "run" / "unet").exists()
 
@@ -82,14 +82,12 @@ def history(held_out, training, ema=None):
     return rows
 
 
-def test_overfitting_is_reported_when_held_out_rises_while_training_falls(tmp_path, capsys):
-    from diffusion_extras.report.health import main
+def test_overfitting_is_reported_when_held_out_rises_while_training_falls(tmp_path):
     training = list(np.geomspace(1.0, 0.2, 16))
     (tmp_path / "logs").mkdir()
     with open(tmp_path / "logs" / "history.jsonl", "w") as fh:
         fh.writelines(json.dumps(row) + "\n" for row in history([0.5, 0.4, 0.45, 0.5], training))
-    main([str(tmp_path)])
-    printed = capsys.readouterr().out
+    printed = run_cli(["-m", "diffusion_extras.report", tmp_path]).stdout
     assert "overfitting" in printed and "step 80" in printed and "--max_train_steps 80" in printed
     config = {"max_train_steps": 160}
     assert not check_held_out_overfitting(RunLog(history([0.5, 0.4, 0.35, 0.3], training), config))  # generalising

@@ -12,66 +12,13 @@ What it cannot see on CPU: host-to-device copies and `.to("cpu")` (a no-op here)
 (tests/test_cuda.py, `torch.cuda.set_sync_debug_mode("error")`) covers those.
 """
 import collections
-import os
-import traceback
 
 import pytest
 import torch
-from conftest import ROOT, tiny_run
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import ALL_EXTRAS, SyncRecorder, tiny_run
 
 from diffusion_extras.data import batch_order
 from diffusion_extras.training import build, loop
-
-# aten ops that read a device value on the host: scalar reads (.item(), bool(), float(), .tolist()),
-# comparisons answered on the host, and ops whose output shape depends on the data.
-SYNCING_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "nonzero_static", "masked_select",
-               "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "repeat_interleave"}
-PROJECT = (os.path.join(ROOT, "train_ddpm.py"), os.path.join(ROOT, "diffusion_extras"))
-
-
-def where(stack) -> str:
-    """'function:line' of the innermost frame in the project's own code."""
-    for frame in reversed(stack):
-        if frame.filename.startswith(PROJECT):
-            return f"{frame.name}:{frame.lineno}"
-    return "outside the project"
-
-
-class SyncRecorder(TorchDispatchMode):
-    """Records host syncs with the phase of the loop they happen in (set by `phase`)."""
-
-    def __init__(self):
-        super().__init__()
-        self.events = []          # (phase, op, where)
-        self.phases = ["loop"]
-
-    def record(self, op: str) -> None:
-        self.events.append((self.phases[-1], op, where(traceback.extract_stack()[:-2])))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in SYNCING_OPS or (name == "index" and any(  # boolean-mask indexing runs nonzero
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()) if i is not None)):
-            self.record(name)
-        return func(*args, **(kwargs or {}))
-
-    def phase(self, name, function):
-        def wrapped(*args, **kwargs):
-            self.phases.append(name)
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.phases.pop()
-        return wrapped
-
-    def in_phase(self, name) -> list:
-        return [(op, at) for phase, op, at in self.events if phase == name]
-
-
-ALL_EXTRAS = ("--use_ema", "--snr_gamma", 5, "--timestep_sampling", "loss_aware", "--posthoc_ema",
-              "--gradient_accumulation_steps", 2, "--max_grad_norm", 1.0, "--variance_type", "learned_range",
-              "--offset_noise", 0.1, "--class_conditional")  # labels, their dropout and the loss per class as well
 
 
 def recorded(recorder, name, method):

@@ -86,7 +86,7 @@ def run_client(hub: HubServer, code: str, tmp_path, **env_extra) -> dict:
     env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": None,
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_TELEMETRY": "1", **env_extra}
     preamble = f"import json, time\nfrom diffusion_extras.hub.push import HubPusher, resolve_token\nTOKEN = {TOKEN!r}\n"
-    result = run_command(["-c", preamble + textwrap.dedent(code)], tmp_path, env=env, timeout=60, check=True)
+    result = run_command(["-c", preamble + textwrap.dedent(code)], env=env, timeout=60)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -299,8 +299,8 @@ def test_conditional_model_card_shows_a_call_that_runs_as_written(tmp_path, monk
     """The card of a class-conditional export: its tag, its classes, the pipeline file named, and a
     usage block (DiffusionPipeline with trust_remote_code, class_labels by name, guidance_scale)
     whose code runs as written against the exported folder (its repo id here)."""
-    from conftest import tiny_unet
     from diffusers import DDPMScheduler
+    from helpers import tiny_unet
 
     from diffusion_extras.training.models import save_class_conditional
     folder = tmp_path / "ddpm-pets"

@@ -12,6 +12,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
+from helpers import run_training
 from PIL import Image
 
 from diffusion_extras.data import batch_order, decode_cache, sources
@@ -28,7 +29,7 @@ class OneProcess:
         return contextlib.nullcontext()
 
 
-SIXTEEN_BIT = np.array([[0, 1000, 30000, 65535]] * 4, dtype=np.uint16)  # the values
+SIXTEEN_BIT = np.array([[0, 1000, 30000, 65535]] * 4, dtype=np.uint16)  # black, white and two levels between
 
 
 def training_tensor(folder, channels=None, streaming=False, **spec) -> torch.Tensor:
@@ -345,7 +346,7 @@ def test_stored_format_is_the_deepest_mode(tmp_path):
         data.parse_background("grey")
 
 
-def test_the_command_line_trains_16_bit_and_transparent_images_as_stored(train, tiny_recipe, tmp_path):
+def test_the_command_line_trains_16_bit_and_transparent_images_as_stored(tiny_recipe, tmp_path):
     folder = tmp_path / "mixed"
     folder.mkdir()
     for index in range(4):
@@ -353,21 +354,21 @@ def test_the_command_line_trains_16_bit_and_transparent_images_as_stored(train, 
         Image.fromarray(np.roll(RGBA, index, axis=1)).resize((8, 8)).save(folder / f"sprite{index}.png")
     model = {"in_channels": 3, "out_channels": 3}
     recipe = tiny_recipe(max_train_samples=None, train_batch_size=4, model=_tiny_model(model))
-    result = train(recipe, tmp_path / "run", "--train_data_dir", folder, "--max_train_steps", 2,
-                   "--preserve_input_precision", "--background", "black")
+    result = run_training(recipe, tmp_path / "run", "--train_data_dir", folder, "--max_train_steps", 2,
+                          "--preserve_input_precision", "--background", "black")
     assert "decoded 8 images once (uint16 samples)" in result.stdout
-    kept = train(tiny_recipe(max_train_samples=None, train_batch_size=4, model=_tiny_model({"in_channels": 4,
+    kept = run_training(tiny_recipe(max_train_samples=None, train_batch_size=4, model=_tiny_model({"in_channels": 4,
                                                                                          "out_channels": 4})),
-                 tmp_path / "rgba", "--train_data_dir", folder, "--max_train_steps", 2, "--keep_alpha")
+                        tmp_path / "rgba", "--train_data_dir", folder, "--max_train_steps", 2, "--keep_alpha")
     assert "4 channel(s) (RGBA)" in kept.stdout
     with open(tmp_path / "rgba" / "unet" / "config.json") as fh:
         assert '"in_channels": 4' in fh.read()
-    bad = train(recipe, tmp_path / "bad", "--train_data_dir", folder, "--background", "grey", check=False)
+    bad = run_training(recipe, tmp_path / "bad", "--train_data_dir", folder, "--background", "grey", check=False)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --background 'grey'")
 
 
 def _tiny_model(overrides: dict) -> dict:
-    from conftest import TINY_RECIPE
+    from helpers import TINY_RECIPE
     return {**TINY_RECIPE["model"], **overrides}
 
 

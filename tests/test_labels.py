@@ -8,9 +8,7 @@ import os
 import datasets
 import faults
 import pytest
-from conftest import read_history, run_training, write_tiny_recipe
-from test_data_files import write_tar_shards
-from test_resume import assert_same_state
+from helpers import assert_same_state, read_history, run_training, write_tar_shards, write_tiny_recipe
 
 from diffusion_extras.data import images as data
 from diffusion_extras.data import labels, streaming
@@ -133,6 +131,7 @@ def flags_of(folder, kind, workers, steps):
             "--shuffle_buffer_size", 8, "--dataloader_num_workers", workers, "--max_train_steps", steps]
 
 
+@pytest.mark.xdist_group("test_labels.streamed_runs")
 @pytest.mark.parametrize("kind, names", [("cls", ["0", "1", "2"]), ("json", NAMES)])
 def test_streamed_tar_shard_labels_reach_the_unet_with_their_images(streamed_runs, kind, names):
     pairs, dropped = recorded_pairs(streamed_runs[f"{kind}-labels"], len(names))
@@ -146,6 +145,7 @@ def test_streamed_tar_shard_labels_reach_the_unet_with_their_images(streamed_run
     assert logged == {"loss_class/00", "loss_class/01", "loss_class/02"}  # the diagnostics' loss per class
 
 
+@pytest.mark.xdist_group("test_labels.streamed_runs")
 def test_a_streamed_conditional_run_resumes_bit_exactly(streamed_runs):
     assert_same_state(streamed_runs["cls"], streamed_runs["cls-resumed"], 10)
 

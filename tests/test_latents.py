@@ -7,9 +7,9 @@ import faults
 import numpy as np
 import pytest
 import torch
-from conftest import load_unet_weights, read_history, save_random_images
+from helpers import LATENT_MODEL, load_unet_weights, read_history, run_training, save_random_images, save_tiny_vae
+from processes import launch_training
 from safetensors.torch import load_file
-from test_autoencoder import LATENT_MODEL, save_tiny_vae
 
 from diffusion_extras.data import latents
 from diffusion_extras.data.decode_cache import DecodedImages
@@ -79,7 +79,7 @@ def test_a_vae_without_a_scale_gets_the_measured_statistics_saved_in_its_config(
     assert not autoencoder.measures_statistics(AutoencoderKL.from_pretrained(save_tiny_vae(tmp_path / "kept")))
 
 
-def test_a_resumed_latent_run_is_bit_exact_and_encodes_once(train, tiny_recipe, tmp_path):
+def test_a_resumed_latent_run_is_bit_exact_and_encodes_once(tiny_recipe, tmp_path):
     """16 RGB images (2 micro-batches an epoch) on an image folder: the cache holds the latents;
     stopped by a signal after step 3, resumed to 6, against a straight run to 6 (epochs crossed)."""
     folder = save_random_images(tmp_path / "images", 16, 8, 8)
@@ -88,13 +88,14 @@ def test_a_resumed_latent_run_is_bit_exact_and_encodes_once(train, tiny_recipe, 
     flags = ("--train_data_dir", folder, "--pretrained_vae_model_name_or_path", vae, "--random_flip",
              "--max_train_steps", 6)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    first = train(recipe, straight, *flags, "--cache_dir", tmp_path / "cache")
+    first = run_training(recipe, straight, *flags, "--cache_dir", tmp_path / "cache")
     assert "encoded 16 images once (2 view(s), 2 latent channels)" in first.stdout
     assert "latents: normalised by the VAE config's scaling_factor 0.18215\n" in first.stdout
-    stopped = train(recipe, resumed, *flags, "--cache_dir", tmp_path / "cache", hooks=faults.hooks(signal_at_step=3),
-                    check=False)
+    stopped = run_training(recipe, resumed, *flags, "--cache_dir", tmp_path / "cache",
+                           hooks=faults.hooks(signal_at_step=3), check=False)
     assert stopped.returncode == 4, stopped.stderr[-3000:]
-    again = train(recipe, resumed, *flags, "--cache_dir", tmp_path / "cache", "--resume_from_checkpoint", "latest")
+    again = run_training(recipe, resumed, *flags, "--cache_dir", tmp_path / "cache", "--resume_from_checkpoint",
+                         "latest")
     assert "encoded" not in stopped.stdout + again.stdout  # the cache's latents, read back
     # (test_resume.assert_same_state says the same of every state file; that module waits on the harness rewrite)
     assert [h["loss"] for h in read_history(straight)] == [h["loss"] for h in read_history(resumed)]
@@ -106,44 +107,43 @@ def test_a_resumed_latent_run_is_bit_exact_and_encodes_once(train, tiny_recipe, 
     assert all(torch.equal(x["exp_avg_sq"], y["exp_avg_sq"]) for x, y in zip(a["state"].values(), b["state"].values()))
 
 
-def test_fid_in_training_scores_decoded_samples_against_the_pixel_images(train, tiny_recipe, tmp_path):
+def test_fid_in_training_scores_decoded_samples_against_the_pixel_images(tiny_recipe, tmp_path):
     """--eval_steps on a latent run (the digits, RGB VAE): the reference is the pixel images the
     posteriors were encoded from, the samples are decoded; FID is logged at steps 2 and 4."""
     vae = save_tiny_vae(tmp_path / "vae")
-    train(tiny_recipe(model=LATENT_MODEL), tmp_path / "run", "--pretrained_vae_model_name_or_path", vae,
-          "--max_train_steps", 4, "--eval_steps", 2, "--eval_num_samples", 8, "--feature_extractor", "tiny")
+    run_training(tiny_recipe(model=LATENT_MODEL), tmp_path / "run", "--pretrained_vae_model_name_or_path", vae,
+                 "--max_train_steps", 4, "--eval_steps", 2, "--eval_num_samples", 8, "--feature_extractor", "tiny")
     fids = {h["step"]: h["eval/fid"] for h in read_history(tmp_path / "run") if "eval/fid" in h}
     assert sorted(fids) == [2, 4] and all(value > 0 for value in fids.values())
     with np.load(tmp_path / "run" / "logs" / "fid_reference_tiny.npz") as reference:
         assert "64-8-8-" in str(reference["fingerprint"])  # 64 digits at 8 px, the pixel resolution
 
 
-def test_latents_of_unit_scale_are_not_held_to_the_pixel_range(train, tiny_recipe, tmp_path):
+def test_latents_of_unit_scale_are_not_held_to_the_pixel_range(tiny_recipe, tmp_path):
     """A VAE config whose scale puts the latents outside [-1, 1] (unit-variance latents do): the run
     trains (sigma_data, the reference curve's scale, is measured on them without the pixel-range check)."""
     vae = save_tiny_vae(tmp_path / "vae", scaling_factor=40.0)
-    result = train(tiny_recipe(model=LATENT_MODEL), tmp_path / "run", "--pretrained_vae_model_name_or_path", vae,
-                   "--max_train_steps", 1)
+    result = run_training(tiny_recipe(model=LATENT_MODEL), tmp_path / "run", "--pretrained_vae_model_name_or_path", vae,
+                          "--max_train_steps", 1)
     assert "latents: normalised by the VAE config's scaling_factor 40" in result.stdout
 
 
-def test_a_vae_changed_under_the_same_path_is_refused_on_resume(train, tiny_recipe, tmp_path):
+def test_a_vae_changed_under_the_same_path_is_refused_on_resume(tiny_recipe, tmp_path):
     """The checkpoint records the VAE's fingerprint and normalisation: other weights saved to the
     same folder make a resume one line naming them, not a run on other latents."""
     vae = save_tiny_vae(tmp_path / "vae")
     recipe = tiny_recipe(model=LATENT_MODEL, checkpointing_steps=2)
     flags = ("--pretrained_vae_model_name_or_path", vae)
-    train(recipe, tmp_path / "run", *flags, "--max_train_steps", 2)
+    run_training(recipe, tmp_path / "run", *flags, "--max_train_steps", 2)
     save_tiny_vae(tmp_path / "vae", seed=1)  # retrained, same folder
-    result = train(recipe, tmp_path / "run", *flags, "--max_train_steps", 4, "--resume_from_checkpoint", "latest",
-                   check=False)
+    result = run_training(recipe, tmp_path / "run", *flags, "--max_train_steps", 4, "--resume_from_checkpoint",
+                          "latest", check=False)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "vae.fingerprint:" in result.stderr.strip().splitlines()[-1]
 
 
 # ----------------------------------------------------------------------------- streamed latents
-def test_a_latent_run_killed_while_saving_resumes_from_the_checkpoint_before_bit_exact(launch, train, tiny_recipe,
-                                                                                        tmp_path):
+def test_a_latent_run_killed_while_saving_resumes_from_the_checkpoint_before_bit_exact(tiny_recipe, tmp_path):
     """SIGKILL in its own process while checkpoint-6 is written: the resume starts from checkpoint-3
     and ends as a straight run does (weights, optimizer state)."""
     folder = save_random_images(tmp_path / "images", 16, 8, 8)
@@ -151,10 +151,10 @@ def test_a_latent_run_killed_while_saving_resumes_from_the_checkpoint_before_bit
     flags = ("--train_data_dir", folder, "--pretrained_vae_model_name_or_path", save_tiny_vae(tmp_path / "vae"),
              "--random_flip", "--max_train_steps", 6, "--cache_dir", tmp_path / "cache")
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    train(recipe, straight, *flags)
-    assert launch(recipe, killed, *flags, faults=("--sigkill_in_save", 6), check=False).returncode == -9
+    run_training(recipe, straight, *flags)
+    assert launch_training(recipe, killed, *flags, faults=("--sigkill_in_save", 6), check=False).returncode == -9
     assert not (killed / "checkpoint-6").exists() and (killed / "checkpoint-3").is_dir()
-    assert "at optimizer step 3" in train(recipe, killed, *flags, "--resume_from_checkpoint", "latest").stdout
+    assert "at optimizer step 3" in run_training(recipe, killed, *flags, "--resume_from_checkpoint", "latest").stdout
     a, b = (load_file(run / "checkpoint-6" / "model.safetensors") for run in (straight, killed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     a, b = (torch.load(run / "checkpoint-6" / "optimizer.bin", weights_only=True) for run in (straight, killed))
@@ -191,7 +191,7 @@ def test_a_streamed_batch_is_encoded_as_the_cache_encodes_it(tmp_path):
     assert not torch.allclose(streamed.model_input(pixels, "cpu", ~flip, noise), expected, atol=1e-3)
 
 
-def test_streamed_and_cached_runs_train_on_the_same_latents(train, tiny_recipe, tmp_path):
+def test_streamed_and_cached_runs_train_on_the_same_latents(tiny_recipe, tmp_path):
     """24 RGB images, cached from one parquet file, and streamed from another holding them in the
     order the cached run draws its first epoch (3 micro-batches of 8): each step trains on the same
     images, so the latents the UNet sees (flips and the posterior's draw from (seed, micro-step))
@@ -210,9 +210,9 @@ def test_streamed_and_cached_runs_train_on_the_same_latents(train, tiny_recipe, 
     for name, extra in (("cached", ()), ("streamed", streamed)):
         inputs = seen[name] = []
         hooks = Hooks(model_input=lambda run, clean, micro_step, inputs=inputs: inputs.append(clean.clone()) or clean)
-        train(tiny_recipe(model=LATENT_MODEL, max_train_samples=None), tmp_path / name, "--train_data_files",
-              files[name], "--pretrained_vae_model_name_or_path", vae, "--random_flip", "--max_train_steps", 3,
-              *extra, hooks=hooks)
+        run_training(tiny_recipe(model=LATENT_MODEL, max_train_samples=None), tmp_path / name, "--train_data_files",
+                     files[name], "--pretrained_vae_model_name_or_path", vae, "--random_flip", "--max_train_steps", 3,
+                     *extra, hooks=hooks)
     assert len(seen["cached"]) == len(seen["streamed"]) == 3
     for cached, streamed in zip(seen["cached"], seen["streamed"]):
         torch.testing.assert_close(streamed, cached, rtol=1e-5, atol=1e-5)
@@ -221,7 +221,7 @@ def test_streamed_and_cached_runs_train_on_the_same_latents(train, tiny_recipe, 
     assert [h["eval/fid"] > 0 for h in read_history(tmp_path / "streamed") if "eval/fid" in h] == [True]
 
 
-def test_a_streamed_latent_run_resumes_bit_exact_with_statistics_measured_on_the_stream(train, tiny_recipe, tmp_path):
+def test_a_streamed_latent_run_resumes_bit_exact_with_statistics_measured_on_the_stream(tiny_recipe, tmp_path):
     """40 RGB images in 4 parquet shards, streamed by 2 loader workers, 8 a step, with a VAE config
     that names no scale: the statistics are measured on the stream's first images (all 40, both
     views) before training, saved in the exported vae/, measured again on resume; stopped by a
@@ -238,13 +238,13 @@ def test_a_streamed_latent_run_resumes_bit_exact_with_statistics_measured_on_the
              2, "--pretrained_vae_model_name_or_path", vae_folder, "--random_flip", "--max_train_steps", 6,
              "--grad_diagnostics_steps", 3)  # the probe encodes its batch too, off the training step
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    first = train(recipe, straight, *flags)
+    first = run_training(recipe, straight, *flags)
     assert [h["step"] for h in read_history(straight) if "grad_probe/total_norm" in h] == [3, 6]
     assert ("latents: normalised by their per-channel mean and std, measured on the latents of the stream's first "
             "40 images (the VAE config names no scale)") in first.stdout
-    stopped = train(recipe, resumed, *flags, hooks=faults.hooks(signal_at_step=3), check=False)
+    stopped = run_training(recipe, resumed, *flags, hooks=faults.hooks(signal_at_step=3), check=False)
     assert stopped.returncode == 4, stopped.stderr[-3000:]
-    train(recipe, resumed, *flags, "--resume_from_checkpoint", "latest")
+    run_training(recipe, resumed, *flags, "--resume_from_checkpoint", "latest")
     losses = [[h["loss"] for h in read_history(run) if "loss" in h] for run in (straight, resumed)]
     assert losses[0] == losses[1] and len(losses[0]) == 6
     for weights in (load_unet_weights, lambda run: load_file(run / "checkpoint-6" / "model.safetensors")):
@@ -260,7 +260,7 @@ def test_a_streamed_latent_run_resumes_bit_exact_with_statistics_measured_on_the
     assert exported["latents_std"] == pytest.approx(std.tolist(), rel=1e-5)
 
 
-def test_two_ranks_of_a_latent_run_equal_one_rank_of_the_same_global_batch(launch, train, tiny_recipe, tmp_path):
+def test_two_ranks_of_a_latent_run_equal_one_rank_of_the_same_global_batch(tiny_recipe, tmp_path):
     """16 RGB images with a cache folder, flips on: 2 gloo ranks x 4 images (the first rank encodes,
     the other reads its latents) train as 1 rank x 8 (same posteriors, flips, draws, noise and
     timesteps, each rank its slice), and the 2-rank export decodes."""
@@ -268,10 +268,10 @@ def test_two_ranks_of_a_latent_run_equal_one_rank_of_the_same_global_batch(launc
     folder = save_random_images(tmp_path / "images", 16, 8, 8)
     flags = ("--train_data_dir", folder, "--pretrained_vae_model_name_or_path", save_tiny_vae(tmp_path / "vae"),
              "--random_flip", "--max_train_steps", 4, "--cache_dir", tmp_path / "cache")
-    two = launch(tiny_recipe(model=LATENT_MODEL, train_batch_size=4), tmp_path / "two", *flags, ranks=2,
-                 env={"ACCELERATE_USE_CPU": "1"})
+    two = launch_training(tiny_recipe(model=LATENT_MODEL, train_batch_size=4), tmp_path / "two", *flags, ranks=2,
+                          env={"ACCELERATE_USE_CPU": "1"})
     assert two.stdout.count("encoded 16 images once") == 1 and "replicas identical on 2 processes" in two.stdout
-    train(tiny_recipe(model=LATENT_MODEL, train_batch_size=8), tmp_path / "one", *flags)
+    run_training(tiny_recipe(model=LATENT_MODEL, train_batch_size=8), tmp_path / "one", *flags)
     w2, w1 = load_unet_weights(tmp_path / "two"), load_unet_weights(tmp_path / "one")
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
     l2, l1 = read_history(tmp_path / "two"), read_history(tmp_path / "one")
@@ -286,8 +286,8 @@ def test_the_held_out_loss_and_the_gradient_probe_score_normalised_latent_means(
     """On the digits with a VAE, the held-out images are split off the encoded latents, and the
     held-out loss and the gradient probe feed the UNet the normalised posterior means of their
     images: the VAE's encoding of those pixel images, times the config's scaling_factor."""
-    from conftest import tiny_run
     from diffusers import AutoencoderKL
+    from helpers import tiny_run
 
     from diffusion_extras.data.batch_order import to_model_input
     vae_folder = save_tiny_vae(tmp_path / "vae")
@@ -310,10 +310,11 @@ def test_the_held_out_loss_and_the_gradient_probe_score_normalised_latent_means(
     run.accelerator.end_training()
 
 
-def test_a_latent_run_logs_the_held_out_loss_and_the_gradient_probe(train, tiny_recipe, tmp_path):
+def test_a_latent_run_logs_the_held_out_loss_and_the_gradient_probe(tiny_recipe, tmp_path):
     vae = save_tiny_vae(tmp_path / "vae")
-    train(tiny_recipe(model=LATENT_MODEL), tmp_path / "run", "--pretrained_vae_model_name_or_path", vae,
-          "--max_train_steps", 4, "--validation_split", 0.25, "--validation_steps", 2, "--grad_diagnostics_steps", 2)
+    run_training(tiny_recipe(model=LATENT_MODEL), tmp_path / "run", "--pretrained_vae_model_name_or_path", vae,
+                 "--max_train_steps", 4, "--validation_split", 0.25, "--validation_steps", 2,
+                 "--grad_diagnostics_steps", 2)
     logged = {}
     for row in read_history(tmp_path / "run"):  # a step's rows: the training window's, the probes'
         logged.setdefault(row["step"], {}).update(row)
@@ -323,8 +324,7 @@ def test_a_latent_run_logs_the_held_out_loss_and_the_gradient_probe(train, tiny_
     assert (tmp_path / "run" / "images" / "grad_per_timestep.png").is_file()
 
 
-def test_two_streaming_ranks_equal_one_with_the_statistics_of_the_streams_first_images(launch, train, tiny_recipe,
-                                                                                       tmp_path):
+def test_two_streaming_ranks_equal_one_with_the_statistics_of_the_streams_first_images(tiny_recipe, tmp_path):
     """4 parquet shards of 4 RGB images, unshuffled, with a VAE config that names no scale. Rank r of
     2 reads shards r and r + 2, so 2 ranks x 4 images hold, step by step, what 1 rank x 8 reads from
     the shards in turn: the same global batches, flips and draws. They train alike only if every
@@ -339,11 +339,11 @@ def test_two_streaming_ranks_equal_one_with_the_statistics_of_the_streams_first_
     path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "scaling_factor"}))
     flags = ("--dataset_name", tmp_path / "pq", "--streaming", "--shuffle_buffer_size", 0, "--random_flip",
              "--pretrained_vae_model_name_or_path", tmp_path / "vae", "--max_train_steps", 4)
-    two = launch(tiny_recipe(model=LATENT_MODEL, train_batch_size=4, max_train_samples=None), tmp_path / "two",
-                 *flags, ranks=2, env={"ACCELERATE_USE_CPU": "1"})
+    two = launch_training(tiny_recipe(model=LATENT_MODEL, train_batch_size=4, max_train_samples=None), tmp_path / "two",
+                          *flags, ranks=2, env={"ACCELERATE_USE_CPU": "1"})
     assert "measured on the latents of the stream's first 16 images" in two.stdout
     assert "replicas identical on 2 processes" in two.stdout
-    train(tiny_recipe(model=LATENT_MODEL, train_batch_size=8, max_train_samples=None), tmp_path / "one", *flags)
+    run_training(tiny_recipe(model=LATENT_MODEL, train_batch_size=8, max_train_samples=None), tmp_path / "one", *flags)
     w2, w1 = load_unet_weights(tmp_path / "two"), load_unet_weights(tmp_path / "one")
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
     l2, l1 = read_history(tmp_path / "two"), read_history(tmp_path / "one")
@@ -352,7 +352,7 @@ def test_two_streaming_ranks_equal_one_with_the_statistics_of_the_streams_first_
 
 def test_the_model_card_says_how_the_latents_were_normalised(tmp_path, fresh_accelerate):
     """The start-up line's normalisation reaches the Hub model card (the VAE config's scaling_factor here)."""
-    from conftest import tiny_run
+    from helpers import tiny_run
 
     from diffusion_extras.hub.push import write_model_card
     from diffusion_extras.training.periodic import model_card

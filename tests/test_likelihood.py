@@ -1,5 +1,5 @@
 """Tests for diffusion_extras/evaluation/likelihood.py and `python -m diffusion_extras.evaluate ... --eval_metrics
-nll`: the full bound against a float64 computation written out term by term (test_vlb's hand formulas)."""
+nll`: the full bound against a float64 computation written out term by term (helpers.vlb_term_by_hand)."""
 import json
 import math
 from types import SimpleNamespace
@@ -7,11 +7,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import save_random_images, save_tiny_pipeline, tiny_unet
 from diffusers import DDPMPipeline, DDPMScheduler
-from test_vlb import BETAS, T, _hand_term
+from helpers import VLB_BETAS, VLB_T, run_cli, save_random_images, save_tiny_pipeline, tiny_unet, vlb_term_by_hand
 
-from diffusion_extras.cli import evaluate
 from diffusion_extras.data.batch_order import mix_seed
 from diffusion_extras.evaluation.likelihood import NLL_STREAM, bits_per_dim, kl_blocks
 
@@ -33,25 +31,25 @@ class AffineUNet(torch.nn.Module):
 @pytest.mark.parametrize("variance_type", ["fixed_small", "learned_range"])
 def test_full_bound_matches_a_float64_hand_computation(variance_type):
     images = np.array([[[0, 255], [128, 40]], [[7, 200], [255, 0]]], dtype=np.uint8)[..., None]  # [2, 2, 2, 1]
-    scheduler = DDPMScheduler(num_train_timesteps=T, trained_betas=BETAS, variance_type=variance_type)
+    scheduler = DDPMScheduler(num_train_timesteps=VLB_T, trained_betas=VLB_BETAS, variance_type=variance_type)
     got = bits_per_dim(AffineUNet(variance_type == "learned_range"), scheduler, images, batch_size=2, seed=3)
     clean = images[..., 0].astype(np.float64) / 127.5 - 1  # [2, 2, 2]
-    abar = [math.prod(1 - b for b in BETAS[:i + 1]) for i in range(T)]
+    abar = [math.prod(1 - b for b in VLB_BETAS[:i + 1]) for i in range(VLB_T)]
     totals = np.zeros(2)
-    for t in range(T):
+    for t in range(VLB_T):
         noise = torch.randn((2, 1, 2, 2), generator=torch.Generator().manual_seed(mix_seed(3, NLL_STREAM, 0, t)))
         noise = noise.double().numpy()[:, 0]
         for n in range(2):
             terms = []
             for x0, e in zip(clean[n].flat, noise[n].flat):
                 xt = math.sqrt(abar[t]) * x0 + math.sqrt(1 - abar[t]) * e
-                terms.append(_hand_term(x0, xt, 0.5 * xt, 0.3, t, variance_type))
+                terms.append(vlb_term_by_hand(x0, xt, 0.5 * xt, 0.3, t, variance_type))
             totals[n] += np.mean(terms)
     for n in range(2):  # the prior KL(N(sqrt(abar_T) x0, 1 - abar_T) || N(0, 1))
         totals[n] += np.mean([0.5 * (-1 - math.log(1 - abar[-1]) + (1 - abar[-1]) + abar[-1] * x0 ** 2)
                               for x0 in clean[n].flat]) / math.log(2)
     assert got["nll_bits_per_dim"] == pytest.approx(totals.mean(), rel=2e-4)
-    assert got["nll_images"] == 2 and got["nll_unet_calls_per_image"] == T
+    assert got["nll_images"] == 2 and got["nll_unet_calls_per_image"] == VLB_T
 
 
 def test_strided_blocks_cover_every_kl_term_once():
@@ -70,8 +68,8 @@ def test_evaluate_command_reports_bits_per_dim(tmp_path, learned):
             pipeline)
     references = save_random_images(tmp_path / "refs", 3, 8, 8)
     output = tmp_path / "nll.json"
-    evaluate.main([pipeline, "--reference", references, "--eval_metrics", "nll", "--nll_timestep_stride", "25",
-                   "--device", "cpu", "--output", str(output)])
+    run_cli(["-m", "diffusion_extras.evaluate", pipeline, "--reference", references, "--eval_metrics", "nll",
+             "--nll_timestep_stride", "25", "--device", "cpu", "--output", output])
     report = json.loads(output.read_text())
     assert report["nll_images"] == 3 and report["nll_unet_calls_per_image"] == 1 + 4
     assert report["nll_timestep_stride"] == 25 and 0 < report["nll_bits_per_dim"] < 100

@@ -8,7 +8,7 @@ import threading
 
 import faults
 import pytest
-from conftest import read_history, run_training
+from helpers import read_history, run_training
 
 from diffusion_extras.core import stop_flag
 

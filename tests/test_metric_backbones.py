@@ -11,9 +11,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import read_history, save_random_images, save_tiny_pipeline
+from helpers import read_history, run_cli, run_training, save_random_images, save_tiny_pipeline
 from PIL import Image
-from processes import cli_env, run_command
 
 from diffusion_extras.evaluation import inception_file
 from diffusion_extras.evaluation.choices import extractors_for, parse_metrics
@@ -117,8 +116,12 @@ class _Detector(torch.nn.Module):
 
 
 @pytest.fixture
-def loopback_detector(tmp_path):
-    """A loopback HTTP server serving a scripted stand-in detector; yields (url, sha256, request count)."""
+def loopback_detector(tmp_path, monkeypatch):
+    """A loopback HTTP server serving a scripted stand-in detector; yields (url, sha256, request count).
+    This process downloads from it online: huggingface_hub's HF_HUB_OFFLINE, read at import, set as
+    HF_HUB_OFFLINE=0 would have set it (the suite is offline)."""
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     served = tmp_path / "served"
     served.mkdir()
     torch.jit.script(_Detector()).save(str(served / "inception-2015-12-05.pt"))
@@ -168,26 +171,26 @@ def test_inception_download_with_a_wrong_checksum_is_refused_and_leaves_nothing(
 
 
 def test_evaluate_cli_offline_without_inception_weights_names_the_file_url_and_flag(tmp_path):
-    """A process of its own started offline (HF_HUB_OFFLINE=1 is read when huggingface_hub loads)."""
+    """Offline, as the suite is."""
     pipeline = save_tiny_pipeline(tmp_path / "run", channels=3)
-    result = run_command(["-m", "diffusion_extras.evaluate", pipeline, "--reference", str(tmp_path),
-                          "--eval_metrics", "fid", "--device", "cpu"], tmp_path)
+    result = run_cli(["-m", "diffusion_extras.evaluate", pipeline, "--reference", str(tmp_path),
+                      "--eval_metrics", "fid", "--device", "cpu"], check=False)
     error = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and error.startswith("error: offline (HF_HUB_OFFLINE=1)")
     assert "inception-2015-12-05.pt" in error and inception_file.INCEPTION_URL in error
     assert "--inception_weights" in error
-    assert os.path.join(cli_env()["HF_HOME"], "metrics") in error  # where to place it: the run's HF folder
+    assert os.path.join(os.environ["HF_HOME"], "metrics") in error  # where to place it: the run's HF folder
 
 
 # ----------------------------------------------------------------------------- command lines
-def test_evaluate_cli_computes_every_metric_with_local_backbones(run_cli, tmp_path, tiny_dinov2, tiny_clip):
+def test_evaluate_cli_computes_every_metric_with_local_backbones(tmp_path, tiny_dinov2, tiny_clip):
     pipeline = save_tiny_pipeline(tmp_path / "run", channels=3)
     reference = save_random_images(tmp_path / "reference", 10, 8, 8, seed=3)
     result = run_cli(["-m", "diffusion_extras.evaluate", pipeline, "--reference", str(reference),
                       "--eval_metrics", "fid,kid,fd_dinov2,cmmd", "--feature_extractor", "tiny",
                       "--dinov2_model", tiny_dinov2, "--clip_model", tiny_clip, "--num_samples", "6",
                       "--num_inference_steps", "2", "--batch_size", "6", "--cache_dir", str(tmp_path / "cache"),
-                      "--output", str(tmp_path / "m.json"), "--device", "cpu"], check=True)
+                      "--output", str(tmp_path / "m.json"), "--device", "cpu"])
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert all(np.isfinite(metrics[key]) and metrics[key] > 0 for key in ("fid", "kid", "fd_dinov2", "cmmd"))
     assert metrics["feature_extractors"]["cmmd"].startswith("clip") and result.returncode == 0
@@ -195,11 +198,11 @@ def test_evaluate_cli_computes_every_metric_with_local_backbones(run_cli, tmp_pa
 
 
 def test_training_evaluates_fd_dinov2_and_cmmd_and_caches_a_reference_per_extractor(
-        train, tiny_recipe, tmp_path, tiny_dinov2, tiny_clip):
+        tiny_recipe, tmp_path, tiny_dinov2, tiny_clip):
     out = tmp_path / "run"
-    train(tiny_recipe(), out, "--max_train_steps", 2, "--eval_steps", 2, "--eval_num_samples", 6,
-          "--eval_metrics", "kid,fd_dinov2,cmmd", "--feature_extractor", "tiny", "--dinov2_model", tiny_dinov2,
-          "--clip_model", tiny_clip)
+    run_training(tiny_recipe(), out, "--max_train_steps", 2, "--eval_steps", 2, "--eval_num_samples", 6,
+                 "--eval_metrics", "kid,fd_dinov2,cmmd", "--feature_extractor", "tiny", "--dinov2_model", tiny_dinov2,
+                 "--clip_model", tiny_clip)
     evaluated = [row for row in read_history(out) if "eval/cmmd" in row]
     assert len(evaluated) == 1 and evaluated[0]["step"] == 2
     assert all(np.isfinite(evaluated[0][f"eval/{key}"]) for key in ("kid", "fd_dinov2", "cmmd"))
@@ -208,17 +211,15 @@ def test_training_evaluates_fd_dinov2_and_cmmd_and_caches_a_reference_per_extrac
         assert (out / "logs" / f"fid_reference_{kind}.npz").is_file()
 
 
-@pytest.mark.parametrize("flags, message, offline", [
-    (["--eval_metrics", "fid,bogus"], "--eval_metrics 'fid,bogus': choose a comma list of", False),
-    (["--eval_metrics", "fd_dinov2"], "cannot load 'facebook/dinov2-large' for --dinov2_model", True),
-    (["--eval_metrics", "cmmd", "--clip_model", "no/such-clip"], "cannot load 'no/such-clip' for --clip_model", True),
+@pytest.mark.parametrize("flags, message", [
+    (["--eval_metrics", "fid,bogus"], "--eval_metrics 'fid,bogus': choose a comma list of"),
+    (["--eval_metrics", "fd_dinov2"], "cannot load 'facebook/dinov2-large' for --dinov2_model"),
+    (["--eval_metrics", "cmmd", "--clip_model", "no/such-clip"], "cannot load 'no/such-clip' for --clip_model"),
 ])
-def test_training_refuses_bad_metrics_and_unloadable_backbones_before_any_step(train, launch, tiny_recipe, tmp_path,
-                                                                               flags, message, offline):
-    """The bad list in this process; the backbones are Hub ids, asked for offline: a process of its own
-    started with HF_HUB_OFFLINE=1 (this process is online, and would download them)."""
+def test_training_refuses_bad_metrics_and_unloadable_backbones_before_any_step(tiny_recipe, tmp_path, flags,
+                                                                               message):
+    """The backbones are Hub ids, asked for offline (as the suite is)."""
     out = tmp_path / "run"
-    result = (launch if offline else train)(tiny_recipe(), out, "--max_train_steps", 2, "--eval_steps", 1, *flags,
-                                            check=False)
+    result = run_training(tiny_recipe(), out, "--max_train_steps", 2, "--eval_steps", 1, *flags, check=False)
     assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
     assert not (out / "checkpoint-1").exists() and not (out / "unet").exists()

@@ -2,7 +2,7 @@
 value the user set (a flag or the --config recipe) wins."""
 import pytest
 import yaml
-from conftest import save_random_images
+from helpers import run_cli, save_random_images
 
 from diffusion_extras.training import models
 from diffusion_extras.training.config import DIGITS_UNET, TrainConfig, parse_config
@@ -56,13 +56,13 @@ def test_a_value_the_user_set_wins_by_flag_or_recipe(tmp_path):
                               3).optimization == ""
 
 
-def test_the_followed_recipe_is_announced_and_lands_in_training_config_yaml(run_cli, tmp_path):
+def test_the_followed_recipe_is_announced_and_lands_in_training_config_yaml(tmp_path):
     """No --config: train_ddpm.py on an RGB folder at 32 px trains diffusers' UNet with its recipe;
     the model line says so, and training_config.yaml records the values the run used."""
     folder, out = save_random_images(tmp_path / "images", 2, 32, 32), tmp_path / "run"
     result = run_cli(["train_ddpm.py", "--train_data_dir", folder, "--resolution", 32, "--output_dir", out,
                       "--train_batch_size", 2, "--num_epochs", 1, "--eval_batch_size", 1,
-                      "--ddpm_num_inference_steps", 1, "--logger", "none"], check=True)
+                      "--ddpm_num_inference_steps", 1, "--logger", "none"])
     model_line = next(line for line in result.stdout.splitlines() if line.startswith("model: "))
     assert "113.7M parameters; optimization: diffusers' train_unconditional.py recipe (learning_rate 0.0001" \
         in model_line and "yours kept: --num_epochs" in model_line

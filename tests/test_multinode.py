@@ -9,9 +9,8 @@ import sys
 import faults
 import numpy as np
 import pytest
-from conftest import ROOT
+from helpers import ROOT, run_training, write_tar_shards
 from processes import cli_env
-from test_data_files import write_tar_shards
 
 from diffusion_extras.data import decode_cache
 from diffusion_extras.data import images as data
@@ -35,7 +34,7 @@ def test_disk_guard_message_names_streaming(tmp_path, monkeypatch):
         decode_cache.check_cache_space(str(tmp_path), 100, 8, 3)  # 19,200 bytes do not
 
 
-def test_cli_refuses_a_cache_that_does_not_fit_and_streams_instead(train, tiny_recipe, tmp_path, monkeypatch):
+def test_cli_refuses_a_cache_that_does_not_fit_and_streams_instead(tiny_recipe, tmp_path, monkeypatch):
     import shutil
     folder = write_tar_shards(tmp_path / "shards", shards=2, per_shard=8)
     recipe = tiny_recipe(train_batch_size=4, max_train_samples=None)
@@ -43,12 +42,12 @@ def test_cli_refuses_a_cache_that_does_not_fit_and_streams_instead(train, tiny_r
     # the disk reports 500 free bytes (shutil.disk_usage patched; the trainer untouched): 16 images of
     # 8x8x1 = 1,024 bytes do not fit
     monkeypatch.setattr(shutil, "disk_usage", faults.report_free_bytes(500, shutil.disk_usage))
-    result = train(recipe, tmp_path / "cached", *flags, check=False)
+    result = run_training(recipe, tmp_path / "cached", *flags, check=False)
     assert result.returncode == 2
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("error: the decoded-image cache needs") and "--streaming" in line
     assert not os.path.exists(tmp_path / "cached" / "checkpoint-2")
-    train(recipe, tmp_path / "streamed", *flags, "--streaming")
+    run_training(recipe, tmp_path / "streamed", *flags, "--streaming")
     assert os.path.isfile(tmp_path / "streamed" / "unet" / "diffusion_pytorch_model.safetensors")
 
 

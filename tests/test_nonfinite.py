@@ -5,7 +5,7 @@ import os
 
 import faults
 import torch
-from conftest import read_history
+from helpers import read_history, run_training
 from safetensors.torch import load_file
 
 
@@ -17,10 +17,10 @@ def checkpoint_state(folder):
     return model, ema, steps
 
 
-def test_nonfinite_steps_are_skipped_and_training_continues(train, tiny_recipe, tmp_path):
+def test_nonfinite_steps_are_skipped_and_training_continues(tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    result = train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 6,
-                   hooks=faults.hooks(nan_at_steps=(3, 4)))
+    result = run_training(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 6,
+                          hooks=faults.hooks(nan_at_steps=(3, 4)))
     m2, e2, s2 = checkpoint_state(out / "checkpoint-2")
     m4, e4, s4 = checkpoint_state(out / "checkpoint-4")
     assert all(torch.equal(m2[k], m4[k]) for k in m2), "a skipped step changed the weights"
@@ -37,11 +37,11 @@ def test_nonfinite_steps_are_skipped_and_training_continues(train, tiny_recipe, 
     assert "nonfinite_events" in {f["code"] for f in report["findings"]}
 
 
-def test_consecutive_nonfinite_steps_stop_with_last_good_checkpoint(train, tiny_recipe, tmp_path):
+def test_consecutive_nonfinite_steps_stop_with_last_good_checkpoint(tiny_recipe, tmp_path):
     out = tmp_path / "run"
-    result = train(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 20,
-                   "--max_nonfinite_steps", 3, hooks=faults.hooks(nan_at_steps=range(3, 21)),
-                   check=False)
+    result = run_training(tiny_recipe(checkpointing_steps=2), out, "--max_train_steps", 20,
+                          "--max_nonfinite_steps", 3, hooks=faults.hooks(nan_at_steps=range(3, 21)),
+                          check=False)
     assert result.returncode == 3, result.stderr[-2000:]
     assert "error: stopped: 3 consecutive non-finite steps by step 5" in result.stderr
     assert "Traceback" not in result.stderr

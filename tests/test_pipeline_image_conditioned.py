@@ -5,8 +5,8 @@ image; the refusals."""
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_unet
 from diffusers import DDPMScheduler
+from helpers import tiny_unet
 from PIL import Image
 
 from diffusion_extras.evaluation.pipeline_class_conditional import guided_model_output

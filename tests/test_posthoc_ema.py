@@ -7,10 +7,9 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_unet
+from helpers import run_cli, tiny_unet
 
 from diffusion_extras.cli import common
-from diffusion_extras.cli.posthoc_ema import main
 from diffusion_extras.core import phema
 from diffusion_extras.core.phema import (
     PowerFunctionEMA,
@@ -190,7 +189,7 @@ def assert_exported_unet_equals(export_dir, state):
 
 def test_cli_exports_the_requested_width(tmp_path):
     output = tiny_training_output(tmp_path)
-    main([str(output), "--sigma_rels", "0.08", "--step", "30"])
+    run_cli(["-m", "diffusion_extras.posthoc_ema", output, "--sigma_rels", "0.08", "--step", "30"])
     state = reconstruct(str(output / "posthoc_ema"), 0.08, step=30)
     assert_exported_unet_equals(output / "posthoc-ema-best", state)
     summary = json.loads((output / "posthoc-ema-best.json").read_text())
@@ -200,7 +199,7 @@ def test_cli_exports_the_requested_width(tmp_path):
     assert not torch.equal(trained.conv_in.weight, state["conv_in.weight"])
 
 
-def test_cli_evaluates_each_width_and_exports_the_lowest_fid(tmp_path, monkeypatch, capsys):
+def test_cli_evaluates_each_width_and_exports_the_lowest_fid(tmp_path, monkeypatch):
     output = tiny_training_output(tmp_path)
     # Stand-ins with fixed scores, so the lowest-FID choice is known (0.1, the middle one).
     fids, calls = iter([3.0, 1.5, 2.0]), []
@@ -211,13 +210,13 @@ def test_cli_evaluates_each_width_and_exports_the_lowest_fid(tmp_path, monkeypat
     monkeypatch.setattr(metrics, "build_feature_extractor", fake_metrics.build_feature_extractor)
     monkeypatch.setattr(metrics, "evaluate_unet", fake_metrics.evaluate_unet)
     monkeypatch.setattr(common, "load_reference", lambda *args: "reference")
-    main([str(output), "--sigma_rels", "0.05,0.1,0.15", "--evaluate", "--num_samples", "16",
-          "--reference", "ref.npz", "--device", "cpu", "--export", str(tmp_path / "x")])
+    result = run_cli(["-m", "diffusion_extras.posthoc_ema", output, "--sigma_rels", "0.05,0.1,0.15", "--evaluate",
+                      "--num_samples", "16", "--reference", "ref.npz", "--device", "cpu", "--export", tmp_path / "x"])
     assert [c["num_samples"] for c in calls] == [16, 16, 16]
     assert_exported_unet_equals(tmp_path / "x", reconstruct(str(output / "posthoc_ema"), 0.1))
     summary = json.loads((tmp_path / "x.json").read_text())
     assert summary["sigma_rel"] == 0.1 and [r["fid"] for r in summary["scores"]] == [3, 1.5, 2]
-    assert "1.5000" in capsys.readouterr().out
+    assert "1.5000" in result.stdout
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -225,22 +224,20 @@ def test_cli_evaluates_each_width_and_exports_the_lowest_fid(tmp_path, monkeypat
     (["--sigma_rels", "0.05,0.1"], "without --evaluate pass exactly one"),
     (["--sigma_rels", "0.1", "--step", "25"], "step 25 has no snapshot"),
 ])
-def test_cli_rejects_bad_input_with_one_line(tmp_path, capsys, argv, message):
+def test_cli_rejects_bad_input_with_one_line(tmp_path, argv, message):
     output = tiny_training_output(tmp_path)
-    with pytest.raises(SystemExit) as exit_info:
-        main([str(output), *argv])
-    assert exit_info.value.code == 2
-    error = capsys.readouterr().err
-    assert error.startswith("error: ") and message in error and error.count("\n") == 1
+    result = run_cli(["-m", "diffusion_extras.posthoc_ema", output, *argv], check=False)
+    error = result.stderr
+    assert result.returncode == 2 and error.startswith("error: ") and message in error and error.count("\n") == 1
 
 
-def test_command_line_reports_missing_snapshots(run_cli, tmp_path):
+def test_command_line_reports_missing_snapshots(tmp_path):
     """`python -m diffusion_extras.posthoc_ema` through its main() in this process (the module's
     entry, a process, is test_first_contact's): exit code 2 and one error line."""
     from diffusers import DDPMPipeline, DDPMScheduler
     DDPMPipeline(unet=tiny_unet(), scheduler=DDPMScheduler()).save_pretrained(tmp_path)
     os.makedirs(tmp_path / "posthoc_ema")
-    result = run_cli(["-m", "diffusion_extras.posthoc_ema", str(tmp_path), "--sigma_rels", "0.1"])
+    result = run_cli(["-m", "diffusion_extras.posthoc_ema", str(tmp_path), "--sigma_rels", "0.1"], check=False)
     assert result.returncode == 2
     assert result.stderr.startswith("error: no phema-") and "Traceback" not in result.stderr
 
@@ -254,9 +251,9 @@ def test_cli_scores_widths_with_the_real_evaluation_module(tmp_path):
     for index in range(24):
         pixels = generator.integers(0, 256, size=(8, 8), dtype=np.uint8)
         Image.fromarray(pixels).save(tmp_path / "reference" / f"{index}.png")
-    main([str(output), "--sigma_rels", "0.05,0.15", "--evaluate", "--num_samples", "24",
-          "--num_inference_steps", "4", "--feature_extractor", "tiny", "--device", "cpu",
-          "--reference", str(tmp_path / "reference")])
+    run_cli(["-m", "diffusion_extras.posthoc_ema", output, "--sigma_rels", "0.05,0.15", "--evaluate",
+             "--num_samples", "24", "--num_inference_steps", "4", "--feature_extractor", "tiny", "--device", "cpu",
+             "--reference", tmp_path / "reference"])
     summary = json.loads((output / "posthoc-ema-best.json").read_text())
     scores = {row["sigma_rel"]: row["fid"] for row in summary["scores"]}
     assert summary["sigma_rel"] == min(scores, key=scores.get) and len(set(scores.values())) == 2

@@ -8,8 +8,17 @@ import shutil
 import pytest
 import torch
 import yaml
-from conftest import TINY_RECIPE, load_unet_weights, save_random_images, save_tiny_pipeline, tiny_run, tiny_unet
+from helpers import (
+    TINY_RECIPE,
+    load_unet_weights,
+    run_training,
+    save_random_images,
+    save_tiny_pipeline,
+    tiny_run,
+    tiny_unet,
+)
 from hub_server import HubServer
+from processes import launch_training
 
 from diffusion_extras.training import models, pretrained
 from diffusion_extras.training.config import ConfigError
@@ -171,21 +180,22 @@ def test_this_trainers_class_conditional_export_fine_tunes(tmp_path):
         tiny_run(tmp_path, "--pretrained_model_name_or_path", tmp_path / "conditional", output_dir=tmp_path / "b")
 
 
-def test_fine_tuning_resumes_exactly_without_reading_the_base_weights(train, tiny_recipe, tmp_path):
+def test_fine_tuning_resumes_exactly_without_reading_the_base_weights(tiny_recipe, tmp_path):
     base = save_base(tmp_path / "base")
     recipe = tiny_recipe(checkpointing_steps=2)
     flags = ["--pretrained_model_name_or_path", base]
-    train(recipe, tmp_path / "straight", *flags, "--max_train_steps", 4)
-    train(recipe, tmp_path / "resumed", *flags, "--max_train_steps", 2)
+    run_training(recipe, tmp_path / "straight", *flags, "--max_train_steps", 4)
+    run_training(recipe, tmp_path / "resumed", *flags, "--max_train_steps", 2)
     os.remove(os.path.join(base, "unet", "diffusion_pytorch_model.safetensors"))  # a resume must not need it
-    result = train(recipe, tmp_path / "resumed", *flags, "--max_train_steps", 4, "--resume_from_checkpoint", "latest")
+    result = run_training(recipe, tmp_path / "resumed", *flags, "--max_train_steps", 4, "--resume_from_checkpoint",
+                          "latest")
     assert "resumed from" in result.stdout
     straight, resumed = (load_unet_weights(tmp_path / name) for name in ("straight", "resumed"))
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
 @pytest.mark.parametrize("weights", ["safetensors", "bin"])
-def test_fine_tuning_from_the_hub_exports_and_pushes_with_the_base_named(launch, tiny_recipe, tmp_path, weights):
+def test_fine_tuning_from_the_hub_exports_and_pushes_with_the_base_named(tiny_recipe, tmp_path, weights):
     """A process of its own, pointed at the local Hub by HF_ENDPOINT (read when huggingface_hub loads)."""
     from diffusers import UNet2DModel
     base = save_base(tmp_path / "base")
@@ -196,10 +206,11 @@ def test_fine_tuning_from_the_hub_exports_and_pushes_with_the_base_named(launch,
     assert os.path.isfile(os.path.join(base, "unet", f"diffusion_pytorch_model.{weights}"))
     with HubServer() as server:
         server.add_repo("someone/ddpm-tiny", base)
-        env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
-               "HF_HUB_DISABLE_XET": "1"}
-        result = launch(tiny_recipe(), tmp_path / "tuned", "--pretrained_model_name_or_path", "someone/ddpm-tiny",
-                        "--max_train_steps", 2, "--push_to_hub", "--hub_token", "hf_test", env=env)
+        env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HOME": tmp_path / "hf_home",
+               "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"}
+        result = launch_training(tiny_recipe(), tmp_path / "tuned", "--pretrained_model_name_or_path",
+                                 "someone/ddpm-tiny", "--max_train_steps", 2, "--push_to_hub", "--hub_token", "hf_test",
+                                 env=env)
         card = server.repos["test-user/tuned"]["files"]["README.md"].decode()
     assert "pretrained UNet of someone/ddpm-tiny" in result.stdout
     assert yaml.safe_load(card.split("---")[1])["base_model"] == "someone/ddpm-tiny"
@@ -214,24 +225,45 @@ def test_a_fine_tuning_resume_reads_the_base_from_its_checkpoint_not_the_hub(tmp
     import json
 
     from hub_server import HubServer, serve_in_process
-
-    from diffusion_extras.training.main import main
     base = save_base(tmp_path / "base")  # DDPMScheduler(num_train_timesteps=100): beta_end 0.02
-    out = tmp_path / "tuned"
-    flags = ["--config", tiny_recipe(checkpointing_steps=2), "--output_dir", str(out),
-             "--pretrained_model_name_or_path", "someone/ddpm-tiny"]
+    recipe, out = tiny_recipe(checkpointing_steps=2), tmp_path / "tuned"
     with HubServer() as server:
         server.add_repo("someone/ddpm-tiny", base)
         serve_in_process(monkeypatch, server, tmp_path / "hub_cache")
-        assert main([*flags, "--max_train_steps", "2"]) == 0
+        run_training(recipe, out, "--pretrained_model_name_or_path", "someone/ddpm-tiny", "--max_train_steps", 2)
         changed = {**json.loads(server.repos["someone/ddpm-tiny"]["files"]["scheduler/scheduler_config.json"]),
                    "beta_end": 0.03, "clip_sample": False}
         server.repos["someone/ddpm-tiny"]["files"]["scheduler/scheduler_config.json"] = json.dumps(changed).encode()
         serve_in_process(monkeypatch, server, tmp_path / "empty_hub_cache")  # nothing cached either
         asked_before = len(server.requests)
-        assert main([*flags, "--max_train_steps", "4", "--resume_from_checkpoint", "latest"]) == 0
+        run_training(recipe, out, "--pretrained_model_name_or_path", "someone/ddpm-tiny", "--max_train_steps", 4,
+                     "--resume_from_checkpoint", "latest")
         assert server.requests[asked_before:] == []
     with open(out / "scheduler" / "scheduler_config.json") as fh:
         exported = json.load(fh)
     assert (exported["beta_end"], exported["clip_sample"]) == (0.02, True)
     assert exported["num_train_timesteps"] == 100
+
+
+def test_a_hub_pipeline_laid_out_at_its_root_fine_tunes(tmp_path, monkeypatch):
+    """google/ddpm-cifar10-32 keeps its UNet (config.json, weights) and scheduler_config.json at the
+    repo's root, which diffusers' pipelines load when unet/ and scheduler/ are missing: served by
+    the loopback Hub in that form (its stored configs, narrower), it fine-tunes from its weights."""
+    from diffusers import UNet2DModel
+    from helpers import save_google_ddpm_form
+    from hub_server import serve_in_process
+
+    from diffusion_extras.training import build
+    from diffusion_extras.training.config import parse_config
+    base = save_google_ddpm_form(tmp_path / "base", "google--ddpm-cifar10-32")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({k: v for k, v in TINY_RECIPE.items() if k not in ("model", "resolution")}))
+    with HubServer() as server:
+        server.add_repo("google/ddpm-cifar10-32", base)
+        serve_in_process(monkeypatch, server, tmp_path / "hub_cache")
+        run = build.setup(parse_config(["--config", str(recipe), "--output_dir", str(tmp_path / "run"),
+                                        "--pretrained_model_name_or_path", "google/ddpm-cifar10-32"]))
+    expected = UNet2DModel.from_pretrained(base).state_dict()
+    unet = run.accelerator.unwrap_model(run.learner.unet)
+    assert all(torch.equal(value, expected[name]) for name, value in unet.state_dict().items())
+    assert (run.config.resolution, run.config.variance_type) == (32, "fixed_large")

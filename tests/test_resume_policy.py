@@ -1,14 +1,13 @@
 """Resume policies (refuse / apply / free, read from the config fields), applied changes through
 the trainer's command line (its main() in this process), rollback without loss, and torn-file detection."""
 import json
-import math
 import os
 import shutil
 from dataclasses import fields
 
 import pytest
 import torch
-from conftest import read_history, run_training, write_tiny_recipe
+from helpers import cosine_lr, optimizer_state, read_history, run_training, write_tiny_recipe
 
 from diffusion_extras.training import checkpointing
 from diffusion_extras.training.config import RESUME_POLICIES, TrainConfig, resume_policy
@@ -52,26 +51,17 @@ def copy_of(base, tmp_path):
     return recipe, out
 
 
-def optimizer_state(checkpoint):
-    return torch.load(os.path.join(checkpoint, "optimizer.bin"), weights_only=False)
-
-
-def cosine_lr(peak, step, warmup, total):
-    """diffusers' cosine-with-warmup at `step` (the lr of history step step+1)."""
-    if step < warmup:
-        return peak * step / max(1, warmup)
-    return peak * max(0.0, 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
-
-
-def test_changed_lr_weight_decay_and_betas_apply_from_the_first_resumed_step(train, base, tmp_path):
+@pytest.mark.xdist_group("test_resume_policy.base")
+def test_changed_lr_weight_decay_and_betas_apply_from_the_first_resumed_step(base, tmp_path):
     recipe, out = copy_of(base, tmp_path)
     shutil.rmtree(out / "checkpoint-4")  # a run cut off after checkpoint-2
     flags = ["--learning_rate", 1e-5, "--adam_weight_decay", 0.5, "--adam_beta1", 0.8, "--adam_beta2", 0.99,
              "--adam_epsilon", 1e-6]
-    result = train(recipe, out, "--max_train_steps", 4, "--resume_from_checkpoint", "latest", *flags)
+    result = run_training(recipe, out, "--max_train_steps", 4, "--resume_from_checkpoint", "latest", *flags)
     assert "resuming with --learning_rate 1e-05 (was 0.001): applied from step 3" in result.stdout
     assert "resuming with --adam_weight_decay 0.5 (was 0.0): applied from step 3" in result.stdout
     assert "resuming with --adam_beta1 0.8 (was 0.9)" in result.stdout
+    assert "Warning" not in result.stderr  # the lines only, not a Python warning (file, line) repeating them
     history = {h["step"]: h["lr"] for h in read_history(out)}
     assert history[1] == 0.0 and history[2] == pytest.approx(5e-4)  # the first run's own schedule
     assert history[3] == pytest.approx(cosine_lr(1e-5, 2, 2, 4))
@@ -84,16 +74,17 @@ def test_changed_lr_weight_decay_and_betas_apply_from_the_first_resumed_step(tra
     # the next resume compares with checkpoint-4's own recorded config: the applied values
     recorded = json.loads((out / "checkpoint-4" / "train_state.json").read_text())["config"]
     assert recorded["learning_rate"] == 1e-5 and recorded["adam_weight_decay"] == 0.5
-    again = train(recipe, out, "--max_train_steps", 5, "--resume_from_checkpoint", "latest", *flags)
+    again = run_training(recipe, out, "--max_train_steps", 5, "--resume_from_checkpoint", "latest", *flags)
     assert "resuming with --learning_rate" not in again.stdout and "--adam_beta1" not in again.stderr
 
 
-def test_rollback_with_total_limit_keeps_the_abandoned_future(train, base, tmp_path):
-    """The issue's scenario: checkpoint-2 and checkpoint-4, resume from checkpoint-2 with
+@pytest.mark.xdist_group("test_resume_policy.base")
+def test_rollback_with_total_limit_keeps_the_abandoned_future(base, tmp_path):
+    """A rollback under a total limit: checkpoint-2 and checkpoint-4, resume from checkpoint-2 with
     --checkpointing_steps 1 --checkpoints_total_limit 1 --max_train_steps 3."""
     recipe, out = copy_of(base, tmp_path)
-    result = train(recipe, out, "--resume_from_checkpoint", out / "checkpoint-2",
-                   "--checkpointing_steps", 1, "--checkpoints_total_limit", 1, "--max_train_steps", 3)
+    result = run_training(recipe, out, "--resume_from_checkpoint", out / "checkpoint-2",
+                          "--checkpointing_steps", 1, "--checkpoints_total_limit", 1, "--max_train_steps", 3)
     [abandoned] = [n for n in os.listdir(out) if n.startswith("abandoned-2-")]
     assert f"moved to {out / abandoned}" in result.stdout and "nothing was deleted" in result.stdout
     assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-3"]
@@ -103,11 +94,12 @@ def test_rollback_with_total_limit_keeps_the_abandoned_future(train, base, tmp_p
     assert [h["step"] for h in read_history(out)] == [1, 2, 3]
 
 
-def test_rollback_without_limit_latest_never_picks_the_abandoned_future(train, base, tmp_path):
+@pytest.mark.xdist_group("test_resume_policy.base")
+def test_rollback_without_limit_latest_never_picks_the_abandoned_future(base, tmp_path):
     """Also resumes with --scale_lr: the peak becomes 1e-3 x batch 8 from the first resumed step."""
     recipe, out = copy_of(base, tmp_path)
-    result = train(recipe, out, "--resume_from_checkpoint", out / "checkpoint-2",
-                   "--checkpointing_steps", 1, "--max_train_steps", 3, "--scale_lr")
+    result = run_training(recipe, out, "--resume_from_checkpoint", out / "checkpoint-2",
+                          "--checkpointing_steps", 1, "--max_train_steps", 3, "--scale_lr")
     assert "resuming with --scale_lr True (was False): applied from step 3" in result.stdout
     assert read_history(out)[2]["lr"] == pytest.approx(cosine_lr(8e-3, 2, 2, 3))
     assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-3"]
@@ -116,29 +108,31 @@ def test_rollback_without_limit_latest_never_picks_the_abandoned_future(train, b
     assert os.listdir(out / abandoned / "checkpoint-4")
 
 
-def test_same_size_torn_file_is_caught_and_latest_falls_back(train, base, tmp_path):
+@pytest.mark.xdist_group("test_resume_policy.base")
+def test_same_size_torn_file_is_caught_and_latest_falls_back(base, tmp_path):
     recipe, out = copy_of(base, tmp_path)
     optimizer = out / "checkpoint-4" / "optimizer.bin"
     payload = bytearray(optimizer.read_bytes())
     payload[len(payload) // 2:len(payload) // 2 + 64] = bytes(64)  # zeroed like a torn page: same size
     optimizer.write_bytes(bytes(payload))
     assert "does not match the checksum" in checkpointing.verify_checkpoint(str(out / "checkpoint-4"))
-    result = train(recipe, out, "--max_train_steps", 5, "--resume_from_checkpoint", "latest")
+    result = run_training(recipe, out, "--max_train_steps", 5, "--resume_from_checkpoint", "latest")
     assert "skipping" in result.stderr and "optimizer.bin does not match the checksum" in result.stderr
     assert "at optimizer step 2" in result.stdout
 
 
-def test_precision_no_to_bf16_and_back_resumes_and_changes_the_numerics(train, base, tmp_path):
+@pytest.mark.xdist_group("test_resume_policy.base")
+def test_precision_no_to_bf16_and_back_resumes_and_changes_the_numerics(base, tmp_path):
     recipe, out = copy_of(base, tmp_path)
     shutil.rmtree(out / "checkpoint-4")
     straight = [h["loss"] for h in read_history(base[1])]
-    result = train(recipe, out, "--max_train_steps", 4, "--mixed_precision", "bf16",
-                   "--resume_from_checkpoint", "latest")
+    result = run_training(recipe, out, "--max_train_steps", 4, "--mixed_precision", "bf16",
+                          "--resume_from_checkpoint", "latest")
     assert "resuming with --mixed_precision bf16 (was no): applied from step 3" in result.stdout
     resumed = [h["loss"] for h in read_history(out)]
     assert resumed[:2] == straight[:2] and resumed[2] != straight[2], "bf16 autocast did not take effect"
-    back = train(recipe, out, "--max_train_steps", 5, "--mixed_precision", "no",
-                 "--resume_from_checkpoint", "latest")
+    back = run_training(recipe, out, "--max_train_steps", 5, "--mixed_precision", "no",
+                        "--resume_from_checkpoint", "latest")
     assert "resuming with --mixed_precision no (was bf16): applied from step 5" in back.stdout
 
 

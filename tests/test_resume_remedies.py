@@ -7,8 +7,10 @@ import shutil
 
 import faults
 import pytest
-from conftest import read_history, run_training, write_tiny_recipe
-from test_resume_policy import cosine_lr, optimizer_state
+from helpers import cosine_lr, optimizer_state, read_history, run_training, write_tiny_recipe
+
+# Every test here reads `stopped` (module-scoped): on one xdist worker (--dist loadgroup) it is made once.
+pytestmark = pytest.mark.xdist_group("test_resume_remedies.stopped")
 
 
 @pytest.fixture(scope="module")
@@ -22,16 +24,15 @@ def stopped(tmp_path_factory):
     return recipe, work / "run", result.stderr
 
 
-def test_nonfinite_stop_message_remedies_apply_on_resume(train, stopped, tmp_path):
+def test_nonfinite_stop_message_remedies_apply_on_resume(stopped, tmp_path):
     recipe, run, stderr = stopped
     assert ("Lower --learning_rate (now 0.001) or set --max_grad_norm 1.0, then resume with "
             "--resume_from_checkpoint latest") in stderr
     assert "--mixed_precision bf16" not in stderr  # only said to fp16 runs, where it applies
     out = tmp_path / "run"
     shutil.copytree(run, out)
-    result = train(recipe, out, "--max_train_steps", 8, "--max_nonfinite_steps", 3, "--learning_rate", 5e-4,
-                   "--max_grad_norm", 1.0, "--resume_from_checkpoint", "latest", check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_training(recipe, out, "--max_train_steps", 8, "--max_nonfinite_steps", 3, "--learning_rate", 5e-4,
+                          "--max_grad_norm", 1.0, "--resume_from_checkpoint", "latest")
     assert "at optimizer step 5" in result.stdout
     assert "resuming with --learning_rate 0.0005 (was 0.001): applied from step 6" in result.stdout
     assert "resuming with --max_grad_norm 1.0 (was 0.0): applied from step 6" in result.stdout
@@ -42,7 +43,7 @@ def test_nonfinite_stop_message_remedies_apply_on_resume(train, stopped, tmp_pat
     assert optimizer_state(out / "checkpoint-8")["param_groups"][0]["initial_lr"] == 5e-4
 
 
-def test_health_report_stability_recommendation_applies_on_resume(train, stopped, tmp_path):
+def test_health_report_stability_recommendation_applies_on_resume(stopped, tmp_path):
     """The report says: resume from a checkpoint before the first bad step; lower --learning_rate
     to X; lengthen --lr_warmup_steps to Y; clip with --max_grad_norm Z. Take it literally."""
     recipe, run, _ = stopped
@@ -56,9 +57,8 @@ def test_health_report_stability_recommendation_applies_on_resume(train, stopped
     out = tmp_path / "run"
     shutil.copytree(run, out)
     before = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if int(p.name.split("-")[1]) < first_bad)
-    result = train(recipe, out, "--max_train_steps", 4, "--resume_from_checkpoint", out / f"checkpoint-{before}",
-                   *[item for name, value in flags.items() for item in (f"--{name}", value)], check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_training(recipe, out, "--max_train_steps", 4, "--resume_from_checkpoint", out / f"checkpoint-{before}",
+                          *[item for name, value in flags.items() for item in (f"--{name}", value)])
     assert f"at optimizer step {before}" in result.stdout and "abandoned-" in result.stdout
     history = {h["step"]: h for h in read_history(out)}
     assert sorted(history) == [1, 2, 3, 4]

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 import yaml
-from conftest import read_history, tiny_run
+from helpers import read_history, run_training, tiny_run
 
 from diffusion_extras.training import compat, loop, run_state
 from diffusion_extras.training.config import TrainConfig, parse_config
@@ -81,12 +81,13 @@ def test_plan_fields_are_config_fields():
     assert {f.name for f in dataclasses.fields(run_state.Plan)} <= config_fields
 
 
-def test_the_digits_default_run_writes_the_held_out_and_gradient_plots(train, tmp_path):
+def test_the_digits_default_run_writes_the_held_out_and_gradient_plots(tmp_path):
     """No data flag: the held-out loss (5 % of the digits, never trained on) and the gradient
     monitor run at --validation_steps; user data (a folder here) gets neither unless asked."""
     out = tmp_path / "digits"
-    train(_small_digits_recipe(tmp_path), out, "--max_train_steps", 4, "--validation_steps", 2, "--resolution", 8,
-          "--train_batch_size", 8, "--eval_batch_size", 2, "--ddpm_num_inference_steps", 2, "--logger", "none")
+    run_training(_small_digits_recipe(tmp_path), out, "--max_train_steps", 4, "--validation_steps", 2, "--resolution",
+                 8, "--train_batch_size", 8, "--eval_batch_size", 2, "--ddpm_num_inference_steps", 2, "--logger",
+                 "none")
     history = read_history(out)
     probes = [row["step"] for row in history if "grad_probe/total_norm" in row]
     held_out = [row for row in history if "validation/raw_loss" in row]
@@ -102,7 +103,7 @@ def test_the_digits_default_run_writes_the_held_out_and_gradient_plots(train, tm
 
 def _small_digits_recipe(tmp_path) -> str:
     """The digits recipe's data and flags with the tiny UNet (the default model is 1.1M parameters)."""
-    from conftest import TINY_RECIPE
+    from helpers import TINY_RECIPE
     path = tmp_path / "small.yaml"
     path.write_text(yaml.safe_dump({"model": TINY_RECIPE["model"]}))
     return str(path)

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import save_tiny_pipeline, tiny_unet
 from diffusers import DDPMScheduler
+from helpers import run_cli, save_tiny_pipeline, tiny_unet
 from PIL import Image
 
 from diffusion_extras.evaluation.sampling import SCHEDULERS, generate, image_grid, make_scheduler, save_images
@@ -101,18 +101,39 @@ def test_save_images_writes_numbered_pngs_and_grid(tmp_path):
         np.testing.assert_array_equal(np.asarray(Image.open(path)), image)
 
 
-def test_cli_bad_input_is_one_line_error_exit_2(run_cli, tmp_path):
-    result = run_cli(["-m", "diffusion_extras.sample", str(tmp_path / "nope"), "--output", str(tmp_path / "out")])
+def test_cli_bad_input_is_one_line_error_exit_2(tmp_path):
+    result = run_cli(["-m", "diffusion_extras.sample", str(tmp_path / "nope"), "--output", str(tmp_path / "out")],
+                     check=False)
     assert result.returncode == 2
     error = result.stderr.strip()
     assert error.startswith("error: ") and "does not exist" in error and "\n" not in error
 
 
-def test_cli_writes_pngs_and_grid(run_cli, tmp_path):
+def test_cli_writes_pngs_and_grid(tmp_path):
     pipeline_dir = save_tiny_pipeline(tmp_path / "run", channels=1)
     output = tmp_path / "samples"
     run_cli(["-m", "diffusion_extras.sample", pipeline_dir, "--num_images", "5", "--scheduler", "dpm",
-             "--num_inference_steps", "4", "--batch_size", "2", "--output", str(output), "--device", "cpu"], check=True)
+             "--num_inference_steps", "4", "--batch_size", "2", "--output", str(output), "--device", "cpu"])
     assert sorted(os.listdir(output)) == [f"{index:06d}.png" for index in range(5)] + ["grid.png"]
     assert Image.open(output / "000004.png").size == (8, 8)
     assert Image.open(output / "grid.png").size == (2 + 3 * 10, 2 + 2 * 10)
+
+
+def option_help(help_text: str, flag: str) -> str:
+    """The help of `flag` in argparse's --help output: its line and the indented lines after it, one-spaced."""
+    lines = help_text.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.strip().startswith(flag + " "))
+    end = next((index for index in range(start + 1, len(lines)) if lines[index].strip().startswith("-")), len(lines))
+    return " ".join(" ".join(lines[start:end]).split())
+
+
+@pytest.mark.parametrize("command, defaults", [
+    ("diffusion_extras.sample", {"--num_images": 16, "--scheduler": "ddim", "--num_inference_steps": 50, "--seed": 0,
+                                 "--batch_size": 16, "--dtype": "fp32", "--device": "auto"}),
+    ("diffusion_extras.evaluate", {"--scheduler": "ddim", "--num_inference_steps": 50, "--seed": 0})])
+def test_cli_help_says_what_each_sampling_flag_does_and_its_default(command, defaults):
+    result = run_cli(["-m", command, "--help"])
+    assert result.returncode == 0
+    for flag, default in defaults.items():
+        text = option_help(result.stdout, flag)
+        assert f"(default: {default})" in text and len(text.split()) > 6, text  # words beside the default

@@ -8,7 +8,7 @@ import re
 import faults
 import numpy as np
 import torch
-from conftest import ROOT
+from helpers import ROOT, run_training
 
 from diffusion_extras.data.sources import CachedImages
 from diffusion_extras.training.config import TrainConfig
@@ -83,15 +83,16 @@ def test_loop_and_artifacts_do_not_branch_on_the_kind_of_source():
         assert not re.search(r"run\.(stream|images|order)\b|streaming\.", text), name
 
 
-def test_a_third_source_trains_checkpoints_and_resumes(train, tiny_recipe, tmp_path):
+def test_a_third_source_trains_checkpoints_and_resumes(tiny_recipe, tmp_path):
     recipe = tiny_recipe(checkpointing_steps=2, eval_steps=4, feature_extractor="tiny", eval_num_samples=4)
-    first = train(recipe, tmp_path / "run", "--max_train_steps", 2, hooks=faults.hooks(data_source=CountingSource))
+    first = run_training(recipe, tmp_path / "run", "--max_train_steps", 2,
+                         hooks=faults.hooks(data_source=CountingSource))
     assert "batches from 0 to 2, served so far 0" in first.stdout
     with open(tmp_path / "run" / "checkpoint-2" / "rank_state_0.json") as fh:
         assert json.load(fh) == {"served": 2}
     with open(tmp_path / "run" / "checkpoint-2" / "train_state.json") as fh:
         assert {"epoch": 0, "batch_in_epoch": 2}.items() <= json.load(fh).items()
-    second = train(recipe, tmp_path / "run", "--max_train_steps", 4, "--resume_from_checkpoint", "latest",
-                   hooks=faults.hooks(data_source=CountingSource))
+    second = run_training(recipe, tmp_path / "run", "--max_train_steps", 4, "--resume_from_checkpoint", "latest",
+                          hooks=faults.hooks(data_source=CountingSource))
     assert "batches from 2 to 4, served so far 2" in second.stdout  # the restored state reached the source
     assert os.path.isdir(tmp_path / "run" / "checkpoint-4")

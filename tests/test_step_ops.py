@@ -7,13 +7,12 @@ breaks and recompiles at the same places) without generating code, so the counts
 """
 import pytest
 import torch
-from conftest import TINY_RECIPE, load_bench_module, tiny_run
 from faults import dynamo_counts
-from test_host_sync import SYNCING_OPS
+from helpers import SYNCING_OPS, TINY_RECIPE, load_bench_module, tiny_run
 
 from diffusion_extras.training import loop, step
 
-# the issue's goal for the digits recipe (from 700 with the UNet alone compiled); bench/step_ops.py
+# the target for the digits recipe (the UNet alone compiled leaves several hundred); bench/step_ops.py
 # measures that recipe, this test the same step on the tiny UNet (the count does not depend on its size)
 MAX_OPS_PER_STEP = 60
 # the forward with the loss and the diagnostics, its backward (compiled autograd), the clipping,

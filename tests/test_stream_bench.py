@@ -2,15 +2,14 @@
 count it uses for the GPU estimate is the UNet's (counted on the meta device)."""
 import json
 
-from conftest import load_bench_module, run_main
+from helpers import load_bench_module, run_main
 
 
 def test_stream_bench_runs_and_writes_json(tmp_path):
     out = tmp_path / "stream.json"
-    result = run_main(load_bench_module("stream_bench").main, ["--resolutions", "16", "--workers", "0", "1",
-                                                               "--images", "16", "--batch_size", "4", "--batches", "2",
-                                                               "--json", out])
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_main(load_bench_module("stream_bench").main, ["--resolutions", "16", "--workers", "0", "1",
+                                                      "--images", "16", "--batch_size", "4", "--batches", "2",
+                                                      "--json", out])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["resolution"], r["workers"]) for r in rows] == [(16, 0), (16, 1)]
     assert all(r["delivered_images_per_s"] > 0 for r in rows)

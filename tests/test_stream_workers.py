@@ -9,9 +9,8 @@ import datasets
 import faults
 import pytest
 import torch
-from conftest import load_unet_weights, read_history
-from test_data_files import write_tar_shards
-from test_resume import assert_same_state
+from helpers import assert_same_state, load_unet_weights, read_history, run_training, write_tar_shards
+from processes import launch_training
 
 from diffusion_extras.data import streaming
 from diffusion_extras.data.images import DataError
@@ -63,8 +62,7 @@ def test_saved_position_resumes_at_the_exact_example(shards, workers):
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
 @pytest.mark.parametrize("stop", [7, 8, 9])  # 2 workers: 4 batches a worker-epoch, both at its end after 8
-def test_resume_around_an_epoch_boundary_is_exact_while_workers_race_on_set_epoch(shards, monkeypatch, workers,
-                                                                                  stop):
+def test_resume_around_an_epoch_boundary_is_exact_while_workers_race_on_set_epoch(shards, monkeypatch, workers, stop):
     """Issue 21: the workers share datasets' epoch tensor; restored together, they both add their
     epoch to it (1 + 1 = 2) and read an epoch whose shard order and saved position are not theirs."""
     original = batches_for(shards, workers=workers)
@@ -91,16 +89,16 @@ def test_more_workers_than_shards_still_serve_every_example(tmp_path):
     assert sorted(ids(next(batches)) + ids(next(batches))) == list(range(8))
 
 
-def test_cli_streaming_with_two_workers_resumes_bit_exactly(train, tiny_recipe, tmp_path, shards):
+def test_cli_streaming_with_two_workers_resumes_bit_exactly(tiny_recipe, tmp_path, shards):
     recipe = tiny_recipe(train_batch_size=4, checkpointing_steps=2, max_train_samples=None)
     flags = ["--train_data_files", f"{shards}/train-*.tar", "--streaming", "--shuffle_buffer_size", 0,
              "--dataloader_num_workers", 2, "--max_train_steps", 10]  # 8 batches per epoch: crosses it
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(recipe, straight, *flags)
-    train_segment(train, None, recipe, resumed, *flags, stop=6)
+    run_training(recipe, straight, *flags)
+    train_segment(recipe, resumed, *flags, stop=6)
     with open(os.path.join(resumed, "checkpoint-6", "rank_state_0.json")) as fh:
         assert json.load(fh)["num_workers"] == 2
-    train(recipe, resumed, *flags, "--resume_from_checkpoint", "latest")
+    run_training(recipe, resumed, *flags, "--resume_from_checkpoint", "latest")
     assert_same_state(straight, resumed, 10)
 
 
@@ -121,30 +119,30 @@ CLI_RESUMES = {  # 4 images a batch; the race needs two workers restored into th
 }
 
 
-def train_segment(train, launch, recipe, output_dir, *flags, stop=None, race=False, ranks=1):
+def train_segment(recipe, output_dir, *flags, stop=None, race=False, ranks=1):
     """One segment of a run: in this process, or with ranks > 1 as that many processes (launch). It
     dies right after checkpoint `stop` (faults.hooks(stop_after_checkpoint=...); in this process
     faults.ProcessDied, which the trainer does not catch); race=True: datasets' set_epoch waits
     between its read and its write of the shared epoch (faults.slow_set_epoch), patched before the
-    loader workers fork, so workers restored together race on it (issue 21)."""
+    loader workers fork, so workers restored together race on it."""
     if ranks > 1:
         named = (*(("--stop_after_checkpoint", stop) if stop else ()), *(("--slow_set_epoch", 0.3) if race else ()))
-        launch(recipe, output_dir, *flags, ranks=ranks, env={"ACCELERATE_USE_CPU": "1"}, faults=named)
+        launch_training(recipe, output_dir, *flags, ranks=ranks, env={"ACCELERATE_USE_CPU": "1"}, faults=named)
         return
     with pytest.MonkeyPatch.context() as patch:
         if race:
             patch.setattr(datasets.IterableDataset, "set_epoch", faults.slow_set_epoch(0.3))
         if stop is None:
-            train(recipe, output_dir, *flags)
+            run_training(recipe, output_dir, *flags)
             return
         with pytest.raises(faults.ProcessDied):
-            train(recipe, output_dir, *flags, hooks=faults.hooks(stop_after_checkpoint=stop))
+            run_training(recipe, output_dir, *flags, hooks=faults.hooks(stop_after_checkpoint=stop))
     later = [name for name in os.listdir(output_dir) if name.startswith("checkpoint-") and int(name[11:]) > stop]
     assert not later and not os.path.exists(os.path.join(output_dir, "unet")), later  # it died at `stop`
 
 
 @pytest.mark.parametrize("case", CLI_RESUMES.values(), ids=CLI_RESUMES.keys())
-def test_cli_streamed_resume_is_bit_exact_across_epoch_boundaries(train, launch, tiny_recipe, tmp_path, case):
+def test_cli_streamed_resume_is_bit_exact_across_epoch_boundaries(tiny_recipe, tmp_path, case):
     """Killed after each checkpoint in `stops` and resumed while the workers race on datasets'
     shared epoch (train_segment): the same final weights as a straight run. One rank in this
     process, two as processes."""
@@ -154,10 +152,10 @@ def test_cli_streamed_resume_is_bit_exact_across_epoch_boundaries(train, launch,
     flags = ["--train_data_files", f"{folder}/train-*.tar", "--streaming", "--shuffle_buffer_size", buffer,
              "--dataloader_num_workers", workers, "--max_train_steps", 16, "--seed", 3]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train_segment(train, launch, recipe, straight, *flags, ranks=ranks)
-    train_segment(train, launch, recipe, resumed, *flags, stop=stops[0], ranks=ranks)
+    train_segment(recipe, straight, *flags, ranks=ranks)
+    train_segment(recipe, resumed, *flags, stop=stops[0], ranks=ranks)
     for stop in stops[1:] + (None,):
-        train_segment(train, launch, recipe, resumed, *flags, "--resume_from_checkpoint", "latest", stop=stop,
+        train_segment(recipe, resumed, *flags, "--resume_from_checkpoint", "latest", stop=stop,
                       race=True, ranks=ranks)
     a, b = load_unet_weights(straight), load_unet_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a), "final UNet weights differ"

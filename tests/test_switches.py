@@ -3,12 +3,12 @@
 
 import pytest
 import torch
-from conftest import read_history, tiny_run
+from helpers import read_history, run_training, tiny_run
 
 
-def losses(train, recipe, tmp_path, name, *flags):
+def losses(recipe, tmp_path, name, *flags):
     out = tmp_path / name
-    train(recipe, out, "--max_train_steps", 3, *flags)
+    run_training(recipe, out, "--max_train_steps", 3, *flags)
     return [h["loss"] for h in read_history(out)]
 
 
@@ -20,10 +20,10 @@ def default_losses(tiny_reference_run):
 
 
 @pytest.mark.parametrize("flag", ["--gradient_checkpointing", "--channels_last"])
-def test_switch_trains_like_the_default(train, tiny_recipe, tmp_path, default_losses, flag):
+def test_switch_trains_like_the_default(tiny_recipe, tmp_path, default_losses, flag):
     """Recomputation and memory layout give the default run's numbers."""
     reference = default_losses
-    switched = losses(train, tiny_recipe(), tmp_path, "switched", flag)
+    switched = losses(tiny_recipe(), tmp_path, "switched", flag)
     assert switched == pytest.approx(reference, rel=1e-5)
 
 
@@ -40,16 +40,16 @@ def test_allow_tf32_sets_the_tf32_switches_of_matmuls_and_convolutions(tmp_path,
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def test_8bit_adam_without_bitsandbytes_is_refused(train, tiny_recipe, tmp_path):
+def test_8bit_adam_without_bitsandbytes_is_refused(tiny_recipe, tmp_path):
     try:
         import bitsandbytes  # noqa: F401
         pytest.skip("bitsandbytes is installed here")
     except ImportError:
         pass
-    result = train(tiny_recipe(), tmp_path / "run", "--use_8bit_adam", check=False)
+    result = run_training(tiny_recipe(), tmp_path / "run", "--use_8bit_adam", check=False)
     assert result.returncode == 2 and "pip install bitsandbytes" in result.stderr
 
 
-def test_compile_mode_is_validated(train, tiny_recipe, tmp_path):
-    result = train(tiny_recipe(), tmp_path / "run", "--torch_compile_mode", "fastest", check=False)
+def test_compile_mode_is_validated(tiny_recipe, tmp_path):
+    result = run_training(tiny_recipe(), tmp_path / "run", "--torch_compile_mode", "fastest", check=False)
     assert result.returncode == 2 and "--torch_compile_mode 'fastest' is not one of" in result.stderr

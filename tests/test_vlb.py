@@ -5,42 +5,9 @@ import math
 import pytest
 import torch
 from diffusers import DDPMScheduler
+from helpers import VLB_BETAS, VLB_T, vlb_term_by_hand
 
 from diffusion_extras.core import vlb
-
-T = 10
-BETAS = [0.0001 + (0.2 - 0.0001) * i / (T - 1) for i in range(T)]  # a short linear schedule
-
-
-def _phi(z: float) -> float:
-    return 0.5 * (1 + math.erf(z / math.sqrt(2)))
-
-
-def _hand_term(x0, xt, eps_hat, v, t, variance_type):
-    """L_{t-1} in bits for one element, in Python floats (float64)."""
-    abar = [math.prod(1 - b for b in BETAS[:i + 1]) for i in range(T)]
-    prev = 1.0 if t == 0 else abar[t - 1]
-    post_var = [BETAS[i] * (1 - (1.0 if i == 0 else abar[i - 1])) / (1 - abar[i]) for i in range(T)]
-    log_post_clipped = math.log(post_var[1] if t == 0 else post_var[t])
-    x0_hat = (xt - math.sqrt(1 - abar[t]) * eps_hat) / math.sqrt(abar[t])
-
-    def mean(x0_):
-        return (BETAS[t] * math.sqrt(prev) / (1 - abar[t]) * x0_
-                + (1 - prev) * math.sqrt(1 - BETAS[t]) / (1 - abar[t]) * xt)
-
-    if variance_type == "learned_range":
-        frac = (v + 1) / 2
-        log_var = frac * math.log(BETAS[t]) + (1 - frac) * log_post_clipped
-    else:
-        log_var = log_post_clipped
-    if t == 0:  # discretized decoder: the mass of x0's bin
-        sd = math.exp(0.5 * log_var)
-        upper = 1.0 if x0 > 0.999 else _phi((x0 + 1 / 255 - mean(x0_hat)) / sd)
-        lower = 0.0 if x0 < -0.999 else _phi((x0 - 1 / 255 - mean(x0_hat)) / sd)
-        return -math.log(upper - lower) / math.log(2)
-    kl = 0.5 * (-1 + log_var - log_post_clipped + math.exp(log_post_clipped - log_var)
-                + (mean(x0) - mean(x0_hat)) ** 2 * math.exp(-log_var))
-    return kl / math.log(2)
 
 
 @pytest.mark.parametrize("variance_type", ["fixed_small", "learned_range"])
@@ -51,30 +18,30 @@ def test_bound_term_matches_a_float64_hand_computation(variance_type):
     clean = torch.tensor([-1.0, 1.0, 10 / 127.5 - 1, 0.2, -0.6, 0.9]).view(6, 1, 1, 1)
     clean = torch.round((clean + 1) * 127.5) / 127.5 - 1
     noise = torch.randn(6, 1, 1, 1, generator=generator)
-    abar = torch.cumprod(1 - torch.tensor(BETAS, dtype=torch.float64), 0)[timesteps].view(-1, 1, 1, 1)
+    abar = torch.cumprod(1 - torch.tensor(VLB_BETAS, dtype=torch.float64), 0)[timesteps].view(-1, 1, 1, 1)
     noisy = (abar.sqrt() * clean + (1 - abar).sqrt() * noise).float()
     eps_hat = noise + 0.3 * torch.randn(6, 1, 1, 1, generator=generator)  # a model that is off by a little
     values = torch.rand(6, 1, 1, 1, generator=generator) * 2 - 1
-    process = vlb.ReverseProcess(torch.tensor(BETAS))
+    process = vlb.ReverseProcess(torch.tensor(VLB_BETAS))
     got = process.bound_term(eps_hat, values if variance_type == "learned_range" else None, clean, noisy,
                              timesteps, "epsilon", variance_type)
-    expected = [_hand_term(clean[i].item(), noisy[i].item(), eps_hat[i].item(), values[i].item(), int(t),
+    expected = [vlb_term_by_hand(clean[i].item(), noisy[i].item(), eps_hat[i].item(), values[i].item(), int(t),
                            variance_type) for i, t in enumerate(timesteps)]
     assert got.dtype == torch.float32
     assert got.tolist() == pytest.approx(expected, rel=2e-4, abs=1e-6)
 
 
 def test_prior_term_and_learned_variance_bounds():
-    process = vlb.ReverseProcess(torch.tensor(BETAS))
+    process = vlb.ReverseProcess(torch.tensor(VLB_BETAS))
     clean = torch.tensor([0.5]).view(1, 1, 1, 1)
-    abar = math.prod(1 - b for b in BETAS)
+    abar = math.prod(1 - b for b in VLB_BETAS)
     mean, var = math.sqrt(abar) * 0.5, 1 - abar
     expected = 0.5 * (-1 - math.log(var) + var + mean ** 2) / math.log(2)
     assert process.prior_term(clean).item() == pytest.approx(expected, rel=1e-5)
     t = torch.tensor([3, 3])
     ends = process.model_log_variance("learned_range", torch.tensor([-1.0, 1.0]).view(2, 1, 1, 1), t).flatten()
     # v = -1: the posterior variance, v = 1: beta_t; diffusers' learned_range interpolates the same ends
-    scheduler = DDPMScheduler(num_train_timesteps=T, trained_betas=BETAS, variance_type="learned_range")
+    scheduler = DDPMScheduler(num_train_timesteps=VLB_T, trained_betas=VLB_BETAS, variance_type="learned_range")
     for value, end in zip((-1.0, 1.0), ends):
         assert scheduler._get_variance(3, torch.tensor(value)).item() == pytest.approx(end.item(), rel=1e-5)
 
@@ -89,7 +56,7 @@ def test_split_output_and_channels():
 
 
 def test_bound_term_is_fp32_and_finite_under_bf16():
-    process = vlb.ReverseProcess(torch.tensor(BETAS))
+    process = vlb.ReverseProcess(torch.tensor(VLB_BETAS))
     timesteps = torch.tensor([0, 5])
     clean = torch.zeros(2, 1, 2, 2)
     prediction = torch.randn(2, 1, 2, 2).bfloat16()
@@ -105,10 +72,10 @@ def test_bound_term_is_fp32_and_finite_under_bf16():
 def test_diffusers_ddpm_step_samples_the_learned_variance_the_bound_trains():
     """DDPMScheduler(variance_type="learned_range").step on a 2C output draws x_{t-1} from the
     N(mean, sigma^2) whose log sigma^2 the bound uses (t > 0; at t = 0 it adds no noise)."""
-    scheduler = DDPMScheduler(num_train_timesteps=T, trained_betas=BETAS, variance_type="learned_range",
+    scheduler = DDPMScheduler(num_train_timesteps=VLB_T, trained_betas=VLB_BETAS, variance_type="learned_range",
                               clip_sample=False)
-    scheduler.set_timesteps(T)
-    process = vlb.ReverseProcess(torch.tensor(BETAS))
+    scheduler.set_timesteps(VLB_T)
+    process = vlb.ReverseProcess(torch.tensor(VLB_BETAS))
     generator = torch.Generator().manual_seed(1)
     noisy, eps_hat = torch.randn(2, 1, 3, 3, generator=generator), torch.randn(2, 1, 3, 3, generator=generator)
     values = torch.rand(2, 1, 3, 3, generator=generator) * 2 - 1

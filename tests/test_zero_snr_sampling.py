@@ -2,10 +2,9 @@
 in-training grids and FID, the sample CLI, and DDPMPipeline.from_pretrained of the export."""
 import pytest
 import torch
-from conftest import tiny_run
 from diffusers import DDPMPipeline, DDPMScheduler
+from helpers import run_cli, tiny_run
 
-from diffusion_extras.cli import sample
 from diffusion_extras.evaluation import metrics as evaluation
 from diffusion_extras.evaluation import sampling
 from diffusion_extras.training import artifacts, models
@@ -72,7 +71,6 @@ def test_sample_cli_samples_from_the_zero_snr_step(tmp_path, monkeypatch):
         seen.append(first_timestep(scheduler, num_inference_steps))
         return original(unet, scheduler, num_images, 1, **kwargs)
     monkeypatch.setattr(sampling, "generate", generate)  # the command imports it when it runs
-    # in process, not through run_cli: the test watches the scheduler handed to generate()
-    assert sample.main([str(tmp_path / "pipe"), "--num_images", "1", "--num_inference_steps", "10",
-                        "--device", "cpu", "--output", str(tmp_path / "images")]) == 0
+    run_cli(["-m", "diffusion_extras.sample", tmp_path / "pipe", "--num_images", "1", "--num_inference_steps", "10",
+             "--device", "cpu", "--output", tmp_path / "images"])
     assert seen == [999]

@@ -8,7 +8,7 @@ import sys
 from contextlib import contextmanager
 
 from diffusion_extras.core.commands import prog_name
-from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE
+from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, SCHEDULERS
 
 
 def positive_int(text: str) -> int:
@@ -26,8 +26,20 @@ def pipeline_parser(command: str, description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def add_sampler_arguments(parser: argparse.ArgumentParser) -> None:
+    """--scheduler, --num_inference_steps and --seed of the sample and evaluate commands."""
+    parser.add_argument("--scheduler", choices=SCHEDULERS, default="ddim",
+                        help="the sampler, on the pipeline's noise schedule: ddpm (ancestral), ddim (eta=0) or dpm "
+                             "(DPM-Solver++ (2M)) (default: %(default)s)")
+    parser.add_argument("--num_inference_steps", type=positive_int, default=50,
+                        help="denoising steps per image (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="image i starts from noise seeded by (seed, i), whatever the batch size "
+                             "(default: %(default)s)")
+
+
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
 
 
 def add_guidance_arguments(parser: argparse.ArgumentParser) -> None:

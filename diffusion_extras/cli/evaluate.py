@@ -30,6 +30,7 @@ from diffusion_extras.cli.arguments import (
     add_condition_arguments,
     add_device_argument,
     add_guidance_arguments,
+    add_sampler_arguments,
     one_line_errors,
     pipeline_parser,
     positive_int,
@@ -44,11 +45,11 @@ from diffusion_extras.cli.inputs import (
 from diffusion_extras.core.commands import importing_the_stack, leaves_the_process_as_found
 from diffusion_extras.data.spec import Resolution
 from diffusion_extras.evaluation import distributed
-from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT, SCHEDULERS, extractors_for, parse_metrics
+from diffusion_extras.evaluation.choices import CLIP_DEFAULT, DINOV2_DEFAULT, extractors_for, parse_metrics
 from diffusion_extras.evaluation.inception_file import check_inception_reachable
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = pipeline_parser("evaluate", __doc__)
     parser.add_argument("--reference", required=True,
                         help="folder of reference images (resized and centre-cropped to the model resolution, as "
@@ -67,9 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "default: downloaded once into the Hugging Face cache folder")
     parser.add_argument("--dinov2_model", default=DINOV2_DEFAULT, help="Hub id or local folder for fd_dinov2")
     parser.add_argument("--clip_model", default=CLIP_DEFAULT, help="Hub id or local folder for cmmd")
-    parser.add_argument("--scheduler", choices=SCHEDULERS, default="ddim")
-    parser.add_argument("--num_inference_steps", type=positive_int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
+    add_sampler_arguments(parser)
     parser.add_argument("--batch_size", type=positive_int, default=64, help="images per UNet call")
     add_guidance_arguments(parser)
     add_condition_arguments(parser, "image-to-image pipelines: the conditioning images, the files at the relative "
@@ -80,12 +79,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cache_dir", default=None, help="where reference statistics are cached")
     parser.add_argument("--output", default=None, help="metrics JSON file")
     add_device_argument(parser)
-    return parser.parse_args(argv)
+    return parser
 
 
 @leaves_the_process_as_found
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     with one_line_errors():  # a missing file, a misplaced flag or no detector offline answer at once too
         folder = check_pipeline_argument(args)
         check_reference(args.reference)

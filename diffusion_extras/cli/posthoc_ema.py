@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def _parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog_name("posthoc_ema"),
         description="Reconstruct post-hoc EMA weights of a training run, optionally score each "
@@ -39,7 +39,11 @@ def _parse_args(argv):
     parser.add_argument("--batch_size", type=positive_int, default=64, help="sampling batch size")
     add_device_argument(parser)
     parser.add_argument("--export", default=None, help="default: OUTPUT_DIR/posthoc-ema-best")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _parse_args(argv):
+    args = build_parser().parse_args(argv)
     # torch, scipy, diffusers (seconds) once the flags parse: --help and a bad flag answer at once
     from diffusion_extras.core.phema import sigma_rel_to_gamma
 

@@ -20,6 +20,7 @@ from diffusion_extras.cli.arguments import (
     add_condition_arguments,
     add_device_argument,
     add_guidance_arguments,
+    add_sampler_arguments,
     one_line_errors,
     pipeline_parser,
     positive_int,
@@ -31,19 +32,17 @@ from diffusion_extras.cli.inputs import (
     saved_id2label,
 )
 from diffusion_extras.core.commands import importing_the_stack, leaves_the_process_as_found
-from diffusion_extras.evaluation.choices import SAMPLING_DTYPES, SCHEDULERS
+from diffusion_extras.evaluation.choices import SAMPLING_DTYPES
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = pipeline_parser("sample", __doc__)
     parser.add_argument("--num_images", type=positive_int, default=None,
                         help="images to sample (default 16); with --conditioning_images, at most this many of them "
                              "(default: all)")
-    parser.add_argument("--scheduler", choices=SCHEDULERS, default="ddim",
-                        help="ddpm: ancestral; ddim: eta=0; dpm: DPM-Solver++ (2M)")
-    parser.add_argument("--num_inference_steps", type=positive_int, default=50)
-    parser.add_argument("--seed", type=int, default=0, help="image i uses noise seeded from (seed, i)")
-    parser.add_argument("--batch_size", type=positive_int, default=16, help="images per UNet call")
+    add_sampler_arguments(parser)
+    parser.add_argument("--batch_size", type=positive_int, default=16,
+                        help="images per UNet call (default: %(default)s)")
     parser.add_argument("--output", required=True, help="folder for 000000.png ... and grid.png")
     parser.add_argument("--class_labels", default=None,
                         help="class-conditional pipelines: comma list of class ids or names (image i is of "
@@ -53,13 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_guidance_arguments(parser)
     add_device_argument(parser)
     parser.add_argument("--dtype", choices=SAMPLING_DTYPES, default="fp32",
-                        help="UNet precision; the sampler state stays fp32")
-    return parser.parse_args(argv)
+                        help="UNet precision; the sampler state stays fp32 (default: %(default)s)")
+    return parser
 
 
 @leaves_the_process_as_found
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     with one_line_errors():  # a missing folder, a misplaced flag or an unknown class answers at once too
         folder = check_pipeline_argument(args, **{"--class_labels": args.class_labels})
         if folder is not None:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
-from diffusion_extras.core import stop_flag
+from diffusion_extras.core import cpu_threads, stop_flag
 
 
 def prog_name(command: str) -> str:
@@ -28,11 +28,15 @@ def importing_the_stack() -> Iterator[None]:
     collections): 8.8 -> 6.3-7.5 CPU-s for the trainer's imports, measured on 2 cores. Frozen,
     they are also left out of the collections while the command runs and at its exit (exit_with).
     What is lost: collecting cyclic garbage made while importing (6 objects, measured).
+    Also torch's CPU threads: they sleep when idle instead of spinning, and they are as many as
+    the CPUs the process may use (cpu_threads), unless the user chose either.
     Where torch is imported already (a program that calls a command's main(), a notebook) it does
-    nothing: freezing would keep that program's own objects from the collector for good."""
+    nothing: freezing would keep that program's own objects from the collector for good, and its
+    threads are that program's."""
     if "torch" in sys.modules:
         yield
         return
+    cpu_threads.set_wait_policy()  # read once, as torch loads its OpenMP runtime
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -41,6 +45,8 @@ def importing_the_stack() -> Iterator[None]:
         gc.freeze()
         if enabled:
             gc.enable()
+    if "torch" in sys.modules:
+        cpu_threads.set_thread_count()
 
 
 def exit_with(code: int | None) -> NoReturn:
@@ -63,8 +69,9 @@ def leaving_the_process_as_found(record_stop_signals: bool = True) -> Iterator[N
     program that calls main() (a notebook, a test) keeps its own Ctrl-C and can call it again: its
     signal handlers back, no signal or stop on record, the log handler removed, accelerate's
     process-wide state reset (the next Accelerator starts anew, as in a fresh process), torch's
-    TF32 switches as they were."""
+    TF32 switches and OMP_WAIT_POLICY as they were."""
     previous_handlers = stop_flag.record_early_signals() if record_stop_signals else {}
+    wait_policy = os.environ.get(cpu_threads.WAIT_POLICY)  # importing_the_stack may set it
     log_handler = None
     if not logging.root.handlers:  # logging.basicConfig's condition; this handler leaves with the command
         log_handler = logging.StreamHandler(sys.stderr)
@@ -77,6 +84,8 @@ def leaving_the_process_as_found(record_stop_signals: bool = True) -> Iterator[N
         yield
     finally:
         stop_flag.reset(previous_handlers)
+        if wait_policy is None:
+            os.environ.pop(cpu_threads.WAIT_POLICY, None)
         if log_handler is not None:
             logging.root.removeHandler(log_handler)
         logging.root.setLevel(log_level)

@@ -122,9 +122,21 @@ class ImageSubset:
         return self.images.image(int(self.rows[index]))
 
 
+def held_out_count(num_images: int, fraction: float) -> int:
+    """How many of `num_images` images --validation_split `fraction` holds out."""
+    return int(round(fraction * num_images))
+
+
+def fitted_batch_size(num_examples: int, batch_size: int, num_processes: int) -> int:
+    """The per-process batch for a data set of `num_examples`: `batch_size`, or where the global batch
+    (x `num_processes`) would be larger than the data set, the largest whose global batch fits (at
+    least 1: fewer images than processes is refused by GlobalBatchOrder)."""
+    return min(batch_size, max(1, num_examples // num_processes))
+
+
 def split_held_out(images, fraction: float, seed: int) -> tuple[ImageSubset, ImageSubset]:
     """(training, held-out) rows, a seeded random split; the held-out part never enters training."""
-    count = int(round(fraction * len(images)))
+    count = held_out_count(len(images), fraction)
     if not 1 <= count < len(images):
         raise DataError(f"--validation_split {fraction} of {len(images)} images leaves {count} held out; "
                          "choose a fraction that keeps at least one image on each side")

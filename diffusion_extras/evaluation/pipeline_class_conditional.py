@@ -128,14 +128,15 @@ def in_guidance_interval(scheduler, step: int, guidance_interval) -> bool:
 
 def guided_step(scheduler, unet, sample: torch.Tensor, step: int, class_labels, guidance_scale: float,
                 generator=None, dtype: torch.dtype = torch.float32, guide=None, guidance_interval=None,
-                condition: torch.Tensor | None = None) -> torch.Tensor:
+                condition: torch.Tensor | None = None, eta: float | None = None) -> torch.Tensor:
     """Sampling step `step` (an index into scheduler.timesteps), x_t -> x_{t-1}, guided (the pipelines'
-    and the package's sampler share it); `condition`: an image condition (with_condition)."""
+    and the package's sampler share it); `condition`: an image condition (with_condition); `eta`:
+    DDIM's, for the schedulers whose step takes one."""
     t = scheduler.timesteps[step]
     scale = guidance_scale if in_guidance_interval(scheduler, step, guidance_interval) else 1.0
     output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels, scale, dtype, guide,
                                  condition)
-    return scheduler_step(scheduler, scheduler_model_output(scheduler, output, sample), t, sample, generator)
+    return scheduler_step(scheduler, scheduler_model_output(scheduler, output, sample), t, sample, generator, eta)
 
 
 def scheduler_model_output(scheduler, model_output: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
@@ -150,12 +151,14 @@ def scheduler_model_output(scheduler, model_output: torch.Tensor, sample: torch.
     return model_output if learned else model_output[:, :channels]
 
 
-def scheduler_step(scheduler, model_output: torch.Tensor, t, sample: torch.Tensor, generator=None) -> torch.Tensor:
+def scheduler_step(scheduler, model_output: torch.Tensor, t, sample: torch.Tensor, generator=None,
+                   eta: float | None = None) -> torch.Tensor:
     """x_{t-1} of `scheduler_step_output`."""
-    return scheduler_step_output(scheduler, model_output, t, sample, generator).prev_sample
+    return scheduler_step_output(scheduler, model_output, t, sample, generator, eta).prev_sample
 
 
-def scheduler_step_output(scheduler, model_output: torch.Tensor, t, sample: torch.Tensor, generator=None):
+def scheduler_step_output(scheduler, model_output: torch.Tensor, t, sample: torch.Tensor, generator=None,
+                          eta: float | None = None):
     """`scheduler.step`'s whole output (x_{t-1}, and x0 where the scheduler gives it), with DDIM's
     noise recomputed from its clipped x0 estimate.
 
@@ -169,9 +172,11 @@ def scheduler_step_output(scheduler, model_output: torch.Tensor, t, sample: torc
     range. Measured on the digits (DDIM 50 steps, guidance 2-4): both give 1.00 class accuracy where
     the inherited clip gave 0.57-0.01 (docs/BENCHMARKS.md)."""
     # Only the keyword arguments this scheduler's step accepts, as diffusers' pipelines do
-    # (prepare_extra_step_kwargs): UniPC, PNDM, DEIS, Heun, LMS and KDPM2 take no generator.
+    # (prepare_extra_step_kwargs): UniPC, PNDM, DEIS, Heun, LMS and KDPM2 take no generator, only DDIM an eta.
     accepted = inspect.signature(scheduler.step).parameters
     kwargs = {"generator": generator} if "generator" in accepted else {}
+    if eta is not None and "eta" in accepted:
+        kwargs["eta"] = eta
     if "use_clipped_model_output" in accepted:
         kwargs["use_clipped_model_output"] = True
     return scheduler.step(model_output, t, sample, **kwargs)
@@ -236,12 +241,7 @@ class PackagePipeline(DiffusionPipeline):
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         import diffusers
 
-        folder = str(pretrained_model_name_or_path)
-        if not os.path.isdir(folder):
-            from huggingface_hub import hf_hub_download, snapshot_download
-            with open(hf_hub_download(folder, "model_index.json")) as fh:
-                names = [name for name, value in json.load(fh).items() if _is_part(value) and value[0]]
-            folder = snapshot_download(folder, allow_patterns=["model_index.json", *(f"{name}/*" for name in names)])
+        folder = cls.local_files(pretrained_model_name_or_path, kwargs)
         with open(os.path.join(folder, "model_index.json")) as fh:
             index = json.load(fh)
         dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
@@ -258,6 +258,23 @@ class PackagePipeline(DiffusionPipeline):
                 typed = {} if issubclass(part, diffusers.SchedulerMixin) else {"torch_dtype": dtype}
                 arguments[name] = part.from_pretrained(folder, subfolder=name, **typed)
         return cls(**arguments)
+
+    # the from_pretrained keywords that reach the class's own download of a Hub id, as they reach diffusers'
+    DOWNLOAD_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
+
+    @classmethod
+    def local_files(cls, pretrained_model_name_or_path, kwargs: dict) -> str:
+        """The folder, or the Hub id's model_index.json and the parts it names, downloaded with
+        from_pretrained's revision, token, cache_dir, ... (DOWNLOAD_KWARGS)."""
+        folder = str(pretrained_model_name_or_path)
+        if os.path.isdir(folder):
+            return folder
+        from huggingface_hub import hf_hub_download, snapshot_download
+        download = {name: kwargs[name] for name in cls.DOWNLOAD_KWARGS if name in kwargs}
+        with open(hf_hub_download(folder, "model_index.json", **download)) as fh:
+            names = [name for name, value in json.load(fh).items() if _is_part(value) and value[0]]
+        return snapshot_download(folder, allow_patterns=["model_index.json", *(f"{name}/*" for name in names)],
+                                 **download)
 
 
 def _is_part(value) -> bool:
@@ -291,6 +308,14 @@ class ClassConditionalPipeline(PackagePipeline):
             library = type(value).__module__.split(".")[0]  # "diffusers" for a UNet2DModel
             self.register_to_config(guide=(None, None) if value is None else (library, type(value).__name__))
 
+    def guide_for(self, autoguidance: bool | None):
+        """The UNet that autoguidance guides with: the saved guide unless autoguidance is False; a
+        ValueError for autoguidance=True without one."""
+        guide = getattr(self, "guide", None) if autoguidance is not False else None
+        if autoguidance and guide is None:
+            raise ValueError("autoguidance=True needs a guide: set pipe.guide to a weaker UNet2DModel (and save it)")
+        return guide
+
     def get_label_ids(self, label: str | list[str]) -> list[int]:
         """Class names -> class ids, as DiTPipeline.get_label_ids."""
         names = [label] if isinstance(label, str) else list(label)
@@ -312,17 +337,17 @@ class ClassConditionalPipeline(PackagePipeline):
         class" branch (Karras et al. 2024); None: when the pipeline has one. output_type: "pil",
         "np" (float [N, H, W, C] in [0, 1]) or "pt"."""
         unet, device = self.unet, self._execution_device
-        guide = getattr(self, "guide", None) if autoguidance is not False else None
-        if autoguidance and guide is None:
-            raise ValueError("autoguidance=True needs a guide: set pipe.guide to a weaker UNet2DModel (and save it)")
+        guide = self.guide_for(autoguidance)
         labels = torch.as_tensor(class_labels, dtype=torch.long).reshape(-1).to(device)
         num_classes = null_class(unet)
         if len(labels) == 0 or labels.min() < 0 or labels.max() >= num_classes:
             raise ValueError(f"class_labels must be ids in [0, {num_classes}); got {list(class_labels)}")
         size = unet.config.sample_size
         shape = (len(labels), unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
-        sample = _randn(shape, generator, device) * self.scheduler.init_noise_sigma
+        # timesteps first (diffusers' order): a sigma scheduler's init_noise_sigma (Euler, Heun, LMS,
+        # KDPM2) is the first inference sigma only once they are set
         self.scheduler.set_timesteps(num_inference_steps, device=device)
+        sample = _randn(shape, generator, device) * self.scheduler.init_noise_sigma
         for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # x_t stays fp32 whatever the UNet's dtype
             sample = guided_step(self.scheduler, unet, sample, step, labels, guidance_scale, generator,
                                  guide=guide, guidance_interval=guidance_interval)
@@ -336,7 +361,12 @@ class ClassConditionalPipeline(PackagePipeline):
 
 
 def _randn(shape, generator, device) -> torch.Tensor:
-    """fp32 noise; a list of generators draws one image each (on the CPU, device-independent)."""
+    """fp32 noise; a list of generators draws one image each (on the CPU, device-independent), and
+    must have one per image (diffusers' randn_tensor's ValueError)."""
+    if isinstance(generator, list) and len(generator) != shape[0]:
+        raise ValueError(f"You have passed a list of generators of length {len(generator)}, but requested an "
+                         f"effective batch size of {shape[0]}. Make sure the batch size matches the length of the "
+                         "generators.")
     if isinstance(generator, list):
         return torch.cat([torch.randn((1, *shape[1:]), generator=g) for g in generator]).to(device)
     on = generator.device if generator is not None else device

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, ImagePipelineOutput, UNet2DModel
+from diffusers import AutoencoderKL, AutoencoderTiny, ImagePipelineOutput, UNet2DModel, VQModel
 from diffusers.image_processor import VaeImageProcessor
 
 from .pipeline_class_conditional import PackagePipeline, _randn, guided_step
@@ -77,12 +77,15 @@ def pixel_condition(kind: str, image: torch.Tensor, mask: torch.Tensor | None = 
 
 @torch.no_grad()
 def encode_normalised(vae, pixels: torch.Tensor) -> torch.Tensor:
-    """The VAE posterior's mean of pixels in [-1, 1], normalised as the UNet's latents are
-    (pipeline_latent.latent_normalization), in fp32 outside autocast as the trainer encodes."""
+    """The VAE posterior's mean of pixels in [-1, 1] (a VQModel's or AutoencoderTiny's deterministic
+    latents), normalised as the UNet's latents are (pipeline_latent.latent_normalization), in fp32
+    outside autocast as the trainer encodes (data/latents.encode, which this file cannot import)."""
     shift, scale = (value.to(pixels.device).view(1, -1, 1, 1)
                     for value in latent_normalization(vae.config, vae.config.latent_channels))
     with torch.autocast(pixels.device.type, enabled=False):
-        mean = vae.encode(pixels.to(vae.dtype)).latent_dist.mean.float()
+        output = vae.encode(pixels.to(vae.dtype))
+    distribution = getattr(output, "latent_dist", None)
+    mean = (output.latents if distribution is None else distribution.mean).float()
     return (mean - shift) * scale
 
 
@@ -115,13 +118,15 @@ class ImageConditionedPipeline(PackagePipeline):
     model_cpu_offload_seq = "vae->unet->vae"
     _optional_components = ["vae"]  # latent models only
 
-    def __init__(self, unet: UNet2DModel, scheduler, vae: AutoencoderKL | None = None,
+    def __init__(self, unet: UNet2DModel, scheduler, vae: AutoencoderKL | VQModel | AutoencoderTiny | None = None,
                  conditioning: str = "super_resolution", sr_factor: int = 4):
         super().__init__()
         if conditioning not in CONDITIONING_KINDS:
             raise ValueError(f"conditioning {conditioning!r} is not one of {', '.join(CONDITIONING_KINDS)}")
         self.register_modules(unet=unet, scheduler=scheduler, vae=vae)
         self.register_to_config(conditioning=conditioning, sr_factor=int(sr_factor))
+        # pixels per latent, as diffusers' pipelines name it (1: a pixel model)
+        self.vae_scale_factor = vae_scale_factor(vae.config) if vae is not None else 1
 
     @property
     def sample_channels(self) -> int:
@@ -137,8 +142,7 @@ class ImageConditionedPipeline(PackagePipeline):
     def size_multiple(self) -> int:
         """What each side of an output image must be a multiple of: the UNet halves it once per
         block but the last, after the VAE's downsampling."""
-        factor = vae_scale_factor(self.vae.config) if self.vae is not None else 1
-        return 2 ** (len(self.unet.config.block_out_channels) - 1) * factor
+        return 2 ** (len(self.unet.config.block_out_channels) - 1) * self.vae_scale_factor
 
     def preprocess(self, image, channels: int, mask: bool = False) -> torch.Tensor:
         """PIL, numpy or torch images -> fp32 [B, C, H, W] on the execution device: in [-1, 1], or
@@ -165,7 +169,7 @@ class ImageConditionedPipeline(PackagePipeline):
                  guidance_scale: float = DEFAULT_IMAGE_GUIDANCE_SCALE,
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
                  return_dict: bool = True, guidance_interval: tuple[float, float] | None = None,
-                 callback_on_step_end=None):
+                 callback_on_step_end=None, eta: float = 0.0, latents: torch.Tensor | None = None):
         """Images made from `image`: for super_resolution the low-resolution input (the output is
         sr_factor x its size), for inpainting the image whose `mask_image` pixels (white, >= 0.5) are
         filled (the others come back as given), for image-to-image the conditioning image (the output
@@ -173,7 +177,9 @@ class ImageConditionedPipeline(PackagePipeline):
         dropped as the weak one; for models trained with --conditioning_dropout_prob), within
         guidance_interval (low, high] of noise level sigma if given (ClassConditionalPipeline's
         guidance). A list of generators gives image i its own noise. output_type: "pil", "np" (float
-        [N, H, W, C] in [0, 1]), "pt" ([N, C, H, W] in [0, 1]) or, with a VAE, "latent".
+        [N, H, W, C] in [0, 1]), "pt" ([N, C, H, W] in [0, 1]) or, with a VAE, "latent". eta: DDIM's
+        (schedulers without one ignore it); latents: the starting noise [B, C, h, w] (unit Gaussian,
+        scaled here by init_noise_sigma) instead of drawing it from `generator` (LatentDiffusionPipeline's).
         callback_on_step_end(pipe, step, t, {"latents": x_t}) -> dict runs after each step, as in
         diffusers' pipelines (a returned "latents" replaces x_t)."""
         kind, device = self.config.conditioning, self._execution_device
@@ -193,10 +199,13 @@ class ImageConditionedPipeline(PackagePipeline):
         # is the first step's for Euler-type schedulers, which set_timesteps computes)
         self.scheduler.set_timesteps(num_inference_steps, device=device)
         shape = (len(condition), self.sample_channels, *condition.shape[-2:])
-        sample = _randn(shape, generator, device) * self.scheduler.init_noise_sigma
+        if latents is not None and tuple(latents.shape) != shape:
+            raise ValueError(f"Unexpected latents shape, got {tuple(latents.shape)}, expected {shape}")
+        noise = _randn(shape, generator, device) if latents is None else latents.to(device, torch.float32)
+        sample = noise * self.scheduler.init_noise_sigma
         for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # x_t stays fp32
             sample = guided_step(self.scheduler, self.unet, sample, step, None, guidance_scale, generator,
-                                 guidance_interval=guidance_interval, condition=condition)
+                                 guidance_interval=guidance_interval, condition=condition, eta=eta)
             if callback_on_step_end is not None:
                 returned = callback_on_step_end(self, step, self.scheduler.timesteps[step], {"latents": sample})
                 sample = (returned or {}).get("latents", sample)

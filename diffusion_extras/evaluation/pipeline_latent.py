@@ -1,5 +1,7 @@
-"""A latent diffusion pipeline: a frozen AutoencoderKL, a UNet2DModel trained on its normalised
-latents (with a class embedding or without) and any diffusers scheduler:
+"""A latent diffusion pipeline: a frozen autoencoder (an AutoencoderKL, or a VQModel or an
+AutoencoderTiny, whose deterministic latents it decodes as diffusers' LDMPipeline does), a
+UNet2DModel trained on its normalised latents (with a class embedding or without) and any
+diffusers scheduler:
 
     pipe = DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)
     images = pipe(batch_size=4, num_inference_steps=50, generator=torch.manual_seed(0)).images
@@ -14,7 +16,7 @@ convention copies a module's relative imports with it). torch and diffusers only
 from __future__ import annotations
 
 import torch
-from diffusers import AutoencoderKL, ImagePipelineOutput, UNet2DModel
+from diffusers import AutoencoderKL, AutoencoderTiny, ImagePipelineOutput, UNet2DModel, VQModel
 
 from .pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE, ClassConditionalPipeline, _randn, guided_step
 
@@ -36,19 +38,28 @@ def latent_normalization(vae_config, channels: int) -> tuple[torch.Tensor, torch
 
 def vae_scale_factor(vae_config) -> int:
     """Pixels per latent along each side: the encoder halves the image once per block but the last
-    (diffusers' pipelines compute their vae_scale_factor so)."""
-    return 2 ** (len(vae_config["block_out_channels"]) - 1)
+    (diffusers' pipelines compute their vae_scale_factor so; an AutoencoderTiny config may name only
+    its encoder's blocks)."""
+    blocks = vae_config.get("block_out_channels") or vae_config.get("encoder_block_out_channels")
+    return 2 ** (len(blocks) - 1)
 
 
 @torch.no_grad()
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """The UNet's normalised latents [B, C, h, w] -> images in [-1, 1], fp32: un-normalised, then
-    the VAE's decoder (in fp32 where its config says force_upcast, as diffusers' pipelines do)."""
+    the VAE's decoder. A VAE whose config says force_upcast decodes in fp32 and is given back in the
+    dtype it had (as diffusers' SDXL pipeline upcasts for the decode only)."""
     shift, scale = (value.to(latents.device).view(1, -1, 1, 1)
                     for value in latent_normalization(vae.config, latents.shape[1]))
-    dtype = torch.float32 if vae.config.get("force_upcast") else vae.dtype
-    decoder = vae.to(dtype) if dtype != vae.dtype else vae
-    return decoder.decode((latents.float() / scale + shift).to(dtype)).sample.float()
+    dtype = vae.dtype
+    upcast = bool(vae.config.get("force_upcast")) and dtype != torch.float32
+    if upcast:
+        vae.to(torch.float32)
+    try:
+        return vae.decode((latents.float() / scale + shift).to(vae.dtype)).sample.float()
+    finally:
+        if upcast:
+            vae.to(dtype)
 
 
 class LatentDiffusionPipeline(ClassConditionalPipeline):
@@ -57,27 +68,31 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
 
     model_cpu_offload_seq = "unet->vae"
 
-    def __init__(self, vae: AutoencoderKL, unet: UNet2DModel, scheduler, id2label: dict | None = None,
-                 guide: UNet2DModel | None = None):
+    def __init__(self, vae: AutoencoderKL | VQModel | AutoencoderTiny, unet: UNet2DModel, scheduler,
+                 id2label: dict | None = None, guide: UNet2DModel | None = None):
         super().__init__(unet=unet, scheduler=scheduler, id2label=id2label, guide=guide)
         self.register_modules(vae=vae)
+        self.vae_scale_factor = vae_scale_factor(vae.config)  # pixels per latent, as diffusers' pipelines name it
 
     @torch.no_grad()
     def __call__(self, class_labels: list[int] | None = None, batch_size: int = 1,
                  guidance_scale: float = DEFAULT_GUIDANCE_SCALE,
                  generator: torch.Generator | list[torch.Generator] | None = None, num_inference_steps: int = 50,
                  output_type: str = "pil", return_dict: bool = True,
-                 guidance_interval: tuple[float, float] | None = None, autoguidance: bool | None = None):
+                 guidance_interval: tuple[float, float] | None = None, autoguidance: bool | None = None,
+                 eta: float = 0.0, latents: torch.Tensor | None = None):
         """`batch_size` images of an unconditional UNet, or images of `class_labels` (ids; see
         get_label_ids) of a class-conditional one, guided as ClassConditionalPipeline.__call__.
-        output_type: "pil", "np" (float [N, H, W, C] in [0, 1]), "pt", or "latent" (the UNet's
-        normalised latents, not decoded)."""
+        eta: DDIM's (as diffusers' LDMPipeline; schedulers without one ignore it). latents: the
+        starting noise [B, C, h, w] (unit Gaussian, scaled here by init_noise_sigma), instead of
+        drawing it from `generator`. output_type: "pil", "np" (float [N, H, W, C] in [0, 1]), "pt",
+        or "latent" (the UNet's normalised latents, not decoded)."""
         unet, device = self.unet, self._execution_device
         conditional = unet.config.num_class_embeds is not None
         if conditional != (class_labels is not None):
             raise ValueError("a class-conditional UNet needs class_labels (ids, see get_label_ids)" if conditional
                              else "this UNet is unconditional: give batch_size, not class_labels")
-        guide = getattr(self, "guide", None) if autoguidance is not False else None
+        guide = self.guide_for(autoguidance)
         labels = None
         if conditional:
             labels = torch.as_tensor(class_labels, dtype=torch.long).reshape(-1).to(device)
@@ -89,11 +104,14 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
             guidance_scale = 1.0  # nothing to guide with: the UNet's own prediction
         size = unet.config.sample_size
         shape = (batch_size, unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
-        latents = _randn(shape, generator, device) * self.scheduler.init_noise_sigma
-        self.scheduler.set_timesteps(num_inference_steps, device=device)
+        if latents is not None and tuple(latents.shape) != shape:
+            raise ValueError(f"Unexpected latents shape, got {tuple(latents.shape)}, expected {shape}")
+        self.scheduler.set_timesteps(num_inference_steps, device=device)  # before init_noise_sigma, as diffusers
+        noise = _randn(shape, generator, device) if latents is None else latents.to(device, torch.float32)
+        latents = noise * self.scheduler.init_noise_sigma
         for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # fp32 whatever the UNet's dtype
             latents = guided_step(self.scheduler, unet, latents, step, labels, guidance_scale, generator,
-                                  guide=guide, guidance_interval=guidance_interval)
+                                  guide=guide, guidance_interval=guidance_interval, eta=eta)
         if output_type == "latent":
             images = latents
         else:

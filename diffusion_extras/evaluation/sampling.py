@@ -70,9 +70,10 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
                    class_labels=None, guidance_scale: float = 1.0, guide=None, guidance_interval=None, vae=None):
     shape = (len(generators),) + _image_shape(unet)
     sample = torch.cat([torch.randn((1,) + shape[1:], generator=g) for g in generators]).to(device)
-    sample = sample * scheduler.init_noise_sigma
-    # Fresh solver state per batch (DPM-Solver keeps a history of model outputs).
+    # Fresh solver state per batch (DPM-Solver keeps a history of model outputs). Timesteps before the
+    # noise scale, as diffusers' pipelines: a sigma scheduler's init_noise_sigma follows its timesteps.
     scheduler.set_timesteps(num_inference_steps, device=device)
+    sample = sample * scheduler.init_noise_sigma
     net_dtype = next(unet.parameters()).dtype
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     if guide is not None and class_labels is None:  # autoguidance of the unconditional model

@@ -11,7 +11,10 @@ import os
 def local_folder(name: str, what: str = "folder") -> str | None:
     """The folder `name` names (`~` expanded), or None when it is a Hub id. A path that is not there
     and cannot be a Hub id (`~/run`, `./run`, `/abs/run`, `a/b/c`) is a FileNotFoundError, a file
-    a ValueError, each naming `what` was expected: the Hub is never asked for a path."""
+    a ValueError, each naming `what` was expected: the Hub is never asked for a path. So is a bare
+    name that is no folder here (`digits-vea`, a mistyped folder): the Hub's model ids are
+    namespace/name (the few older ids without a namespace are transformers models, not pipelines,
+    UNets or VAEs), and asking it would cost a network error, or retries offline, for a typo."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     path = os.path.expanduser(name)
@@ -22,8 +25,11 @@ def local_folder(name: str, what: str = "folder") -> str | None:
     try:
         validate_repo_id(name)
     except HFValidationError:
-        raise FileNotFoundError(f"{what} {path} does not exist (nor is it a Hub id, namespace/name)") from None
-    return None
+        pass
+    else:
+        if "/" in name:
+            return None
+    raise FileNotFoundError(f"{what} {path} does not exist (nor is it a Hub id, namespace/name)")
 
 
 def is_offline_error(error: BaseException) -> bool:

@@ -157,8 +157,9 @@ def write_model_card(folder: str, info: dict) -> str:
     folder/images/), dataset_name, license, title, class_names (a class-conditional pipeline), _redact
     (secrets to keep out of the card), base_model (the pipeline a fine-tune started from: named in
     the text, and in the metadata's `base_model` when it is a Hub id), vae (a latent pipeline: the
-    AutoencoderKL it was trained with), latent_normalization (how its latents were: "normalised by
-    ..."), conditioning (an image-conditioned pipeline: {"conditioning": kind, "sr_factor": n})."""
+    autoencoder it was trained with) and vae_class (its class; default AutoencoderKL),
+    latent_normalization (how its latents were: "normalised by ..."), conditioning (an
+    image-conditioned pipeline: {"conditioning": kind, "sr_factor": n})."""
     secrets = [s for s in info.get("_redact") or [] if s]
     config = redact_config(info.get("config") or {}, secrets)
     repo_id = info.get("repo_id") or default_repo_id(folder, None)
@@ -207,7 +208,8 @@ def _card_body(folder: str, info: dict, config: dict, repo_id: str, dataset: str
     if info.get("base_model"):
         lines += [f"Fine-tuned from `{info['base_model']}`.", ""]
     if info.get("vae"):
-        lines += [f"Latent diffusion: the UNet was trained on the latents of the AutoencoderKL `{info['vae']}`, "
+        autoencoder = info.get("vae_class") or "AutoencoderKL"
+        lines += [f"Latent diffusion: the UNet was trained on the latents of the {autoencoder} `{info['vae']}`, "
                   "saved in `vae/`, which decodes its samples."
                   + (f" Its latents were {info['latent_normalization']}." if info.get("latent_normalization")
                      else ""), ""]

@@ -199,11 +199,15 @@ def write_report(output_dir: str, history=None, config=None, bayes_optimal_bins=
     return json_path, md_path
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog_name("report"),
                                      description="Write and print the health report of a training run.")
     parser.add_argument("run_dir", help="the training output_dir, or a checkpoint folder inside it")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     try:
         _, md_path = write_report(resolve_output_dir(args.run_dir))
     except (ValueError, OSError, yaml.YAMLError) as error:

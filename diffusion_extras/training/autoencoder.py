@@ -1,8 +1,13 @@
 """Latent diffusion's autoencoder: --pretrained_vae_model_name_or_path loaded with diffusers'
-AutoencoderKL.from_pretrained, frozen, and checked against the run before training (one line each:
-not an autoencoder, a resolution it cannot encode, images it cannot read, a UNet of other channels).
-The UNet then follows its latents (models.follow_data): latent_channels, and sample_size =
---resolution / the downsampling factor, side by side."""
+from_pretrained, frozen, and checked against the run before training (one line each: not an
+autoencoder, a resolution it cannot encode, images it cannot read, a UNet of other channels). The
+UNet then follows its latents (models.follow_data): latent_channels, and sample_size = --resolution
+/ the downsampling factor, side by side.
+
+An AutoencoderKL (Stable Diffusion's, SDXL's, SD3's, FLUX.1's VAEs) gives a posterior; a VQModel
+(the LDM papers' autoencoders, diffusers' LDMPipeline) and an AutoencoderTiny (TAESD) give one
+latent per image (std 0), which their decoders take as LDMPipeline and diffusers' pipelines give
+them: a VQModel quantises while decoding."""
 from __future__ import annotations
 
 import os
@@ -18,13 +23,17 @@ from diffusion_extras.hub.download import is_offline_error, offline_reason
 from diffusion_extras.training.config import ConfigError, TrainConfig, unfitting_side
 
 VAE_SUBFOLDER = "vae"  # where a diffusers pipeline folder keeps its VAE
+VAE_SUBFOLDERS = (VAE_SUBFOLDER, "vqvae")  # ... and where LDMPipeline keeps its VQModel
+AUTOENCODERS = ("AutoencoderKL", "VQModel", "AutoencoderTiny")  # the diffusers classes a latent run encodes with
+ENCODER_PARTS = ("encoder", "quant_conv")  # their modules that only encode (the rest decodes)
 COLOUR_CHANNELS = (1, 3, 4)  # images a VAE may take: grayscale, RGB, RGBA
+SCALE_TOLERANCE = 2.0  # a normalised latents' std beyond [1/2, 2] is far from the 1 the noise levels assume
 
 
 @dataclass(frozen=True)
 class LatentSpace:
     """The frozen VAE and the shape of what the UNet trains on."""
-    vae: object            # diffusers AutoencoderKL, eval mode, no gradients
+    vae: object            # a diffusers AUTOENCODERS class, eval mode, no gradients
     source: str            # where it came from (the model line, the model card)
     image_channels: int    # the VAE's in_channels: the images are converted to them
     channels: int          # latent_channels: the UNet's in_channels
@@ -38,18 +47,21 @@ class LatentSpace:
 
 
 def vae_subfolder(path: str, subfolder: str | None) -> str | None:
-    """--vae_subfolder, else vae/ where the folder (a pipeline's) has one, else the folder itself."""
-    if subfolder is None and os.path.isdir(os.path.join(os.path.expanduser(path), VAE_SUBFOLDER)):
-        return VAE_SUBFOLDER
+    """--vae_subfolder, else vae/ (or an LDM pipeline's vqvae/) where the folder (a pipeline's) has
+    one, else the folder itself."""
+    if subfolder is None:
+        return next((name for name in VAE_SUBFOLDERS if os.path.isdir(os.path.join(os.path.expanduser(path), name))),
+                    None)
     return subfolder
 
 
 def read_vae_config(path: str, subfolder: str | None) -> tuple[dict, str | None]:
-    """(the VAE's config, the subfolder it was found in): the folder or Hub id itself, or its vae/."""
+    """(the VAE's config, the subfolder it was found in): the folder or Hub id itself, or its vae/
+    (vqvae/)."""
     from diffusers import AutoencoderKL
 
     flag = f"--pretrained_vae_model_name_or_path {path}"
-    tries = [subfolder] if subfolder is not None or os.path.isdir(os.path.expanduser(path)) else [None, VAE_SUBFOLDER]
+    tries = [subfolder] if subfolder is not None or os.path.isdir(os.path.expanduser(path)) else [None, *VAE_SUBFOLDERS]
     error = None
     for candidate in tries:
         try:
@@ -66,15 +78,15 @@ def read_vae_config(path: str, subfolder: str | None) -> tuple[dict, str | None]
 
 def load_latent_space(config: TrainConfig) -> LatentSpace:
     """The frozen VAE of --pretrained_vae_model_name_or_path, checked against the run."""
-    from diffusers import AutoencoderKL
+    import diffusers
 
     path = config.pretrained_vae_model_name_or_path
     flag = f"--pretrained_vae_model_name_or_path {path}"
     values, subfolder = read_vae_config(path, vae_subfolder(path, config.vae_subfolder))
     kind = values.get("_class_name")
-    if kind != AutoencoderKL.__name__:
-        raise ConfigError(f"{flag}: its config is a {kind or 'model without a class name'}, not an AutoencoderKL; "
-                          "give the VAE's folder or a pipeline folder with vae/")
+    if kind not in AUTOENCODERS:
+        raise ConfigError(f"{flag}: its config is a {kind or 'model without a class name'}, not an autoencoder "
+                          f"({', '.join(AUTOENCODERS)}); give the VAE's folder or a pipeline folder with vae/")
     factor = vae_scale_factor(values)
     unfitting = unfitting_side(config.resolution, factor)
     if unfitting:
@@ -88,7 +100,7 @@ def load_latent_space(config: TrainConfig) -> LatentSpace:
     if config.keep_alpha and image_channels != 4:
         raise ConfigError(f"--keep_alpha keeps RGBA but the VAE reads {image_channels}-channel images: "
                           "drop --keep_alpha (transparency is composited on --background)")
-    vae = AutoencoderKL.from_pretrained(os.path.expanduser(path), subfolder=subfolder)
+    vae = getattr(diffusers, kind).from_pretrained(os.path.expanduser(path), subfolder=subfolder)
     vae.requires_grad_(False).eval()  # frozen: encodes the data once and decodes samples
     source = path if subfolder is None else f"{path} ({subfolder}/)"
     return LatentSpace(vae=vae, source=source, image_channels=image_channels, channels=values["latent_channels"],
@@ -159,3 +171,71 @@ def measure_statistics(latent: LatentSpace, source, encoder: latents.Encoder, st
         both = broadcast(torch.from_numpy(np.stack([mean, std])).to(processes.device), from_process=0)
         mean, std = both.cpu().numpy()
     return mean, std, measured
+
+
+@dataclass(frozen=True)
+class EarlierFingerprint:
+    """The VAE fingerprint a checkpoint recorded in an earlier release's form (latents.earlier_fingerprints:
+    it changed with the interpreter's hash seed), and how this VAE was recognised as the one it names."""
+    fingerprint: str
+    exact: bool  # recognised by recomputing it (latents.earlier_fingerprints), not only by what it shaped
+
+
+def earlier_fingerprint(recorded: dict | None, vae, config: dict) -> EarlierFingerprint | None:
+    """A resumed checkpoint's VAE fingerprint where an earlier release wrote it (None otherwise),
+    recognised exactly where its recomputation is affordable (`config`: the VAE's as loaded)."""
+    record = (recorded or {}).get("vae")
+    if not record or record.get("fingerprint_format") is not None:
+        return None
+    candidates = latents.earlier_fingerprints(vae, config)
+    exact = candidates is not None and record["fingerprint"] in candidates
+    return EarlierFingerprint(record["fingerprint"], exact)
+
+
+def reconcile_vae_record(saved: dict, current: dict, earlier: EarlierFingerprint | None) -> tuple[dict, str | None]:
+    """(the checkpoint's recorded config, with its VAE fingerprint in today's form where this VAE is
+    the one an earlier release fingerprinted; the line that says so, or None). Recognised by the
+    fingerprint recomputed, or else by what did not depend on the hash seed: the latent
+    normalisation (per-channel statistics measured on this VAE's latents of the data, the earlier
+    cache's where cached_latents took it over, or the config's scale) and the VAE's path, which the
+    resume check compares as usual. Anything else is left as recorded: the check names the difference."""
+    record, now = saved.get("vae"), current.get("vae")
+    if not record or not now or earlier is None or record.get("fingerprint") != earlier.fingerprint:
+        return saved, None
+    how = "its fingerprint recomputed"
+    if not earlier.exact:
+        if (record.get("shift"), record.get("scale")) != (now["shift"], now["scale"]):
+            return saved, None
+        how = "its latent normalisation and path (the weights could not be compared)"
+    upgraded = {**record, "fingerprint": now["fingerprint"], "fingerprint_format": now["fingerprint_format"]}
+    return ({**saved, "vae": upgraded},
+            f"the checkpoint's VAE fingerprint is an earlier release's, which depended on the interpreter's hash "
+            f"seed: the VAE is recognised by {how}; checkpoints from now on record the new fingerprint")
+
+
+def offload_encoder(vae) -> None:
+    """Cached latents: the run encodes nothing more, so the encoder's weights go to the CPU (they stay
+    in the model, which the export saves); only the decoder stays on the accelerator, for the sample
+    grids and evaluation."""
+    for name in ENCODER_PARTS:
+        part = getattr(vae, name, None)
+        if isinstance(part, torch.nn.Module):
+            part.to("cpu")
+
+
+def scale_note(latent: LatentSpace, clean: torch.Tensor, spread: torch.Tensor) -> str | None:
+    """One line where the latents normalised by the VAE config's scale (`clean`: the normalised
+    posterior means of a sample of the training images, `spread`: their stds) have a std far from 1
+    (SCALE_TOLERANCE), with the value and how to normalise by measured statistics instead: diffusers'
+    save_pretrained writes its default scaling_factor 0.18215 (Stable Diffusion's) into any VAE
+    config that names none, so a VAE of one's own carries a scale measured for another model."""
+    std = float(((clean.double() ** 2 + spread.double() ** 2).mean() - clean.double().mean() ** 2) ** 0.5)
+    if 1 / SCALE_TOLERANCE <= std <= SCALE_TOLERANCE:
+        return None
+    config = latent.vae.config
+    scale = f"scaling_factor {config.get('scaling_factor'):g}" + (
+        " with its latents_mean / latents_std" if config.get("latents_mean") is not None else "")
+    return (f"latents: their std normalised by the VAE config's {scale} is {std:.3g}, far from 1 (diffusers writes "
+            "scaling_factor 0.18215, Stable Diffusion's, into a VAE config that names none): to normalise by "
+            "statistics measured on your data instead, remove scaling_factor, shift_factor, latents_mean and "
+            f"latents_std from the config.json of the VAE {latent.source}")

@@ -2,18 +2,19 @@
 returns the typed Run (run_state.py); each builder returns what it makes."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 
 import torch
 
-from diffusion_extras.core import losses, optimization, vlb
+from diffusion_extras.core import cpu_threads, losses, optimization, vlb
 from diffusion_extras.core.ema import ExponentialMovingAverage
 from diffusion_extras.core.optimization import make_optimizer
 from diffusion_extras.core.phema import PowerFunctionEMA
 from diffusion_extras.core.timesteps import make_timestep_sampler
-from diffusion_extras.data import latents, sources
+from diffusion_extras.data import batch_order, latents, sources
 from diffusion_extras.data.conditioning import stored_channels
 from diffusion_extras.data.spec import Resolution
 from diffusion_extras.monitoring import diagnostics
@@ -70,6 +71,7 @@ def start(config: TrainConfig):
 
     accelerator = make_accelerator(config)
     refuse_sharded_training(accelerator)
+    accelerator.print(cpu_threads.describe())  # a CPU run's speed beside other work depends on it
     set_seed(config.seed)  # the init; per-step randomness has its own generators
     if config.overwrite_output_dir:  # before anything is written there; the other ranks wait for the rename
         moved = compat.move_aside_earlier_run(config.output_dir) if accelerator.is_main_process else None
@@ -129,13 +131,15 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     switches = run_state.extras_switches(config, spec.uses_embedded_digits)
     # the data is opened before the model: with no model chosen, the model follows the images
     dataset, data_channels, classes = sources.open_training_data(spec, accelerator)  # labels read once, here
+    config = fit_batch_to_data(config, accelerator, dataset, switches["validation_split"])
     latent = autoencoder.load_latent_space(config) if config.pretrained_vae_model_name_or_path else None
+    recorded = checkpointing.recorded_config(config.output_dir, config.resume_from_checkpoint)
     choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None, base, latent)
     image_channels = latent.image_channels if latent else models.sample_channels(unet.config.in_channels,
                                                                                config.conditioning)
     training_data, held_out_images = build_data(config, accelerator, image_channels, dataset,
                                                 switches["validation_split"], classes,
-                                                hooks.data_source or sources.build_source, latent)
+                                                hooks.data_source or sources.build_source, latent, recorded)
     plan = make_plan(config, accelerator, training_data.source, choice, switches, max_train_steps)
     learner = build_learner(config, accelerator, plan, unet, lr_schedule, base, latent_record(training_data))
     objective = build_objective(config, accelerator, noise_scheduler)
@@ -150,6 +154,25 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     return Run(config=config, plan=plan, accelerator=accelerator, learner=learner, objective=objective,
                data=training_data, extras=extras, progress=progress, history=tracking.History(config.output_dir),
                hooks=hooks)
+
+
+def fit_batch_to_data(config: TrainConfig, accelerator, dataset, validation_split: float) -> TrainConfig:
+    """The config with the batch following the data, as the model does: with no --train_batch_size
+    given (by flag or recipe), a data set smaller than the global batch trains with the largest
+    batch it fills, said in one line. A batch the user gave is kept (the data source refuses it
+    then); a stream's length is unknown, so its batch is kept too."""
+    if "train_batch_size" in config.given or config.streaming:
+        return config
+    count = len(dataset) - batch_order.held_out_count(len(dataset), validation_split)
+    batch = batch_order.fitted_batch_size(count, config.train_batch_size, accelerator.num_processes)
+    if batch == config.train_batch_size:
+        return config
+    accelerator.print(f"data: {count} training images, fewer than the recipe's batch of {config.train_batch_size}"
+                      + (f" x {accelerator.num_processes} processes" if accelerator.num_processes > 1 else "")
+                      + f": training with --train_batch_size {batch} (give one to choose)")
+    fitted = dataclasses.replace(config, train_batch_size=batch)
+    fitted._given = config.given  # the fitted batch is not the user's
+    return fitted
 
 
 def refuse_sharded_training(accelerator) -> None:
@@ -185,23 +208,30 @@ def build_model(config: TrainConfig, accelerator, data_channels: int, class_name
 
 
 def build_data(config: TrainConfig, accelerator, channels: int, dataset, validation_split: float, classes,
-               data_source=sources.build_source, latent: autoencoder.LatentSpace | None = None) -> tuple:
+               data_source=sources.build_source, latent: autoencoder.LatentSpace | None = None,
+               recorded: dict | None = None) -> tuple:
     """(the training data, the held-out images or None): the data source (decode-once cache or
     this rank's shard of a stream, with the `classes` open_training_data read; with a `latent`
     space, the images' posteriors, encoded once on this device, or a stream's pixels, encoded as
     they come; with --conditioning, pixels with a stored condition beside them, which the step
-    encodes) and sigma_data."""
+    encodes) and sigma_data. `recorded`: the config of the checkpoint a resume starts from."""
     conditional = config.conditioning != "none"
+    earlier = None
     if latent is None:
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
         encoder = posterior = normalisation = None
     else:  # cached: the source holds posteriors; streamed (or conditional): pixels, which the step encodes
-        encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor)
+        earlier = autoencoder.earlier_fingerprint(recorded, latent.vae, dict(latent.vae.config))
+        encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor,
+                                     (earlier.fingerprint,) if earlier else ())
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
                              encoder=None if conditional else encoder)
-        posterior, normalisation = autoencoder.posterior(latent, source, encoder, config.streaming or conditional,
-                                                         accelerator)
+        measured = autoencoder.measures_statistics(latent.vae)
+        encoded_each_step = config.streaming or conditional
+        posterior, normalisation = autoencoder.posterior(latent, source, encoder, encoded_each_step, accelerator)
         accelerator.print(f"latents: {normalisation}")
+        if not encoded_each_step:  # the latents are cached: the encoder's work is done
+            autoencoder.offload_encoder(latent.vae)
     condition = conditioning.for_run(config.conditioning, channels, stored_channels(config.data_spec(), channels),
                                      config.sr_factor, config.seed, latent.vae if latent else None)
     sample = torch.from_numpy(source.reference_sample(2048))
@@ -209,13 +239,19 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
         sample = sample[:, :channels]
     # sigma_data of the model input per dimension (pixels in [-1, 1], or the latent means):
     # the scale of the Bayes-optimal reference curve
-    clean = latents.model_input(sample, "cpu", posterior=posterior)
+    if posterior is None:
+        clean = latents.model_input(sample, "cpu")
+    else:  # the normalised latents' std, checked where the config's scale normalises them
+        clean, spread = posterior.normalised(sample, "cpu")
+        note = None if measured else autoencoder.scale_note(latent, clean, spread)
+        if note:
+            accelerator.print(note)
     sigma_data = diagnostics.per_dimension_variance(clean, bounded=posterior is None) ** 0.5
     training_data = Data(source=source, sigma_data=sigma_data, class_names=getattr(source, "class_names", None),
                          global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
                          gradient_accumulation_steps=config.gradient_accumulation_steps, posterior=posterior,
                          vae=latent.vae if latent else None, vae_fingerprint=encoder.fingerprint if encoder else None,
-                         latent_normalization=normalisation, condition=condition)
+                         vae_earlier=earlier, latent_normalization=normalisation, condition=condition)
     return training_data, source.held_out_images
 
 
@@ -394,5 +430,6 @@ def latent_record(training_data: Data) -> dict | None:
     posterior = training_data.posterior
     if posterior is None:
         return None
-    return {"fingerprint": training_data.vae_fingerprint, "shift": [float(v) for v in posterior.shift],
+    return {"fingerprint": training_data.vae_fingerprint, "fingerprint_format": latents.FINGERPRINT_FORMAT,
+            "shift": [float(v) for v in posterior.shift],
             "scale": [float(v) for v in posterior.scale]}

@@ -336,10 +336,15 @@ def _unflatten(value):
     return value
 
 
-def check_resumable(path: str, current: dict) -> tuple[dict, dict[str, tuple]]:
+def check_resumable(path: str, current: dict, reconcile=None) -> tuple[dict, dict[str, tuple]]:
     """The checkpoint's train state and the changed settings a resume applies ({key: (saved,
-    current)}), after refusing, with the full list, any change the saved state cannot serve."""
+    current)}, for the caller to announce), after refusing, with the full list, any change the
+    saved state cannot serve. `reconcile(recorded config)` -> the recorded config as this release
+    writes it (a record in an earlier release's form that is recognised as the current one), before
+    the comparison."""
     state = read_train_state(path)
+    if reconcile is not None:
+        state = {**state, "config": reconcile(state["config"])}
     changes = compare_configs(state["config"], current)
     refused = changes.get(REFUSE, {})
     if refused:
@@ -347,11 +352,8 @@ def check_resumable(path: str, current: dict) -> tuple[dict, dict[str, tuple]]:
             f"cannot resume from {path}: the config differs in ways the saved state depends on: "
             + "; ".join(describe_change(k, *_decoded(refused[k])) for k in sorted(refused))
             + ". Resume with the original settings or start a new --output_dir")
-    applied = {k: _decoded(v) for k, v in sorted(changes.get(APPLY, {}).items())}
-    if applied:
-        warnings.warn("resuming with changed settings; the run will differ from an uninterrupted one: "
-                      + "; ".join(describe_change(k, *v) for k, v in applied.items()), stacklevel=2)
-    return state, applied
+    # no warning here: resume() prints one line per applied change (resume_policy.applied_change_lines)
+    return state, {k: _decoded(v) for k, v in sorted(changes.get(APPLY, {}).items())}
 
 
 def _decoded(pair: tuple) -> tuple:

@@ -129,7 +129,7 @@ class TrainConfig:
     # --- model ------------------------------------------------------------------------
     model_config_name_or_path: str | None = _f(None, "UNet2DModel config: a folder (with config.json, or a pipeline folder's unet/), a JSON file or a Hub id (read with diffusers' load_config, as diffusers does). Default: the recipe's `model`.", resume=FREE, group="model")
     pretrained_model_name_or_path: str | None = _f(None, "Fine-tune a DDPMPipeline: a Hub id (e.g. google/ddpm-cifar10-32) or a local folder (diffusers' or this trainer's export, class-conditional included). The run starts from its UNet's weights (the EMA too) and shape and its scheduler's settings (--resolution defaults to its sample_size); where you set none, its loss weighting (--snr_gamma: its training_config.yaml's, else 0, DDPM's unweighted loss) and a fine-tuning recipe for its size N in parameters: --learning_rate a tenth of 2e-4 (N / 35.7M)^(-2/3), --lr_warmup_steps half of 100 (N / 1.1M)^(1/3), --max_train_steps 600 (docs/hub.md: Fine-tuning a pretrained pipeline).", resume=REFUSE, group="model")
-    pretrained_vae_model_name_or_path: str | None = _f(None, "Latent diffusion: train the UNet on the latents of this AutoencoderKL (a Hub id or a folder of one, or a pipeline folder with vae/), loaded with from_pretrained and frozen. The UNet follows its latents: their channels, sample_size = --resolution / the VAE's downsampling factor; the images are encoded once (cached), or each streamed batch as it comes on the accelerator (--streaming; a VAE config without a scale is normalised by statistics measured on the stream's first 2048 images), and the export decodes (docs/data.md: Latent diffusion).", resume=REFUSE, group="model")
+    pretrained_vae_model_name_or_path: str | None = _f(None, "Latent diffusion: train the UNet on the latents of this autoencoder (an AutoencoderKL, or a VQModel or AutoencoderTiny as diffusers' LDMPipeline uses them; a Hub id or a folder of one, or a pipeline folder with vae/ or vqvae/), loaded with from_pretrained and frozen. The UNet follows its latents: their channels, sample_size = --resolution / the VAE's downsampling factor; the images are encoded once (cached), or each streamed batch as it comes on the accelerator (--streaming; a VAE config without a scale is normalised by statistics measured on the stream's first 2048 images), and the export decodes (docs/data.md: Latent diffusion).", resume=REFUSE, group="model")
     vae_subfolder: str | None = _f(None, "The VAE's subfolder in --pretrained_vae_model_name_or_path (default: vae/ where the folder has one, else the folder itself).", resume=REFUSE, group="model")
     model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape), trained with that script's optimization where you set none (docs/flags.md: Coming from diffusers).", resume=REFUSE, cli=False, group="model")
     # --- objective --------------------------------------------------------------------
@@ -146,7 +146,7 @@ class TrainConfig:
     offset_noise: float = _f(0.0, "Offset noise strength s (lucidrains' offset_noise_strength): the noise is eps + s x a per-image, per-channel constant, drawn from the seed and micro-step; lets the model change an image's mean brightness. 0: off.", resume=APPLY, group="objective")
     timestep_sampling: str = _f("uniform", "How timesteps are drawn: uniform, or loss_aware (importance sampling by the per-timestep loss second moment, reweighted to stay unbiased).", choices=TIMESTEP_SAMPLING, resume=REFUSE, group="objective")
     # --- optimization -----------------------------------------------------------------
-    train_batch_size: int = _f(64, "Images per process per micro-batch.", resume=REFUSE, group="optimization")
+    train_batch_size: int = _f(64, "Images per process per micro-batch. Not given (by flag or recipe), a data set smaller than the global batch trains with the largest batch it fills.", resume=REFUSE, group="optimization")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.", resume=REFUSE, group="optimization")
     max_train_steps: int | None = _f(1200, "Optimizer steps to train; wins over --num_epochs when both are given, and giving only --num_epochs trains that many epochs.", resume=APPLY, group="optimization")
     learning_rate: float = _f(2e-3, "Peak learning rate (after warmup).", resume=APPLY, group="optimization")
@@ -538,10 +538,11 @@ def validate_latent(c: TrainConfig) -> None:
                               "or drop --vae_subfolder")
         return
     flag = f"--pretrained_vae_model_name_or_path {vae}"
-    missing = missing_dataset_folder(vae)  # a path that names no folder (a Hub id is checked when loaded)
-    if missing:
-        raise ConfigError(f"{flag}: no such folder (give an AutoencoderKL folder, a pipeline folder with vae/ "
-                          "or a Hub id)")
+    try:  # a folder or a Hub id (read when it is loaded); a name that is neither is refused here, at once
+        local_folder(vae, "VAE folder")
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{flag}: {error}; give an AutoencoderKL folder, a pipeline folder with vae/ or a "
+                          "Hub id") from None
     if not c.center_crop:
         raise ConfigError(f"{flag} does not combine with --no-center_crop (the latents are those of the centre "
                           "crop): drop --no-center_crop")

@@ -186,6 +186,7 @@ def model_card(run: Run) -> dict:
             "dataset_name": config.dataset_name or ("sklearn digits" if embedded else None),
             "_redact": list(run.secrets), "class_names": run.data.class_names,
             "base_model": config.pretrained_model_name_or_path, "vae": config.pretrained_vae_model_name_or_path,
+            "vae_class": type(run.data.vae).__name__ if run.data.vae is not None else None,
             "latent_normalization": run.data.latent_normalization,
             "conditioning": run.data.condition.pipeline_config() if run.data.condition else None}
 

@@ -24,7 +24,7 @@ from diffusion_extras.evaluation.choices import IMAGE_PIPELINE_CLASS
 from diffusion_extras.evaluation.pipeline_latent import vae_scale_factor
 from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
 from diffusion_extras.training import checkpointing
-from diffusion_extras.training.autoencoder import VAE_SUBFOLDER, LatentSpace
+from diffusion_extras.training.autoencoder import AUTOENCODERS, VAE_SUBFOLDER, LatentSpace
 from diffusion_extras.training.config import ConfigError, TrainConfig, validate
 from diffusion_extras.training.models import COLOUR_NAMES, Choice, condition_channels, sample_channels, shown
 
@@ -69,6 +69,7 @@ class Pretrained(NamedTuple):
     scheduler_config: dict  # its scheduler's config
     trained_snr_gamma: float | None = None  # its min-SNR gamma (0: unweighted) if its training_config.yaml says
     vae_factor: int | None = None  # a latent pipeline (vae/): the VAE's downsampling factor; None: pixels
+    unet_subfolder: str | None = "unet"  # where its UNet is: unet/, or None for the root (google/ddpm-*)
     conditioning: dict | None = None  # an image-conditioned pipeline's {"conditioning": kind, "sr_factor": n}
 
     def load_unet(self, with_weights: bool):
@@ -79,7 +80,7 @@ class Pretrained(NamedTuple):
         if not with_weights:
             return UNet2DModel.from_config(self.unet_config)
         try:
-            return UNet2DModel.from_pretrained(self.source, subfolder="unet")
+            return UNet2DModel.from_pretrained(self.source, subfolder=self.unet_subfolder)
         except Exception as error:  # diffusers raises several types for missing or broken weights
             offline = not os.path.isdir(self.source) and is_offline_error(error)
             raise ConfigError(f"--pretrained_model_name_or_path {self.name}: cannot load the UNet's weights: "
@@ -197,9 +198,43 @@ def unet_size(unet_config: dict) -> Resolution | None:
     return None if size is None else as_resolution(size)
 
 
+def component_config(config_class, source: str, name: str) -> tuple[dict, str | None]:
+    """(a pipeline component's config, the subfolder it is in): its subfolder `name`, else the root,
+    as diffusers' pipelines load a component whose subfolder is missing
+    (pipeline_loading_utils.load_sub_model): google/ddpm-* keep their UNet's config.json and weights
+    and their scheduler_config.json at the root."""
+    if os.path.isdir(source):  # (load_config itself falls back to a root config.json, of any component)
+        subfolder = name if os.path.isdir(os.path.join(source, name)) else None
+        return config_class.load_config(source, subfolder=subfolder), subfolder
+    try:
+        return config_class.load_config(source, subfolder=name), name
+    except (OSError, ValueError) as error:  # diffusers raises EnvironmentError for a missing config
+        if is_offline_error(error):
+            raise
+        try:
+            return config_class.load_config(source), None
+        except (OSError, ValueError):
+            raise error from None
+
+
+def latent_vae_factor(source: str) -> int | None:
+    """The downsampling factor of a latent pipeline's VAE (the trainer's LatentDiffusionPipeline
+    export keeps it in vae/), or None for a pixel pipeline: no vae/ holding an autoencoder's config."""
+    from diffusers import AutoencoderKL
+
+    if os.path.isdir(source) and not os.path.isdir(os.path.join(source, VAE_SUBFOLDER)):
+        return None
+    try:
+        values = AutoencoderKL.load_config(source, subfolder=VAE_SUBFOLDER)
+    except (OSError, ValueError):
+        return None
+    return vae_scale_factor(values) if values.get("_class_name") in AUTOENCODERS else None
+
+
 def load(name: str) -> Pretrained:
-    """The configs of the pipeline at `name` (a Hub id, or a folder with unet/ and scheduler/)."""
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DModel
+    """The configs of the pipeline at `name` (a Hub id, or a folder with unet/ and scheduler/, or
+    with their files at its root)."""
+    from diffusers import DDPMScheduler, UNet2DModel
 
     flag = f"--pretrained_model_name_or_path {name}"
     try:
@@ -207,8 +242,8 @@ def load(name: str) -> Pretrained:
     except (OSError, ValueError) as error:
         raise ConfigError(f"{flag}: {error}") from None
     try:
-        unet_config = UNet2DModel.load_config(source, subfolder="unet")
-        scheduler_config = DDPMScheduler.load_config(source, subfolder="scheduler")
+        unet_config, unet_subfolder = component_config(UNet2DModel, source, "unet")
+        scheduler_config, _ = component_config(DDPMScheduler, source, "scheduler")
     except Exception as error:  # huggingface_hub and diffusers raise many types; the user needs one line
         if source == name and is_offline_error(error):
             raise ConfigError(f"{flag}: cannot download it: {offline_reason(name)}") from None
@@ -216,13 +251,10 @@ def load(name: str) -> Pretrained:
                           f"{first_line(error)}") from None
     if unet_config.get("_class_name") != "UNet2DModel":
         raise ConfigError(f"{flag}: its unet is a {unet_config.get('_class_name')}, not a UNet2DModel")
-    try:  # a latent pipeline (the trainer's LatentDiffusionPipeline export) has its VAE in vae/
-        vae_factor = vae_scale_factor(AutoencoderKL.load_config(source, subfolder=VAE_SUBFOLDER))
-    except (OSError, ValueError):  # no vae/: a pixel pipeline
-        vae_factor = None
     return Pretrained(name, source, {k: v for k, v in unet_config.items() if not k.startswith("_")},
                       {k: v for k, v in scheduler_config.items() if not k.startswith("_")},
-                      trained_snr_gamma(source), vae_factor, image_conditioning(source))
+                      trained_snr_gamma(source), latent_vae_factor(source), unet_subfolder,
+                      image_conditioning(source))
 
 
 def image_conditioning(source: str) -> dict | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from diffusion_extras.training import checkpointing, resume_policy
+from diffusion_extras.training import autoencoder, checkpointing, resume_policy
 from diffusion_extras.training.run_state import Run
 
 
@@ -16,8 +16,14 @@ def resume(run: Run) -> None:
     if not candidates:
         accelerator.print(f"no checkpoint in {config.output_dir}: starting a fresh run")
         return
+    notes = []  # what reconcile recognised in the last checkpoint checked
+
+    def reconcile(saved: dict) -> dict:  # a VAE fingerprint of an earlier release's form
+        saved, note = autoencoder.reconcile_vae_record(saved, learner.state_config, run.data.vae_earlier)
+        notes[:] = [note] if note else []
+        return saved
     for path in candidates:
-        state, applied = checkpointing.check_resumable(path, learner.state_config)
+        state, applied = checkpointing.check_resumable(path, learner.state_config, reconcile)
         try:
             checkpointing.load_state(accelerator, path)
         except Exception as error:  # unreadable despite a complete marker: fall back, as with truncation
@@ -40,6 +46,8 @@ def resume(run: Run) -> None:
             run.history.truncate_after(progress.global_step)
         accelerator.print(f"resumed from {path} at optimizer step {progress.global_step} "
                           f"(epoch {state['epoch']}, batch {state['batch_in_epoch']})")
+        for note in notes:
+            accelerator.print(f"resume: {note}")
         for line in resume_policy.applied_change_lines(applied, progress.global_step + 1, progress.step_lr):
             accelerator.print(line)
         return

@@ -135,8 +135,9 @@ class Data:
     gradient_accumulation_steps: int
     class_names: list | None = None  # names by class id with --class_conditional (batches carry labels)
     posterior: Posterior | None = None  # latent diffusion: batches hold VAE posteriors, the UNet sees latents
-    vae: torch.nn.Module | None = None  # latent diffusion: the frozen AutoencoderKL (grids and export decode)
+    vae: torch.nn.Module | None = None  # latent diffusion: the frozen autoencoder (grids and export decode)
     vae_fingerprint: str | None = None  # latent diffusion: of its config and weights (checkpoints record it)
+    vae_earlier: object = None  # latent diffusion, resuming: autoencoder.EarlierFingerprint of the checkpoint's VAE
     latent_normalization: str | None = None  # latent diffusion: "normalised by ..." (the model card)
     condition: ImageCondition | None = None  # --conditioning: how each batch's condition is made
 
