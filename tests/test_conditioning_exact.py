@@ -15,7 +15,7 @@ from helpers import (
 from processes import launch_training
 
 CPU = {"ACCELERATE_USE_CPU": "1"}
-MASKS = ("--conditioning", "inpainting", "--conditioning_dropout_prob", 0.3, "--random_flip")
+MASKS = ("--conditioning", "inpainting", "--conditioning_dropout_prob", 0.3, "--random_flip")  # streamed
 
 
 def stop_and_resume(recipe, folder, *flags):
@@ -25,11 +25,23 @@ def stop_and_resume(recipe, folder, *flags):
     run_training(recipe, folder, *flags, "--resume_from_checkpoint", "latest")
 
 
-def test_a_resumed_inpainting_run_with_random_masks_and_drops_is_bit_exact(tiny_recipe, tmp_path):
-    """32 digits, 4 micro-batches an epoch: stopped after step 3, resumed to 6 (an epoch boundary
-    crossed), against a straight run to 6."""
+def kind_flags(kind: str, folder) -> tuple:
+    """The flags of a run of `kind` with condition drops and flips: random masks or 2x
+    super-resolution on the digits, or image-to-image on 32 pairs in a parquet column."""
+    if kind == "image":
+        images, pairs = paired_images(32, 8, 8, seed=5)
+        data = write_paired_parquet(folder / "pairs.parquet", images, pairs, "edges")
+        return ("--train_data_files", data, "--conditioning", "image", "--conditioning_image_column", "edges",
+                "--conditioning_dropout_prob", 0.3, "--random_flip")
+    return ("--conditioning", kind, "--sr_factor", 2, "--conditioning_dropout_prob", 0.3, "--random_flip")
+
+
+@pytest.mark.parametrize("kind", ["inpainting", "super_resolution", "image"])
+def test_a_resumed_run_of_each_kind_is_bit_exact(tiny_recipe, tmp_path, kind):
+    """32 images, 4 micro-batches an epoch, random masks, drops and flips: stopped after step 3,
+    resumed to 6 (an epoch boundary crossed), against a straight run to 6."""
     recipe = tiny_recipe(checkpointing_steps=3, max_train_samples=32)
-    flags = (*MASKS, "--max_train_steps", 6)
+    flags = (*kind_flags(kind, tmp_path), "--max_train_steps", 6)
     run_training(recipe, tmp_path / "straight", *flags)
     stop_and_resume(recipe, tmp_path / "resumed", *flags)
     assert_same_state(tmp_path / "straight", tmp_path / "resumed", 6)
@@ -57,9 +69,10 @@ def assert_trained_alike(two, one):
             == pytest.approx([row["loss"] for row in read_history(one)], rel=1e-5))
 
 
-def test_two_ranks_of_an_inpainting_run_equal_one_rank_of_the_same_global_batch(tiny_recipe, tmp_path):
+@pytest.mark.parametrize("kind", ["inpainting", "super_resolution"])
+def test_two_ranks_equal_one_rank_of_the_same_global_batch(tiny_recipe, tmp_path, kind):
     """Random masks, drops and flips: 2 gloo ranks x 4 images draw, image by image, what 1 rank x 8 does."""
-    flags = (*MASKS, "--max_train_steps", 4)
+    flags = (*kind_flags(kind, tmp_path), "--max_train_steps", 4)
     two = launch_training(tiny_recipe(train_batch_size=4), tmp_path / "two", *flags, ranks=2, env=CPU)
     assert "replicas identical on 2 processes" in two.stdout
     run_training(tiny_recipe(train_batch_size=8), tmp_path / "one", *flags)

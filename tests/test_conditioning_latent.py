@@ -30,7 +30,8 @@ from diffusion_extras.evaluation.pipeline_image_conditioned import (
 from diffusion_extras.training.conditioning import ImageCondition
 
 # Without the package: the super-resolution export doubles a 4x4 RGB image (decoded pixels, or its
-# latents), the inpainting export fills an 8x8 RGB image's left half and gives the right half back.
+# latents), the inpainting export fills an 8x8 RGB image's left half and gives the right half back,
+# the image-to-image export maps a grey 8x8 condition to an RGB image; each with DPM-Solver.
 BLOCKED_LOAD = BLOCK_THE_PACKAGE + """
 import sys
 import numpy as np, torch
@@ -50,14 +51,20 @@ mask[:, :4] = 255
 filled = pipe(image=Image.fromarray(photo), mask_image=Image.fromarray(mask), num_inference_steps=3).images[0]
 filled = np.asarray(filled)
 assert np.array_equal(filled[:, 4:], photo[:, 4:]) and not np.array_equal(filled[:, :4], photo[:, :4])
-print(type(pipe).__name__, type(pipe.vae).__name__, "ok")
+pipe = DiffusionPipeline.from_pretrained(sys.argv[3], trust_remote_code=True)
+pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
+condition = rng.integers(0, 256, (8, 8), dtype=np.uint8)
+mapped = pipe(image=condition, num_inference_steps=3, output_type="np").images
+assert mapped.shape == (1, 8, 8, 3) and np.isfinite(mapped).all(), mapped.shape
+print(type(pipe).__name__, pipe.config.conditioning, type(pipe.vae).__name__, "ok")
 """
 
 
 @pytest.fixture(scope="module")
 def latent_runs(tmp_path_factory):
-    """2-step latent runs on the digits (tiny recipe, the tiny RGB VAE): 2x super-resolution and
-    inpainting with random masks, a held-out tenth, the gradient probe, grids of 4 conditions."""
+    """2-step latent runs with the tiny RGB VAE: 2x super-resolution and inpainting with random
+    masks on the digits (tiny recipe, a held-out tenth, the gradient probe, grids of 4 conditions),
+    and image-to-image on a column of pairs."""
     folder = tmp_path_factory.mktemp("latent_conditioning")
     vae = save_tiny_vae(folder / "vae")
     recipe = write_tiny_recipe(folder, model=LATENT_MODEL, save_images_steps=2, eval_batch_size=4,
@@ -67,6 +74,12 @@ def latent_runs(tmp_path_factory):
         runs[kind] = folder / kind
         run_training(recipe, runs[kind], "--pretrained_vae_model_name_or_path", vae, "--conditioning", kind,
                      "--sr_factor", 2, "--max_train_steps", 2)
+    images, pairs = paired_images(16, 8, 8, seed=4)
+    data = write_paired_parquet(folder / "pairs.parquet", images, pairs, "edges")
+    runs["image"] = folder / "image"
+    run_training(write_tiny_recipe(folder, model=LATENT_MODEL, max_train_samples=None), runs["image"],
+                 "--train_data_files", data, "--conditioning", "image", "--conditioning_image_column", "edges",
+                 "--pretrained_vae_model_name_or_path", vae, "--max_train_steps", 2)
     return runs
 
 
@@ -90,9 +103,9 @@ def test_the_exports_hold_the_vae_and_a_unet_that_takes_the_latent_condition(lat
 def test_the_exports_load_without_the_package_decode_and_keep_the_unmasked_pixels(latent_runs, tmp_path):
     script = tmp_path / "load.py"
     script.write_text(BLOCKED_LOAD)
-    result = run_command([script, latent_runs["super_resolution"], latent_runs["inpainting"]],
+    result = run_command([script, latent_runs["super_resolution"], latent_runs["inpainting"], latent_runs["image"]],
                          env={"PYTHONPATH": None})
-    assert "ImageConditionedPipeline AutoencoderKL ok" in result.stdout
+    assert "ImageConditionedPipeline image AutoencoderKL ok" in result.stdout
 
 
 def test_the_condition_is_encoded_by_the_vae_and_the_mask_pooled_to_the_latents(tmp_path):
@@ -126,16 +139,12 @@ def test_the_condition_is_encoded_by_the_vae_and_the_mask_pooled_to_the_latents(
         torch.testing.assert_close(encode_normalised(vae, pixels), posterior.draw(mean, None, "cpu"))
 
 
-def test_image_pairs_train_in_latent_space(tmp_path):
-    """Image-to-image on a column of pairs with the tiny VAE: the pair is encoded as the condition,
-    and the package's class loads the export and maps a condition to an RGB image."""
-    images, pairs = paired_images(16, 8, 8, seed=4)
-    data = write_paired_parquet(tmp_path / "pairs.parquet", images, pairs, "edges")
-    recipe = write_tiny_recipe(tmp_path, model=LATENT_MODEL, max_train_samples=None)
-    run_training(recipe, tmp_path / "run", "--train_data_files", data, "--conditioning", "image",
-                 "--conditioning_image_column", "edges", "--pretrained_vae_model_name_or_path",
-                 save_tiny_vae(tmp_path / "vae"), "--max_train_steps", 2)
-    pipe = ImageConditionedPipeline.from_pretrained(tmp_path / "run")
-    assert pipe.unet.config.in_channels == 4 and pipe.vae is not None
-    images = pipe(image=Image.fromarray(pairs[0]), num_inference_steps=2, output_type="np").images
+@LATENT_RUNS
+def test_image_pairs_train_in_latent_space(latent_runs):
+    """Image-to-image on a column of pairs with the tiny VAE: the pair is encoded as the condition
+    (the latents' 2 channels after x_t's), and the package's class loads the export."""
+    pipe = ImageConditionedPipeline.from_pretrained(latent_runs["image"])
+    assert pipe.unet.config.in_channels == 4 and pipe.vae is not None and pipe.config.conditioning == "image"
+    condition = Image.fromarray(np.full((8, 8), 200, np.uint8))
+    images = pipe(image=condition, num_inference_steps=2, output_type="np").images
     assert images.shape == (1, 8, 8, 3) and np.isfinite(images).all()
