@@ -303,7 +303,7 @@ def resolve(config: TrainConfig) -> tuple[TrainConfig, Pretrained | None]:
     if recorded.get("pretrained") and recorded.get("pretrained_model_name_or_path") == name:
         record = recorded["pretrained"]
         base = Pretrained(name, name, record["unet"], record["scheduler"], record.get("snr_gamma"),
-                          record.get("vae_factor"), record.get("conditioning"))
+                          record.get("vae_factor"), conditioning=record.get("conditioning"))
     else:  # a fresh run, or a checkpoint from before the pipeline was recorded (resume() refuses another name)
         base = load(name)
     given = config.given
