@@ -53,7 +53,7 @@ filled = np.asarray(filled)
 assert np.array_equal(filled[:, 4:], photo[:, 4:]) and not np.array_equal(filled[:, :4], photo[:, :4])
 pipe = DiffusionPipeline.from_pretrained(sys.argv[3], trust_remote_code=True)
 pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
-condition = rng.integers(0, 256, (8, 8), dtype=np.uint8)
+condition = Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8))  # a grey PIL image, made RGB
 mapped = pipe(image=condition, num_inference_steps=3, output_type="np").images
 assert mapped.shape == (1, 8, 8, 3) and np.isfinite(mapped).all(), mapped.shape
 print(type(pipe).__name__, pipe.config.conditioning, type(pipe.vae).__name__, "ok")
