@@ -21,6 +21,8 @@ import sys
 
 import numpy as np
 
+from diffusion_extras.evaluation.digits import classifier_input  # the package's digit features
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -31,16 +33,6 @@ def digit_classifier():
     digits = load_digits()
     features = digits.images.reshape(len(digits.images), -1) / 16.0
     return LogisticRegression(max_iter=2000).fit(features, digits.target)
-
-
-def classifier_input(images: np.ndarray) -> np.ndarray:
-    """images uint8 [N, H, W, 1] at the model's resolution -> [N, 64] at the 8x8 0..1 scale the
-    classifier knows."""
-    from PIL import Image
-
-    small = np.stack([np.asarray(Image.fromarray(im[:, :, 0]).resize((8, 8), Image.BILINEAR), np.float64)
-                      for im in images]) / 255.0
-    return small.reshape(len(small), -1)
 
 
 def score_digits(classifier, images: np.ndarray) -> dict:

@@ -61,6 +61,24 @@ def tiny_run(tmp_path, *flags, hooks=None, output_dir=None, **recipe):
                                      *map(str, flags)]), hooks)
 
 
+def first_step_inputs(tmp_path, *flags, **recipe):
+    """One optimizer step of an in-process tiny run (tiny_run with `flags` and `recipe`): (the clean
+    inputs of its micro-batches, the UNet's inputs [B, C + condition, H, W] of its calls), as the
+    step made them. Use with the fresh_accelerate fixture."""
+    from diffusion_extras.training import loop, step
+    from diffusion_extras.training.hooks import Hooks
+
+    cleans, inputs = [], []
+    hooks = Hooks(model_input=lambda run, clean, micro_step: cleans.append(clean.clone()) or clean)
+    run = tiny_run(tmp_path, *flags, hooks=hooks, **recipe)
+    run.learner.unet.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach().clone()))
+    try:
+        step.optimizer_step(run, loop.make_batches(run))
+    finally:
+        run.accelerator.end_training()
+    return cleans, inputs
+
+
 def tiny_unet(channels: int = 1, sample_size: int = TINY_RECIPE["resolution"], seed: int = 0, **overrides):
     """The TINY_RECIPE UNet as a diffusers model (initialised from torch.manual_seed(seed)), for
     tests that need one without a training run; keyword arguments override its architecture."""
@@ -173,6 +191,36 @@ def write_tar_shards(folder, shards=3, per_shard=4, size=(10, 12), extension="jp
                     info.size = len(payload)
                     tar.addfile(info, io.BytesIO(payload))
     return str(folder)
+
+
+def paired_images(count: int, height: int, width: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(`count` random grey uint8 images [N, H, W], their pairs): each image's mask, white where the
+    image is brighter than mid-grey, so the pair of any crop or flip of an image is the same crop
+    or flip of its mask (a condition the tests can recompute from the image alone)."""
+    images = np.random.default_rng(seed).integers(0, 256, (count, height, width), dtype=np.uint8)
+    return images, np.where(images > 127, 255, 0).astype(np.uint8)
+
+
+def write_paired_parquet(path, images: np.ndarray, pairs: np.ndarray, column: str) -> str:
+    """Grey uint8 images [N, H, W] and their pairs as one parquet file of two image columns, `image`
+    and `column`; returns its path."""
+    import datasets
+
+    features = datasets.Features({"image": datasets.Image(), column: datasets.Image()})
+    datasets.Dataset.from_dict({"image": [Image.fromarray(image) for image in images],
+                                column: [Image.fromarray(pair) for pair in pairs]}, features=features) \
+        .to_parquet(str(path))
+    return str(path)
+
+
+def write_paired_folders(folder, images: np.ndarray, pairs: np.ndarray, pair_extension: str = ".bmp") -> tuple:
+    """The images as PNGs under folder/images/<i % 2>/<i>.png and each pair at the same relative path
+    under folder/pairs/ (as `pair_extension` files); returns (the images' folder, the pairs' folder)."""
+    for index, (image, pair) in enumerate(zip(images, pairs)):
+        for part, array, extension in (("images", image, ".png"), ("pairs", pair, pair_extension)):
+            os.makedirs(os.path.join(folder, part, str(index % 2)), exist_ok=True)
+            Image.fromarray(array).save(os.path.join(folder, part, str(index % 2), f"{index}{extension}"))
+    return os.path.join(folder, "images"), os.path.join(folder, "pairs")
 
 
 # ----------------------------------------------------------------------------- commands in this process

@@ -1,11 +1,11 @@
 """Every sampler of the package with every scheduler a user may swap in (DDPMScheduler's
 `compatibles`): the package's sampler (sampling.generate, behind the grids, `sample` and
-`evaluate`), the debug images' denoising strip, the class-conditional pipeline and the latent
-pipeline. diffusers' pipelines call `set_timesteps` before they scale the starting noise by
-`init_noise_sigma`, which for sigma-based schedulers (Euler, Heun, LMS, KDPM2, ...) depends on the
-inference timesteps. A freshly loaded pipeline's first call must equal its second call with the
-same seed, and both must equal a loop written in diffusers' order (diffusers' own DDPMPipeline
-where it applies)."""
+`evaluate`), the debug images' denoising strip, the class-conditional pipeline, the latent
+pipeline and the image-conditioned pipeline. diffusers' pipelines call `set_timesteps` before they
+scale the starting noise by `init_noise_sigma`, which for sigma-based schedulers (Euler, Heun, LMS,
+KDPM2, ...) depends on the inference timesteps. A freshly loaded pipeline's first call must equal
+its second call with the same seed, and both must equal a loop written in diffusers' order
+(diffusers' own DDPMPipeline where it applies)."""
 import inspect
 
 import numpy as np
@@ -16,6 +16,7 @@ from diffusers import AutoencoderKL, DDPMPipeline, DDPMScheduler, UNet2DModel
 from diffusion_extras.core.losses import ddpm_scheduler
 from diffusion_extras.evaluation import sampling
 from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline
+from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline, upsample
 from diffusion_extras.evaluation.pipeline_latent import LatentDiffusionPipeline
 from diffusion_extras.monitoring.debug_images import denoising_strip
 
@@ -31,9 +32,10 @@ COMPATIBLE = sorted((cls for cls in DDPMScheduler().compatibles
                      if not cls.__module__.startswith("diffusers.utils.dummy")), key=lambda cls: cls.__name__)
 
 
-def tiny_unet(channels: int, sample_size: int, **options) -> UNet2DModel:
+def tiny_unet(channels: int, sample_size: int, condition_channels: int = 0, **options) -> UNet2DModel:
     torch.manual_seed(0)
-    return UNet2DModel(sample_size=sample_size, in_channels=channels, out_channels=channels, layers_per_block=1,
+    return UNet2DModel(sample_size=sample_size, in_channels=channels + condition_channels, out_channels=channels,
+                       layers_per_block=1,
                        block_out_channels=(8, 16), down_block_types=("DownBlock2D",) * 2,
                        up_block_types=("UpBlock2D",) * 2, norm_num_groups=4, **options)
 
@@ -57,16 +59,20 @@ def generators(seed: int, count: int) -> list:
 
 
 @torch.no_grad()
-def diffusers_order(unet, scheduler, shape, generator, **conditioning) -> torch.Tensor:
+def diffusers_order(unet, scheduler, shape, generator, condition=None, **conditioning) -> torch.Tensor:
     """Sampling in the order of diffusers' pipelines: timesteps first, then the starting noise
     scaled by the scheduler's init_noise_sigma, then per timestep scale_model_input, the UNet and
-    step, passing a generator where the step takes one (prepare_extra_step_kwargs)."""
+    step, passing a generator where the step takes one (prepare_extra_step_kwargs). `condition`:
+    channels after the scaled x_t in the UNet's input (an image condition, not scaled)."""
     scheduler.set_timesteps(STEPS)
     noise = torch.cat([torch.randn((1, *shape[1:]), generator=g) for g in generator])
     sample = noise * scheduler.init_noise_sigma
     extra = {"generator": generator} if "generator" in inspect.signature(scheduler.step).parameters else {}
     for t in scheduler.timesteps:
-        model_output = unet(scheduler.scale_model_input(sample, t), t, **conditioning).sample
+        model_input = scheduler.scale_model_input(sample, t)
+        if condition is not None:
+            model_input = torch.cat([model_input, condition], dim=1)
+        model_output = unet(model_input, t, **conditioning).sample
         sample = scheduler.step(model_output, t, sample, **extra).prev_sample
     return sample
 
@@ -130,9 +136,13 @@ def fresh_pipeline(kind: str, scheduler_class, folder):
         pipeline = ClassConditionalPipeline(unet=tiny_unet(1, 8, num_class_embeds=3), scheduler=scheduler,
                                             id2label={0: "a", 1: "b"})
         call = dict(class_labels=[0, 1], guidance_scale=1.0, output_type="pt")
-    else:
+    elif kind == "latent":
         pipeline = LatentDiffusionPipeline(vae=tiny_vae(), unet=tiny_unet(2, 4), scheduler=scheduler)
         call = dict(batch_size=2, output_type="latent")
+    else:  # 2x super-resolution of two 4x4 images in [0, 1]
+        pipeline = ImageConditionedPipeline(unet=tiny_unet(1, 8, condition_channels=1), scheduler=scheduler,
+                                            conditioning="super_resolution", sr_factor=2)
+        call = dict(image=LOW_RESOLUTION, output_type="pt")
     pipeline.save_pretrained(folder)
     loaded = type(pipeline).from_pretrained(folder)
     assert type(loaded.scheduler) is scheduler_class
@@ -140,7 +150,10 @@ def fresh_pipeline(kind: str, scheduler_class, folder):
     return loaded, call
 
 
-@pytest.mark.parametrize("kind", ["class-conditional", "latent"])
+LOW_RESOLUTION = torch.rand(2, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("kind", ["class-conditional", "latent", "image-conditioned"])
 @pytest.mark.parametrize("scheduler_class", COMPATIBLE, ids=lambda c: c.__name__)
 def test_a_fresh_pipelines_first_call_equals_its_second_and_diffusers_order(kind, scheduler_class, tmp_path):
     pipeline, call = fresh_pipeline(kind, scheduler_class, tmp_path / "pipeline")
@@ -155,9 +168,13 @@ def test_a_fresh_pipelines_first_call_equals_its_second_and_diffusers_order(kind
     assert_same_inputs(first_inputs, second_inputs)
     inputs.clear()
     conditioning = {"class_labels": torch.tensor([0, 1])} if kind == "class-conditional" else {}
-    shape = (2, pipeline.unet.config.in_channels, *(pipeline.unet.config.sample_size,) * 2)
+    if kind == "image-conditioned":
+        conditioning["condition"] = upsample(LOW_RESOLUTION * 2 - 1, 2)
+    shape = (2, pipeline.unet.config.out_channels, *(pipeline.unet.config.sample_size,) * 2)
     expected = diffusers_order(pipeline.unet, scheduler_class.from_config(CONFIG), shape, generators(3, 2),
                                **conditioning)
     assert_same_inputs(first_inputs, inputs)
     if kind == "latent":
         torch.testing.assert_close(first, expected)
+    elif kind == "image-conditioned":
+        torch.testing.assert_close(first, (expected / 2 + 0.5).clamp(0, 1))

@@ -57,6 +57,20 @@ def add_guidance_arguments(parser: argparse.ArgumentParser) -> None:
                              "pipeline's saved guide/ if it has one; 'none': never")
 
 
+MASK_KINDS = ("random", "top", "bottom", "left", "right")  # --mask: data/conditioning.py's random masks, or a half
+
+
+def add_condition_arguments(parser: argparse.ArgumentParser, images_help: str) -> None:
+    """--conditioning_images, --masks and --mask of the sample and evaluate commands (image-conditioned pipelines)."""
+    parser.add_argument("--conditioning_images", default=None, metavar="DIR", help=images_help)
+    parser.add_argument("--masks", default=None, metavar="DIR",
+                        help="inpainting: the masks (white = to fill), the files at the same relative paths as the "
+                             "images'")
+    parser.add_argument("--mask", choices=MASK_KINDS, default="random",
+                        help="inpainting without --masks: random masks as training draws them (from --seed), or one "
+                             "half of each image")
+
+
 def noise_interval(text: str) -> tuple[float, float]:
     """LOW,HIGH -> (low, high) with 0 <= low < high ('inf' allowed)."""
     try:

@@ -23,13 +23,19 @@ from diffusion_extras.cli.inputs import (
 )
 from diffusion_extras.data.images import preprocess_image
 from diffusion_extras.data.spec import Resolution, as_resolution, image_size
-from diffusion_extras.evaluation.choices import LATENT_PIPELINE_CLASS, PIPELINE_CLASS
+from diffusion_extras.evaluation.choices import (
+    DEFAULT_IMAGE_GUIDANCE_SCALE,
+    IMAGE_PIPELINE_CLASS,
+    LATENT_PIPELINE_CLASS,
+    PIPELINE_CLASS,
+)
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     DEFAULT_GUIDANCE_SCALE,
     ClassConditionalPipeline,
     check_guide,
 )
+from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline
 from diffusion_extras.evaluation.pipeline_latent import LatentDiffusionPipeline, vae_scale_factor
 from diffusion_extras.hub.download import first_line, is_offline_error, offline_reason
 
@@ -57,8 +63,8 @@ def _pipeline_class(folder: str):
     trust_remote_code; the class is already at hand here), else DDPMPipeline."""
     from diffusers import DDPMPipeline
 
-    return {PIPELINE_CLASS: ClassConditionalPipeline, LATENT_PIPELINE_CLASS: LatentDiffusionPipeline}.get(
-        package_pipeline_class(folder), DDPMPipeline)
+    return {PIPELINE_CLASS: ClassConditionalPipeline, LATENT_PIPELINE_CLASS: LatentDiffusionPipeline,
+            IMAGE_PIPELINE_CLASS: ImageConditionedPipeline}.get(package_pipeline_class(folder), DDPMPipeline)
 
 
 def _load_from_hub(repo_id: str, dtype):
@@ -153,6 +159,12 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
     """{guidance_scale, guide, guidance_interval} for sampling.generate from --guidance_scale (default
     DEFAULT_GUIDANCE_SCALE; 1: none), --guidance_interval and --guide; a ValueError when a guidance flag,
     or one of `class_flags` ({"--flag": value}), is given to an unconditional pipeline without a guide."""
+    if isinstance(pipeline, ImageConditionedPipeline):  # guidance on the image: the dropped condition is the weak one
+        if args.guide not in (None, "none"):
+            raise ValueError("--guide: an image-conditioned pipeline guides on its image (the prediction without "
+                             "the condition), not with a guide UNet; drop --guide")
+        scale = DEFAULT_IMAGE_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
+        return {"guidance_scale": scale, "guide": None, "guidance_interval": args.guidance_interval}
     guide = getattr(pipeline, "guide", None)
     if args.guide is not None:
         guide = (None if args.guide == "none" else
@@ -171,6 +183,62 @@ def pipeline_resolution(pipeline) -> Resolution:
     vae = getattr(pipeline, "vae", None)
     factor = 1 if vae is None else vae_scale_factor(vae.config)
     return as_resolution([side * factor for side in image_size(pipeline.unet.config.sample_size)])
+
+
+# ----------------------------------------------------------------------------- condition images
+def read_images(paths: list[str], channels: int) -> np.ndarray:
+    """uint8 [N, H, W, channels] of image files as they are (no resizing: a super-resolution input
+    keeps its size), converted to grayscale or RGB; one size for all, or a one-line ValueError."""
+    from diffusion_extras.data.images import decode_image
+
+    images = []
+    for path in paths:
+        with Image.open(path) as image:
+            images.append(decode_image({"path": path, "bytes": None}, (image.height, image.width), True, channels))
+    sizes = sorted({image.shape[:2] for image in images})
+    if len(sizes) > 1:
+        raise ValueError(f"the images ({paths[0]}, ...) are of {len(sizes)} sizes ({sizes[0]}, {sizes[1]}, ...; "
+                         "height, width): give images of one size, or sample each size apart")
+    return np.stack(images)
+
+
+def paired_paths(paths: list[str], folder: str, other: str, flag: str) -> list[str]:
+    """For each image of `paths` (under `folder`), the file of `other` at the same relative path
+    (any image extension), or a one-line ValueError naming the first image without one."""
+    from diffusion_extras.data.conditioning import image_files
+
+    pairs = image_files(other)
+    keys = [os.path.splitext(os.path.relpath(path, folder))[0] for path in paths]
+    missing = [path for path, key in zip(paths, keys) if key not in pairs]
+    if missing:
+        raise ValueError(f"{flag} {other}: no file at the relative path of {missing[0]} ({len(missing)} image(s) "
+                         "without one); give every image its pair")
+    return [pairs[key] for key in keys]
+
+
+def condition_masks(args, paths: list[str], folder: str, size) -> torch.Tensor:
+    """float [N, 1, H, W] masks (1 = to fill) of the images `paths` (under `folder`, of (H, W) `size`):
+    --masks' files at their relative paths, else --mask's half or random masks (random_mask, from
+    --seed and the image's index)."""
+    from diffusion_extras.cli.arguments import MASK_KINDS
+    from diffusion_extras.data.batch_order import mix_seed
+    from diffusion_extras.data.conditioning import half_mask, random_masks
+
+    height, width = size
+    if args.masks is not None:
+        masks = read_images(paired_paths(paths, folder, args.masks, "--masks"), 1)
+        if masks.shape[1:3] != (height, width):
+            raise ValueError(f"--masks {args.masks}: the masks are {masks.shape[1]}x{masks.shape[2]} and the images "
+                             f"{height}x{width}; give masks of the images' size")
+        return unit_tensor(masks)
+    if args.mask != MASK_KINDS[0]:
+        return torch.from_numpy(half_mask(height, width, args.mask)).float().expand(len(paths), 1, height, width)
+    return torch.from_numpy(random_masks(height, width, [mix_seed(args.seed, index) for index in range(len(paths))]))
+
+
+def unit_tensor(images: np.ndarray) -> torch.Tensor:
+    """uint8 [N, H, W, C] -> float [N, C, H, W] in [0, 1], as diffusers' image processor takes tensors."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255
 
 
 # ----------------------------------------------------------------------------- reference images

@@ -4,6 +4,14 @@ and nll: the bits/dim of the reference images under the model (the variational b
 evaluation/likelihood.py). A class-conditional pipeline draws class-balanced samples (sample i of
 class i mod the number of classes, as the trainer's FID does), guided at --guidance_scale.
 
+An image-conditioned pipeline samples the conditions of the --reference images (a folder: the
+ground truth, up to --num_samples of them): super-resolution their degraded low-resolution
+versions, inpainting the images under --masks (or --mask), image-to-image the --conditioning_images
+at the same relative paths. Reported: psnr and ssim of the samples against the references
+(super-resolution also bicubic_psnr, bicubic_ssim), for scikit-learn's digits a digit classifier's
+accuracy on the samples and on the references, the --eval_metrics against the reference folder,
+and with --baseline an unconditional pipeline's inpainting (the replacement method) scored alike.
+
     python -m diffusion_extras.evaluate PIPELINE --reference DIR_OR_STATS.npz --num_samples 10000 \\
         --eval_metrics fid,kid,fd_dinov2,cmmd [--guidance_scale 2] [--guidance_interval 0.3,5] [--guide DIR]
     python -m diffusion_extras.evaluate PIPELINE --reference IMAGE_DIR --eval_metrics nll
@@ -19,6 +27,7 @@ import json
 import os
 
 from diffusion_extras.cli.arguments import (
+    add_condition_arguments,
     add_device_argument,
     add_guidance_arguments,
     add_sampler_arguments,
@@ -26,7 +35,13 @@ from diffusion_extras.cli.arguments import (
     pipeline_parser,
     positive_int,
 )
-from diffusion_extras.cli.inputs import check_pipeline_argument, check_reference
+from diffusion_extras.cli.inputs import (
+    check_conditioning_flags,
+    check_pipeline_argument,
+    check_reference,
+    local_pipeline_folder,
+    saved_conditioning,
+)
 from diffusion_extras.core.commands import importing_the_stack, leaves_the_process_as_found
 from diffusion_extras.data.spec import Resolution
 from diffusion_extras.evaluation import distributed
@@ -56,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampler_arguments(parser)
     parser.add_argument("--batch_size", type=positive_int, default=64, help="images per UNet call")
     add_guidance_arguments(parser)
+    add_condition_arguments(parser, "image-to-image pipelines: the conditioning images, the files at the relative "
+                                    "paths of the --reference images")
+    parser.add_argument("--baseline", default=None, metavar="PIPELINE",
+                        help="inpainting: also score an unconditional pipeline's completions of the same masks (the "
+                             "replacement method), prefixed baseline_")
     parser.add_argument("--cache_dir", default=None, help="where reference statistics are cached")
     parser.add_argument("--output", default=None, help="metrics JSON file")
     add_device_argument(parser)
@@ -66,8 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     with one_line_errors():  # a missing file, a misplaced flag or no detector offline answer at once too
-        check_pipeline_argument(args)
+        folder = check_pipeline_argument(args)
         check_reference(args.reference)
+        if folder is not None:
+            check_conditioning_flags(saved_conditioning(folder), args.conditioning_images, args.masks, ("image",))
+        if args.baseline is not None:
+            local_pipeline_folder(args.baseline)
         names = [m.strip() for m in args.eval_metrics.split(",") if m.strip()]
         sampled = [m for m in names if m != "nll"]  # nll scores the reference images; the rest sample
         groups = extractors_for(parse_metrics(",".join(sampled)), args.feature_extractor) if sampled else {}
@@ -78,6 +102,7 @@ def main(argv=None) -> int:
     with importing_the_stack():
         from diffusion_extras.cli.common import guidance_for, load_images, load_pipeline, pipeline_resolution
         from diffusion_extras.evaluation import likelihood
+        from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline
 
     rank, num_ranks = distributed.launched_ranks()
     with one_line_errors():
@@ -86,9 +111,10 @@ def main(argv=None) -> int:
         guidance = guidance_for(pipeline, args, device)  # refused by an unconditional one without a guide
         num_classes = len(pipeline.id2label) if getattr(pipeline, "id2label", None) else None
         resolution = pipeline_resolution(pipeline)
-        if "nll" in names and num_classes:
+        conditioned = isinstance(pipeline, ImageConditionedPipeline)
+        if "nll" in names and (num_classes or conditioned):
             raise ValueError("--eval_metrics nll scores unconditional pipelines only; drop nll for this "
-                             "class-conditional one")
+                             f"{'image' if conditioned else 'class'}-conditional one")
         if "nll" in names and getattr(pipeline, "vae", None) is not None:
             raise ValueError("--eval_metrics nll scores pixel pipelines (the bound of a latent one is in latents, "
                              "not image bits); drop nll for this latent one")
@@ -97,7 +123,9 @@ def main(argv=None) -> int:
             images = load_images(args.reference, resolution, pipeline.unet.config.in_channels)
             report.update(likelihood.bits_per_dim(pipeline.unet, pipeline.scheduler, images, args.batch_size,
                                                   device, args.seed, args.nll_timestep_stride))
-        if groups:
+        if conditioned:
+            report.update(conditioned_metrics(args, pipeline, groups, resolution, device, rank, num_ranks, guidance))
+        elif groups:
             report.update(sample_metrics(args, pipeline, groups, resolution, device, rank, num_ranks, num_classes,
                                          guidance))
         if rank != 0:
@@ -150,3 +178,83 @@ def sample_metrics(args, pipeline, groups: dict, resolution: Resolution, device,
     return {**metrics, **balance, "feature_extractors": {m: e.name for e, _, group in suites for m in group},
             "reference_images": suites[0][1].num_images, "scheduler": args.scheduler,
             "num_inference_steps": args.num_inference_steps}
+
+
+def conditioned_metrics(args, pipeline, groups: dict, resolution: Resolution, device, rank: int, num_ranks: int,
+                        guidance: dict) -> dict:
+    """An image-conditioned pipeline's scores of the conditions of the --reference images (the
+    module docstring); every rank samples its batches, rank 0 scores (the others get {})."""
+    from diffusion_extras.cli.common import load_reference
+    from diffusion_extras.evaluation import conditioned
+    from diffusion_extras.evaluation.metrics import build_feature_extractor, check_suites, extract_all, score
+    from diffusion_extras.evaluation.sampling import make_scheduler
+
+    kind = pipeline.config.conditioning
+    inputs = reference_conditions(args, pipeline, resolution)
+    pipeline.scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
+    pipeline.set_progress_bar_config(disable=True)
+    samples = conditioned.conditioned_samples(pipeline, inputs, args.num_inference_steps, args.seed,
+                                              guidance["guidance_scale"], args.batch_size, rank, num_ranks,
+                                              guidance["guidance_interval"])
+    if samples is None:  # not rank 0
+        return {}
+    targets = conditioned.to_uint8(inputs["images"])
+    report = {"conditioning": kind, **conditioned.scores(kind, samples, targets, pipeline.config.sr_factor)}
+    for features, wanted in groups.items():
+        extractor = build_feature_extractor(features, args.inception_weights, device,
+                                            model={"dinov2": args.dinov2_model, "clip": args.clip_model}.get(features))
+        reference = load_reference(args.reference, extractor, resolution, args.cache_dir, args.batch_size)
+        check_suites([(extractor, reference, wanted)])
+        report.update(score(extract_all([samples], extractor), reference, wanted, args.seed))
+        report.setdefault("feature_extractors", {}).update(dict.fromkeys(wanted, extractor.name))
+    if args.baseline is not None and kind == "inpainting":
+        report.update(baseline_scores(args, device, inputs, targets))
+    return {**report, "num_samples": len(samples), "guidance_scale": guidance["guidance_scale"],
+            "scheduler": args.scheduler, "num_inference_steps": args.num_inference_steps}
+
+
+def reference_conditions(args, pipeline, resolution: Resolution) -> dict:
+    """The pipeline's inputs for the first --num_samples --reference images (training.conditioning
+    conditions_of: "images" the targets, "image", "mask_image"), their masks from --masks or --mask,
+    an image-to-image pipeline's conditions from --conditioning_images."""
+    import numpy as np
+
+    from diffusion_extras.cli.common import condition_masks, list_images, load_image, paired_paths
+    from diffusion_extras.training.conditioning import ImageCondition, conditions_of
+
+    kind, channels = pipeline.config.conditioning, pipeline.image_channels
+    paths = list_images(args.reference)[:args.num_samples]
+    stored = [np.stack([load_image(path, resolution, channels) for path in paths])]
+    if kind == "inpainting":
+        masks = condition_masks(args, paths, args.reference, stored[0].shape[1:3])
+        stored.append((masks.permute(0, 2, 3, 1).numpy() * 255).astype(np.uint8))
+    elif kind == "image":
+        pairs = paired_paths(paths, args.reference, args.conditioning_images, "--conditioning_images")
+        stored.append(np.stack([load_image(path, resolution, channels) for path in pairs]))
+    stored = np.concatenate(stored, axis=-1).transpose(0, 3, 1, 2)
+    condition = ImageCondition(kind, channels, stored.shape[1] - channels, pipeline.config.sr_factor, args.seed)
+    return {name: value for name, value in conditions_of(condition, stored, args.seed).items() if name != "shown"}
+
+
+def baseline_scores(args, device, inputs: dict, targets) -> dict:
+    """--baseline's scores (baseline_psnr, baseline_ssim, baseline_digit_accuracy): an unconditional
+    pipeline's completions of the same images and masks, by the replacement method."""
+    import numpy as np
+
+    from diffusion_extras.cli.common import load_pipeline
+    from diffusion_extras.evaluation import conditioned
+    from diffusion_extras.evaluation.sampling import make_scheduler
+
+    baseline = load_pipeline(args.baseline, device=device)
+    channels = inputs["images"].shape[1]
+    if getattr(baseline, "vae", None) is not None or baseline.unet.config.in_channels != channels:
+        raise ValueError(f"--baseline {args.baseline}: give an unconditional pixel pipeline of {channels}-channel "
+                         f"images (its UNet takes {baseline.unet.config.in_channels} channel(s))")
+    scheduler = make_scheduler(args.scheduler, baseline.scheduler.config)
+    count = len(targets)
+    completions = np.concatenate([conditioned.inpaint_by_replacement(
+        baseline.unet, scheduler, inputs["images"][first:first + args.batch_size] * 2 - 1,
+        inputs["mask_image"][first:first + args.batch_size], args.num_inference_steps,
+        range(first, min(first + args.batch_size, count)), args.seed) for first in range(0, count, args.batch_size)])
+    values = conditioned.scores("inpainting", completions, targets)
+    return {f"baseline_{name}": value for name, value in values.items() if not name.startswith("reference_")}

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import os
 
-from diffusion_extras.evaluation.choices import LATENT_PIPELINE_CLASS, PIPELINE_CLASS
+from diffusion_extras.evaluation.choices import IMAGE_PIPELINE_CLASS, LATENT_PIPELINE_CLASS, PIPELINE_CLASS
 from diffusion_extras.hub.download import local_folder
 
-PACKAGE_PIPELINES = (PIPELINE_CLASS, LATENT_PIPELINE_CLASS)  # the custom pipelines the trainer exports
+PACKAGE_PIPELINES = (PIPELINE_CLASS, LATENT_PIPELINE_CLASS, IMAGE_PIPELINE_CLASS)  # the trainer's custom pipelines
 UNCONDITIONAL = "DDPMPipeline"  # the class an unconditional folder loads as (load_pipeline)
 
 
@@ -35,7 +35,7 @@ def check_pipeline_folder(path: str) -> None:
     unet_class = (index.get("unet") or [None, None])[-1]
     if isinstance(index.get("_class_name"), list) and index["_class_name"][-1] not in PACKAGE_PIPELINES:
         raise ValueError(f"{path} holds a custom pipeline {index['_class_name']}; "
-                         f"expected a DDPMPipeline, {PIPELINE_CLASS} or {LATENT_PIPELINE_CLASS}")
+                         f"expected a DDPMPipeline, {', '.join(PACKAGE_PIPELINES)}")
     if unet_class != "UNet2DModel" or "scheduler" not in index:
         raise ValueError(f"{path} holds a {index.get('_class_name', 'unknown')} with unet {unet_class}; "
                          "expected an unconditional DDPMPipeline (UNet2DModel + scheduler)")
@@ -45,6 +45,34 @@ def saved_id2label(path: str) -> dict[int, str]:
     """The class names of a checked pipeline folder, {id: name}, as its model_index.json records
     them for ClassConditionalPipeline.from_pretrained ({} for a DDPMPipeline or one without classes)."""
     return {int(index): str(name) for index, name in (read_model_index(path).get("id2label") or {}).items()}
+
+
+def saved_conditioning(path: str) -> str | None:
+    """The kind of condition of a checked pipeline folder's image-conditioned pipeline
+    (super_resolution, inpainting, image), or None for any other."""
+    if package_pipeline_class(path) != IMAGE_PIPELINE_CLASS:
+        return None
+    return read_model_index(path).get("conditioning")
+
+
+def check_conditioning_flags(conditioning: str | None, conditioning_images: str | None, masks: str | None,
+                             needs_images: tuple = ("super_resolution", "inpainting", "image")) -> None:
+    """The sample and evaluate commands' condition folders against the pipeline's kind (None: not
+    image-conditioned): a one-line ValueError for a folder it does not take or one it needs (the
+    kinds of `needs_images` need --conditioning_images)."""
+    if conditioning is None:
+        given = "--conditioning_images" if conditioning_images else "--masks" if masks else None
+        if given:
+            raise ValueError(f"{given} is for image-conditioned pipelines (super-resolution, inpainting, "
+                             "image-to-image); this pipeline is not one: drop it")
+        return
+    if conditioning_images is None and conditioning in needs_images:
+        raise ValueError(f"this pipeline is image-conditioned ({conditioning}): give --conditioning_images DIR")
+    if masks and conditioning != "inpainting":
+        raise ValueError(f"--masks is for inpainting; this pipeline's conditioning is {conditioning}: drop it")
+    for folder, flag in ((conditioning_images, "--conditioning_images"), (masks, "--masks")):
+        if folder is not None and not os.path.isdir(folder):
+            raise ValueError(f"{flag} {folder}: no such folder")
 
 
 def package_pipeline_class(path: str) -> str | None:

@@ -1,14 +1,23 @@
-"""Command line: sample images from a saved DDPMPipeline or ClassConditionalPipeline folder.
+"""Command line: sample images from a saved DDPMPipeline, class-conditional, latent or
+image-conditioned pipeline folder.
 
     python -m diffusion_extras.sample PIPELINE --num_images 16 --scheduler ddim --output DIR
     python -m diffusion_extras.sample PIPELINE --class_labels 3,7 --guidance_scale 2 --output DIR
     python -m diffusion_extras.sample PIPELINE --guide EARLIER_PIPELINE --guidance_interval 0.3,5 --output DIR
+    python -m diffusion_extras.sample SR_PIPELINE --conditioning_images LOW_RES_DIR --output DIR
+    python -m diffusion_extras.sample INPAINTING_PIPELINE --conditioning_images DIR --masks DIR --output DIR
+
+An image-conditioned pipeline samples one image per file of --conditioning_images (in sorted path
+order: 000000.png is the first): a super-resolution pipeline's low-resolution inputs, an inpainting
+pipeline's images (their masks: --masks, the files at the same relative paths, white = to fill;
+else --mask, a half or random masks), an image-to-image pipeline's conditioning images.
 """
 from __future__ import annotations
 
 import argparse
 
 from diffusion_extras.cli.arguments import (
+    add_condition_arguments,
     add_device_argument,
     add_guidance_arguments,
     add_sampler_arguments,
@@ -16,14 +25,21 @@ from diffusion_extras.cli.arguments import (
     pipeline_parser,
     positive_int,
 )
-from diffusion_extras.cli.inputs import check_pipeline_argument, saved_id2label
+from diffusion_extras.cli.inputs import (
+    check_conditioning_flags,
+    check_pipeline_argument,
+    saved_conditioning,
+    saved_id2label,
+)
 from diffusion_extras.core.commands import importing_the_stack, leaves_the_process_as_found
 from diffusion_extras.evaluation.choices import SAMPLING_DTYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = pipeline_parser("sample", __doc__)
-    parser.add_argument("--num_images", type=positive_int, default=16, help="images to sample (default: %(default)s)")
+    parser.add_argument("--num_images", type=positive_int, default=None,
+                        help="images to sample (default 16); with --conditioning_images, at most this many of them "
+                             "(default: all)")
     add_sampler_arguments(parser)
     parser.add_argument("--batch_size", type=positive_int, default=16,
                         help="images per UNet call (default: %(default)s)")
@@ -31,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--class_labels", default=None,
                         help="class-conditional pipelines: comma list of class ids or names (image i is of "
                              "class i mod the list's length); default: every class in turn")
+    add_condition_arguments(parser, "folder of the images whose conditions are sampled (image-conditioned "
+                                    "pipelines): low-resolution inputs, images to inpaint or conditioning images")
     add_guidance_arguments(parser)
     add_device_argument(parser)
     parser.add_argument("--dtype", choices=SAMPLING_DTYPES, default="fp32",
@@ -44,10 +62,12 @@ def main(argv=None) -> int:
     with one_line_errors():  # a missing folder, a misplaced flag or an unknown class answers at once too
         folder = check_pipeline_argument(args, **{"--class_labels": args.class_labels})
         if folder is not None:
-            requested_classes(saved_id2label(folder), args.class_labels, args.num_images)
+            requested_classes(saved_id2label(folder), args.class_labels, args.num_images or 16)
+            check_conditioning_flags(saved_conditioning(folder), args.conditioning_images, args.masks)
     # torch and diffusers (seconds) once the flags and the folder are good
     with importing_the_stack():
         from diffusion_extras.cli.common import guidance_for, load_pipeline, resolve_device
+        from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline
         from diffusion_extras.evaluation.sampling import DTYPES, generate, make_scheduler, save_images
 
     dtype = DTYPES[args.dtype]
@@ -55,15 +75,42 @@ def main(argv=None) -> int:
         device = resolve_device(args.device)
         pipeline = load_pipeline(args.pipeline, device=device, dtype=dtype)
         guidance = guidance_for(pipeline, args, device, **{"--class_labels": args.class_labels})
-        labels = requested_classes(getattr(pipeline, "id2label", None), args.class_labels, args.num_images)
         scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
-        images = generate(pipeline.unet, scheduler, args.num_images, args.num_inference_steps,
-                          seed=args.seed, batch_size=args.batch_size, device=device,
-                          dtype=dtype, progress=True, class_labels=labels, vae=getattr(pipeline, "vae", None),
-                          **guidance)
+        if isinstance(pipeline, ImageConditionedPipeline):
+            images = sample_conditions(args, pipeline, scheduler, guidance)
+        else:
+            num_images = args.num_images or 16
+            labels = requested_classes(getattr(pipeline, "id2label", None), args.class_labels, num_images)
+            images = generate(pipeline.unet, scheduler, num_images, args.num_inference_steps,
+                              seed=args.seed, batch_size=args.batch_size, device=device,
+                              dtype=dtype, progress=True, class_labels=labels, vae=getattr(pipeline, "vae", None),
+                              **guidance)
         paths = save_images(images, args.output)
     print(f"wrote {len(images)} images and {paths[-1]}")
     return 0
+
+
+def sample_conditions(args, pipeline, scheduler, guidance: dict):
+    """uint8 [N, H, W, C]: an image-conditioned pipeline's samples of the images of
+    --conditioning_images (with their masks), image i with noise from (--seed, i)."""
+    import numpy as np
+
+    from diffusion_extras.cli.common import condition_masks, list_images, read_images, unit_tensor
+    from diffusion_extras.evaluation.conditioned import batch, sample_conditioned
+
+    kind = pipeline.config.conditioning
+    check_conditioning_flags(kind, args.conditioning_images, args.masks)  # a Hub id's, once loaded
+    paths = list_images(args.conditioning_images)[:args.num_images]
+    inputs = {"image": unit_tensor(read_images(paths, pipeline.image_channels))}
+    if kind == "inpainting":
+        inputs["mask_image"] = condition_masks(args, paths, args.conditioning_images, inputs["image"].shape[-2:])
+    pipeline.scheduler = scheduler
+    pipeline.set_progress_bar_config(disable=True)
+    return np.concatenate([sample_conditioned(pipeline, batch(inputs, first, args.batch_size),
+                                              range(first, min(first + args.batch_size, len(paths))),
+                                              args.num_inference_steps, args.seed, guidance["guidance_scale"],
+                                              guidance["guidance_interval"])
+                           for first in range(0, len(paths), args.batch_size)])
 
 
 def requested_classes(id2label: dict[int, str] | None, class_labels: str | None,

@@ -78,7 +78,8 @@ class MicroBatches(torch.utils.data.Dataset):
 
 
 def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(images, int64 labels or None) of a data source's batch: images, or (images, labels)."""
+    """(images, int64 labels or None) of a data source's batch: images, or (images, labels); also
+    (clean input, image condition or None) of a monitor's clean input (training/build.py clean_input)."""
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch, None)
 
 

@@ -11,7 +11,8 @@ import warnings
 
 import numpy as np
 
-from diffusion_extras.data.images import EIGHT_BIT, DataError, PixelFormat, decode_image
+from diffusion_extras.data.conditioning import StoredCondition, decode_pair
+from diffusion_extras.data.images import EIGHT_BIT, DataError, PixelFormat
 from diffusion_extras.data.spec import Resolution, image_size
 
 logger = logging.getLogger(__name__)
@@ -69,15 +70,20 @@ DECODE_CHUNK = 512  # rows per decoding task
 
 
 def _decode_rows(bounds: tuple[int, int], dataset, image_column: str, resolution: Resolution, center_crop: bool,
-                 channels: int, pixels: PixelFormat = EIGHT_BIT) -> tuple[list, list]:
-    """Decode rows [start, stop) from their stored bytes: (arrays, [(name, error)]). Runs in worker
-    processes too; the arrow format hands over bytes and paths without decoding."""
+                 channels: int, pixels: PixelFormat = EIGHT_BIT,
+                 condition: StoredCondition | None = None) -> tuple[list, list]:
+    """Decode rows [start, stop) from their stored bytes: (arrays, [(name, error)]); with a stored
+    `condition`, each image with its condition beside it (conditioning.decode_pair), a row skipped
+    whole when either is unreadable. Runs in worker processes too; the arrow format hands over
+    bytes and paths without decoding."""
     start, stop = bounds
-    items = dataset.with_format("arrow")[start:stop].column(image_column).to_pylist()
+    rows = dataset.with_format("arrow")[start:stop]
+    items = rows.column(image_column).to_pylist()
+    paired = rows.column(condition.column).to_pylist() if condition else [None] * len(items)
     arrays, problems = [], []
-    for offset, item in enumerate(items):
+    for offset, (item, condition_item) in enumerate(zip(items, paired)):
         try:
-            arrays.append(decode_image(item, resolution, center_crop, channels, pixels))
+            arrays.append(decode_pair(item, condition_item, resolution, center_crop, channels, condition, pixels))
         except Exception as error:  # PIL raises several types for truncated or non-image files
             problems.append((item.get("path") or f"row {start + offset}", f"{type(error).__name__}: {error}"))
     return arrays, problems
@@ -89,9 +95,11 @@ def decode_workers(num_rows: int) -> int:
 
 
 def iter_decoded(dataset, image_column: str, resolution: Resolution, center_crop: bool, channels: int,
-                 workers: int = 1, progress: bool = False, pixels: PixelFormat = EIGHT_BIT):
-    """Every decodable image, in row order, as [H, W, C] of pixels.dtype; unreadable files are skipped with a
-    warning that names them. Raises DataError if none can be decoded."""
+                 workers: int = 1, progress: bool = False, pixels: PixelFormat = EIGHT_BIT,
+                 condition: StoredCondition | None = None):
+    """Every decodable image, in row order, as [H, W, C] of pixels.dtype ([H, W, C + S] with a
+    stored `condition`); unreadable files are skipped with a warning that names them. Raises
+    DataError if none can be decoded."""
     import functools
     from concurrent.futures import ProcessPoolExecutor
 
@@ -99,7 +107,7 @@ def iter_decoded(dataset, image_column: str, resolution: Resolution, center_crop
 
     bounds = [(a, min(a + DECODE_CHUNK, len(dataset))) for a in range(0, len(dataset), DECODE_CHUNK)]
     task = functools.partial(_decode_rows, dataset=dataset, image_column=image_column, resolution=resolution,
-                             center_crop=center_crop, channels=channels, pixels=pixels)
+                             center_crop=center_crop, channels=channels, pixels=pixels, condition=condition)
     pool = ProcessPoolExecutor(workers) if workers > 1 else None
     decoded, skipped = 0, []
     with tqdm(total=len(dataset), desc="decoding images once", disable=not progress) as bar:
@@ -117,42 +125,47 @@ def iter_decoded(dataset, image_column: str, resolution: Resolution, center_crop
 
 
 def decode_dataset(dataset, image_column: str, resolution: Resolution, center_crop: bool, channels: int,
-                   progress: bool = False, pixels: PixelFormat = EIGHT_BIT) -> DecodedImages:
-    """Decode every image once, in memory (small datasets: the digits)."""
+                   progress: bool = False, pixels: PixelFormat = EIGHT_BIT,
+                   condition: StoredCondition | None = None) -> DecodedImages:
+    """Decode every image once (with its stored `condition`), in memory (small datasets: the digits)."""
     arrays = list(iter_decoded(dataset, image_column, resolution, center_crop, channels, progress=progress,
-                               pixels=pixels))
-    return DecodedImages.from_arrays(arrays, channels)
+                               pixels=pixels, condition=condition))
+    return DecodedImages.from_arrays(arrays, channels + (condition.channels(channels) if condition else 0))
 
 
 def cached_decode(dataset, image_column: str, resolution: Resolution, center_crop: bool, channels: int,
                   cache_dir: str | None, progress: bool = False,
-                  pixels: PixelFormat = EIGHT_BIT) -> DecodedImages:
+                  pixels: PixelFormat = EIGHT_BIT, condition: StoredCondition | None = None) -> DecodedImages:
     """Decoded images stored on disk, keyed by the dataset's fingerprint and the preprocessing, so
     later runs (and the other local ranks, which wait for the node's main one) only memory-map
     them. Images are written to the file as they are decoded (memory stays flat whatever the
     dataset size), by a process pool for large datasets. In-memory datasets (the digits) have no
-    stable fingerprint and are decoded each time (under a second)."""
-    located = cache_location(dataset, cache_dir, *decode_key(image_column, resolution, center_crop, channels, pixels))
+    stable fingerprint and are decoded each time (under a second). With a stored `condition` each
+    image is stored with its condition beside it (C + S channels)."""
+    key = decode_key(image_column, resolution, center_crop, channels, pixels, condition)
+    located = cache_location(dataset, cache_dir, *key)
     if located is None:
-        return decode_dataset(dataset, image_column, resolution, center_crop, channels, progress, pixels)
+        return decode_dataset(dataset, image_column, resolution, center_crop, channels, progress, pixels, condition)
     root, directory = located
+    stored = channels + (condition.channels(channels) if condition else 0)
     if not os.path.isdir(directory):  # published whole by one rename: present means complete
-        check_cache_space(root, len(dataset), resolution, channels, np.dtype(pixels.dtype).itemsize)
+        check_cache_space(root, len(dataset), resolution, stored, np.dtype(pixels.dtype).itemsize)
         start = time.perf_counter()
         images = iter_decoded(dataset, image_column, resolution, center_crop, channels,
-                              decode_workers(len(dataset)), progress, pixels)
+                              decode_workers(len(dataset)), progress, pixels, condition)
         write_cache(directory, images)
         # one line per decode: how often a node decoded is visible in its log (and tested)
         print(f"decoded {len(dataset)} images once ({pixels.dtype} samples) into {directory} in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
-    return DecodedImages.load(directory, channels, pixels.dtype)
+    return DecodedImages.load(directory, stored, pixels.dtype)
 
 
 def decode_key(image_column: str, resolution: Resolution, center_crop: bool, channels: int,
-               pixels: PixelFormat) -> tuple:
+               pixels: PixelFormat, condition: StoredCondition | None = None) -> tuple:
     """What the decoded images depend on besides the dataset: the parts of their cache key (a
-    resolution N, or (height, width), both sides)."""
-    return image_column, resolution, center_crop, channels, tuple(pixels)
+    resolution N, or (height, width), both sides; a stored condition's column and kind)."""
+    key = image_column, resolution, center_crop, channels, tuple(pixels)
+    return key if condition is None else (*key, tuple(condition))
 
 
 def cache_location(dataset, cache_dir: str | None, *key_parts) -> tuple[str, str] | None:

@@ -73,8 +73,9 @@ def open_dataset(spec: DataSpec, streaming: bool = False):
     """The one dispatch from the data flags to the training split, a datasets.Dataset (or an
     IterableDataset when streaming), for both the cached and the streamed source: --train_data_files
     (.tar shards or parquet, through datasets' `webdataset` / `parquet` builders), --train_data_dir
-    (`imagefolder`), --dataset_name (a save_to_disk folder, a folder load_dataset understands, or a
-    Hub id; --dataset_config_name picks its configuration), else the embedded digits."""
+    (`imagefolder`; with a paired folder of conditions or masks, the pairs: data/conditioning.py),
+    --dataset_name (a save_to_disk folder, a folder load_dataset understands, or a Hub id;
+    --dataset_config_name picks its configuration), else the embedded digits."""
     import datasets
 
     cache_dir = spec.cache_dir
@@ -84,6 +85,11 @@ def open_dataset(spec: DataSpec, streaming: bool = False):
             builder, data_files={"train": files}, cache_dir=cache_dir, streaming=streaming),
             f"--train_data_files {spec.train_data_files}"), spec.train_data_files)
     if spec.train_data_dir:
+        from diffusion_extras.data.conditioning import paired_folder, paired_folders_dataset  # it imports this module
+        paired = paired_folder(spec)  # --conditioning_data_dir / --mask_data_dir: file by file with the images
+        if paired is not None:
+            dataset = paired_folders_dataset(spec.train_data_dir, *paired)
+            return dataset.to_iterable_dataset(num_shards=min(len(dataset), 64)) if streaming else dataset
         return _train_split(_call_loader(lambda: datasets.load_dataset(
             "imagefolder", data_dir=spec.train_data_dir, cache_dir=cache_dir, streaming=streaming),
             f"--train_data_dir {spec.train_data_dir}"), spec.train_data_dir)
@@ -181,10 +187,13 @@ def _named_or_typed(dataset, flag: str, name: str | None, feature_type) -> list[
     return [column for column, feature in dataset.features.items() if isinstance(feature, feature_type)]
 
 
-def find_image_column(dataset, image_column: str | None = None) -> str:
+def find_image_column(dataset, image_column: str | None = None, exclude: tuple = ()) -> str:
+    """--image_column (checked), or the first column of images that is not in `exclude` (a stored
+    condition's column)."""
     import datasets
 
-    found = _named_or_typed(dataset, "--image_column", image_column, datasets.Image)
+    found = [column for column in _named_or_typed(dataset, "--image_column", image_column, datasets.Image)
+             if image_column is not None or column not in exclude]
     if image_column is not None and not isinstance(dataset.features[image_column], datasets.Image):
         raise DataError(f"--image_column {image_column} holds {dataset.features[image_column]}, not images")
     if not found:

@@ -122,6 +122,10 @@ class Posterior:
         """The normalised latent of each image (its mirror's where `flip`): mean + std x `noise`,
         or the mean alone without noise."""
         mean, std = self.stored(batch, device, flip) if self.encoder is None else self.encoded(batch, device, flip)
+        return self.draw(mean, std, device, noise)
+
+    def draw(self, mean: torch.Tensor, std: torch.Tensor, device, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """The normalised latent mean + std x `noise` (the mean alone without noise)."""
         latent = mean if noise is None else mean + std * noise
         shift, scale = (value.to(device).view(1, -1, 1, 1) for value in (self.shift, self.scale))
         return (latent - shift) * scale
@@ -137,10 +141,16 @@ class Posterior:
 
     @torch.no_grad()
     def encoded(self, batch: torch.Tensor, device, flip: torch.Tensor | None) -> tuple:
-        """(mean, std) of each streamed image, mirrored first where `flip`, encoded ENCODE_BATCH at
-        a time on the VAE's device (outside autocast: fp32, as the cache encodes)."""
+        """(mean, std) of each streamed image, mirrored first where `flip` (encode_pixels)."""
         vae_device = next(self.encoder.vae.parameters()).device
         pixels = batch_order.to_model_input(batch, vae_device, None if flip is None else flip.to(vae_device))
+        return self.encode_pixels(pixels, device)
+
+    @torch.no_grad()
+    def encode_pixels(self, pixels: torch.Tensor, device) -> tuple:
+        """(mean, std) on `device` of images in [-1, 1], encoded ENCODE_BATCH at a time on the VAE's
+        device (outside autocast: fp32, as the cache encodes)."""
+        pixels = pixels.to(next(self.encoder.vae.parameters()).device)
         parts = [encode(self.encoder.vae, pixels[first:first + ENCODE_BATCH])
                  for first in range(0, len(pixels), ENCODE_BATCH)]
         return tuple(torch.cat(values).to(device, non_blocking=True) for values in zip(*parts))

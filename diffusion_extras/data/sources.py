@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from diffusion_extras.data import batch_order, decode_cache, labels, latents, workers
+from diffusion_extras.data import batch_order, conditioning, decode_cache, labels, latents, workers
 from diffusion_extras.data import images as data
 from diffusion_extras.data.spec import DataSpec, Processes, Resolution
 from diffusion_extras.data.streaming import StreamSource, first_stored_images, read_stream_classes
@@ -54,10 +54,11 @@ class CachedImages:
         # once per node: the node's first rank loads and decodes, the others then read its cache
         with processes.local_main_process_first():
             dataset = dataset if dataset is not None else data.load_image_dataset(spec)
-            image_column = data.find_image_column(dataset, spec.image_column)
+            image_column, condition = conditioning.columns(dataset, spec)  # a stored condition: beside each image
             pixels = data.dataset_format(dataset, image_column, spec.background)  # 16/32-bit images keep their depth
             self.images = decode_cache.cached_decode(dataset, image_column, spec.resolution, spec.center_crop,
-                                             channels, spec.cache_dir, processes.is_local_main_process, pixels)
+                                                     channels, spec.cache_dir, processes.is_local_main_process,
+                                                     pixels, condition)
             self.pixels = self.images  # what FID compares with (reference_images)
             if encoder is not None:  # the pixels are read once more, to encode them (in memory: the digits)
                 key = decode_cache.decode_key(image_column, spec.resolution, spec.center_crop, channels, pixels)
@@ -134,7 +135,7 @@ def open_training_data(spec: DataSpec, processes: Processes) -> tuple:
         return firsts, channels, read_stream_classes(spec) if spec.class_conditional else None
     with processes.local_main_process_first():  # the node's first rank downloads, the others reuse it
         dataset = data.load_image_dataset(spec)
-    column = data.find_image_column(dataset, spec.image_column)
+    column, _ = conditioning.columns(dataset, spec)
     channels = 4 if spec.keep_alpha else data.dataset_channels(dataset, column)
     return dataset, channels, labels.read_classes(dataset, spec.label_column) if spec.class_conditional else None
 

@@ -27,6 +27,11 @@ class DataSpec:
     image_column: str | None = None          # found from the features when None
     class_conditional: bool = False          # batches carry class labels
     label_column: str | None = None          # the labels; None: the dataset's one ClassLabel column
+    conditioning: str = "none"               # an image condition: super_resolution, inpainting, image (or none)
+    mask_column: str | None = None           # inpainting: stored masks, a column ...
+    mask_data_dir: str | None = None         # ... or a folder paired with train_data_dir
+    conditioning_image_column: str | None = None  # image-to-image: the conditioning images, a column ...
+    conditioning_data_dir: str | None = None  # ... or a folder paired with train_data_dir
     cache_dir: str | None = None             # datasets' cache and the decoded-image cache
     max_train_samples: int | None = None     # keep this many images (a seeded subset)
     resolution: Resolution = 16              # pixels: N (square) or (height, width)

@@ -21,16 +21,10 @@ import warnings
 import numpy as np
 import torch
 
+from diffusion_extras.data import conditioning
 from diffusion_extras.data.batch_order import random_crop
-from diffusion_extras.data.images import (
-    EIGHT_BIT,
-    DataError,
-    PixelFormat,
-    decode_image,
-    find_image_column,
-    open_dataset,
-    stored_format,
-)
+from diffusion_extras.data.conditioning import StoredCondition, decode_pair
+from diffusion_extras.data.images import EIGHT_BIT, DataError, PixelFormat, open_dataset, stored_format
 from diffusion_extras.data.labels import Classes, LabelReader, stream_classes
 from diffusion_extras.data.spec import DataSpec, Processes, Resolution
 from diffusion_extras.data.workers import ignore_stop_signals, start_workers
@@ -58,22 +52,26 @@ def first_stored_images(spec: DataSpec, count: int = 16) -> list:
     peek at the shuffled shard would pay."""
     import datasets
     stream = open_stream(spec)
-    column = find_image_column(stream, spec.image_column)
+    column, _ = conditioning.columns(stream, spec)
     stream = stream.select_columns([column]).cast_column(column, datasets.Image(decode=False))
     return [item[column] for item in stream.take(count)]
 
 
 def load_stream(spec: DataSpec, rank: int, world_size: int, label_column: str | None = None):
     """This rank's shard of the shuffled stream, and its image column; examples keep the column
-    that `label_column` reads (a 'struct.field' keeps the struct) beside the image."""
+    that `label_column` reads (a 'struct.field' keeps the struct) and a stored condition's
+    (conditioning.stored_condition) beside the image."""
     import datasets
     from datasets.distributed import split_dataset_by_node
 
     stream = open_stream(spec)
-    column = find_image_column(stream, spec.image_column)
-    kept = [column] + ([label_column.split(".")[0]] if label_column else [])
+    column, condition = conditioning.columns(stream, spec)
+    paired = [condition.column] if condition else []
+    kept = [column] + ([label_column.split(".")[0]] if label_column else []) + paired
     # decoded by us, so a corrupt file is skipped and named instead of raising inside the iterator
-    stream = stream.select_columns(kept).cast_column(column, datasets.Image(decode=False))
+    stream = stream.select_columns(kept)
+    for name in [column, *paired]:
+        stream = stream.cast_column(name, datasets.Image(decode=False))
     if spec.shuffle_buffer_size > 0:
         stream = stream.shuffle(seed=spec.seed, buffer_size=spec.shuffle_buffer_size)
     return split_dataset_by_node(stream, rank=rank, world_size=world_size), column
@@ -95,8 +93,10 @@ class DecodedStream(torch.utils.data.IterableDataset):
     (read, not decoded), which also replays the shuffle buffer exactly."""
 
     def __init__(self, stream, column: str, resolution: Resolution, center_crop: bool, channels: int, seed: int,
-                 label: LabelReader | None = None, pixels: PixelFormat = EIGHT_BIT):
+                 label: LabelReader | None = None, pixels: PixelFormat = EIGHT_BIT,
+                 condition: StoredCondition | None = None):
         self.stream, self.column, self.label, self.pixels = stream, column, label, pixels  # label: (image, class id)
+        self.condition = condition  # a stored condition, decoded beside each image (C + S channels)
         self.resolution, self.center_crop, self.channels, self.seed = resolution, center_crop, channels, seed
         self.epoch, self.consumed, self.examples_seen = 0, 0, 0  # consumed: examples read in this epoch
 
@@ -115,7 +115,7 @@ class DecodedStream(torch.utils.data.IterableDataset):
             for example in examples:
                 self.consumed, self.examples_seen = self.consumed + 1, self.examples_seen + 1
                 label = self.label(example) if self.label is not None else None
-                array = self._decode(example[self.column])
+                array = self._decode(example)
                 if array is not None:
                     crop = random_crop(array, self.resolution, self.seed, worker_id, self.examples_seen)
                     image = torch.from_numpy(np.array(crop)).permute(2, 0, 1)  # a writable copy
@@ -124,9 +124,12 @@ class DecodedStream(torch.utils.data.IterableDataset):
                 return  # no shard for this worker (more workers than shards): the others go on
             self.epoch, self.consumed = self.epoch + 1, 0
 
-    def _decode(self, image: dict):
+    def _decode(self, example: dict):
+        image = example[self.column]
+        paired = example[self.condition.column] if self.condition else None
         try:
-            return decode_image(image, self.resolution, self.center_crop, self.channels, self.pixels)
+            return decode_pair(image, paired, self.resolution, self.center_crop, self.channels, self.condition,
+                               self.pixels)
         except Exception as error:  # a corrupt file in a stream: skip it, name it, go on
             name = image.get("path") or f"#{self.examples_seen}"
             warnings.warn(f"skipping unreadable image {name}: {type(error).__name__}: {error}", stacklevel=2)
@@ -148,12 +151,13 @@ class StreamingBatches:
 
     def __init__(self, stream, column: str, batch_size: int, resolution: Resolution, center_crop: bool,
                  channels: int, seed: int, num_workers: int = 0, pin_memory: bool = False,
-                 label: LabelReader | None = None, pixels: PixelFormat = EIGHT_BIT):
+                 label: LabelReader | None = None, pixels: PixelFormat = EIGHT_BIT,
+                 condition: StoredCondition | None = None):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         self.num_workers = num_workers
         self.loader = StatefulDataLoader(
-            DecodedStream(stream, column, resolution, center_crop, channels, seed, label, pixels),
+            DecodedStream(stream, column, resolution, center_crop, channels, seed, label, pixels, condition),
             batch_size=batch_size,
             num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=4 if num_workers else None,
             worker_init_fn=ignore_stop_signals,  # a scheduler signals the workers too (data/workers.py)
@@ -222,13 +226,16 @@ def worker_states(loader_state: dict) -> list[dict]:
 
 def stream_reference_images(spec: DataSpec, count: int, channels: int,
                             pixels: PixelFormat = EIGHT_BIT) -> np.ndarray:
-    """Up to `count` centre-cropped images [N, C, H, W] from the start of an independent copy of the
-    stream, for sigma_data and FID references; the training position is not touched."""
+    """Up to `count` centre-cropped images [N, C, H, W] (with a stored condition: [N, C + S, H, W])
+    from the start of an independent copy of the stream, for sigma_data and FID references; the
+    training position is not touched."""
     stream, column = load_stream(spec, 0, 1)
+    condition = conditioning.stored_condition(spec)
     images = []
     for item in stream.take(count):
         try:
-            images.append(decode_image(item[column], spec.resolution, True, channels, pixels))
+            images.append(decode_pair(item[column], item[condition.column] if condition else None, spec.resolution,
+                                      True, channels, condition, pixels))
         except Exception:  # unreadable: the training stream warns about it; references just skip it
             continue
     if not images:
@@ -252,7 +259,8 @@ class StreamSource:
         self.stream = StreamingBatches(shard, column, spec.train_batch_size, spec.resolution, spec.center_crop,
                                        channels, spec.seed + processes.process_index,
                                        spec.dataloader_num_workers, processes.device.type == "cuda",
-                                       classes.reader() if classes else None, self.pixels)
+                                       classes.reader() if classes else None, self.pixels,
+                                       conditioning.stored_condition(spec))
         self.class_names = classes.names if classes else None  # labels come with each example
         self.spec, self.channels, self.rank = spec, channels, processes.process_index
         self.description = f"stream:{spec.dataset_name or spec.train_data_dir or spec.train_data_files}"

@@ -1,9 +1,9 @@
 """The evaluation's named options, importable without torch: the metric names and the guidance
 default, which the training config validates against and declares as its default, and the sampling
 schedulers, precisions and metric backbones that the sample and evaluate commands offer (so `--help`
-and a bad flag answer before torch loads), and the class-conditional pipeline's file and class
-names (so the Hub push, which names them in the card, and the commands' checks of a pipeline folder
-run without torch). tests/test_choices.py checks them against the modules that implement them
+and a bad flag answer before torch loads), and the custom pipelines' files, classes and conditioning
+kinds (so the Hub push, which names them in the card, the training config, and the commands' checks
+of a pipeline folder run without torch). tests/test_choices.py checks them against the modules that implement them
 (metrics.py, sampling.py, backbones.py)."""
 from __future__ import annotations
 
@@ -51,3 +51,8 @@ DEFAULT_GUIDANCE_SCALE = _pipeline_constant("DEFAULT_GUIDANCE_SCALE")
 PIPELINE_MODULE = _pipeline_constant("PIPELINE_MODULE")  # its file name in an exported folder (hub/push.py)
 PIPELINE_CLASS = _pipeline_constant("PIPELINE_CLASS")  # its class name in model_index.json (cli/inputs.py)
 LATENT_PIPELINE_CLASS = _pipeline_constant("PIPELINE_CLASS", "pipeline_latent.py")  # a latent export's (cli/inputs.py)
+# an image-conditioned export's class, its kinds of condition (the trainer's --conditioning) and its guidance default
+IMAGE_PIPELINE_CLASS = _pipeline_constant("PIPELINE_CLASS", "pipeline_image_conditioned.py")
+IMAGE_PIPELINE_MODULE = _pipeline_constant("PIPELINE_MODULE", "pipeline_image_conditioned.py")
+CONDITIONING_KINDS = _pipeline_constant("CONDITIONING_KINDS", "pipeline_image_conditioned.py")
+DEFAULT_IMAGE_GUIDANCE_SCALE = _pipeline_constant("DEFAULT_IMAGE_GUIDANCE_SCALE", "pipeline_image_conditioned.py")

@@ -219,7 +219,8 @@ class ReferenceStatistics:
             raise ValueError(f"{path} is not a reference statistics file written by this tool ({error})") from None
 
 
-def _extract_all(batches: Iterable[np.ndarray], extractor, chunk: int = 256) -> np.ndarray:
+def extract_all(batches: Iterable[np.ndarray], extractor, chunk: int = 256) -> np.ndarray:
+    """The features [N, D] float64 of uint8 NHWC image batches, `chunk` images per extractor call."""
     features = []
     for batch in batches:
         for first in range(0, len(batch), chunk):
@@ -242,7 +243,7 @@ def reference_statistics(images: np.ndarray | Iterable[np.ndarray], extractor, c
         if cached.extractor_name == extractor.name and cached.fingerprint == fingerprint:
             return cached
     batches = [images] if isinstance(images, np.ndarray) else images
-    features = _extract_all(batches, extractor)
+    features = extract_all(batches, extractor)
     mu, sigma = feature_statistics(features)
     statistics = ReferenceStatistics(mu, sigma, features, extractor.name, len(features), fingerprint)
     if cache_path:
@@ -303,7 +304,7 @@ def sample_features(unet, scheduler, extractors, num_samples: int, num_inference
         images = generate(unet, scheduler, count, num_inference_steps, seed=seed, device=device, start_index=first,
                           class_labels=labels, guidance_scale=guidance_scale, guide=guide,
                           guidance_interval=guidance_interval, vae=vae)
-        features[first] = [_extract_all([images], extractor) for extractor in extractors]
+        features[first] = [extract_all([images], extractor) for extractor in extractors]
     return features
 
 

@@ -45,14 +45,24 @@ def unconditional_inputs(unet, batch_size: int, device) -> dict:
     return {"class_labels": torch.full((batch_size,), null_class(unet), dtype=torch.long, device=device)}
 
 
+def with_condition(sample: torch.Tensor, condition: torch.Tensor | None) -> torch.Tensor:
+    """The UNet's input: x_t, followed by an image condition's channels where there is one (SR3 and
+    Palette concatenate the conditioning image; Stable Diffusion inpainting the mask and the masked
+    image). The condition is not scaled with x_t (scale_model_input): it is not noisy."""
+    return sample if condition is None else torch.cat([sample, condition.to(sample.dtype)], dim=1)
+
+
 def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tensor | None, guidance_scale: float,
-                        dtype: torch.dtype = torch.float32, guide=None) -> torch.Tensor:
+                        dtype: torch.dtype = torch.float32, guide=None, condition: torch.Tensor | None = None
+                        ) -> torch.Tensor:
     """Guided model output, combined in fp32: weak + s * (strong - weak).
 
     Without `guide`: classifier-free guidance (Ho & Salimans 2022), weak = the "no class"
-    prediction, from ONE batched UNet call on [conditional; "no class"]. With `guide` (a weaker
-    model of the same kind, e.g. an earlier checkpoint): autoguidance (Karras et al. 2024), weak =
-    the guide's prediction with the same conditioning (class_labels None: an unconditional UNet).
+    prediction, or with an image `condition` the prediction with the condition dropped (zeros, as
+    training drops it: InstructPix2Pix's guidance on the image), from ONE batched UNet call on
+    [conditional; dropped]. With `guide` (a weaker model of the same kind, e.g. an earlier
+    checkpoint): autoguidance (Karras et al. 2024), weak = the guide's prediction with the same
+    conditioning (class_labels None: an unconditional UNet).
     The combination is made on the raw model output, whatever the prediction type: for a fixed t,
     epsilon, v and x0 predictions are affine in each other given x_t, and an affine map commutes
     with this weighted sum (the weights sum to 1), so guiding the output the scheduler consumes
@@ -60,17 +70,20 @@ def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tenso
     net_dtype = next(unet.parameters()).dtype
     autocast = torch.autocast(sample.device.type, dtype=dtype, enabled=dtype != torch.float32)
     conditioning = {} if class_labels is None else {"class_labels": class_labels}
+    strong_input = with_condition(sample, condition)
     with autocast:
         if guidance_scale == 1.0:
-            return unet(sample.to(net_dtype), t, **conditioning).sample.float()
+            return unet(strong_input.to(net_dtype), t, **conditioning).sample.float()
         if guide is not None:
-            strong = unet(sample.to(net_dtype), t, **conditioning).sample.float()
-            weak = guide(sample.to(next(guide.parameters()).dtype), t, **conditioning).sample.float()
+            strong = unet(strong_input.to(net_dtype), t, **conditioning).sample.float()
+            weak = guide(strong_input.to(next(guide.parameters()).dtype), t, **conditioning).sample.float()
         else:
-            null = torch.full_like(class_labels, null_class(unet))
-            output = unet(torch.cat([sample, sample]).to(net_dtype), t,
-                          class_labels=torch.cat([class_labels, null])).sample.float()
-            strong, weak = output.chunk(2)
+            if condition is not None:  # the image condition dropped
+                both, dropped = torch.cat([strong_input, with_condition(sample, torch.zeros_like(condition))]), {}
+            else:
+                null = torch.full_like(class_labels, null_class(unet))
+                both, dropped = torch.cat([sample, sample]), {"class_labels": torch.cat([class_labels, null])}
+            strong, weak = unet(both.to(net_dtype), t, **dropped).sample.float().chunk(2)
     guided = weak + guidance_scale * (strong - weak)
     channels = sample.shape[1]
     if strong.shape[1] == 2 * channels:  # learned variance: guide the prediction, keep the conditional variance (GLIDE)
@@ -115,12 +128,14 @@ def in_guidance_interval(scheduler, step: int, guidance_interval) -> bool:
 
 def guided_step(scheduler, unet, sample: torch.Tensor, step: int, class_labels, guidance_scale: float,
                 generator=None, dtype: torch.dtype = torch.float32, guide=None, guidance_interval=None,
-                eta: float | None = None) -> torch.Tensor:
-    """Sampling step `step` (an index into scheduler.timesteps), x_t -> x_{t-1}, guided (the pipeline's
-    and the package's sampler share it). `eta`: DDIM's, for the schedulers whose step takes one."""
+                condition: torch.Tensor | None = None, eta: float | None = None) -> torch.Tensor:
+    """Sampling step `step` (an index into scheduler.timesteps), x_t -> x_{t-1}, guided (the pipelines'
+    and the package's sampler share it); `condition`: an image condition (with_condition); `eta`:
+    DDIM's, for the schedulers whose step takes one."""
     t = scheduler.timesteps[step]
     scale = guidance_scale if in_guidance_interval(scheduler, step, guidance_interval) else 1.0
-    output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels, scale, dtype, guide)
+    output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels, scale, dtype, guide,
+                                 condition)
     return scheduler_step(scheduler, scheduler_model_output(scheduler, output, sample), t, sample, generator, eta)
 
 
@@ -180,7 +195,94 @@ def check_guide(unet, guide) -> None:
                          "UNet of the same kind (same resolution, channels, classes and variance output)")
 
 
-class ClassConditionalPipeline(DiffusionPipeline):
+class PackagePipeline(DiffusionPipeline):
+    """What the trainer's custom pipelines (class-conditional, latent, image-conditioned) share: an
+    exported folder holds a copy of the pipeline's file and of the files it imports relatively, and
+    its model_index.json names that file, so it loads without the training package."""
+
+    def to_json_string(self) -> str:
+        """model_index.json names this file and class, `_class_name` [module, class] (diffusers'
+        custom-pipeline convention), where diffusers writes the bare class name, which
+        DiffusionPipeline.from_pretrained looks for in diffusers itself."""
+        config = json.loads(super().to_json_string())
+        module = os.path.splitext(os.path.basename(self.source_files()[0]))[0]
+        config["_class_name"] = [module, type(self).__name__]
+        return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+    def source_files(self) -> list[str]:
+        """This pipeline's file, then every file it imports relatively, as diffusers resolves them
+        when it loads the folder's copy as remote code (dynamic_modules_utils.get_relative_import_files:
+        the latent pipeline imports this file, the image-conditioned one both)."""
+        from diffusers.utils.dynamic_modules_utils import get_relative_import_files
+
+        own = sys.modules[type(self).__module__].__file__
+        return list(dict.fromkeys([own, *get_relative_import_files(own)]))
+
+    def save_config(self, save_directory, *args, **kwargs):
+        """model_index.json with a copy of the pipeline's source files beside it, the first of which
+        that index names: the folder (save_pretrained's, the trainer's export) loads with
+        DiffusionPipeline.from_pretrained(folder, trust_remote_code=True) without the training package."""
+        os.makedirs(save_directory, exist_ok=True)
+        for source in self.source_files():
+            target = os.path.join(save_directory, os.path.basename(source))
+            if not (os.path.exists(target) and os.path.samefile(source, target)):
+                shutil.copyfile(source, target)
+        super().save_config(save_directory, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """Loading through the class itself (the package installed, or the folder's copy imported):
+        a folder's model_index.json names the saved copy of the pipeline's file, which diffusers would
+        import as remote code; here the class is at hand, so each part the index names (unet/,
+        scheduler/, vae/, guide/: diffusers classes) and each of its settings (id2label, the
+        conditioning) go straight into it. A Hub id is downloaded first (those parts only).
+        With trust_remote_code, diffusers' own loading."""
+        if kwargs.get("trust_remote_code"):
+            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        import diffusers
+
+        folder = cls.local_files(pretrained_model_name_or_path, kwargs)
+        with open(os.path.join(folder, "model_index.json")) as fh:
+            index = json.load(fh)
+        dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
+        arguments = {}
+        for name, value in index.items():
+            if name.startswith("_"):
+                continue
+            if not _is_part(value):
+                arguments[name] = value  # a setting of the pipeline's config
+            elif value[0] is None:
+                arguments[name] = None  # an optional part it was saved without
+            else:
+                part = getattr(diffusers, value[1])
+                typed = {} if issubclass(part, diffusers.SchedulerMixin) else {"torch_dtype": dtype}
+                arguments[name] = part.from_pretrained(folder, subfolder=name, **typed)
+        return cls(**arguments)
+
+    # the from_pretrained keywords that reach the class's own download of a Hub id, as they reach diffusers'
+    DOWNLOAD_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
+
+    @classmethod
+    def local_files(cls, pretrained_model_name_or_path, kwargs: dict) -> str:
+        """The folder, or the Hub id's model_index.json and the parts it names, downloaded with
+        from_pretrained's revision, token, cache_dir, ... (DOWNLOAD_KWARGS)."""
+        folder = str(pretrained_model_name_or_path)
+        if os.path.isdir(folder):
+            return folder
+        from huggingface_hub import hf_hub_download, snapshot_download
+        download = {name: kwargs[name] for name in cls.DOWNLOAD_KWARGS if name in kwargs}
+        with open(hf_hub_download(folder, "model_index.json", **download)) as fh:
+            names = [name for name, value in json.load(fh).items() if _is_part(value) and value[0]]
+        return snapshot_download(folder, allow_patterns=["model_index.json", *(f"{name}/*" for name in names)],
+                                 **download)
+
+
+def _is_part(value) -> bool:
+    """Whether a model_index.json entry names a part ([library, class]) rather than a setting."""
+    return isinstance(value, list) and len(value) == 2 and value[0] in (None, "diffusers")
+
+
+class ClassConditionalPipeline(PackagePipeline):
     """Class-conditional image generation with a UNet2DModel and classifier-free guidance."""
 
     model_cpu_offload_seq = "unet"
@@ -205,71 +307,6 @@ class ClassConditionalPipeline(DiffusionPipeline):
         if name == "guide" and "_internal_dict" in self.__dict__:
             library = type(value).__module__.split(".")[0]  # "diffusers" for a UNet2DModel
             self.register_to_config(guide=(None, None) if value is None else (library, type(value).__name__))
-
-    def to_json_string(self) -> str:
-        """model_index.json names this file and class, `_class_name` [module, class] (diffusers'
-        custom-pipeline convention), where diffusers writes the bare class name, which
-        DiffusionPipeline.from_pretrained looks for in diffusers itself."""
-        config = json.loads(super().to_json_string())
-        module = os.path.splitext(os.path.basename(self.source_files()[0]))[0]
-        config["_class_name"] = [module, type(self).__name__]
-        return json.dumps(config, indent=2, sort_keys=True) + "\n"
-
-    def source_files(self) -> list[str]:
-        """The files of this pipeline's class and of the classes of this file it derives from (a
-        subclass in another file, the latent pipeline, imports this one relatively), its own first."""
-        return [sys.modules[cls.__module__].__file__ for cls in type(self).__mro__
-                if issubclass(cls, ClassConditionalPipeline)]
-
-    def save_config(self, save_directory, *args, **kwargs):
-        """model_index.json with a copy of the pipeline's source files beside it, the first of which
-        that index names: the folder (save_pretrained's, the trainer's export) loads with
-        DiffusionPipeline.from_pretrained(folder, trust_remote_code=True) without the training package."""
-        os.makedirs(save_directory, exist_ok=True)
-        for source in self.source_files():
-            target = os.path.join(save_directory, os.path.basename(source))
-            if not (os.path.exists(target) and os.path.samefile(source, target)):
-                shutil.copyfile(source, target)
-        super().save_config(save_directory, *args, **kwargs)
-
-    # what the class's own loading downloads of a Hub id (the latent pipeline adds vae/), and the
-    # from_pretrained keywords that reach that download, as they reach diffusers' own
-    download_patterns = ("model_index.json", "unet/*", "guide/*", "scheduler/*")
-    DOWNLOAD_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """Loading through this class itself (the package installed): a folder's model_index.json
-        names the saved copy of this file, which diffusers would import as remote code; here the
-        class is already at hand, so the parts are loaded directly into it."""
-        if cls is not ClassConditionalPipeline or kwargs.get("trust_remote_code"):
-            return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-        folder = cls.local_files(pretrained_model_name_or_path, kwargs)
-        return cls(**cls.load_parts(folder, kwargs.get("torch_dtype", kwargs.get("dtype"))))
-
-    @classmethod
-    def local_files(cls, pretrained_model_name_or_path, kwargs: dict) -> str:
-        """The folder, or the Hub id's files (download_patterns) downloaded with from_pretrained's
-        revision, token, cache_dir, ... (DOWNLOAD_KWARGS)."""
-        folder = str(pretrained_model_name_or_path)
-        if os.path.isdir(folder):
-            return folder
-        from huggingface_hub import snapshot_download
-        return snapshot_download(folder, allow_patterns=list(cls.download_patterns),
-                                 **{name: kwargs[name] for name in cls.DOWNLOAD_KWARGS if name in kwargs})
-
-    @staticmethod
-    def load_parts(folder: str, dtype=None) -> dict:
-        """The constructor's arguments read from a pipeline folder: unet, scheduler, id2label, guide."""
-        import diffusers
-
-        with open(os.path.join(folder, "model_index.json")) as fh:
-            index = json.load(fh)
-        unet = UNet2DModel.from_pretrained(folder, subfolder="unet", torch_dtype=dtype)
-        scheduler = getattr(diffusers, index["scheduler"][1]).from_pretrained(folder, subfolder="scheduler")
-        guide = (UNet2DModel.from_pretrained(folder, subfolder="guide", torch_dtype=dtype)
-                 if (index.get("guide") or [None])[0] else None)
-        return dict(unet=unet, scheduler=scheduler, id2label=index.get("id2label"), guide=guide)
 
     def guide_for(self, autoguidance: bool | None):
         """The UNet that autoguidance guides with: the saved guide unless autoguidance is False; a
@@ -336,6 +373,6 @@ def _randn(shape, generator, device) -> torch.Tensor:
     return torch.randn(shape, generator=generator, device=on).to(device)
 
 
-__all__ = ["DEFAULT_GUIDANCE_SCALE", "ClassConditionalPipeline", "check_guide", "guided_model_output", "guided_step",
-           "in_guidance_interval", "noise_level", "null_class", "scheduler_model_output", "scheduler_step",
-           "unconditional_inputs"]
+__all__ = ["DEFAULT_GUIDANCE_SCALE", "ClassConditionalPipeline", "PackagePipeline", "check_guide",
+           "guided_model_output", "guided_step", "in_guidance_interval", "noise_level", "null_class",
+           "scheduler_model_output", "scheduler_step", "unconditional_inputs", "with_condition"]

@@ -15,9 +15,6 @@ convention copies a module's relative imports with it). torch and diffusers only
 """
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 from diffusers import AutoencoderKL, AutoencoderTiny, ImagePipelineOutput, UNet2DModel, VQModel
 
@@ -71,30 +68,11 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
 
     model_cpu_offload_seq = "unet->vae"
 
-    download_patterns = (*ClassConditionalPipeline.download_patterns, "vae/*")
-
     def __init__(self, vae: AutoencoderKL | VQModel | AutoencoderTiny, unet: UNet2DModel, scheduler,
                  id2label: dict | None = None, guide: UNet2DModel | None = None):
         super().__init__(unet=unet, scheduler=scheduler, id2label=id2label, guide=guide)
         self.register_modules(vae=vae)
         self.vae_scale_factor = vae_scale_factor(vae.config)  # pixels per latent, as diffusers' pipelines name it
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """Loading through this class itself (the package installed): the parent's direct loading of
-        unet/, scheduler/, guide/ and the classes, and vae/ (of the class model_index.json names),
-        from the folder or the Hub id's files downloaded with from_pretrained's revision, token,
-        cache_dir, ...; otherwise diffusers' (remote code)."""
-        if cls is not LatentDiffusionPipeline or kwargs.get("trust_remote_code"):
-            return super(ClassConditionalPipeline, cls).from_pretrained(pretrained_model_name_or_path, **kwargs)
-        import diffusers
-
-        folder = cls.local_files(pretrained_model_name_or_path, kwargs)
-        dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
-        with open(os.path.join(folder, "model_index.json")) as fh:
-            vae_class = getattr(diffusers, json.load(fh)["vae"][1])
-        return cls(vae=vae_class.from_pretrained(folder, subfolder="vae", torch_dtype=dtype),
-                   **cls.load_parts(folder, dtype))
 
     @torch.no_grad()
     def __call__(self, class_labels: list[int] | None = None, batch_size: int = 1,

@@ -15,7 +15,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, constants, get_toke
 from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
 
 # torch-free: the pipeline module itself would import torch and diffusers (seconds) for two constants
-from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, PIPELINE_MODULE
+from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, IMAGE_PIPELINE_MODULE, PIPELINE_MODULE
 from diffusion_extras.hub.secrets import redact_config  # the project's one secret-dropping rule
 
 # What a DDPMPipeline needs, plus its card; everything else in the output dir stays local. The
@@ -158,16 +158,18 @@ def write_model_card(folder: str, info: dict) -> str:
     (secrets to keep out of the card), base_model (the pipeline a fine-tune started from: named in
     the text, and in the metadata's `base_model` when it is a Hub id), vae (a latent pipeline: the
     autoencoder it was trained with) and vae_class (its class; default AutoencoderKL),
-    latent_normalization (how its latents were: "normalised by ...")."""
+    latent_normalization (how its latents were: "normalised by ..."), conditioning (an
+    image-conditioned pipeline: {"conditioning": kind, "sr_factor": n})."""
     secrets = [s for s in info.get("_redact") or [] if s]
     config = redact_config(info.get("config") or {}, secrets)
     repo_id = info.get("repo_id") or default_repo_id(folder, None)
     dataset = info.get("dataset_name") or config.get("dataset_name")
     card_data = ModelCardData(
         library_name="diffusers",
-        pipeline_tag="unconditional-image-generation",
+        pipeline_tag="image-to-image" if info.get("conditioning") else "unconditional-image-generation",
         tags=CARD_TAGS + (["class-conditional"] if info.get("class_names") else [])
-        + (["latent-diffusion"] if info.get("vae") else []),
+        + (["latent-diffusion"] if info.get("vae") else [])
+        + ([info["conditioning"]["conditioning"].replace("_", "-")] if info.get("conditioning") else []),
         datasets=[dataset] if _is_hub_id(dataset) else None,
         base_model=info.get("base_model") if _is_hub_id(info.get("base_model")) else None,
         license=info.get("license") or "apache-2.0",
@@ -194,9 +196,12 @@ def _is_hub_id(name: str | None) -> bool:
 def _card_body(folder: str, info: dict, config: dict, repo_id: str, dataset: str | None) -> str:
     title = info.get("title") or f"DDPM: {repo_id.split('/')[-1]}"
     trained_on = f" on `{dataset}`" if dataset else ""
+    conditioning = info.get("conditioning")
+    kind = (IMAGE_MODEL_KINDS[conditioning["conditioning"]].format(**conditioning) if conditioning
+            else "An unconditional image-generation model")
     lines = [
         f"# {title}", "",
-        "An unconditional image-generation model: a UNet trained as a denoising diffusion probabilistic "
+        f"{kind}: a UNet trained as a denoising diffusion probabilistic "
         f"model ([Ho et al., 2020](https://arxiv.org/abs/2006.11239)){trained_on} with `train_ddpm.py`.", "",
         "## Training recipe", "",
     ]
@@ -217,9 +222,38 @@ def _card_body(folder: str, info: dict, config: dict, repo_id: str, dataset: str
     for key, heading in (("sample_grid", "Samples"), ("loss_plot", "Loss per timestep")):
         if info.get(key):
             lines += [f"## {heading}", "", f"![{heading}]({_card_image(folder, info[key], key)})", ""]
-    usage = _latent_usage if info.get("vae") else _usage
-    lines += usage(repo_id, info.get("class_names"))
+    if conditioning:
+        lines += _image_usage(repo_id, conditioning["conditioning"], info.get("vae") is not None)
+    else:
+        usage = _latent_usage if info.get("vae") else _usage
+        lines += usage(repo_id, info.get("class_names"))
     return "\n".join(lines)
+
+
+# What an image-conditioned model does, by --conditioning (the card's first sentence)
+IMAGE_MODEL_KINDS = {"super_resolution": "A {sr_factor}x super-resolution model (SR3-style: the low-resolution image, "
+                                         "upsampled, is given to the UNet beside x_t)",
+                     "inpainting": "An inpainting model (the mask and the masked image are given to the UNet beside "
+                                   "x_t, as in Stable Diffusion inpainting)",
+                     "image": "An image-to-image model (the conditioning image is given to the UNet beside x_t, "
+                              "as in Palette)"}
+IMAGE_CALLS = {"super_resolution": ('low_resolution = Image.open("low_resolution.png")',
+                                    "image=low_resolution"),
+               "inpainting": ('image, mask = Image.open("image.png"), Image.open("mask.png")  # mask: white = to fill',
+                              "image=image, mask_image=mask"),
+               "image": ('condition = Image.open("condition.png")', "image=condition")}
+
+
+def _image_usage(repo_id: str, kind: str, latent: bool) -> list[str]:
+    """An image-conditioned pipeline's usage: its call with PIL images (numpy arrays and tensors work too)."""
+    opened, arguments = IMAGE_CALLS[kind]
+    return ["## Usage", "",
+            f"The pipeline's code is `{IMAGE_PIPELINE_MODULE}.py` in this repository, with the files it imports "
+            "(hence `trust_remote_code=True`)" + ("; its VAE is in `vae/`" if latent else "") + ".", "",
+            "```python", "import torch", "from diffusers import DiffusionPipeline", "from PIL import Image", "",
+            f'pipeline = DiffusionPipeline.from_pretrained("{repo_id}", trust_remote_code=True)', opened,
+            f"images = pipeline({arguments}, num_inference_steps=50, generator=torch.manual_seed(0)).images",
+            'images[0].save("result.png")', "```", ""]
 
 
 def _latent_usage(repo_id: str, class_names: list | None) -> list[str]:

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from diffusion_extras.core import losses, stop_flag, vlb
-from diffusion_extras.data.batch_order import mix_seed, to_model_input
-from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs
+from diffusion_extras.data.batch_order import mix_seed, split_batch, to_model_input
+from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs, with_condition
 from diffusion_extras.monitoring.bins import loss_bin_key, timestep_bin_edges
 from diffusion_extras.monitoring.plots import save_figure
 
@@ -31,7 +31,8 @@ class GradientMonitor:
                  clean_input: Callable = to_model_input):
         """`probe_images`: [B, C, H, W] as the data source's batches hold them, fixed for the run;
         `clean_input(probe_images, device)`: the UNet's clean input (pixels to [-1, 1], or in a
-        latent run latents.model_input's normalised posterior means)."""
+        latent run latents.model_input's normalised posterior means), or (it, the image condition
+        that follows x_t in the UNet's input) with --conditioning."""
         self.images = torch.from_numpy(np.ascontiguousarray(probe_images))
         self.clean_input = clean_input
         edges = np.asarray(timestep_bin_edges(num_train_timesteps, num_bins))
@@ -41,18 +42,19 @@ class GradientMonitor:
         self.timesteps = torch.from_numpy(edges[:-1, None] + np.floor(rng.random((num_bins, count))
                                                                       * (edges[1:] - edges[:-1])[:, None])).long()
         generator = torch.Generator().manual_seed(mix_seed(seed, PROBE_STREAM, 1))
-        shape = tuple(clean_input(self.images[:1], "cpu").shape[1:])  # a latent run's: the latents'
+        shape = tuple(split_batch(clean_input(self.images[:1], "cpu"))[0].shape[1:])  # a latent run's: the latents'
         self.noise = torch.randn((num_bins, count, *shape), generator=generator)
         self.num_bins = num_bins
 
     def bin_loss(self, unet, schedule, index: int, prediction_type: str, loss_type: str, huber_c: float,
                  snr_gamma: float | None, device) -> torch.Tensor:
         """The training loss (weighting included) of the probe batch at bin `index`'s timesteps."""
-        clean = self.clean_input(self.images, device)
+        clean, condition = split_batch(self.clean_input(self.images, device))
         noise, timesteps = self.noise[index].to(device), self.timesteps[index].to(device)
         target = schedule.target(prediction_type, clean, noise, timesteps)
         labels = unconditional_inputs(unet, len(clean), clean.device)  # a class-conditional UNet: "no class"
-        output = unet(schedule.add_noise(clean, noise, timesteps), timesteps, **labels).sample
+        noisy = with_condition(schedule.add_noise(clean, noise, timesteps), condition)
+        output = unet(noisy, timesteps, **labels).sample
         prediction, _ = vlb.split_output(output, clean.shape[1])  # the simple loss only (no bound term)
         per_sample = losses.per_sample_loss(prediction, target, loss_type, huber_c)
         if snr_gamma:

@@ -15,9 +15,16 @@ import numpy as np
 import torch
 
 from diffusion_extras.core import losses, stop_flag, vlb
-from diffusion_extras.data.batch_order import VALIDATION_STREAM, ImageSubset, mix_seed, random_crop, to_model_input
+from diffusion_extras.data.batch_order import (
+    VALIDATION_STREAM,
+    ImageSubset,
+    mix_seed,
+    random_crop,
+    split_batch,
+    to_model_input,
+)
 from diffusion_extras.data.spec import Resolution
-from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs
+from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs, with_condition
 from diffusion_extras.monitoring.bins import loss_bin_key, timestep_bin_edges
 from diffusion_extras.monitoring.plots import save_figure
 
@@ -29,7 +36,8 @@ class HeldOutLoss:
                  seed: int, batch_size: int, clean_input: Callable = to_model_input):
         """`resolution`: the (height, width) the stored images are cropped to (a latent run's: the
         latents'); `clean_input(stored batch, device)`: the UNet's clean input (pixels to [-1, 1], or
-        latents.model_input's normalised posterior means)."""
+        latents.model_input's normalised posterior means), or (it, the image condition that follows
+        x_t in the UNet's input) with --conditioning."""
         self.images = torch.from_numpy(np.stack([random_crop(images.image(i), resolution, seed, VALIDATION_STREAM, i)
                                                  for i in range(len(images))])).permute(0, 3, 1, 2)
         edges = np.asarray(timestep_bin_edges(num_train_timesteps, num_bins))
@@ -51,7 +59,7 @@ class HeldOutLoss:
                 stop_flag.check()  # a preempted run gives the evaluation up between batches
                 index = torch.arange(first, min(first + self.batch_size, pairs))
                 rows, bins = index // self.num_bins, index % self.num_bins
-                clean = self.clean_input(self.images[rows], device)
+                clean, condition = split_batch(self.clean_input(self.images[rows], device))
                 # Drawn on the CPU from a per-chunk seed: the same noise at every evaluation, on any device.
                 generator = torch.Generator().manual_seed(mix_seed(self.seed, VALIDATION_STREAM, 2, chunk))
                 noise = torch.randn(clean.shape, generator=generator).to(device)
@@ -60,7 +68,8 @@ class HeldOutLoss:
                 target = schedule.target(prediction_type, clean, noise, timesteps)
                 # a class-conditional UNet is scored unconditionally ("no class")
                 labels = unconditional_inputs(unet, len(noisy), noisy.device)
-                prediction, _ = vlb.split_output(unet(noisy, timesteps, **labels).sample, clean.shape[1])
+                output = unet(with_condition(noisy, condition), timesteps, **labels).sample
+                prediction, _ = vlb.split_output(output, clean.shape[1])
                 mse = losses.per_sample_loss(prediction, target)  # the simple loss's part of a 2C output
                 np.add.at(totals, bins.numpy(), mse.double().cpu().numpy())  # a host sync per chunk
         finally:

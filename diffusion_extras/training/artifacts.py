@@ -113,20 +113,29 @@ def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int
         num_images = len(labels)
     else:
         per_row = sampling.grid_columns(num_images)
-    rows = {}
     # a stop gives up on every rank before the gather (core/stop_flag.py)
     with stop_flag.interruptible(), (sampling_copy or SamplingCopy())(unet, ema) as copy:
-        for first in range(rank * per_row, num_images, num_ranks * per_row):
-            count = min(per_row, num_images - first)
-            rows[first] = sampling.generate(copy, scheduler, count, num_inference_steps, seed=seed,
-                                            device=target.device, start_index=first, guidance_scale=guidance_scale,
-                                            class_labels=None if labels is None else labels[first:first + count],
-                                            vae=vae)
+        rows = sample_rows(lambda first, count: sampling.generate(
+            copy, scheduler, count, num_inference_steps, seed=seed, device=target.device, start_index=first,
+            guidance_scale=guidance_scale, class_labels=None if labels is None else labels[first:first + count],
+            vae=vae), num_images, per_row, rank, num_ranks)
     if num_ranks > 1:
         rows = distributed.gather_to_main(rows, rank, num_ranks)
     if rank != 0:
         return None
-    grid = sampling.image_grid(np.concatenate([rows[first] for first in sorted(rows)]), nrow=per_row)
+    return write_grid(np.concatenate([rows[first] for first in sorted(rows)]), per_row, target)
+
+
+def sample_rows(make_row, num_images: int, per_row: int, rank: int = 0, num_ranks: int = 1) -> dict:
+    """{first image: make_row(first, count)} of the grid rows (`per_row` images each) that fall to
+    `rank` of `num_ranks`: row r to rank r mod num_ranks, a row one batch whatever the ranks."""
+    return {first: make_row(first, min(per_row, num_images - first))
+            for first in range(rank * per_row, num_images, num_ranks * per_row)}
+
+
+def write_grid(images: np.ndarray, per_row: int, target: Target) -> str:
+    """uint8 [N, H, W, C] as samples/step_XXXXXX.png, images/samples.png (the card's) and to the trackers."""
+    grid = sampling.image_grid(images, nrow=per_row)
     path = target.path(samples_file(target.step))
     grid.save(path)
     shutil.copyfile(path, target.path(CARD_GRID))
@@ -242,14 +251,15 @@ def connect_hub(config, is_main_process: bool):
 
 
 def export(unet, ema, noise_scheduler, target: Target, hub_pusher=None, card: dict | None = None,
-           final: bool = False, class_names: list | None = None, vae=None) -> None:
-    """The DDPMPipeline with EMA weights (the latent pipeline with a `vae`); with a `hub_pusher`, the
+           final: bool = False, class_names: list | None = None, vae=None, conditioning: dict | None = None) -> None:
+    """The DDPMPipeline with EMA weights (the latent pipeline with a `vae`, the image-conditioned one
+    with `conditioning`: models.export_pipeline); with a `hub_pusher`, the
     model card (from `card`: config, images_seen, metrics, dataset_name, _redact; see
     hub.write_model_card) and a push, in the background except the final one, which waits and
     reports the commit URL."""
     # a one-off copy, not the run's SamplingCopy: save_pretrained edits the config a compiled copy guards on
     with sampling_unet(unet, ema) as copy:
-        models.export_pipeline(copy, noise_scheduler, target.output_dir, class_names, vae)
+        models.export_pipeline(copy, noise_scheduler, target.output_dir, class_names, vae, conditioning)
     if hub_pusher is None:
         return
     info = {"repo_id": hub_pusher.repo_id, "global_step": target.step, **(card or {})}
@@ -263,17 +273,19 @@ def export(unet, ema, noise_scheduler, target: Target, hub_pusher=None, card: di
 
 
 # ----------------------------------------------------------------------------- FID / KID
-def prepare_evaluation(config, source, device, with_reference: bool = True):
+def prepare_evaluation(config, source, device, with_reference: bool = True, image_channels: int | None = None):
     """(extractor, reference statistics, metrics) per extractor that --eval_metrics needs, before
     training; reference statistics cached per extractor as logs/fid_reference_<extractor>.npz
     (None without `with_reference`: the ranks other than the main one only extract features).
     `source`: the run's data source (its reference sample; a latent run's pixel images, from which
-    its posteriors were encoded: the samples are decoded before they are scored). None without --eval_steps."""
+    its posteriors were encoded: the samples are decoded before they are scored; `image_channels`:
+    a conditional run's, its stored condition's channels left out). None without --eval_steps."""
     if config.eval_steps is None:
         return None
     sample = source.reference_images if config.pretrained_vae_model_name_or_path else source.reference_sample
     # FID/KID extractors read 8-bit images: 16- and 32-bit training images are rounded to 8 bits here only
-    reference = batch_order.as_uint8(sample(config.eval_num_samples)).transpose(0, 2, 3, 1) if with_reference else ()
+    reference = (batch_order.as_uint8(sample(config.eval_num_samples)[:, :image_channels]).transpose(0, 2, 3, 1)
+                 if with_reference else ())
     fingerprint = f"{source.description}-{resolution_text(config.resolution)}-{len(reference)}-{config.seed}"
     groups = extractors_for(parse_metrics(config.eval_metrics), config.feature_extractor)
     suites = []

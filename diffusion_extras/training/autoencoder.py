@@ -123,7 +123,7 @@ def measures_statistics(vae) -> bool:
 def posterior(latent: LatentSpace, source, encoder: latents.Encoder, streamed: bool,
               processes=None) -> tuple[latents.Posterior, str]:
     """How the UNet's latents are drawn from the source's posteriors (`streamed`: from its pixel
-    batches, encoded by `encoder` as they come) and normalised: by the VAE config
+    batches, encoded by `encoder` as they come: a stream's, or a conditional run's) and normalised: by the VAE config
     (pipeline_latent.latent_normalization), or, where it has none, by the per-channel mean and std
     of the training latents (of a stream's first STATISTICS_IMAGES images), measured once here (by
     the main one of the `processes`, the accelerator) and written into the VAE's config as
@@ -157,9 +157,11 @@ def measure_statistics(latent: LatentSpace, source, encoder: latents.Encoder, st
     if not main:
         mean = std = np.zeros(latent.channels)
         measured = "the main process's"
-    elif streamed:
-        stored = latents.encoded_sample(source.reference_sample(latents.STATISTICS_IMAGES), encoder)
-        measured = f"the latents of the stream's first {len(stored)} images"
+    elif streamed:  # pixels (a stored condition's channels after the images': off)
+        pixels = source.reference_sample(latents.STATISTICS_IMAGES)[:, :latent.image_channels]
+        stored = latents.encoded_sample(pixels, encoder)
+        measured = (f"the latents of the stream's first {len(stored)} images" if source.batches_per_epoch is None
+                    else f"the latents of {len(stored)} training images")
         mean, std = latents.channel_statistics(stored, latent.channels)
     else:
         measured = "the training latents"

@@ -15,6 +15,7 @@ from diffusion_extras.core.optimization import make_optimizer
 from diffusion_extras.core.phema import PowerFunctionEMA
 from diffusion_extras.core.timesteps import make_timestep_sampler
 from diffusion_extras.data import batch_order, latents, sources
+from diffusion_extras.data.conditioning import stored_channels
 from diffusion_extras.data.spec import Resolution
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
@@ -24,6 +25,7 @@ from diffusion_extras.training import (
     autoencoder,
     checkpointing,
     compat,
+    conditioning,
     models,
     pretrained,
     run_state,
@@ -103,7 +105,9 @@ def prepare_evaluation_and_probes(run: Run) -> None:
     """The FID/KID detector and reference statistics, the gradient monitor and the reference bins."""
     config, accelerator = run.config, run.accelerator
     if accelerator.is_main_process:
-        run.extras.evaluation = artifacts.prepare_evaluation(config, run.data.source, accelerator.device)
+        run.extras.evaluation = artifacts.prepare_evaluation(
+            config, run.data.source, accelerator.device,
+            image_channels=run.data.condition.image_channels if run.data.condition else None)
         run.extras.grad_monitor = make_grad_monitor(config, run.plan, run.data.source, clean_input(run.data))
         write_reference_bins(run)  # on-demand reports of a running or killed run use it
     if config.eval_steps is not None and accelerator.num_processes > 1:
@@ -131,7 +135,8 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     latent = autoencoder.load_latent_space(config) if config.pretrained_vae_model_name_or_path else None
     recorded = checkpointing.recorded_config(config.output_dir, config.resume_from_checkpoint)
     choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None, base, latent)
-    image_channels = latent.image_channels if latent else unet.config.in_channels
+    image_channels = latent.image_channels if latent else models.sample_channels(unet.config.in_channels,
+                                                                               config.conditioning)
     training_data, held_out_images = build_data(config, accelerator, image_channels, dataset,
                                                 switches["validation_split"], classes,
                                                 hooks.data_source or sources.build_source, latent, recorded)
@@ -139,7 +144,8 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     learner = build_learner(config, accelerator, plan, unet, lr_schedule, base, latent_record(training_data))
     objective = build_objective(config, accelerator, noise_scheduler)
     extras = build_extras(config, accelerator, plan, learner.unet, held_out_images, training_data.class_names,
-                          latent.size if latent else config.resolution, clean_input(training_data))
+                          latent.size if latent and not training_data.condition else config.resolution,
+                          clean_input(training_data))
     register_checkpointed_state(accelerator, learner, objective, extras)
     progress = Progress(step_lr=learner.peak_lr,
                         input_statistics=torch.full((4,), float("nan"), device=accelerator.device),
@@ -190,11 +196,13 @@ def build_model(config: TrainConfig, accelerator, data_channels: int, class_name
         choice = base.choice(config, data_channels, class_names, latent)
         resuming = checkpointing.recorded_config(config.output_dir, config.resume_from_checkpoint) is not None
         unet = base.load_unet(with_weights=not resuming)  # the checkpoint's weights, not re-read pretrained ones
+        if base.widened_input(config):  # an unconditional base fine-tuned with --conditioning
+            models.widen_input(unet, base.widened_input(config))
     else:
         choice = models.follow_data(config, data_channels, class_names, latent)
         unet = models.build_unet(config, choice.model, latent)
     for line in models.describe(unet, choice.description, data_channels, choice.optimization, latent,
-                                config.resolution):
+                                config.resolution, None if config.conditioning == "none" else config.conditioning):
         accelerator.print(line)
     return choice, unet
 
@@ -205,23 +213,30 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
     """(the training data, the held-out images or None): the data source (decode-once cache or
     this rank's shard of a stream, with the `classes` open_training_data read; with a `latent`
     space, the images' posteriors, encoded once on this device, or a stream's pixels, encoded as
-    they come) and sigma_data. `recorded`: the config of the checkpoint a resume starts from."""
+    they come; with --conditioning, pixels with a stored condition beside them, which the step
+    encodes) and sigma_data. `recorded`: the config of the checkpoint a resume starts from."""
+    conditional = config.conditioning != "none"
     earlier = None
     if latent is None:
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
         encoder = posterior = normalisation = None
-    else:  # cached: the source holds posteriors; streamed: pixels, which the posterior encodes each step
+    else:  # cached: the source holds posteriors; streamed (or conditional): pixels, which the step encodes
         earlier = autoencoder.earlier_fingerprint(recorded, latent.vae, dict(latent.vae.config))
         encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor,
                                      (earlier.fingerprint,) if earlier else ())
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
-                             encoder=encoder)
+                             encoder=None if conditional else encoder)
         measured = autoencoder.measures_statistics(latent.vae)
-        posterior, normalisation = autoencoder.posterior(latent, source, encoder, config.streaming, accelerator)
+        encoded_each_step = config.streaming or conditional
+        posterior, normalisation = autoencoder.posterior(latent, source, encoder, encoded_each_step, accelerator)
         accelerator.print(f"latents: {normalisation}")
-        if not config.streaming:  # the latents are cached: the encoder's work is done
+        if not encoded_each_step:  # the latents are cached: the encoder's work is done
             autoencoder.offload_encoder(latent.vae)
+    condition = conditioning.for_run(config.conditioning, channels, stored_channels(config.data_spec(), channels),
+                                     config.sr_factor, config.seed, latent.vae if latent else None)
     sample = torch.from_numpy(source.reference_sample(2048))
+    if condition is not None:  # pixels: a stored condition's channels off
+        sample = sample[:, :channels]
     # sigma_data of the model input per dimension (pixels in [-1, 1], or the latent means):
     # the scale of the Bayes-optimal reference curve
     if posterior is None:
@@ -236,7 +251,7 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
                          global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
                          gradient_accumulation_steps=config.gradient_accumulation_steps, posterior=posterior,
                          vae=latent.vae if latent else None, vae_fingerprint=encoder.fingerprint if encoder else None,
-                         vae_earlier=earlier, latent_normalization=normalisation)
+                         vae_earlier=earlier, latent_normalization=normalisation, condition=condition)
     return training_data, source.held_out_images
 
 
@@ -377,7 +392,10 @@ def make_grad_monitor(config: TrainConfig, plan: Plan, source, probe_input=laten
 def clean_input(data: Data):
     """(a source's stored batch, device) -> the UNet's clean input, for the held-out loss and the
     gradient probe: pixels in [-1, 1], or in a latent run the normalised posterior means (no draw:
-    the same input at every measurement)."""
+    the same input at every measurement); with --conditioning (clean input, condition), the
+    condition made with fixed masks (ImageCondition.fixed_inputs)."""
+    if data.condition is not None:
+        return functools.partial(data.condition.fixed_inputs, posterior=data.posterior)
     return functools.partial(latents.model_input, posterior=data.posterior)
 
 

@@ -26,7 +26,7 @@ from diffusion_extras.core.choices import (
 )
 from diffusion_extras.data.images import DataError, missing_dataset_folder, parse_background, resolve_data_files
 from diffusion_extras.data.spec import DataSpec, Resolution, image_size
-from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, parse_metrics
+from diffusion_extras.evaluation.choices import CONDITIONING_KINDS, DEFAULT_GUIDANCE_SCALE, parse_metrics
 from diffusion_extras.hub.download import local_folder
 from diffusion_extras.hub.secrets import redact_config
 
@@ -42,6 +42,7 @@ TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 # dynamo's backends: inductor generates kernels; aot_eager and eager capture the same graphs (same
 # breaks and recompiles) without generating code, which makes them cheap for tests and debugging
 TORCH_COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+CONDITIONING = ("none", *CONDITIONING_KINDS)
 
 # Resume policy: what `--resume_from_checkpoint` does when a setting differs from the checkpoint's.
 REFUSE = "refuse"  # the saved state cannot serve the new value (model shape, schedule, batch layout, ...)
@@ -53,6 +54,7 @@ RESUME_POLICIES = (REFUSE, APPLY, FREE)
 # its fields (hence training_config.yaml lists them) in this order. One line each for --help.
 GROUP_DESCRIPTIONS = {
     "data": "Where the images come from and how each one is prepared.",
+    "conditioning": "Conditioning on an image: super-resolution, inpainting or image-to-image (docs/conditioning.md).",
     "model": "The UNet2DModel's architecture: a config file here, or a recipe's `model:` mapping.",
     "objective": "What is trained: noise schedule, prediction type, loss, min-SNR weighting, timestep sampling.",
     "optimization": "Batch, length, optimizer and learning-rate schedule, counted in optimizer steps; the seed.",
@@ -116,6 +118,14 @@ class TrainConfig:
     class_conditional: bool = _f(False, "Train a class-conditional UNet (a class embedding with one extra 'no class' entry for classifier-free guidance); the classes and their names come from the data and are saved with the pipeline.", resume=REFUSE, group="data")
     label_column: str | None = _f(None, "Column of class labels (ints or class names) for --class_conditional; default: the dataset's one ClassLabel column (an imagefolder's subfolder names, the digits' label), else a tar shard sample's cls entry or its json entry's label (json.label: a field of a struct column). Streamed labels that are not a ClassLabel are read once before training.", resume=REFUSE, group="data")
     shuffle_buffer_size: int = _f(1000, "Streaming shuffle buffer (examples); 0 disables shuffling.", resume=APPLY, group="data")
+    # --- conditioning -----------------------------------------------------------------
+    conditioning: str = _f("none", "Condition the UNet on an image, given to it as extra input channels after x_t: super_resolution (the low-resolution input, derived from each training image by antialiased bicubic downsampling by --sr_factor, then upsampled back: SR3), inpainting (the mask and the masked image, Stable Diffusion inpainting's layout; masks drawn per image from the seed and micro-step, rectangles, strokes and halves, or read from --mask_column / --mask_data_dir), image (image-to-image on pairs: --conditioning_image_column or --conditioning_data_dir). In latent space the condition is encoded by the same VAE (a mask pooled to the latents). Exported as an ImageConditionedPipeline: pipe(image=..., mask_image=...).", choices=CONDITIONING, resume=REFUSE, group="conditioning")
+    sr_factor: int = _f(4, "With --conditioning super_resolution: the upscaling factor; each side of --resolution must be a multiple of it.", resume=REFUSE, group="conditioning")
+    mask_column: str | None = _f(None, "With --conditioning inpainting: a column of mask images (white, >= 0.5, = to fill), each paired with its row's image, instead of random masks.", resume=REFUSE, group="conditioning")
+    mask_data_dir: str | None = _f(None, "With --conditioning inpainting and --train_data_dir: a folder of masks, one per training image at the same relative path (any image extension), instead of random masks.", resume=APPLY, group="conditioning")
+    conditioning_image_column: str | None = _f(None, "With --conditioning image: the column of conditioning images (the name diffusers' ControlNet example uses), each paired with its row's image.", resume=REFUSE, group="conditioning")
+    conditioning_data_dir: str | None = _f(None, "With --conditioning image and --train_data_dir: a folder of conditioning images, one per training image at the same relative path (any image extension).", resume=APPLY, group="conditioning")
+    conditioning_dropout_prob: float = _f(0.0, "With --conditioning: the fraction of conditions replaced by zeros (drawn from the seed and micro-step), which teaches the prediction without the condition that guidance on the image needs (InstructPix2Pix's flag); 0: off.", resume=APPLY, group="conditioning")
     # --- model ------------------------------------------------------------------------
     model_config_name_or_path: str | None = _f(None, "UNet2DModel config: a folder (with config.json, or a pipeline folder's unet/), a JSON file or a Hub id (read with diffusers' load_config, as diffusers does). Default: the recipe's `model`.", resume=FREE, group="model")
     pretrained_model_name_or_path: str | None = _f(None, "Fine-tune a DDPMPipeline: a Hub id (e.g. google/ddpm-cifar10-32) or a local folder (diffusers' or this trainer's export, class-conditional included). The run starts from its UNet's weights (the EMA too) and shape and its scheduler's settings (--resolution defaults to its sample_size); where you set none, its loss weighting (--snr_gamma: its training_config.yaml's, else 0, DDPM's unweighted loss) and a fine-tuning recipe for its size N in parameters: --learning_rate a tenth of 2e-4 (N / 35.7M)^(-2/3), --lr_warmup_steps half of 100 (N / 1.1M)^(1/3), --max_train_steps 600 (docs/hub.md: Fine-tuning a pretrained pipeline).", resume=REFUSE, group="model")
@@ -168,7 +178,7 @@ class TrainConfig:
     save_images_steps: int = _f(500, "Save a sample grid (EMA weights, DDIM), the debug images and the loss-per-timestep plot every N optimizer steps and at the end. 0: none, at the end either (saves the sampling when it is costly).", resume=APPLY, group="evaluation")
     eval_batch_size: int = _f(64, "Images in each sample grid.", resume=APPLY, group="evaluation")
     ddpm_num_inference_steps: int = _f(50, "DDIM steps for sample grids.", resume=APPLY, group="evaluation")
-    guidance_scale: float = _f(DEFAULT_GUIDANCE_SCALE, "With --class_conditional: classifier-free guidance scale of the sample grids and FID (one row per class, up to 10 classes); 1: no guidance. Default: the pipeline's DEFAULT_GUIDANCE_SCALE.", resume=FREE, group="evaluation")
+    guidance_scale: float = _f(DEFAULT_GUIDANCE_SCALE, "With --class_conditional: classifier-free guidance scale of the sample grids and FID (one row per class, up to 10 classes); 1: no guidance. Default: the pipeline's DEFAULT_GUIDANCE_SCALE. With --conditioning: guidance on the image, when given (else the image pipeline's default, 1: none).", resume=FREE, group="evaluation")
     eval_steps: int | None = _f(None, "Every N optimizer steps (and at the end): FID/KID of EMA samples against the training data. None: off.", resume=APPLY, group="evaluation")
     eval_num_samples: int = _f(1000, "Samples per evaluation (and reference images, at most the dataset size).", resume=APPLY, group="evaluation")
     eval_metrics: str = _f("fid,kid", "Comma list of metrics at --eval_steps: fid, kid (in --feature_extractor features), fd_dinov2 (Frechet distance in DINOv2 features, --dinov2_model), cmmd (CLIP MMD, --clip_model). docs/evaluation.md: which to use and how many samples each needs.", resume=APPLY, group="evaluation")
@@ -385,12 +395,14 @@ def parse_config(argv=None) -> TrainConfig:
     return config
 
 
+def need(ok, message: str) -> None:
+    """A ConfigError with `message` unless `ok`."""
+    if not ok:
+        raise ConfigError(message)
+
+
 def validate(c: TrainConfig) -> None:
     """Every check that needs no data, model or device; raises ConfigError with the fix."""
-    def need(ok, message):
-        if not ok:
-            raise ConfigError(message)
-
     for name in ("train_batch_size", "eval_batch_size", "gradient_accumulation_steps", "num_epochs",
                  "ddpm_num_steps", "ddpm_num_inference_steps", "diagnostics_steps",
                  "save_model_steps", "checkpointing_steps"):
@@ -497,6 +509,7 @@ def validate(c: TrainConfig) -> None:
     need(not (c.pretrained_model_name_or_path and c.model_config_name_or_path),
          "--pretrained_model_name_or_path brings its UNet's shape: drop --model_config_name_or_path")
     validate_latent(c)
+    validate_conditioning(c)
     if c.model_config_name_or_path is None and c.pretrained_model_name_or_path is None \
             and c.pretrained_vae_model_name_or_path is None:
         # a config file's UNet is checked when it is loaded, a pretrained one is what it is, a
@@ -533,6 +546,39 @@ def validate_latent(c: TrainConfig) -> None:
     if not c.center_crop:
         raise ConfigError(f"{flag} does not combine with --no-center_crop (the latents are those of the centre "
                           "crop): drop --no-center_crop")
+
+
+def validate_conditioning(c: TrainConfig) -> None:
+    """--conditioning and the flags that belong to one of its kinds."""
+    sources = {"mask_column": "inpainting", "mask_data_dir": "inpainting", "conditioning_image_column": "image",
+               "conditioning_data_dir": "image"}
+    for name, kind in sources.items():
+        need(getattr(c, name) is None or c.conditioning == kind,
+             f"--{name} is read with --conditioning {kind}: add it, or drop --{name}")
+    need(0 <= c.conditioning_dropout_prob < 1,
+         f"--conditioning_dropout_prob must lie in [0, 1) (got {c.conditioning_dropout_prob})")
+    if c.conditioning == "none":
+        need(not c.conditioning_dropout_prob, "--conditioning_dropout_prob drops an image condition: add --conditioning")
+        return
+    flag = f"--conditioning {c.conditioning}"
+    need(not c.class_conditional, f"{flag} does not combine with --class_conditional: drop one of them")
+    need(not c.keep_alpha, f"{flag} trains grayscale or RGB images: drop --keep_alpha (transparency is then "
+                           "composited on --background)")
+    if c.conditioning == "super_resolution":
+        need(c.sr_factor >= 2, f"--sr_factor must be at least 2 (got {c.sr_factor})")
+        unfitting = unfitting_side(c.resolution, c.sr_factor)
+        need(unfitting is None, f"{unfitting[0] if unfitting else ''} is not a multiple of --sr_factor {c.sr_factor}: "
+                                "the low-resolution input must have whole pixels")
+    paired = {"inpainting": ("mask_column", "mask_data_dir"),
+              "image": ("conditioning_image_column", "conditioning_data_dir")}.get(c.conditioning)
+    if paired is not None:
+        column, folder = paired
+        need(not (getattr(c, column) and getattr(c, folder)), f"give --{column} or --{folder}, not both")
+        need(c.conditioning != "image" or getattr(c, column) or getattr(c, folder),
+             f"{flag} trains on pairs: give --{column} (a column of the dataset) or --{folder} (with --train_data_dir)")
+        if getattr(c, folder):
+            need(c.train_data_dir is not None, f"--{folder} pairs its files with --train_data_dir's: add it")
+            need(os.path.isdir(getattr(c, folder)), f"--{folder} {getattr(c, folder)}: no such folder")
 
 
 def validate_model_shape(model: dict, resolution: Resolution, vae_factor: int = 1) -> None:

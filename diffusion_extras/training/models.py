@@ -7,6 +7,7 @@ from typing import NamedTuple
 from diffusion_extras.core import losses, vlb
 from diffusion_extras.data.spec import Resolution, image_size, resolution_text
 from diffusion_extras.evaluation import pipeline_class_conditional as conditional
+from diffusion_extras.evaluation import pipeline_image_conditioned as image_conditioned
 from diffusion_extras.evaluation import pipeline_latent as latent_pipeline
 from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
 from diffusion_extras.training.autoencoder import LatentSpace
@@ -151,12 +152,14 @@ def shown(value) -> str:
 
 
 def describe(unet, chosen: str, data_channels: int, optimization: str = "", latent: LatentSpace | None = None,
-             resolution: Resolution | None = None) -> list[str]:
+             resolution: Resolution | None = None, condition: str | None = None) -> list[str]:
     """The model line (shape and size: the images' height x width; the optimization when it followed
-    the data; with a `latent` space, which latents at which `resolution`) and, if the images are
-    converted, the conversion line."""
-    channels = unet.config.in_channels
+    the data; with a `latent` space, which latents at which `resolution`; an image `condition`'s
+    input channels) and, if the images are converted, the conversion line."""
+    channels = sample_channels(unet.config.in_channels, condition or "none")
+    added = unet.config.in_channels - channels
     kind = latent.describe(resolution) if latent else COLOUR_NAMES.get(channels, channels)
+    kind += f"; + {added} input channel(s) of the {condition} condition" if added else ""
     height, width = image_size(unet.config.sample_size if resolution is None else resolution)
     at = "" if latent else f" at {height}x{width} px"  # a latent space's line states both sizes
     lines = [f"model: {chosen}: {channels} channel(s) ({kind}){at}, blocks "
@@ -173,16 +176,51 @@ def describe(unet, chosen: str, data_channels: int, optimization: str = "", late
 
 def build_unet(config: TrainConfig, model: dict | None = None, latent: LatentSpace | None = None):
     """The UNet of `model` kwargs (default: the recipe's, or --model_config_name_or_path), sized for
-    the `latent` space when there is one; a `num_class_embeds` in `model` wins over the config file's."""
+    the `latent` space when there is one, with the --conditioning condition's channels added to its
+    input (the model config describes the images': in_channels = out_channels); a `num_class_embeds`
+    in `model` wins over the config file's."""
     from diffusers import UNet2DModel
 
     values = unet_config(config, model, latent)
     if model is not None and "num_class_embeds" in model:
         values["num_class_embeds"] = model["num_class_embeds"]
+    values["in_channels"] += condition_channels(config, values["in_channels"])
     try:
         return UNet2DModel(**values)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"the UNet config is invalid: {error}") from None
+
+
+def sample_channels(in_channels: int, conditioning: str) -> int:
+    """The channels of x_t (pixels or latents) of a UNet with `in_channels` inputs trained with
+    --conditioning `conditioning`: in_channels = C + the condition's (C, or 1 + C for inpainting)."""
+    if conditioning == "none":
+        return in_channels
+    return (in_channels - (conditioning == "inpainting")) // 2
+
+
+def condition_channels(config: TrainConfig, sample_channels: int) -> int:
+    """The input channels --conditioning adds to a UNet of `sample_channels`-channel samples (0: none)."""
+    if config.conditioning == "none":
+        return 0
+    return image_conditioned.condition_channels(config.conditioning, sample_channels)
+
+
+def widen_input(unet, channels: int) -> None:
+    """`channels` more input channels for `unet`, in place: conv_in's new input weights are zero, so
+    it predicts what it did whatever they hold (diffusers' InstructPix2Pix training widens a
+    pretrained UNet so); the config's in_channels follows."""
+    import torch
+
+    old = unet.conv_in
+    new = torch.nn.Conv2d(old.in_channels + channels, old.out_channels, old.kernel_size, old.stride, old.padding,
+                          device=old.weight.device, dtype=old.weight.dtype)
+    with torch.no_grad():
+        new.weight.zero_()
+        new.weight[:, :old.in_channels] = old.weight
+        new.bias.copy_(old.bias)
+    unet.conv_in = new
+    unet.register_to_config(in_channels=old.in_channels + channels)
 
 
 def build_noise_scheduler(config: TrainConfig, base_scheduler: dict | None = None):
@@ -210,17 +248,23 @@ def count_parameters(model) -> int:
 EXPORT_STAGING = ".pipeline.tmp"  # where export_pipeline writes before swapping the parts in
 
 
-def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | None = None, vae=None) -> None:
+def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | None = None, vae=None,
+                    conditioning: dict | None = None) -> None:
     """Save a DDPMPipeline, or with `class_names` a ClassConditionalPipeline, or with a `vae` a
-    LatentDiffusionPipeline (vae/ too), the custom ones with their source files (weights only, no
-    optimizer state), into output_dir, swapping each part in by rename so a kill mid-save leaves
-    the previous export loadable."""
+    LatentDiffusionPipeline (vae/ too), or with `conditioning` ({"conditioning": kind, "sr_factor":
+    n}) an ImageConditionedPipeline (with vae/ in a latent run), the custom ones with their source
+    files (weights only, no optimizer state), into output_dir, swapping each part in by rename so a
+    kill mid-save leaves the previous export loadable."""
     import shutil
 
     staging = os.path.join(output_dir, EXPORT_STAGING)
     shutil.rmtree(staging, ignore_errors=True)
     names = ["unet", "scheduler"]
-    if vae is not None:
+    if conditioning is not None:
+        pipeline = image_conditioned.ImageConditionedPipeline(unet=unet, scheduler=noise_scheduler, vae=vae,
+                                                              **conditioning)
+        names += ["vae"] * (vae is not None) + save_custom_pipeline(pipeline, staging)
+    elif vae is not None:
         pipeline = latent_pipeline.LatentDiffusionPipeline(vae=vae, unet=unet, scheduler=noise_scheduler,
                                                           id2label=dict(enumerate(class_names or ())))
         names += ["vae", *save_custom_pipeline(pipeline, staging)]

@@ -8,8 +8,9 @@ import os
 import time
 
 from diffusion_extras.core import stop_flag
+from diffusion_extras.evaluation.choices import DEFAULT_IMAGE_GUIDANCE_SCALE
 from diffusion_extras.hub.secrets import redact_config
-from diffusion_extras.training import artifacts, disk_space, models
+from diffusion_extras.training import artifacts, conditioned_artifacts, disk_space, models
 from diffusion_extras.training.hooks import hook
 from diffusion_extras.training.run_state import Run
 
@@ -46,8 +47,9 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
         def debug_images():
             with end_of_run_work(run, "final debug images and loss plot", last), \
                     guarded_write(run, "sample grid", artifacts.debug_image_paths(config.output_dir, step)):
-                artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target, **sampling_settings,
-                                            vae=run.data.vae)
+                if run.data.condition is None:  # a conditional run's grid shows condition | sample | target
+                    artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target,
+                                                **sampling_settings, vae=run.data.vae)
                 artifacts.save_loss_plot(extras.diagnostics, objective.schedule.alphas_cumprod.cpu(),
                                          run.data.sigma_data, config.prediction_type, target)
         work.append(debug_images)
@@ -63,7 +65,8 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
             with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last), \
                     guarded_write(run, "pipeline export", [os.path.join(config.output_dir, models.EXPORT_STAGING)]):
                 artifacts.export(unet, extras.ema, objective.noise_scheduler, target, run.hub_pusher, model_card(run),
-                                 last, run.data.class_names, run.data.vae)
+                                 last, run.data.class_names, run.data.vae,
+                                 run.data.condition.pipeline_config() if run.data.condition else None)
         work.append(export)
     return work
 
@@ -100,6 +103,15 @@ def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
     target = artifacts.Target(config.output_dir, step, accelerator, run.history)
     writes = (guarded_write(run, "sample grid", [artifacts.sample_grid_path(config.output_dir, step)])
               if accelerator.is_main_process else contextlib.nullcontext())  # the other ranks write nothing
+    if run.data.condition is not None:
+        with end_of_run_work(run, f"final sample grid (conditions of {len(grid_images(run))} images, "
+                                  f"{config.ddpm_num_inference_steps} DDIM steps)", last), writes:
+            conditioned_artifacts.save_conditioned_grid(
+                accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler, target,
+                grid_images(run), run.data.condition, config.ddpm_num_inference_steps, config.seed,
+                image_guidance_scale(config), extras.sampling_copy, accelerator.process_index,
+                accelerator.num_processes, run.data.vae)
+        return
     with end_of_run_work(run, f"final sample grid ({config.eval_batch_size} images, "
                               f"{config.ddpm_num_inference_steps} DDIM steps)", last), writes:
         artifacts.save_sample_grid(accelerator.unwrap_model(run.learner.unet), extras.ema,
@@ -109,6 +121,29 @@ def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
                                    accelerator.num_processes, run.data.vae)
 
 
+CONDITIONED_GRID_IMAGES = 16  # at most: the conditions a conditional run's grid samples
+
+
+def condition_images(run: Run, count: int):
+    """The stored images [N, C + S, H, W] whose conditions a conditional run samples for its grids
+    and evaluation: up to `count` held-out images (never trained on) when there are, else a seeded
+    sample of training images."""
+    if run.extras.held_out is not None:
+        return run.extras.held_out.images[:count].numpy()
+    return run.data.source.reference_sample(count)
+
+
+def grid_images(run: Run):
+    """A conditional run's grid's images (condition_images): up to 16, at most --eval_batch_size."""
+    return condition_images(run, min(CONDITIONED_GRID_IMAGES, run.config.eval_batch_size))
+
+
+def image_guidance_scale(config) -> float:
+    """Guidance on the image of a conditional run's grids and evaluation: --guidance_scale when the
+    user gave it, else the image pipeline's default (none)."""
+    return config.guidance_scale if "guidance_scale" in config.given else DEFAULT_IMAGE_GUIDANCE_SCALE
+
+
 def evaluate_on_every_rank(run: Run, step: int, last: bool) -> None:
     """FID/KID & co. at --eval_steps and at the end: a collective, every rank samples its share of
     the images (artifacts.evaluate); the main process scores, logs and keeps them for the model card."""
@@ -116,11 +151,20 @@ def evaluate_on_every_rank(run: Run, step: int, last: bool) -> None:
     if extras.evaluation is None or not (step % config.eval_steps == 0 or last):
         return
     target = artifacts.Target(config.output_dir, step, run.accelerator, run.history)
-    with end_of_run_work(run, f"final FID/KID ({config.eval_num_samples} samples)", last):
-        metrics, card_metrics = artifacts.evaluate(
-            run.accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler,
-            extras.evaluation, target, config.eval_num_samples, config.ddpm_num_inference_steps, config.seed,
-            config.eval_batch_size, run.data.class_names, config.guidance_scale, extras.sampling_copy, run.data.vae)
+    if run.data.condition is not None:
+        images = condition_images(run, config.eval_num_samples)
+        with end_of_run_work(run, f"final evaluation (the conditions of {len(images)} images)", last):
+            metrics, card_metrics = conditioned_artifacts.evaluate_conditioned(
+                run.accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler,
+                extras.evaluation, target, images, run.data.condition, config.ddpm_num_inference_steps, config.seed,
+                config.eval_batch_size, image_guidance_scale(config), extras.sampling_copy, run.data.vae)
+    else:
+        with end_of_run_work(run, f"final FID/KID ({config.eval_num_samples} samples)", last):
+            metrics, card_metrics = artifacts.evaluate(
+                run.accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler,
+                extras.evaluation, target, config.eval_num_samples, config.ddpm_num_inference_steps, config.seed,
+                config.eval_batch_size, run.data.class_names, config.guidance_scale, extras.sampling_copy,
+                run.data.vae)
     if metrics is not None:  # the main process
         run.progress.last_metrics = card_metrics
         run.accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
@@ -143,7 +187,8 @@ def model_card(run: Run) -> dict:
             "_redact": list(run.secrets), "class_names": run.data.class_names,
             "base_model": config.pretrained_model_name_or_path, "vae": config.pretrained_vae_model_name_or_path,
             "vae_class": type(run.data.vae).__name__ if run.data.vae is not None else None,
-            "latent_normalization": run.data.latent_normalization}
+            "latent_normalization": run.data.latent_normalization,
+            "conditioning": run.data.condition.pipeline_config() if run.data.condition else None}
 
 
 def write_reference_bins(run: Run) -> dict:

@@ -20,12 +20,13 @@ import os
 from typing import NamedTuple
 
 from diffusion_extras.data.spec import Resolution, as_resolution, image_size, resolution_text
+from diffusion_extras.evaluation.choices import IMAGE_PIPELINE_CLASS
 from diffusion_extras.evaluation.pipeline_latent import vae_scale_factor
 from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
 from diffusion_extras.training import checkpointing
 from diffusion_extras.training.autoencoder import AUTOENCODERS, VAE_SUBFOLDER, LatentSpace
 from diffusion_extras.training.config import ConfigError, TrainConfig, validate
-from diffusion_extras.training.models import COLOUR_NAMES, Choice, shown
+from diffusion_extras.training.models import COLOUR_NAMES, Choice, condition_channels, sample_channels, shown
 
 # What a fine-tune trains with where the user sets none: a tenth of the from-scratch learning rate
 # and half the from-scratch warmup for the base's size N (parameters), so Adam's moments settle
@@ -69,6 +70,7 @@ class Pretrained(NamedTuple):
     trained_snr_gamma: float | None = None  # its min-SNR gamma (0: unweighted) if its training_config.yaml says
     vae_factor: int | None = None  # a latent pipeline (vae/): the VAE's downsampling factor; None: pixels
     unet_subfolder: str | None = "unet"  # where its UNet is: unet/, or None for the root (google/ddpm-*)
+    conditioning: dict | None = None  # an image-conditioned pipeline's {"conditioning": kind, "sr_factor": n}
 
     def load_unet(self, with_weights: bool):
         """The pipeline's UNet with its weights (from_pretrained), or its shape only (a resume:
@@ -88,7 +90,8 @@ class Pretrained(NamedTuple):
         """What a checkpoint records of the pipeline (JSON): its configs as read, so that a resume
         needs no network and sees the schedule it trained with, whatever the repo holds since."""
         return json.loads(json.dumps({"unet": self.unet_config, "scheduler": self.scheduler_config,
-                                      "snr_gamma": self.trained_snr_gamma, "vae_factor": self.vae_factor}))
+                                      "snr_gamma": self.trained_snr_gamma, "vae_factor": self.vae_factor,
+                                      "conditioning": self.conditioning}))
 
     def parameter_count(self) -> int:
         """The UNet's parameters, counted on the meta device (no memory, no weights read)."""
@@ -117,7 +120,11 @@ class Pretrained(NamedTuple):
         where the user set none. Data that does not fit the UNet is refused in one line naming both,
         before training."""
         unet, flag = self.unet_config, f"--pretrained_model_name_or_path {self.name}"
-        channels, size = unet.get("in_channels", 3), unet_size(unet)
+        base_kind = (self.conditioning or {}).get("conditioning", "none")
+        if base_kind not in ("none", config.conditioning):
+            raise ConfigError(f"{flag}: its UNet is conditioned for {base_kind}: fine-tune it with --conditioning "
+                              f"{base_kind} (or leave --conditioning out)")
+        channels, size = sample_channels(unet.get("in_channels", 3), base_kind), unet_size(unet)
         if (latent is None) != (self.vae_factor is None):
             raise ConfigError(f"{flag}: its UNet was trained on {'pixels' if latent else 'latents'}: "
                               + ("drop --pretrained_vae_model_name_or_path" if latent else
@@ -155,7 +162,21 @@ class Pretrained(NamedTuple):
                             + (f"; yours kept: {', '.join(kept)}" if kept else "") + "; ")
         optimization += self.objective_note(config.snr_gamma)
         description = f"pretrained UNet of {self.name}" + (f", {len(class_names)} classes" if class_names else "")
-        return Choice(dict(unet), settings, description, optimization)
+        model = dict(unet)
+        if config.conditioning != "none":  # the image UNet's shape, as a recipe's `model` describes it
+            model["in_channels"] = channels
+        widened = self.widened_input(config)
+        if widened:  # build_model widens the loaded UNet (models.widen_input)
+            description += (f", its input widened by {widened} zero-initialised channel(s) for the "
+                            f"{config.conditioning} condition (at first it predicts as the base)")
+        return Choice(model, settings, description, optimization)
+
+    def widened_input(self, config: TrainConfig) -> int:
+        """The input channels a fine-tune adds to the base's UNet: the condition's, when --conditioning
+        fine-tunes an unconditional base; else 0."""
+        if self.conditioning is not None or config.conditioning == "none":
+            return 0
+        return condition_channels(config, self.unet_config.get("in_channels", 3))
 
 
 def channel_fix(unet_channels: int, data_channels: int) -> str:
@@ -232,7 +253,23 @@ def load(name: str) -> Pretrained:
         raise ConfigError(f"{flag}: its unet is a {unet_config.get('_class_name')}, not a UNet2DModel")
     return Pretrained(name, source, {k: v for k, v in unet_config.items() if not k.startswith("_")},
                       {k: v for k, v in scheduler_config.items() if not k.startswith("_")},
-                      trained_snr_gamma(source), latent_vae_factor(source), unet_subfolder)
+                      trained_snr_gamma(source), latent_vae_factor(source), unet_subfolder,
+                      image_conditioning(source))
+
+
+def image_conditioning(source: str) -> dict | None:
+    """{"conditioning": kind, "sr_factor": n} of the image-conditioned pipeline at `source` (its
+    model_index.json names ImageConditionedPipeline), else None."""
+    from diffusers import DiffusionPipeline
+
+    try:
+        index = DiffusionPipeline.load_config(source)
+    except Exception:  # noqa: BLE001 - absent or unreadable: the pipeline says nothing of a condition
+        return None
+    name = index.get("_class_name")
+    if not (isinstance(name, list) and name[-1] == IMAGE_PIPELINE_CLASS):
+        return None
+    return {"conditioning": index["conditioning"], "sr_factor": int(index.get("sr_factor", 4))}
 
 
 def trained_snr_gamma(source: str) -> float | None:
@@ -266,7 +303,7 @@ def resolve(config: TrainConfig) -> tuple[TrainConfig, Pretrained | None]:
     if recorded.get("pretrained") and recorded.get("pretrained_model_name_or_path") == name:
         record = recorded["pretrained"]
         base = Pretrained(name, name, record["unet"], record["scheduler"], record.get("snr_gamma"),
-                          record.get("vae_factor"))
+                          record.get("vae_factor"), conditioning=record.get("conditioning"))
     else:  # a fresh run, or a checkpoint from before the pipeline was recorded (resume() refuses another name)
         base = load(name)
     given = config.given
@@ -277,6 +314,9 @@ def resolve(config: TrainConfig) -> tuple[TrainConfig, Pretrained | None]:
     size = unet_size(base.unet_config)
     if "resolution" not in given and size is not None:  # a latent UNet's: the decoded images'
         values["resolution"] = as_resolution([side * (base.vae_factor or 1) for side in image_size(size)])
+    for field, value in (base.conditioning or {}).items():  # an image-conditioned base's kind and factor
+        if field not in given:
+            values[field] = value
     if base.vae_factor is not None and "pretrained_vae_model_name_or_path" not in given:
         values["pretrained_vae_model_name_or_path"] = config.pretrained_model_name_or_path  # its own vae/
     resolved = dataclasses.replace(config, **values)

@@ -32,6 +32,7 @@ from diffusion_extras.data.sources import DataSource
 from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
 from diffusion_extras.monitoring.held_out import HeldOutLoss
+from diffusion_extras.training.conditioning import ImageCondition
 from diffusion_extras.training.config import TrainConfig
 from diffusion_extras.training.sampling_copy import SamplingCopy
 from diffusion_extras.training.tracking import History
@@ -98,7 +99,7 @@ def extras_switches(config, embedded_digits: bool) -> dict:
 class StepFunctions(NamedTuple):
     """The tensor-only parts of an optimizer step (training/step.py), torch.compile'd under
     --torch_compile (training/build.py: step_functions), else the plain functions."""
-    micro_batch_loss: Callable   # (run, clean, noise, timesteps, importance, class_labels) -> (loss, mse)
+    micro_batch_loss: Callable   # (run, clean, noise, timesteps, importance, class_labels, condition) -> (loss, mse)
     clip_gradients: Callable     # (run, loss, max_norm) -> (grad_norm, finite)
     record_update: Callable      # (run, grad_norm, finite): EMA, the step's diagnostics
     backward_compiler: Callable | None = None  # compiled autograd's compiler (step.backward); None: the engine's
@@ -138,6 +139,7 @@ class Data:
     vae_fingerprint: str | None = None  # latent diffusion: of its config and weights (checkpoints record it)
     vae_earlier: object = None  # latent diffusion, resuming: autoencoder.EarlierFingerprint of the checkpoint's VAE
     latent_normalization: str | None = None  # latent diffusion: "normalised by ..." (the model card)
+    condition: ImageCondition | None = None  # --conditioning: how each batch's condition is made
 
     def images_seen(self, optimizer_steps: int) -> int:
         """Training images consumed by that many optimizer steps, over all processes."""

@@ -9,13 +9,15 @@ from torch._dynamo import compiled_autograd
 from diffusion_extras.core import losses, vlb
 from diffusion_extras.core.optimization import step_unless_nonfinite
 from diffusion_extras.data import batch_order, latents
+from diffusion_extras.evaluation.pipeline_class_conditional import with_condition
 from diffusion_extras.training.hooks import hook
 from diffusion_extras.training.run_state import Run
 
 
 def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
     """Noise (with --offset_noise's offsets), timesteps (with their importance weights), flips and
-    label drops (--condition_dropout; None unconditional) for the whole global micro-batch, from
+    label or image-condition drops (--condition_dropout, --conditioning_dropout_prob; None
+    unconditional) for the whole global micro-batch, from
     (seed, micro-step): every rank draws the same and keeps its slice, so results do not depend on
     the number of ranks. Returns the global timesteps too (a loss-aware sampler learns from them),
     and last, for latent diffusion, the eps of each latent's draw from its posterior (else None)."""
@@ -25,8 +27,9 @@ def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
     timesteps, importance = run.objective.timestep_sampler.sample(global_batch, generator)
     flips = torch.rand(global_batch, generator=generator, device=device) < 0.5
     # drawn last, and only when conditional: an unconditional run's draws are unchanged
-    drops = (torch.rand(global_batch, generator=generator, device=device) < run.config.condition_dropout
-             if run.data.class_names is not None else None)
+    dropout = (run.config.condition_dropout if run.data.class_names is not None
+               else run.config.conditioning_dropout_prob if run.data.condition is not None else None)
+    drops = torch.rand(global_batch, generator=generator, device=device) < dropout if dropout is not None else None
     if run.config.offset_noise:  # drawn after the rest: the other draws are those of a run without it
         # eps + s * a constant per image and channel (lucidrains' offset_noise_strength): the model
         # learns to move an image's mean, which the i.i.d. noise barely perturbs at high t.
@@ -48,16 +51,23 @@ def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool)
     config, accelerator = run.config, run.accelerator
     batch, labels = batch_order.split_batch(batch)
     posterior = run.data.posterior  # latent diffusion: the batch holds posteriors, the UNet sees latents
-    shape = batch.shape[1:] if posterior is None else posterior.latent_shape(batch.shape)
+    shape = model_shape(run, batch.shape)
     noise, timesteps, importance, flips, drops, global_timesteps, latent_noise = micro_step_randomness(
         run, micro_step, shape)
-    clean = latents.model_input(batch, accelerator.device, flips, posterior, latent_noise)
+    condition = None
+    if run.data.condition is None:
+        clean = latents.model_input(batch, accelerator.device, flips, posterior, latent_noise)
+    else:  # an image condition, made from the batch (training/conditioning.py)
+        first = accelerator.process_index * config.train_batch_size  # this rank's images of the global batch
+        clean, condition = run.data.condition.inputs(
+            batch, accelerator.device, run.data.condition.mask_seeds(micro_step, first, len(batch)), flips,
+            posterior, latent_noise, drops)
     class_labels = conditioning_labels(run, labels, drops)
     if hook(run, "model_input") is not None:
         clean = run.hooks.model_input(run, clean, micro_step)
     with accelerator.no_sync(run.learner.unet) if not sync else contextlib.nullcontext():
         loss, mse = run.learner.step_functions.micro_batch_loss(run, clean, noise, timesteps, importance,
-                                                               class_labels)
+                                                               class_labels, condition)
         backward(run, loss / config.gradient_accumulation_steps)
     if run.objective.timestep_sampler.learns_from_losses:  # one small gather: every rank keeps the same distribution
         run.objective.timestep_sampler.update(global_timesteps, accelerator.gather(mse))
@@ -76,15 +86,25 @@ def backward(run: Run, loss: torch.Tensor) -> None:
         run.accelerator.backward(loss)
 
 
-def micro_batch_loss(run: Run, clean, noise, timesteps, importance, class_labels) -> tuple:
+def model_shape(run: Run, batch_shape) -> tuple:
+    """(C, H, W) of the UNet's clean input for a batch of `batch_shape`: its images' (without a
+    stored condition's channels), or in a latent run their latents'."""
+    if run.data.posterior is not None:
+        return run.data.posterior.latent_shape(batch_shape)
+    channels = batch_shape[1] if run.data.condition is None else run.data.condition.image_channels
+    return (channels, *batch_shape[2:])
+
+
+def micro_batch_loss(run: Run, clean, noise, timesteps, importance, class_labels, condition=None) -> tuple:
     """noise, predict, loss (min-SNR and importance weights; with a learned variance the bound's
-    term), and the diagnostics' accumulation. Returns (the loss, the unweighted MSE per sample, detached)."""
+    term), and the diagnostics' accumulation; `condition`: an image condition, the UNet's input
+    after x_t. Returns (the loss, the unweighted MSE per sample, detached)."""
     config, schedule, unet = run.config, run.objective.schedule, run.learner.unet
     if config.channels_last:
         clean = clean.contiguous(memory_format=torch.channels_last)
     noisy = schedule.add_noise(clean, noise, timesteps)  # fp32, outside autocast
     target = schedule.target(config.prediction_type, clean, noise, timesteps)
-    output = unet(noisy, timesteps, class_labels=class_labels).sample  # autocast inside when mixed precision
+    output = unet(with_condition(noisy, condition), timesteps, class_labels=class_labels).sample  # autocast inside
     prediction, variance_values = vlb.split_output(output, clean.shape[1])  # values: learned variance only
     error = losses.per_sample_loss(prediction, target, config.loss_type, config.huber_c)
     per_sample = error * simple_loss_weights(run, timesteps)

@@ -1,0 +1,224 @@
+"""An image-conditioned DDPM pipeline: super-resolution, inpainting or image-to-image with a
+UNet2DModel that takes the condition as extra input channels after x_t (SR3 and Palette concatenate
+the conditioning image; Stable Diffusion inpainting the mask and the masked image), in pixels or in
+the latents of a VAE (vae/), with any diffusers scheduler:
+
+    pipe = DiffusionPipeline.from_pretrained(folder, trust_remote_code=True)
+    pipe(image=low_resolution).images                      # super_resolution: sr_factor x larger
+    pipe(image=photo, mask_image=mask).images              # inpainting: white = to fill; the rest kept
+    pipe(image=conditioning_image).images                  # image-to-image
+    pipe(image=..., num_inference_steps=50, guidance_scale=2.0, generator=torch.manual_seed(0),
+         output_type="np")                                 # guidance on the image (trained with dropout)
+
+Images are PIL images, numpy arrays (float in [0, 1], or uint8) or torch tensors ([0, 1]), one or
+a batch, as diffusers' image pipelines take them (VaeImageProcessor); any size whose sides the UNet
+(and the VAE) can halve, square or not. The trainer saves a copy of this file beside
+model_index.json with pipeline_class_conditional.py and pipeline_latent.py (its relative imports),
+so diffusers loads the folder without the training package. torch and diffusers only.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from diffusers import AutoencoderKL, AutoencoderTiny, ImagePipelineOutput, UNet2DModel, VQModel
+from diffusers.image_processor import VaeImageProcessor
+
+from .pipeline_class_conditional import PackagePipeline, _randn, guided_step
+from .pipeline_latent import decode_latents, latent_normalization, vae_scale_factor
+
+PIPELINE_MODULE = "pipeline_image_conditioned"  # this file's name in an exported folder, without .py
+PIPELINE_CLASS = "ImageConditionedPipeline"
+CONDITIONING_KINDS = ("super_resolution", "inpainting", "image")
+# No guidance by default: a model trained without --conditioning_dropout_prob has no dropped-condition
+# prediction to guide with. A literal: the commands read it from this file's text (evaluation/choices.py).
+DEFAULT_IMAGE_GUIDANCE_SCALE = 1.0
+
+
+def condition_channels(kind: str, channels: int) -> int:
+    """The condition's channels for `channels`-channel samples (pixels, or latents): an image of
+    theirs, and for inpainting the mask before it."""
+    return channels + (kind == "inpainting")
+
+
+def quantize(images: torch.Tensor) -> torch.Tensor:
+    """Images in [-1, 1] rounded to 8-bit levels, as a saved image is."""
+    return ((images.clamp(-1, 1) + 1) * 127.5).round() / 127.5 - 1
+
+
+def degrade(images: torch.Tensor, factor: int) -> torch.Tensor:
+    """The low-resolution input that super-resolution learns from, of images [B, C, H, W] in [-1, 1]:
+    bicubic downsampling by `factor`, antialiased as an image is shrunk (SR3), rounded to 8 bits as
+    the low-resolution images users bring are."""
+    height, width = images.shape[-2:]
+    low = F.interpolate(images.float(), size=(height // factor, width // factor), mode="bicubic", antialias=True,
+                        align_corners=False)
+    return quantize(low)
+
+
+def upsample(low_resolution: torch.Tensor, factor: int) -> torch.Tensor:
+    """Bicubic upsampling by `factor`, clamped to [-1, 1]: super-resolution's condition, and the
+    bicubic baseline it is measured against."""
+    height, width = low_resolution.shape[-2:]
+    return F.interpolate(low_resolution.float(), size=(height * factor, width * factor), mode="bicubic",
+                         align_corners=False).clamp(-1, 1)
+
+
+def pixel_condition(kind: str, image: torch.Tensor, mask: torch.Tensor | None = None, factor: int = 1) -> torch.Tensor:
+    """The condition in pixels [B, Cc, H, W]: super_resolution, the low-resolution `image` upsampled;
+    inpainting, the `mask` (1 = to fill) and the image with the masked pixels set to 0 (grey);
+    image, the conditioning image itself."""
+    if kind == "super_resolution":
+        return upsample(image, factor)
+    if kind == "inpainting":
+        return torch.cat([mask, image * (mask < 0.5)], dim=1)
+    return image
+
+
+@torch.no_grad()
+def encode_normalised(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """The VAE posterior's mean of pixels in [-1, 1] (a VQModel's or AutoencoderTiny's deterministic
+    latents), normalised as the UNet's latents are (pipeline_latent.latent_normalization), in fp32
+    outside autocast as the trainer encodes (data/latents.encode, which this file cannot import)."""
+    shift, scale = (value.to(pixels.device).view(1, -1, 1, 1)
+                    for value in latent_normalization(vae.config, vae.config.latent_channels))
+    with torch.autocast(pixels.device.type, enabled=False):
+        output = vae.encode(pixels.to(vae.dtype))
+    distribution = getattr(output, "latent_dist", None)
+    mean = (output.latents if distribution is None else distribution.mean).float()
+    return (mean - shift) * scale
+
+
+def latent_condition(kind: str, pixels: torch.Tensor, vae) -> torch.Tensor:
+    """A pixel condition (pixel_condition) in the latent space: its image encoded by the same VAE
+    (LDM, Stable Diffusion inpainting), an inpainting mask pooled to the latents' size (a latent is
+    to be filled where any of its pixels is)."""
+    if kind != "inpainting":
+        return encode_normalised(vae, pixels)
+    encoded = encode_normalised(vae, pixels[:, 1:])
+    factor = pixels.shape[-1] // encoded.shape[-1]
+    return torch.cat([F.max_pool2d(pixels[:, :1], factor), encoded], dim=1)
+
+
+def _unit_range(image):
+    """uint8 arrays and tensors as floats in [0, 1], the range VaeImageProcessor expects of them."""
+    if isinstance(image, list):
+        return [_unit_range(item) for item in image]
+    if isinstance(image, np.ndarray) and image.dtype == np.uint8:
+        return image.astype(np.float32) / 255
+    if isinstance(image, torch.Tensor) and image.dtype == torch.uint8:
+        return image.float() / 255
+    return image
+
+
+class ImageConditionedPipeline(PackagePipeline):
+    """Super-resolution, inpainting or image-to-image generation with a UNet2DModel whose input is
+    x_t and the condition's channels, in pixels or, with a `vae`, in its latents."""
+
+    model_cpu_offload_seq = "vae->unet->vae"
+    _optional_components = ["vae"]  # latent models only
+
+    def __init__(self, unet: UNet2DModel, scheduler, vae: AutoencoderKL | VQModel | AutoencoderTiny | None = None,
+                 conditioning: str = "super_resolution", sr_factor: int = 4):
+        super().__init__()
+        if conditioning not in CONDITIONING_KINDS:
+            raise ValueError(f"conditioning {conditioning!r} is not one of {', '.join(CONDITIONING_KINDS)}")
+        self.register_modules(unet=unet, scheduler=scheduler, vae=vae)
+        self.register_to_config(conditioning=conditioning, sr_factor=int(sr_factor))
+        # pixels per latent, as diffusers' pipelines name it (1: a pixel model)
+        self.vae_scale_factor = vae_scale_factor(vae.config) if vae is not None else 1
+
+    @property
+    def sample_channels(self) -> int:
+        """The channels of x_t (pixels, or latents): the UNet's input less the condition's."""
+        return (self.unet.config.in_channels - (self.config.conditioning == "inpainting")) // 2
+
+    @property
+    def image_channels(self) -> int:
+        """The channels of the images it takes and makes: 1 (grayscale) or 3 (RGB)."""
+        return self.vae.config.in_channels if self.vae is not None else self.sample_channels
+
+    @property
+    def size_multiple(self) -> int:
+        """What each side of an output image must be a multiple of: the UNet halves it once per
+        block but the last, after the VAE's downsampling."""
+        return 2 ** (len(self.unet.config.block_out_channels) - 1) * self.vae_scale_factor
+
+    def preprocess(self, image, channels: int, mask: bool = False) -> torch.Tensor:
+        """PIL, numpy or torch images -> fp32 [B, C, H, W] on the execution device: in [-1, 1], or
+        for a mask binarised to 0 and 1 (diffusers' VaeImageProcessor, without resizing)."""
+        processor = VaeImageProcessor(do_resize=False, do_normalize=not mask, do_binarize=mask,
+                                      do_convert_rgb=channels == 3 and not mask,
+                                      do_convert_grayscale=channels == 1 or mask, vae_latent_channels=-1)
+        images = processor.preprocess(_unit_range(image)).float()
+        if images.shape[1] != channels:
+            what = "mask_image" if mask else "image"
+            raise ValueError(f"{what} has {images.shape[1]} channel(s); this pipeline takes {channels} "
+                             f"({'a mask: one' if mask else {1: 'grayscale', 3: 'RGB'}.get(channels, channels)})")
+        return images.to(self._execution_device)
+
+    def check_size(self, height: int, width: int) -> None:
+        multiple = self.size_multiple
+        if height % multiple or width % multiple:
+            raise ValueError(f"the output would be {height}x{width} (height x width); this pipeline's UNet"
+                             f"{' and VAE' if self.vae is not None else ''} need sides that are multiples of "
+                             f"{multiple}: crop or pad the input")
+
+    @torch.no_grad()
+    def __call__(self, image, mask_image=None, num_inference_steps: int = 50,
+                 guidance_scale: float = DEFAULT_IMAGE_GUIDANCE_SCALE,
+                 generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
+                 return_dict: bool = True, guidance_interval: tuple[float, float] | None = None,
+                 callback_on_step_end=None, eta: float = 0.0, latents: torch.Tensor | None = None):
+        """Images made from `image`: for super_resolution the low-resolution input (the output is
+        sr_factor x its size), for inpainting the image whose `mask_image` pixels (white, >= 0.5) are
+        filled (the others come back as given), for image-to-image the conditioning image (the output
+        has its size). guidance_scale > 1 guides on the image (the prediction with the condition
+        dropped as the weak one; for models trained with --conditioning_dropout_prob), within
+        guidance_interval (low, high] of noise level sigma if given (ClassConditionalPipeline's
+        guidance). A list of generators gives image i its own noise. output_type: "pil", "np" (float
+        [N, H, W, C] in [0, 1]), "pt" ([N, C, H, W] in [0, 1]) or, with a VAE, "latent". eta: DDIM's
+        (schedulers without one ignore it); latents: the starting noise [B, C, h, w] (unit Gaussian,
+        scaled here by init_noise_sigma) instead of drawing it from `generator` (LatentDiffusionPipeline's).
+        callback_on_step_end(pipe, step, t, {"latents": x_t}) -> dict runs after each step, as in
+        diffusers' pipelines (a returned "latents" replaces x_t)."""
+        kind, device = self.config.conditioning, self._execution_device
+        pixels = self.preprocess(image, self.image_channels)
+        mask = None
+        if kind == "inpainting":
+            if mask_image is None:
+                raise ValueError("an inpainting pipeline needs mask_image (white = to fill)")
+            mask = self.preprocess(mask_image, 1, mask=True).expand(len(pixels), 1, *pixels.shape[-2:])
+        elif mask_image is not None:
+            raise ValueError(f"mask_image is for inpainting; this pipeline's conditioning is {kind}")
+        condition = pixel_condition(kind, pixels, mask, self.config.sr_factor)
+        self.check_size(*condition.shape[-2:])
+        if self.vae is not None:
+            condition = latent_condition(kind, condition, self.vae)
+        # diffusers' order: the schedule first, then the initial noise at its sigma (init_noise_sigma
+        # is the first step's for Euler-type schedulers, which set_timesteps computes)
+        self.scheduler.set_timesteps(num_inference_steps, device=device)
+        shape = (len(condition), self.sample_channels, *condition.shape[-2:])
+        if latents is not None and tuple(latents.shape) != shape:
+            raise ValueError(f"Unexpected latents shape, got {tuple(latents.shape)}, expected {shape}")
+        noise = _randn(shape, generator, device) if latents is None else latents.to(device, torch.float32)
+        sample = noise * self.scheduler.init_noise_sigma
+        for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # x_t stays fp32
+            sample = guided_step(self.scheduler, self.unet, sample, step, None, guidance_scale, generator,
+                                 guidance_interval=guidance_interval, condition=condition, eta=eta)
+            if callback_on_step_end is not None:
+                returned = callback_on_step_end(self, step, self.scheduler.timesteps[step], {"latents": sample})
+                sample = (returned or {}).get("latents", sample)
+        self.maybe_free_model_hooks()
+        if output_type == "latent" and self.vae is not None:
+            images = sample
+        else:
+            images = sample if self.vae is None else decode_latents(self.vae, sample)
+            if mask is not None:  # the pixels outside the mask, as given
+                images = torch.where(mask >= 0.5, images, pixels)
+            images = VaeImageProcessor(do_resize=False).postprocess(images, output_type=output_type)
+        return ImagePipelineOutput(images=images) if return_dict else (images,)
+
+
+__all__ = ["CONDITIONING_KINDS", "DEFAULT_IMAGE_GUIDANCE_SCALE", "ImageConditionedPipeline", "condition_channels",
+           "degrade", "encode_normalised", "latent_condition", "pixel_condition", "quantize", "upsample"]

@@ -1,0 +1,141 @@
+"""Sampling and scoring image-conditioned models (evaluation/conditioned.py, evaluation/digits.py):
+PSNR and SSIM, the digit classifier that judges digits it never saw, the sample and evaluate
+commands on condition folders, and the scores at --eval_steps."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import read_history, run_cli, run_training, save_tiny_pipeline, tiny_unet
+from PIL import Image
+
+from diffusion_extras.evaluation import conditioned, digits
+from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline, condition_channels
+
+
+def save_pipeline(folder, kind: str, sr_factor: int = 2, sample_size: int = 8) -> str:
+    """A tiny ImageConditionedPipeline (random weights, the trainer's scheduler) saved as the trainer exports."""
+    from diffusion_extras.training.config import TrainConfig
+    from diffusion_extras.training.models import build_noise_scheduler
+
+    unet = tiny_unet(1, sample_size=sample_size, in_channels=1 + condition_channels(kind, 1))
+    ImageConditionedPipeline(unet, build_noise_scheduler(TrainConfig(ddpm_num_steps=100)), conditioning=kind,
+                             sr_factor=sr_factor).save_pretrained(folder)
+    return str(folder)
+
+
+def save_pngs(folder, images: np.ndarray) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    for index, image in enumerate(images):
+        Image.fromarray(image.squeeze(-1) if image.shape[-1] == 1 else image).save(folder / f"{index:03d}.png")
+    return str(folder)
+
+
+def test_psnr_and_ssim_as_defined():
+    """PSNR: an image one level off everywhere scores 10 log10(255^2); SSIM: 1 for an identical image,
+    (2ab + c1) / (a^2 + b^2 + c1) for flat images a and b, and the Gaussian-weighted statistics of an
+    11 x 11 image (one window) computed directly."""
+    rng = np.random.default_rng(0)
+    image = rng.integers(1, 255, (2, 11, 11, 3), dtype=np.uint8)
+    assert conditioned.psnr(image + 1, image) == pytest.approx([10 * np.log10(255 ** 2)] * 2)
+    assert conditioned.ssim(image, image) == pytest.approx([1.0, 1.0])
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    flat = np.full((1, 16, 16, 1), 100, np.uint8), np.full((1, 16, 16, 1), 140, np.uint8)
+    assert conditioned.ssim(*flat)[0] == pytest.approx((2 * 100 * 140 + c1) / (100 ** 2 + 140 ** 2 + c1))
+    x, y = (rng.integers(0, 256, (11, 11)).astype(np.float64) for _ in range(2))
+    taps = np.exp(-((np.arange(11) - 5) ** 2) / (2 * 1.5 ** 2))
+    weights = np.outer(taps, taps) / taps.sum() ** 2
+    mx, my = (weights * x).sum(), (weights * y).sum()
+    vx, vy = (weights * x * x).sum() - mx ** 2, (weights * y * y).sum() - my ** 2
+    cxy = (weights * x * y).sum() - mx * my
+    expected = (2 * mx * my + c1) * (2 * cxy + c2) / ((mx ** 2 + my ** 2 + c1) * (vx + vy + c2))
+    pair = [a.astype(np.uint8)[None, :, :, None] for a in (x, y)]
+    assert conditioned.ssim(*pair)[0] == pytest.approx(expected)
+
+
+def test_the_digit_classifier_labels_digits_and_never_saw_them():
+    all_digits, labels = digits.preprocessed_digits(16)
+    judged = all_digits[::9]
+    found, classifier = digits.recognised(judged)
+    assert np.array_equal(found, labels[::9])
+    assert classifier.trained_on == len(all_digits) - len(judged)  # every judged digit left out (no duplicates)
+    assert classifier.accuracy(judged, found) > 0.9  # held out, still recognised
+    assert digits.recognised(np.full((3, 16, 16, 1), 7, np.uint8)) is None
+    assert digits.recognised(np.concatenate([judged[:2], np.full((1, 16, 16, 1), 7, np.uint8)])) is None
+
+
+def test_the_evaluate_command_scores_what_the_sample_command_makes(tmp_path):
+    """Super-resolution of 12 references: `evaluate` degrades each as training does, samples it and
+    scores it; `sample` of those low-resolution images saved as PNG (seed, steps alike) makes the
+    same images, whose PSNR against the references is evaluate's; the bicubic baseline is scored too."""
+    from diffusion_extras.evaluation.pipeline_image_conditioned import degrade
+
+    pipeline = save_pipeline(tmp_path / "sr", "super_resolution")
+    references = np.random.default_rng(1).integers(0, 256, (12, 8, 8, 1), dtype=np.uint8)
+    low = degrade(torch.from_numpy(references).permute(0, 3, 1, 2).float() / 127.5 - 1, 2)
+    low = ((low + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
+    common = ["--num_inference_steps", 3, "--seed", 4, "--batch_size", 5, "--device", "cpu"]
+    reference = save_pngs(tmp_path / "ref", references)
+    result = run_cli(["-m", "diffusion_extras.evaluate", pipeline, "--reference", reference, "--feature_extractor",
+                      "tiny", "--output", tmp_path / "report.json", *common])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["num_samples"] == 12 and report["conditioning"] == "super_resolution"
+    assert {"fid", "kid", "ssim", "bicubic_psnr", "bicubic_ssim"} <= report.keys() and "digit_accuracy" not in report
+    run_cli(["-m", "diffusion_extras.sample", pipeline, "--conditioning_images", save_pngs(tmp_path / "low", low),
+             "--output", tmp_path / "out", *common])
+    made = np.stack([np.asarray(Image.open(tmp_path / "out" / f"{i:06d}.png"))[:, :, None] for i in range(12)])
+    assert made.shape == (12, 8, 8, 1)
+    assert report["psnr"] == pytest.approx(conditioned.psnr(made, references).mean())
+    bicubic = conditioned.bicubic(references, 2)
+    assert report["bicubic_psnr"] == pytest.approx(conditioned.psnr(bicubic, references).mean())
+    assert "fid" in result.stdout
+
+
+def test_inpainting_from_folders_keeps_the_unmasked_pixels_and_scores_digits(tmp_path):
+    """`sample` fills the --masks of the images of --conditioning_images and gives the rest back;
+    `evaluate` on held-out-style digits with --mask left scores the digit classifier's accuracy on
+    the completions, on the references, and on an unconditional --baseline's completions."""
+    pipeline = save_pipeline(tmp_path / "inpainting", "inpainting", sample_size=16)
+    images = digits.preprocessed_digits(16)[0][:6]
+    masks = np.zeros_like(images)
+    masks[:, 4:12, 2:9] = 255
+    run_cli(["-m", "diffusion_extras.sample", pipeline, "--conditioning_images", save_pngs(tmp_path / "img", images),
+             "--masks", save_pngs(tmp_path / "masks", masks), "--num_inference_steps", 2, "--output",
+             tmp_path / "out"])
+    filled = np.stack([np.asarray(Image.open(tmp_path / "out" / f"{i:06d}.png"))[:, :, None] for i in range(6)])
+    assert np.array_equal(filled[masks == 0], images[masks == 0])
+    evaluate = ["-m", "diffusion_extras.evaluate", pipeline, "--reference", tmp_path / "img", "--mask", "left",
+                "--eval_metrics", "fid", "--feature_extractor", "tiny", "--num_inference_steps", 2]
+    result = run_cli([*evaluate, "--baseline", save_tiny_pipeline(tmp_path / "rgb", channels=3)], check=False)
+    assert result.returncode == 2 and "--baseline" in result.stderr and "3 channel(s)" in result.stderr
+    run_cli([*evaluate, "--baseline", save_tiny_pipeline(tmp_path / "unconditional"), "--output",
+             tmp_path / "report.json"])
+    report = json.loads((tmp_path / "report.json").read_text())
+    for name in ("digit_accuracy", "reference_digit_accuracy", "baseline_digit_accuracy"):
+        assert 0 <= report[name] <= 1, name
+    assert report["reference_digit_accuracy"] >= 5 / 6 and np.isfinite(report["baseline_psnr"])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--conditioning_images", ".", "--masks", "."],
+     "--masks is for inpainting; this pipeline's conditioning is super_resolution"),
+    ([], "this pipeline is image-conditioned (super_resolution): give --conditioning_images DIR"),
+    (["--conditioning_images", ".", "--guide", "."], "an image-conditioned pipeline guides on its image"),
+])
+def test_what_the_sample_command_refuses(tmp_path, flags, message):
+    pipeline = save_pipeline(tmp_path / "sr", "super_resolution")
+    result = run_cli(["-m", "diffusion_extras.sample", pipeline, "--output", tmp_path / "out", *flags], check=False)
+    assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
+
+
+def test_an_inpainting_run_reports_its_scores_at_eval_steps(tiny_recipe, tmp_path):
+    """--eval_steps on an inpainting run on the digits: the held-out digits' conditions sampled and
+    scored (PSNR, SSIM, the digit classifier on the completions and on the digits, FID)."""
+    run_training(tiny_recipe(validation_split=0.1), tmp_path / "run", "--conditioning", "inpainting",
+                 "--max_train_steps", 2, "--eval_steps", 2, "--eval_num_samples", 8, "--feature_extractor", "tiny")
+    evaluated = [row for row in read_history(tmp_path / "run") if "eval/psnr" in row]
+    assert [row["step"] for row in evaluated] == [2]
+    row = evaluated[0]
+    for name in ("psnr", "ssim", "digit_accuracy", "reference_digit_accuracy", "fid"):
+        assert np.isfinite(row[f"eval/{name}"]), name
+    assert row["eval/num_samples"] == 6  # the held-out tenth of 64 digits

@@ -1,0 +1,102 @@
+"""Image conditions in the data (data/conditioning.py): random inpainting masks from seeds, and
+stored conditions (a column, a paired folder; cached or streamed) that reach the UNet paired with
+their image through crops and flips."""
+import numpy as np
+import pytest
+import torch
+from helpers import first_step_inputs, paired_images, run_training, write_paired_folders, write_paired_parquet
+
+from diffusion_extras.data import conditioning
+from diffusion_extras.training.conditioning import ImageCondition
+
+
+def test_random_masks_are_a_function_of_their_seed_and_of_every_kind():
+    first = [conditioning.random_mask(16, 24, seed) for seed in range(200)]
+    again = [conditioning.random_mask(16, 24, seed) for seed in range(200)]
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert all(mask.shape == (16, 24) and mask.dtype == bool for mask in first)
+    fractions = np.array([mask.mean() for mask in first])
+    assert (fractions > 0).all() and (fractions < 1).all()
+    halves = [mask for mask in first if mask.mean() == 0.5 and (mask.all(0) | ~mask.any(0)).all()
+              or mask.mean() == 0.5 and (mask.all(1) | ~mask.any(1)).all()]
+    rectangles = [mask for mask in first if _is_rectangle(mask) and mask.mean() != 0.5]
+    assert len(halves) > 20 and len(rectangles) > 40 and len(first) - len(halves) - len(rectangles) > 40  # strokes
+    others = [mask for mask in first if mask.mean() != 0.5]
+    assert len({mask.tobytes() for mask in others}) > 0.95 * len(others)  # drawn, not repeated
+
+
+def _is_rectangle(mask: np.ndarray) -> bool:
+    rows, columns = np.flatnonzero(mask.any(1)), np.flatnonzero(mask.any(0))
+    return mask[rows[0]:rows[-1] + 1, columns[0]:columns[-1] + 1].all()
+
+
+def test_each_rank_draws_the_masks_of_its_images_of_the_global_batch():
+    """The mask of image i of a micro-step's global batch is seeded by (seed, micro-step, i): rank r
+    of P, B images each, draws those of images rB..rB+B-1, as one rank of PB does."""
+    condition = ImageCondition("inpainting", 1, 0, 2, seed=5)
+    whole = condition.mask_seeds(7, 0, 8)
+    assert condition.mask_seeds(7, 4, 4) == whole[4:] and condition.mask_seeds(7, 0, 4) == whole[:4]
+    assert condition.mask_seeds(8, 0, 8) != whole
+    assert ImageCondition("inpainting", 1, 0, 2, seed=6).mask_seeds(7, 0, 8) != whole
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_random_masks_reach_the_unet_with_the_image_they_mask(tmp_path):
+    """Inpainting with random masks on the digits: after x_t the UNet sees the binary mask, then the
+    image with the masked pixels at 0."""
+    cleans, inputs = first_step_inputs(tmp_path, "--conditioning", "inpainting")
+    unet_input, clean = inputs[0], cleans[0]
+    assert unet_input.shape == (8, 3, 8, 8)
+    mask = unet_input[:, 1:2]
+    assert set(mask.unique().tolist()) == {0.0, 1.0} and 0 < mask.mean() < 1
+    torch.testing.assert_close(unet_input[:, 2:], clean * (1 - mask))
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_mask_column_reaches_the_unet_cropped_and_flipped_with_its_image(tmp_path, streaming):
+    """Masks in a column of a parquet file, random 8 px crops of 8 x 12 images and flips: the mask
+    channel the UNet sees is, for every image, the same crop and flip of its mask (here, by
+    construction, white where the image is bright: the pair recomputed from the clean image)."""
+    images, masks = paired_images(16, 8, 12)  # the size that covers 8 x 8: cropped, not resized
+    data = write_paired_parquet(tmp_path / "pairs.parquet", images, masks, "m")
+    flags = ["--train_data_files", data, "--conditioning", "inpainting", "--mask_column", "m", "--no-center_crop",
+             "--random_flip", "--resolution", 8] + (["--streaming", "--max_train_steps", 1] if streaming else [])
+    cleans, inputs = first_step_inputs(tmp_path, *flags, max_train_samples=None)
+    clean, mask = cleans[0], inputs[0][:, 1:2]
+    assert torch.equal(mask, (clean > 0).float())
+    torch.testing.assert_close(inputs[0][:, 2:], clean * (1 - mask))
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_paired_folders_reach_the_unet_as_pairs(tmp_path):
+    """Image-to-image on --train_data_dir and --conditioning_data_dir: each image's pair is the file
+    at the same relative path, of another extension; the UNet sees it after x_t."""
+    images, masks = paired_images(16, 8, 8, seed=1)
+    image_dir, pair_dir = write_paired_folders(tmp_path / "data", images, masks)
+    cleans, inputs = first_step_inputs(tmp_path, "--train_data_dir", image_dir, "--conditioning", "image",
+                                       "--conditioning_data_dir", pair_dir, "--random_flip", max_train_samples=None)
+    assert inputs[0].shape == (8, 2, 8, 8)
+    assert torch.equal(inputs[0][:, 1:], torch.where(cleans[0] > 0, 1.0, -1.0))
+
+
+def test_an_image_without_its_pair_is_refused_naming_it(tmp_path, tiny_recipe):
+    images, masks = paired_images(4, 8, 8)
+    image_dir, mask_dir = write_paired_folders(tmp_path / "data", images, masks)
+    (tmp_path / "data" / "pairs" / "1" / "3.bmp").unlink()
+    result = run_training(tiny_recipe(max_train_samples=None), tmp_path / "run", "--train_data_dir", image_dir,
+                          "--conditioning", "inpainting", "--mask_data_dir", mask_dir, "--max_train_steps", 1,
+                          check=False)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert "1 image(s) of" in last and "3.png" in last and "give every image its pair" in last
+
+
+def test_a_condition_column_that_is_missing_or_not_images_is_refused(tmp_path, tiny_recipe):
+    images, masks = paired_images(4, 8, 8)
+    data = write_paired_parquet(tmp_path / "pairs.parquet", images, masks, "m")
+    for column, message in (("mask", "--mask_column mask is not in the dataset (columns: image, m)"),):
+        result = run_training(tiny_recipe(max_train_samples=None), tmp_path / "run", "--train_data_files", data,
+                              "--conditioning", "inpainting", "--mask_column", column, "--max_train_steps", 1,
+                              check=False)
+        assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]

@@ -1,0 +1,152 @@
+"""The image-conditioned pipeline (evaluation/pipeline_image_conditioned.py): the condition it
+gives the UNet is the one training gives it, from PIL, numpy or tensors; any compatible scheduler
+starts from its own noise level; inpainting keeps the pixels outside the mask; guidance on the
+image; the refusals."""
+import numpy as np
+import pytest
+import torch
+from diffusers import DDPMScheduler
+from helpers import tiny_unet
+from PIL import Image
+
+from diffusion_extras.evaluation.pipeline_class_conditional import guided_model_output
+from diffusion_extras.evaluation.pipeline_image_conditioned import (
+    ImageConditionedPipeline,
+    condition_channels,
+    degrade,
+    upsample,
+)
+from diffusion_extras.training.conditioning import ImageCondition
+
+
+def pipeline(kind: str, channels: int = 1, sr_factor: int = 2, seed: int = 0) -> ImageConditionedPipeline:
+    """A tiny pixel pipeline of `kind` (random weights) with the trainer's noise scheduler (its
+    settings written out, as exports hold them), its progress bar off."""
+    from diffusion_extras.training.config import TrainConfig
+    from diffusion_extras.training.models import build_noise_scheduler
+
+    unet = tiny_unet(channels, seed=seed, in_channels=channels + condition_channels(kind, channels))
+    pipe = ImageConditionedPipeline(unet, build_noise_scheduler(TrainConfig(ddpm_num_steps=100)), conditioning=kind,
+                                    sr_factor=sr_factor)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def unet_inputs(pipe) -> list:
+    """The UNet's input of each call, recorded (a forward pre-hook)."""
+    inputs = []
+    pipe.unet.register_forward_pre_hook(lambda module, args: inputs.append(args[0].clone()))
+    return inputs
+
+
+def random_uint8(shape, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def test_a_low_resolution_png_gives_the_unet_the_condition_training_gives_it(tmp_path):
+    """Training degrades an image (antialiased bicubic, rounded to 8 bits) and upsamples it back; a
+    user's 8-bit low-resolution file of that image, read as PIL, numpy or a tensor, makes the same
+    condition in the pipeline, after the noise x_t in the UNet's input."""
+    image = random_uint8((2, 8, 12, 1))
+    pixels = torch.from_numpy(image).permute(0, 3, 1, 2).float() / 127.5 - 1
+    condition = ImageCondition("super_resolution", 1, 0, 2, seed=0)
+    _, trained = condition.split(pixels, [])
+    low = np.round((degrade(pixels, 2).permute(0, 2, 3, 1).numpy() + 1) * 127.5).astype(np.uint8)
+    Image.fromarray(low[0, :, :, 0]).save(tmp_path / "low.png")
+    pipe = pipeline("super_resolution")
+    inputs = unet_inputs(pipe)
+    with Image.open(tmp_path / "low.png") as png:
+        pipe(image=png, num_inference_steps=1)
+    pipe(image=low, num_inference_steps=1)  # uint8 numpy, a batch
+    pipe(image=torch.from_numpy(low).permute(0, 3, 1, 2).float() / 255, num_inference_steps=1)
+    for given, seen in zip([trained[:1], trained, trained], inputs):
+        assert seen.shape == (len(given), 2, 8, 12)
+        torch.testing.assert_close(seen[:, 1:], given, atol=1e-6, rtol=0)
+    torch.testing.assert_close(trained, upsample(degrade(pixels, 2), 2))
+
+
+@pytest.mark.parametrize("name", sorted(cls.__name__ for cls in DDPMScheduler().compatibles  # a set's order varies
+                                         if cls.__name__ != "DPMSolverSDEScheduler"))  # that one needs torchsde
+def test_every_compatible_scheduler_starts_from_its_own_noise_level(name):
+    """A fresh pipeline's first call equals its second with the same seed: the initial noise is
+    scaled by the init_noise_sigma of the schedule set for the call (set_timesteps first, as
+    diffusers does), not by the one the scheduler had before."""
+    import diffusers
+
+    pipe = pipeline("super_resolution")
+    pipe.scheduler = getattr(diffusers, name).from_config(pipe.scheduler.config)
+    low = random_uint8((4, 6))
+    calls = [[], []]
+    for steps in calls:  # x_t after each step (the images saturate: a random UNet)
+        pipe(image=low, num_inference_steps=4, generator=torch.Generator().manual_seed(0), output_type="np",
+             callback_on_step_end=lambda pipe, step, t, values, steps=steps: steps.append(values["latents"].clone())
+             or {})
+    first, second = calls
+    assert len(first) == len(pipe.scheduler.timesteps) and torch.isfinite(first[-1]).all()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_inpainting_fills_the_mask_and_gives_the_other_pixels_back():
+    """Mask white = to fill; an RGB photo: every pixel outside the mask comes back as given (8-bit,
+    PIL output), the UNet sees the mask and the image with the masked pixels at 0 (grey)."""
+    photo = random_uint8((8, 16, 3), seed=1)
+    mask = np.zeros((8, 16), np.uint8)
+    mask[2:6, 3:11] = 255
+    pipe = pipeline("inpainting", channels=3)
+    inputs = unet_inputs(pipe)
+    out = pipe(image=Image.fromarray(photo), mask_image=Image.fromarray(mask), num_inference_steps=2,
+               generator=torch.Generator().manual_seed(0)).images[0]
+    result = np.asarray(out)
+    assert out.size == (16, 8) and out.mode == "RGB"
+    assert np.array_equal(result[mask == 0], photo[mask == 0])
+    assert not np.array_equal(result[mask > 0], photo[mask > 0])
+    seen = inputs[0][0]
+    assert seen.shape == (7, 8, 16)  # x_t (3), the mask (1), the masked image (3)
+    assert torch.equal(seen[3], torch.from_numpy(mask > 0).float())
+    torch.testing.assert_close(seen[4:], torch.from_numpy(np.where(mask[..., None] > 0, 0.0, photo / 127.5 - 1))
+                               .permute(2, 0, 1).float(), atol=1e-6, rtol=0)
+
+
+def test_each_image_of_a_batch_is_its_own_call_with_a_list_of_generators():
+    """Image-to-image, non-square, float numpy input: a batch with a generator per image gives the
+    images of one call per image."""
+    pipe = pipeline("image")
+    images = random_uint8((3, 8, 16, 1)).astype(np.float32) / 255
+    batch = pipe(image=images, num_inference_steps=3, output_type="np",
+                 generator=[torch.Generator().manual_seed(seed) for seed in range(3)]).images
+    alone = [pipe(image=images[i:i + 1], num_inference_steps=3, output_type="np",
+                  generator=torch.Generator().manual_seed(i)).images[0] for i in range(3)]
+    assert batch.shape == (3, 8, 16, 1)
+    np.testing.assert_allclose(batch, np.stack(alone), atol=1e-5)
+    tensors = pipe(image=torch.from_numpy(images).permute(0, 3, 1, 2), num_inference_steps=3, output_type="pt",
+                   generator=[torch.Generator().manual_seed(seed) for seed in range(3)]).images
+    np.testing.assert_allclose(tensors.permute(0, 2, 3, 1).numpy(), batch, atol=1e-6)
+
+
+def test_guidance_on_the_image_weighs_the_prediction_without_the_condition():
+    """guidance_scale s: weak + s (strong - weak), weak the prediction with the condition dropped
+    (zeros, as training drops it), from one batched call."""
+    unet = tiny_unet(1, in_channels=2).eval()
+    sample, condition = torch.randn(2, 1, 8, 8), torch.randn(2, 1, 8, 8)
+    t = torch.tensor(10)
+    with torch.no_grad():
+        strong = unet(torch.cat([sample, condition], 1), t).sample
+        weak = unet(torch.cat([sample, torch.zeros_like(condition)], 1), t).sample
+        guided = guided_model_output(unet, sample, t, None, 3.0, condition=condition)
+        plain = guided_model_output(unet, sample, t, None, 1.0, condition=condition)
+    torch.testing.assert_close(guided, weak + 3 * (strong - weak), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain, strong)
+
+
+def test_what_the_pipeline_refuses():
+    pipe = pipeline("super_resolution")
+    with pytest.raises(ValueError, match="has 3 channel"):
+        pipe(image=np.zeros((1, 4, 4, 3), np.float32), num_inference_steps=1)
+    with pytest.raises(ValueError, match="would be 7x8 .*multiples of 2"):
+        pipeline("image")(image=np.zeros((7, 8), np.uint8), num_inference_steps=1)
+    with pytest.raises(ValueError, match="mask_image is for inpainting"):
+        pipe(image=np.zeros((4, 4), np.uint8), mask_image=np.zeros((8, 8), np.uint8), num_inference_steps=1)
+    with pytest.raises(ValueError, match="needs mask_image"):
+        pipeline("inpainting")(image=np.zeros((8, 8), np.uint8), num_inference_steps=1)
+    with pytest.raises(ValueError, match="conditioning 'colour' is not one of"):
+        ImageConditionedPipeline(tiny_unet(1), DDPMScheduler(), conditioning="colour")
