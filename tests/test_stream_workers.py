@@ -63,7 +63,7 @@ def test_saved_position_resumes_at_the_exact_example(shards, workers):
 @pytest.mark.parametrize("workers", [1, 2, 3])
 @pytest.mark.parametrize("stop", [7, 8, 9])  # 2 workers: 4 batches a worker-epoch, both at its end after 8
 def test_resume_around_an_epoch_boundary_is_exact_while_workers_race_on_set_epoch(shards, monkeypatch, workers, stop):
-    """Issue 21: the workers share datasets' epoch tensor; restored together, they both add their
+    """The race: the workers share datasets' epoch tensor; restored together, they both add their
     epoch to it (1 + 1 = 2) and read an epoch whose shard order and saved position are not theirs."""
     original = batches_for(shards, workers=workers)
     for _ in range(stop):
