@@ -14,7 +14,8 @@ def fake_run(offset_noise: float, rank: int = 0, num_processes: int = 1, batch: 
     """What micro_step_randomness reads of a Run, for `num_processes` ranks of `batch` images each."""
     return SimpleNamespace(
         accelerator=SimpleNamespace(device=torch.device("cpu"), process_index=rank),
-        data=SimpleNamespace(global_micro_batch_size=batch * num_processes, class_names=None, posterior=None),
+        data=SimpleNamespace(global_micro_batch_size=batch * num_processes, class_names=None, posterior=None,
+                           condition=None),
         config=SimpleNamespace(seed=seed, offset_noise=offset_noise, condition_dropout=0.1, train_batch_size=batch,
                                random_flip=True),
         objective=SimpleNamespace(timestep_sampler=make_timestep_sampler("uniform", 1000)))

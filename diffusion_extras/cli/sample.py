@@ -38,8 +38,8 @@ from diffusion_extras.evaluation.choices import SAMPLING_DTYPES
 def build_parser() -> argparse.ArgumentParser:
     parser = pipeline_parser("sample", __doc__)
     parser.add_argument("--num_images", type=positive_int, default=None,
-                        help="images to sample (default 16); with --conditioning_images, at most this many of them "
-                             "(default: all)")
+                        help="images to sample (default: 16); with --conditioning_images, one per conditioning "
+                             "image, at most this many (default there: all of them)")
     add_sampler_arguments(parser)
     parser.add_argument("--batch_size", type=positive_int, default=16,
                         help="images per UNet call (default: %(default)s)")
