@@ -1,6 +1,6 @@
 """The first lines of a script that must run as a user without this package installed: any import of
 diffusion_extras fails, whatever sys.path holds (the tests that load exported pipelines with
-trust_remote_code prepend it to their scripts)."""
+trust_remote_code prepend it to their scripts: run_without_the_package)."""
 
 BLOCK_THE_PACKAGE = """
 import sys, importlib.abc
@@ -10,3 +10,13 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError("blocked")
 sys.meta_path.insert(0, Block())
 """
+
+
+def run_without_the_package(code: str, folder, *args):
+    """`python load.py ARGS` in a process of its own (processes.run_command, checked), load.py being
+    BLOCK_THE_PACKAGE + `code` written into `folder`, with no PYTHONPATH: as a user without this
+    package runs an export."""
+    from processes import run_command
+    script = folder / "load.py"
+    script.write_text(BLOCK_THE_PACKAGE + code)
+    return run_command([script, *args], env={"PYTHONPATH": None})

@@ -18,14 +18,14 @@ from helpers import (
     save_random_images,
     tiny_unet,
 )
-from package_blocker import BLOCK_THE_PACKAGE
-from processes import launch_training, run_command
+from package_blocker import run_without_the_package
+from processes import launch_training
 
 from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, guided_model_output
 
 # A process that cannot import the package, as the acceptance check (a user without it installed): a
 # process of its own, since this one has the package imported.
-BLOCKED_LOAD = BLOCK_THE_PACKAGE + """
+BLOCKED_LOAD = """
 import sys
 import numpy as np, torch
 from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
@@ -64,9 +64,7 @@ def test_export_names_the_pipeline_file_and_the_classes(conditional_run):
 
 @pytest.mark.xdist_group("test_class_conditional.conditional_run")
 def test_loads_without_the_package_with_trust_remote_code(conditional_run, tmp_path):
-    script = tmp_path / "load.py"
-    script.write_text(BLOCKED_LOAD)
-    result = run_command([script, conditional_run], env={"PYTHONPATH": None})
+    result = run_without_the_package(BLOCKED_LOAD, tmp_path, conditional_run)
     assert "ClassConditionalPipeline [(0, '0'), (1, '1')]" in result.stdout
 
 

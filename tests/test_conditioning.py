@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import first_step_inputs, read_history, run_training, save_tiny_pipeline, tiny_run, write_tiny_recipe
-from package_blocker import BLOCK_THE_PACKAGE
+from package_blocker import run_without_the_package
 from PIL import Image
-from processes import run_command
 
 from diffusion_extras.data import batch_order, decode_cache
 from diffusion_extras.data import images as data
@@ -21,7 +20,7 @@ from diffusion_extras.training.config import ConfigError, parse_config
 
 # A process that cannot import the package, as a user without it installed: the super-resolution
 # export loads with trust_remote_code and doubles a 4x6 image with DDIM and Euler.
-BLOCKED_LOAD = BLOCK_THE_PACKAGE + """
+BLOCKED_LOAD = """
 import sys
 import numpy as np, torch
 from diffusers import DiffusionPipeline, EulerDiscreteScheduler
@@ -82,9 +81,7 @@ def test_the_grid_shows_condition_sample_and_target_and_the_monitors_see_conditi
 
 @SR_RUN
 def test_the_export_loads_without_the_package_and_upscales(super_resolution_run, tmp_path):
-    script = tmp_path / "load.py"
-    script.write_text(BLOCKED_LOAD)
-    result = run_command([script, super_resolution_run], env={"PYTHONPATH": None})
+    result = run_without_the_package(BLOCKED_LOAD, tmp_path, super_resolution_run)
     assert "ImageConditionedPipeline super_resolution 2" in result.stdout
 
 

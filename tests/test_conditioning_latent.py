@@ -16,9 +16,8 @@ from helpers import (
     write_paired_parquet,
     write_tiny_recipe,
 )
-from package_blocker import BLOCK_THE_PACKAGE
+from package_blocker import run_without_the_package
 from PIL import Image
-from processes import run_command
 
 from diffusion_extras.data import latents
 from diffusion_extras.evaluation.pipeline_image_conditioned import (
@@ -32,7 +31,7 @@ from diffusion_extras.training.conditioning import ImageCondition
 # Without the package: the super-resolution export doubles a 4x4 RGB image (decoded pixels, or its
 # latents), the inpainting export fills an 8x8 RGB image's left half and gives the right half back,
 # the image-to-image export maps a grey 8x8 condition to an RGB image; each with DPM-Solver.
-BLOCKED_LOAD = BLOCK_THE_PACKAGE + """
+BLOCKED_LOAD = """
 import sys
 import numpy as np, torch
 from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler
@@ -101,10 +100,8 @@ def test_the_exports_hold_the_vae_and_a_unet_that_takes_the_latent_condition(lat
 
 @LATENT_RUNS
 def test_the_exports_load_without_the_package_decode_and_keep_the_unmasked_pixels(latent_runs, tmp_path):
-    script = tmp_path / "load.py"
-    script.write_text(BLOCKED_LOAD)
-    result = run_command([script, latent_runs["super_resolution"], latent_runs["inpainting"], latent_runs["image"]],
-                         env={"PYTHONPATH": None})
+    result = run_without_the_package(BLOCKED_LOAD, tmp_path, latent_runs["super_resolution"],
+                                     latent_runs["inpainting"], latent_runs["image"])
     assert "ImageConditionedPipeline image AutoencoderKL ok" in result.stdout
 
 
