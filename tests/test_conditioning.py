@@ -4,11 +4,20 @@ package), the grids, the monitors, and the refusals."""
 import contextlib
 import io
 import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
-from helpers import first_step_inputs, read_history, run_training, save_tiny_pipeline, tiny_run, write_tiny_recipe
+from helpers import (
+    first_step_inputs,
+    load_unet_weights,
+    read_history,
+    run_training,
+    save_tiny_pipeline,
+    tiny_run,
+    write_tiny_recipe,
+)
 from package_blocker import run_without_the_package
 from PIL import Image
 
@@ -155,6 +164,25 @@ def test_fine_tuning_an_image_conditioned_export_keeps_its_kind(super_resolution
     assert refused.returncode == 2
     assert "its UNet is conditioned for super_resolution: fine-tune it with --conditioning super_resolution" in \
         refused.stderr.strip().splitlines()[-1]
+
+
+@SR_RUN
+def test_a_fine_tune_of_an_image_conditioned_export_resumes_exactly(super_resolution_run, tmp_path, tiny_recipe):
+    """The resume takes the base's kind and factor from the checkpoint's record (the base's weights
+    are gone by then) and ends bit for bit where the straight fine-tune does."""
+    base = tmp_path / "base"
+    shutil.copytree(super_resolution_run, base, ignore=shutil.ignore_patterns("checkpoint-*", "samples", "logs"))
+    recipe, flags = tiny_recipe(checkpointing_steps=2), ["--pretrained_model_name_or_path", base]
+    run_training(recipe, tmp_path / "straight", *flags, "--max_train_steps", 4)
+    run_training(recipe, tmp_path / "resumed", *flags, "--max_train_steps", 2)
+    (base / "unet" / "diffusion_pytorch_model.safetensors").unlink()  # a resume must not need them
+    result = run_training(recipe, tmp_path / "resumed", *flags, "--max_train_steps", 4, "--resume_from_checkpoint",
+                          "latest")
+    assert "resumed from" in result.stdout
+    index = json.loads((tmp_path / "resumed" / "model_index.json").read_text())
+    assert (index["conditioning"], index["sr_factor"]) == ("super_resolution", 2)
+    straight, resumed = (load_unet_weights(tmp_path / name) for name in ("straight", "resumed"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
 @pytest.mark.usefixtures("fresh_accelerate")
