@@ -7,7 +7,14 @@ import sys
 import tempfile
 
 import pytest
-from helpers import run_training, write_tiny_recipe
+
+# torch on one intra-op thread in every test process and command: pytest -n 3 on 2 cores runs three
+# tests at once, and a thread per core each would have them wait on each other. Also the summation
+# order that tests which recompute a command's numbers rely on. Set before helpers imports torch,
+# which reads it as it loads (a plain `pytest`, without xdist's workers, has no later chance).
+os.environ["OMP_NUM_THREADS"] = "1"
+
+from helpers import run_training, write_tiny_recipe  # noqa: E402 - after the thread count torch reads
 
 # Variables of the caller's shell that change what the libraries do (offline mode, endpoint, cache
 # folders, the tracker's mode, an accelerate config): no test may depend on them.
@@ -30,10 +37,6 @@ def pytest_configure(config):
     for name in list(os.environ):
         if name.startswith(CALLER_VARIABLES):
             del os.environ[name]
-    # torch on one intra-op thread in every test process and command: pytest -n 3 on 2 cores runs three
-    # tests at once, and a thread per core each would have them wait on each other. Also the summation
-    # order that tests which recompute a command's numbers rely on.
-    os.environ["OMP_NUM_THREADS"] = "1"
     # Offline, in this process and in every process a test starts: no test reaches the Hub (with a
     # network a download would be slow and not the subject; without one, a request waits on
     # huggingface_hub's retries). A test of Hub code talks to tests/hub_server.py and goes online

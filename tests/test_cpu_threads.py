@@ -156,3 +156,14 @@ def test_the_count_is_capped_by_the_cpus_available_and_shared_unless_bound(monke
 def test_the_trainer_says_how_many_threads_it_uses(tiny_recipe, tmp_path):
     result = run_training(tiny_recipe(), tmp_path / "run", "--max_train_steps", 1)
     assert "cpu: 1 torch thread(s) per process (OMP_NUM_THREADS=1)\n" in result.stdout  # the suite's setting
+
+
+@pytest.mark.parametrize("env", [{"MKL_NUM_THREADS": "1", "OMP_NUM_THREADS": "2"}, {"MKL_NUM_THREADS": "2"},
+                                 {"OMP_NUM_THREADS": "2"}])
+def test_the_planned_count_is_the_one_torch_takes_from_mkl_or_omp_num_threads(env):
+    """MKL_NUM_THREADS, when set, overrides OMP_NUM_THREADS in torch: the look before torch loads
+    plans the threads torch then runs, and the line names the variable they came from."""
+    got, _ = command(**env)
+    name = "MKL_NUM_THREADS" if "MKL_NUM_THREADS" in env else "OMP_NUM_THREADS"
+    assert cpu_threads.planned_threads(env) == got["threads"] == int(env[name])
+    assert f"({name}={env[name]})" in got["line"]

@@ -34,7 +34,9 @@ import sys
 WAIT_POLICY = "OMP_WAIT_POLICY"
 # Variables by which a user chose how OpenMP threads wait: any of them set, the policy is theirs.
 USER_WAIT_SETTINGS = (WAIT_POLICY, "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-USER_COUNT_SETTINGS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# ...and by which they chose the count, in torch's order: MKL_NUM_THREADS, when set, overrides
+# OMP_NUM_THREADS (ATen's intraop_default_num_threads reads them so).
+USER_COUNT_SETTINGS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
 
 
 PROBE_SECONDS = 0.2
@@ -75,12 +77,21 @@ def other_work_cpus(seconds: float = PROBE_SECONDS, read=None) -> float | None:
 
 
 def planned_threads(environ=os.environ) -> int:
-    """The threads the command will run, before torch is loaded to say: the user's or launcher's
-    OMP_NUM_THREADS, else the CPUs available shared among the machine's ranks (thread_count)."""
-    given = environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    if given.isdigit():
-        return max(1, int(given))
-    return thread_count(available_cpus(), environ)
+    """The threads the command will run, before torch is loaded to say: the count the user or
+    launcher set (user_thread_count), else the CPUs available shared among the machine's ranks
+    (thread_count)."""
+    given = user_thread_count(environ)
+    return given[1] if given else thread_count(available_cpus(), environ)
+
+
+def user_thread_count(environ=os.environ) -> tuple[str, int] | None:
+    """("NAME=value", threads) of the variable torch takes its thread count from, or None where
+    neither is set to a count (torch then counts the CPUs; so does thread_count)."""
+    for name in USER_COUNT_SETTINGS:
+        value = environ.get(name, "").split(",")[0].strip()
+        if value.isdigit() and int(value) > 0:
+            return f"{name}={environ[name]}", int(value)
+    return None
 
 
 def threads_should_sleep(other_work: float, cpus: int, threads: int) -> bool:
@@ -165,7 +176,7 @@ def describe(environ=os.environ) -> str:
     """The start-up line: how many threads torch uses, where the count comes from, how idle ones wait."""
     import torch
     count = torch.get_num_threads()
-    given = [f"{name}={environ[name]}" for name in USER_COUNT_SETTINGS if name in environ]
+    given = user_thread_count(environ)
     source = given[0] if given else f"of {available_cpus()} CPU(s) available; OMP_NUM_THREADS sets another"
     chosen = [f"{name}={environ[name]}" for name in USER_WAIT_SETTINGS if name in environ]
     if count == 1:
