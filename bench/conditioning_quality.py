@@ -107,8 +107,8 @@ def photo_patches(out: str, count: int, seed: int = 0) -> tuple[str, str]:
     return training, held_out
 
 
-def posterior_mean_psnr(pipeline: str, reference: str, samples: int, steps: int) -> dict:
-    """PSNR and SSIM of the mean of `samples` samples per tile (seeds 0, 1, ...; DDIM)."""
+def posterior_mean_psnr(pipeline: str, reference: str, samples: int, steps: int, scheduler: str) -> dict:
+    """PSNR and SSIM of the mean of `samples` samples per tile (seeds 0, 1, ...; `scheduler`)."""
     import torch
 
     from diffusion_extras.cli.common import list_images, load_image, load_pipeline
@@ -117,7 +117,7 @@ def posterior_mean_psnr(pipeline: str, reference: str, samples: int, steps: int)
     from diffusion_extras.evaluation.sampling import make_scheduler
 
     pipe = load_pipeline(pipeline)
-    pipe.scheduler = make_scheduler("ddim", pipe.scheduler.config)
+    pipe.scheduler = make_scheduler(scheduler, pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     tiles = np.stack([load_image(path, PATCH, 3) for path in list_images(reference)])
     low = (degrade(torch.from_numpy(tiles).permute(0, 3, 1, 2).float() / 127.5 - 1, FACTOR) + 1) / 2
@@ -139,9 +139,10 @@ def super_resolution(args, out: str) -> dict:
     run = os.path.join(out, f"sr-{args.max_train_steps}")
     seconds = train(run, ["--config", recipe, "--dataset_name", training, "--conditioning", "super_resolution",
                           "--sr_factor", str(FACTOR), "--max_train_steps", str(args.max_train_steps), *args.extra])
-    report = evaluate(run, held_out, ["--num_inference_steps", str(args.num_inference_steps), "--feature_extractor",
-                                      "tiny", "--eval_metrics", "fid", "--batch_size", "64"])
-    report.update(posterior_mean_psnr(run, held_out, args.samples_per_image, args.num_inference_steps))
+    sampler = ["--scheduler", args.scheduler, "--num_inference_steps", str(args.num_inference_steps)]
+    report = evaluate(run, held_out, [*sampler, "--feature_extractor", "tiny", "--eval_metrics", "fid",
+                                      "--batch_size", "64"])
+    report.update(posterior_mean_psnr(run, held_out, args.samples_per_image, args.num_inference_steps, args.scheduler))
     return {"train_seconds": seconds, "training_patches": args.patches, **report}
 
 
@@ -173,7 +174,7 @@ def inpainting(args, out: str) -> dict:
     report = {"train_seconds": seconds, "chance": 0.1}
     for side in ("left", "top"):
         report[side] = evaluate(runs["inpainting"], reference, [
-            "--mask", side, "--baseline", runs["unconditional"], "--num_inference_steps",
+            "--mask", side, "--baseline", runs["unconditional"], "--scheduler", args.scheduler, "--num_inference_steps",
             str(args.num_inference_steps), "--feature_extractor", "tiny", "--eval_metrics", "fid"])
     return report
 
@@ -184,7 +185,10 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--task", choices=("super_resolution", "inpainting"), required=True)
     parser.add_argument("--max_train_steps", type=int, required=True)
-    parser.add_argument("--num_inference_steps", type=int, default=50, help="DDIM steps of every sample")
+    parser.add_argument("--scheduler", choices=("ddim", "ddpm", "dpm"), default="ddim",
+                        help="the sampler of every sample (the evaluate command's --scheduler; default: ddim)")
+    parser.add_argument("--num_inference_steps", type=int, default=50,
+                        help="denoising steps of every sample (default: 50)")
     parser.add_argument("--patches", type=int, default=4000, help="super_resolution: training crops")
     parser.add_argument("--samples_per_image", type=int, default=4, help="super_resolution: the mean's samples")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "conditioning"))
