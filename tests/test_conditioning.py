@@ -67,6 +67,8 @@ def test_the_export_is_an_image_conditioned_pipeline_with_its_files(super_resolu
         assert (super_resolution_run / name).is_file(), name
     unet = json.loads((super_resolution_run / "unet" / "config.json").read_text())
     assert (unet["in_channels"], unet["out_channels"]) == (2, 1)  # x_t and the upsampled low resolution
+    scheduler = json.loads((super_resolution_run / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler["prediction_type"] == "v_prediction"  # super-resolution's default
 
 
 @SR_RUN
@@ -120,6 +122,18 @@ def test_what_the_config_refuses(flags, message):
         parse_config(flags)
 
 
+@pytest.mark.parametrize("flags, predicts", [
+    (["--conditioning", "super_resolution"], "v_prediction"),
+    (["--conditioning", "super_resolution", "--prediction_type", "epsilon"], "epsilon"),
+    (["--conditioning", "inpainting"], "epsilon"), ([], "epsilon")])
+def test_super_resolution_predicts_v_unless_told(flags, predicts):
+    """Not given, --prediction_type follows --conditioning super_resolution (v: an epsilon upscaler's
+    DDIM samples drift in colour) and stays not given, so a fine-tune's base can set it."""
+    config = parse_config(flags)
+    assert config.prediction_type == predicts
+    assert ("prediction_type" in config.given) == ("--prediction_type" in flags)
+
+
 @pytest.mark.usefixtures("fresh_accelerate")
 def test_fine_tuning_an_unconditional_pipeline_widens_its_input_with_zeros(tmp_path):
     """An unconditional DDPMPipeline fine-tuned for super-resolution: conv_in gains the condition's
@@ -142,6 +156,8 @@ def test_fine_tuning_an_unconditional_pipeline_widens_its_input_with_zeros(tmp_p
         before = widened.eval()(torch.cat([sample, condition], 1), torch.tensor(30)).sample
         torch.testing.assert_close(before, original(sample, torch.tensor(30)).sample, atol=1e-6, rtol=1e-6)
     assert widened.config.in_channels == 2 and not widened.conv_in.weight[:, 1:].any()
+    # the base's objective, not super-resolution's default
+    assert run.config.prediction_type == "epsilon" and "super-resolution predicts" not in printed.getvalue()
     widened.train()
     batches = loop.make_batches(run)
     for _ in range(2):  # the first step's learning rate is the warmup's 0

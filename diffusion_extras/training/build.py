@@ -2,8 +2,6 @@
 returns the typed Run (run_state.py); each builder returns what it makes."""
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import os
 
@@ -14,8 +12,7 @@ from diffusion_extras.core.ema import ExponentialMovingAverage
 from diffusion_extras.core.optimization import make_optimizer
 from diffusion_extras.core.phema import PowerFunctionEMA
 from diffusion_extras.core.timesteps import make_timestep_sampler
-from diffusion_extras.data import batch_order, latents, sources
-from diffusion_extras.data.conditioning import stored_channels
+from diffusion_extras.data import latents, sources
 from diffusion_extras.data.spec import Resolution
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
@@ -25,7 +22,6 @@ from diffusion_extras.training import (
     autoencoder,
     checkpointing,
     compat,
-    conditioning,
     models,
     pretrained,
     run_state,
@@ -36,7 +32,8 @@ from diffusion_extras.training.config import ConfigError, TrainConfig
 from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.periodic import write_reference_bins
 from diffusion_extras.training.resume import resume
-from diffusion_extras.training.run_state import Data, Extras, Learner, Objective, Plan, Progress, Run, StepFunctions
+from diffusion_extras.training.run_data import build_data, clean_input, fit_batch_to_data, latent_record
+from diffusion_extras.training.run_state import Extras, Learner, Objective, Plan, Progress, Run, StepFunctions
 from diffusion_extras.training.sampling_copy import SamplingCopy
 
 COLLECTIVE_TIMEOUT_MINUTES = 30  # see make_accelerator: what a rank may wait for at a collective
@@ -126,6 +123,9 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     extension points (hooks.py), defaults when None."""
     hooks = hooks or Hooks()
     config, base = pretrained.resolve(config)  # None unless fine-tuning
+    if base is None and config.conditioning == "super_resolution" and "prediction_type" not in config.given:
+        accelerator.print(f"objective: super-resolution predicts {config.prediction_type} (its default: DDIM samples "
+                          "of an epsilon upscaler drift in colour); --prediction_type sets another")
     noise_scheduler = models.build_noise_scheduler(config, base.scheduler_config if base else None)
     spec = config.data_spec()
     switches = run_state.extras_switches(config, spec.uses_embedded_digits)
@@ -154,25 +154,6 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     return Run(config=config, plan=plan, accelerator=accelerator, learner=learner, objective=objective,
                data=training_data, extras=extras, progress=progress, history=tracking.History(config.output_dir),
                hooks=hooks)
-
-
-def fit_batch_to_data(config: TrainConfig, accelerator, dataset, validation_split: float) -> TrainConfig:
-    """The config with the batch following the data, as the model does: with no --train_batch_size
-    given (by flag or recipe), a data set smaller than the global batch trains with the largest
-    batch it fills, said in one line. A batch the user gave is kept (the data source refuses it
-    then); a stream's length is unknown, so its batch is kept too."""
-    if "train_batch_size" in config.given or config.streaming:
-        return config
-    count = len(dataset) - batch_order.held_out_count(len(dataset), validation_split)
-    batch = batch_order.fitted_batch_size(count, config.train_batch_size, accelerator.num_processes)
-    if batch == config.train_batch_size:
-        return config
-    accelerator.print(f"data: {count} training images, fewer than the recipe's batch of {config.train_batch_size}"
-                      + (f" x {accelerator.num_processes} processes" if accelerator.num_processes > 1 else "")
-                      + f": training with --train_batch_size {batch} (give one to choose)")
-    fitted = dataclasses.replace(config, train_batch_size=batch)
-    fitted._given = config.given  # the fitted batch is not the user's
-    return fitted
 
 
 def refuse_sharded_training(accelerator) -> None:
@@ -205,54 +186,6 @@ def build_model(config: TrainConfig, accelerator, data_channels: int, class_name
                                 config.resolution, None if config.conditioning == "none" else config.conditioning):
         accelerator.print(line)
     return choice, unet
-
-
-def build_data(config: TrainConfig, accelerator, channels: int, dataset, validation_split: float, classes,
-               data_source=sources.build_source, latent: autoencoder.LatentSpace | None = None,
-               recorded: dict | None = None) -> tuple:
-    """(the training data, the held-out images or None): the data source (decode-once cache or
-    this rank's shard of a stream, with the `classes` open_training_data read; with a `latent`
-    space, the images' posteriors, encoded once on this device, or a stream's pixels, encoded as
-    they come; with --conditioning, pixels with a stored condition beside them, which the step
-    encodes) and sigma_data. `recorded`: the config of the checkpoint a resume starts from."""
-    conditional = config.conditioning != "none"
-    earlier = None
-    if latent is None:
-        source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes)
-        encoder = posterior = normalisation = None
-    else:  # cached: the source holds posteriors; streamed (or conditional): pixels, which the step encodes
-        earlier = autoencoder.earlier_fingerprint(recorded, latent.vae, dict(latent.vae.config))
-        encoder = latents.Encoder.of(latent.vae.to(accelerator.device), config.random_flip, latent.factor,
-                                     (earlier.fingerprint,) if earlier else ())
-        source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
-                             encoder=None if conditional else encoder)
-        measured = autoencoder.measures_statistics(latent.vae)
-        encoded_each_step = config.streaming or conditional
-        posterior, normalisation = autoencoder.posterior(latent, source, encoder, encoded_each_step, accelerator)
-        accelerator.print(f"latents: {normalisation}")
-        if not encoded_each_step:  # the latents are cached: the encoder's work is done
-            autoencoder.offload_encoder(latent.vae)
-    condition = conditioning.for_run(config.conditioning, channels, stored_channels(config.data_spec(), channels),
-                                     config.sr_factor, config.seed, latent.vae if latent else None)
-    sample = torch.from_numpy(source.reference_sample(2048))
-    if condition is not None:  # pixels: a stored condition's channels off
-        sample = sample[:, :channels]
-    # sigma_data of the model input per dimension (pixels in [-1, 1], or the latent means):
-    # the scale of the Bayes-optimal reference curve
-    if posterior is None:
-        clean = latents.model_input(sample, "cpu")
-    else:  # the normalised latents' std, checked where the config's scale normalises them
-        clean, spread = posterior.normalised(sample, "cpu")
-        note = None if measured else autoencoder.scale_note(latent, clean, spread)
-        if note:
-            accelerator.print(note)
-    sigma_data = diagnostics.per_dimension_variance(clean, bounded=posterior is None) ** 0.5
-    training_data = Data(source=source, sigma_data=sigma_data, class_names=getattr(source, "class_names", None),
-                         global_micro_batch_size=config.train_batch_size * accelerator.num_processes,
-                         gradient_accumulation_steps=config.gradient_accumulation_steps, posterior=posterior,
-                         vae=latent.vae if latent else None, vae_fingerprint=encoder.fingerprint if encoder else None,
-                         vae_earlier=earlier, latent_normalization=normalisation, condition=condition)
-    return training_data, source.held_out_images
 
 
 def make_plan(config: TrainConfig, accelerator, source, choice: models.Choice, switches: dict,
@@ -389,16 +322,6 @@ def make_grad_monitor(config: TrainConfig, plan: Plan, source, probe_input=laten
                            config.diagnostics_bins, config.seed, probe_input)
 
 
-def clean_input(data: Data):
-    """(a source's stored batch, device) -> the UNet's clean input, for the held-out loss and the
-    gradient probe: pixels in [-1, 1], or in a latent run the normalised posterior means (no draw:
-    the same input at every measurement); with --conditioning (clean input, condition), the
-    condition made with fixed masks (ImageCondition.fixed_inputs)."""
-    if data.condition is not None:
-        return functools.partial(data.condition.fixed_inputs, posterior=data.posterior)
-    return functools.partial(latents.model_input, posterior=data.posterior)
-
-
 def start_trackers(run: Run) -> None:
     config = run.config
     logging_dir = os.path.join(config.output_dir, config.logging_dir)
@@ -424,12 +347,3 @@ def state_config(resolved_config: dict, unet, accelerator, base: pretrained.Pret
             | ({"vae": vae_record} if vae_record else {}))
 
 
-def latent_record(training_data: Data) -> dict | None:
-    """A latent run's VAE as checkpoints record it: its weights' fingerprint and the latents'
-    normalisation (shift and scale per channel); None for a pixel run."""
-    posterior = training_data.posterior
-    if posterior is None:
-        return None
-    return {"fingerprint": training_data.vae_fingerprint, "fingerprint_format": latents.FINGERPRINT_FORMAT,
-            "shift": [float(v) for v in posterior.shift],
-            "scale": [float(v) for v in posterior.scale]}

@@ -43,6 +43,10 @@ TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 # breaks and recompiles) without generating code, which makes them cheap for tests and debugging
 TORCH_COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 CONDITIONING = ("none", *CONDITIONING_KINDS)
+# What --conditioning super_resolution predicts when --prediction_type is not given: v. An epsilon
+# upscaler's error at high noise, where x_0 = (x_t - sqrt(1 - abar) eps) / sqrt(abar) multiplies it,
+# drifts DDIM's deterministic samples in colour (docs/BENCHMARKS.md, "Conditioning on images").
+SUPER_RESOLUTION_PREDICTION = "v_prediction"
 
 # Resume policy: what `--resume_from_checkpoint` does when a setting differs from the checkpoint's.
 REFUSE = "refuse"  # the saved state cannot serve the new value (model shape, schedule, batch layout, ...)
@@ -133,7 +137,7 @@ class TrainConfig:
     vae_subfolder: str | None = _f(None, "The VAE's subfolder in --pretrained_vae_model_name_or_path (default: vae/ where the folder has one, else the folder itself).", resume=REFUSE, group="model")
     model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape), trained with that script's optimization where you set none (docs/flags.md: Coming from diffusers).", resume=REFUSE, cli=False, group="model")
     # --- objective --------------------------------------------------------------------
-    prediction_type: str = _f("epsilon", "What the UNet predicts: the noise, v (Salimans & Ho 2022) or the clean image.", choices=PREDICTION_TYPES, resume=REFUSE, group="objective")
+    prediction_type: str = _f("epsilon", "What the UNet predicts: the noise, v (Salimans & Ho 2022) or the clean image. Not given, --conditioning super_resolution predicts v (SUPER_RESOLUTION_PREDICTION; a fine-tune, its base's).", choices=PREDICTION_TYPES, resume=REFUSE, group="objective")
     ddpm_num_steps: int = _f(1000, "Diffusion timesteps T.", resume=REFUSE, group="objective")
     ddpm_beta_schedule: str = _f("linear", "Noise schedule of the betas.", choices=BETA_SCHEDULES, resume=REFUSE, group="objective")
     rescale_betas_zero_snr: bool = _f(False, "Rescale betas to zero terminal SNR (Lin et al. 2024); pair with v_prediction.", resume=REFUSE, group="objective")
@@ -342,8 +346,11 @@ def from_sources(yaml_values: dict, cli_values: dict) -> TrainConfig:
             values["max_train_steps"] = None  # this source asks for epochs, not steps: epochs decide
     for name, value in values.items():
         values[name] = _coerce(known[name], value)
+    given = frozenset(values)
+    if values.get("conditioning") == "super_resolution" and "prediction_type" not in given:
+        values["prediction_type"] = SUPER_RESOLUTION_PREDICTION
     config = TrainConfig(**values)
-    config._given = frozenset(values)  # recorded once, read through TrainConfig.given; not a setting
+    config._given = given  # recorded once, read through TrainConfig.given; not a setting
     return config
 
 
