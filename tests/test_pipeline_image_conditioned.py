@@ -142,7 +142,7 @@ def test_what_the_pipeline_refuses():
     pipe = pipeline("super_resolution")
     with pytest.raises(ValueError, match="has 3 channel"):
         pipe(image=np.zeros((1, 4, 4, 3), np.float32), num_inference_steps=1)
-    with pytest.raises(ValueError, match="would be 7x8 .*multiples of 2"):
+    with pytest.raises(ValueError, match="would be 7x8 .*UNet needs sides that are multiples of 2"):
         pipeline("image")(image=np.zeros((7, 8), np.uint8), num_inference_steps=1)
     with pytest.raises(ValueError, match="mask_image is for inpainting"):
         pipe(image=np.zeros((4, 4), np.uint8), mask_image=np.zeros((8, 8), np.uint8), num_inference_steps=1)

@@ -161,7 +161,7 @@ class ImageConditionedPipeline(PackagePipeline):
         multiple = self.size_multiple
         if height % multiple or width % multiple:
             raise ValueError(f"the output would be {height}x{width} (height x width); this pipeline's UNet"
-                             f"{' and VAE' if self.vae is not None else ''} need sides that are multiples of "
+                             f"{' and VAE need' if self.vae is not None else ' needs'} sides that are multiples of "
                              f"{multiple}: crop or pad the input")
 
     @torch.no_grad()
