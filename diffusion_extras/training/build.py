@@ -28,7 +28,7 @@ from diffusion_extras.training import (
     step,
     tracking,
 )
-from diffusion_extras.training.config import ConfigError, TrainConfig
+from diffusion_extras.training.config import ConfigError, TrainConfig, predicts_by_super_resolution_default
 from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.periodic import write_reference_bins
 from diffusion_extras.training.resume import resume
@@ -123,7 +123,7 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     extension points (hooks.py), defaults when None."""
     hooks = hooks or Hooks()
     config, base = pretrained.resolve(config)  # None unless fine-tuning
-    if base is None and config.conditioning == "super_resolution" and "prediction_type" not in config.given:
+    if base is None and predicts_by_super_resolution_default(config.conditioning, config.given):
         accelerator.print(f"objective: super-resolution predicts {config.prediction_type} (its default: DDIM samples "
                           "of an epsilon upscaler drift in colour); --prediction_type sets another")
     noise_scheduler = models.build_noise_scheduler(config, base.scheduler_config if base else None)
