@@ -91,7 +91,7 @@ def test_cli_trains_on_tar_shards_cached_and_streamed(tiny_recipe, tmp_path):
 
 
 def test_one_data_source_at_a_time(tmp_path):
-    from diffusion_extras.training.config import ConfigError, validate
+    from diffusion_extras.training.validation import ConfigError, validate
     shard = tmp_path / "a.tar"
     shard.write_bytes(b"")  # validate() checks that local patterns match files
     with pytest.raises(ConfigError, match="not both --dataset_name and --train_data_files"):

@@ -144,7 +144,7 @@ def build_source(spec: DataSpec, processes: Processes, channels: int, dataset=No
                  classes: labels.Classes | None = None, encoder: latents.Encoder | None = None):
     """The run's data source: a stream with --streaming, else the decode-once cache (of `dataset`,
     when open_training_data already opened it) less its held-out fraction (a stream has none:
-    config.validate refuses --validation_split with --streaming). `classes` (--class_conditional):
+    training/validation.py refuses --validation_split with --streaming). `classes` (--class_conditional):
     the classes open_training_data read; the batches then carry labels. For a stream, `dataset` is
     what open_training_data returned in its place (the first stored images), or None. `encoder`
     (latent diffusion): the cache holds each image's VAE posterior; a stream still serves pixels,

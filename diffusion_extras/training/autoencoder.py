@@ -20,7 +20,8 @@ from diffusion_extras.data import latents
 from diffusion_extras.data.spec import Resolution, as_resolution, image_size, resolution_text
 from diffusion_extras.evaluation.pipeline_latent import latent_normalization, vae_scale_factor
 from diffusion_extras.hub.download import is_offline_error, offline_reason
-from diffusion_extras.training.config import ConfigError, TrainConfig, unfitting_side
+from diffusion_extras.training.config import ConfigError, TrainConfig
+from diffusion_extras.training.validation import unfitting_side
 
 VAE_SUBFOLDER = "vae"  # where a diffusers pipeline folder keeps its VAE
 VAE_SUBFOLDERS = (VAE_SUBFOLDER, "vqvae")  # ... and where LDMPipeline keeps its VQModel

@@ -23,7 +23,8 @@ import warnings
 import zlib
 from dataclasses import fields
 
-from diffusion_extras.training.config import APPLY, REFUSE, ConfigError, TrainConfig, checkpoint_folder
+from diffusion_extras.training.config import APPLY, REFUSE, ConfigError, TrainConfig
+from diffusion_extras.training.validation import checkpoint_folder
 
 PREFIX = "checkpoint-"
 MARKER = "checkpoint_complete.json"
@@ -124,7 +125,7 @@ def file_checksum(path: str, algorithm: str | None = None, chunk_bytes: int = 1 
 
 def resume_candidates(output_dir: str, resume_from: str) -> list[str]:
     """Checkpoints to try, best first. 'latest': complete ones, newest first, warning about each
-    newer one that is incomplete; a name in output_dir or a path (config.checkpoint_folder): that
+    newer one that is incomplete; a name in output_dir or a path (validation.checkpoint_folder): that
     one only, and it must be complete."""
     if resume_from != "latest":
         path = checkpoint_folder(resume_from, output_dir)

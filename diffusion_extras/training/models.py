@@ -11,7 +11,8 @@ from diffusion_extras.evaluation import pipeline_image_conditioned as image_cond
 from diffusion_extras.evaluation import pipeline_latent as latent_pipeline
 from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
 from diffusion_extras.training.autoencoder import LatentSpace
-from diffusion_extras.training.config import DIGITS_UNET, ConfigError, TrainConfig, unfitting_side, validate_model_shape
+from diffusion_extras.training.config import DIGITS_UNET, ConfigError, TrainConfig
+from diffusion_extras.training.validation import unfitting_side, validate_model_shape
 
 # diffusers' examples/unconditional_image_generation/train_unconditional.py builds this UNet when no
 # --model_config_name_or_path is given (~114M parameters; diffusers' other UNet2DModel defaults):

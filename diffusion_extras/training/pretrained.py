@@ -25,8 +25,9 @@ from diffusion_extras.evaluation.pipeline_latent import vae_scale_factor
 from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
 from diffusion_extras.training import checkpointing
 from diffusion_extras.training.autoencoder import AUTOENCODERS, VAE_SUBFOLDER, LatentSpace
-from diffusion_extras.training.config import ConfigError, TrainConfig, validate
+from diffusion_extras.training.config import ConfigError, TrainConfig
 from diffusion_extras.training.models import COLOUR_NAMES, Choice, condition_channels, sample_channels, shown
+from diffusion_extras.training.validation import validate
 
 # What a fine-tune trains with where the user sets none: a tenth of the from-scratch learning rate
 # and half the from-scratch warmup for the base's size N (parameters), so Adam's moments settle
