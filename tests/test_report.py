@@ -13,6 +13,7 @@ from diffusion_extras.monitoring.bins import loss_bin_key
 from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 from diffusion_extras.report import checks as report_checks
 from diffusion_extras.report import health as report
+from diffusion_extras.report import timestep_balance
 
 SIGMA_DATA = 0.5
 NUM_BINS = 10
@@ -254,7 +255,7 @@ def test_noisiest_bins_error_floor_is_info_not_an_imbalance():
     assert len(floor) == 1 and floor[0].severity == "info"
     assert "800-899, 900-999" in floor[0].message and "8.9x" in floor[0].message
     shares = floor[0].evidence["objective_shares"]
-    assert all(0 < s < report_checks.IMBALANCE_MIN_SHARE for s in shares.values())
+    assert all(0 < s < timestep_balance.IMBALANCE_MIN_SHARE for s in shares.values())
     # the same bins 5x higher at the noisy end are a material gap again: a warning
     heavy = [dict(r, **{loss_bin_key(9, NUM_BINS): 0.02}) for r in history]
     flagged = [f for f in report.analyze(heavy, DIGITS_CONFIG) if f.code == "timestep_imbalance"]

@@ -1,6 +1,7 @@
 """Training health report: reads OUTPUT_DIR/logs/history.jsonl and training_config.yaml, runs the
-checks of report_checks.py, and writes training_report.json and training_report.md, each finding
-with its recommendation.   python -m diffusion_extras.report OUTPUT_DIR_OR_CHECKPOINT_DIR
+checks of checks.py, dynamics.py, timestep_balance.py and class_balance.py, and writes
+training_report.json and training_report.md, each finding with its recommendation.
+    python -m diffusion_extras.report OUTPUT_DIR_OR_CHECKPOINT_DIR
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import yaml
 
 from diffusion_extras.core import commands
 from diffusion_extras.core.commands import prog_name
-from diffusion_extras.report import checks, class_balance
+from diffusion_extras.report import checks, class_balance, timestep_balance
 from diffusion_extras.report import dynamics as report_dynamics
 from diffusion_extras.report.checks import SEVERITY_ORDER, Finding, RunLog, median
 
@@ -29,7 +30,7 @@ def analyze(history: list[dict], config: dict, bayes_optimal_bins: dict[str, flo
     `class_names` (id -> name) names the classes of a class-conditional run."""
     run = RunLog(history, config or {})
     findings = [finding for check in checks.RUN_CHECKS + report_dynamics.CHECKS for finding in check(run)]
-    findings += checks.check_timestep_balance(run, bayes_optimal_bins)
+    findings += timestep_balance.check_timestep_balance(run, bayes_optimal_bins)
     findings += class_balance.check_class_lag(run, class_names)
     findings += learned_variance_note(run)
     return sorted(findings, key=lambda finding: SEVERITY_ORDER[finding.severity])
