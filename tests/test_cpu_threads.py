@@ -167,3 +167,16 @@ def test_the_planned_count_is_the_one_torch_takes_from_mkl_or_omp_num_threads(en
     name = "MKL_NUM_THREADS" if "MKL_NUM_THREADS" in env else "OMP_NUM_THREADS"
     assert cpu_threads.planned_threads(env) == got["threads"] == int(env[name])
     assert f"({name}={env[name]})" in got["line"]
+
+
+@pytest.mark.parametrize("value", ["abc", "0"])
+def test_a_thread_variable_set_to_no_count_is_not_the_users_count(value):
+    """torch ignores OMP_NUM_THREADS=abc (or 0) and counts the cores: the command shares them among
+    the machine's ranks as if it were unset, the count it planned before torch loaded and the line
+    says."""
+    default = torch_default_threads()
+    got, _ = command(OMP_NUM_THREADS=value, LOCAL_WORLD_SIZE="2")
+    shared = 1 if cpu_threads.bound_to_some_cpus() else 2
+    assert got["threads"] == max(1, min(default, cpu_threads.available_cpus()) // shared)
+    assert cpu_threads.planned_threads({"OMP_NUM_THREADS": value, "LOCAL_WORLD_SIZE": "2"}) == got["threads"]
+    assert "CPU(s) available" in got["line"]

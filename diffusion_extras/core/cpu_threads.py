@@ -163,8 +163,10 @@ def thread_count(torch_default: int, environ=os.environ) -> int:
 
 def set_thread_count(environ=os.environ) -> None:
     """Once torch is imported by the command itself: its thread count (thread_count), unless the
-    user or the launcher gave one (OMP_NUM_THREADS, MKL_NUM_THREADS)."""
-    if any(name in environ for name in USER_COUNT_SETTINGS):
+    user or the launcher gave one (OMP_NUM_THREADS, MKL_NUM_THREADS). A variable set to no count
+    (OMP_NUM_THREADS=abc, or 0) is not a choice: torch warns, ignores it and counts the cores, and
+    this shares them as if it were unset, the count planned_threads planned and describe states."""
+    if user_thread_count(environ) is not None:
         return
     import torch
     count = thread_count(torch.get_num_threads(), environ)
