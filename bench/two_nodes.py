@@ -15,6 +15,10 @@
 3. lost node: the same 2-node job with a checkpoint every --steps/4 steps, its rank on node2 killed
    (SIGKILL) once the first checkpoint is written: seconds from the kill to the job leaving the queue,
    and srun's line naming the lost task.
+4. vanished node: that job again, node2's link cut instead once the first checkpoint is written:
+   seconds until Slurm requeues the job (node2 declared down: local_cluster.sh's SlurmdTimeout) and
+   until node1's rank has ended (KillWait); then the link restored and the requeue's 2-minute hold
+   released, as an admin would: seconds until the job ends, and its state.
 Every job runs this checkout with this interpreter (the example's PYTHON). The local cluster's nodes
 share this machine's cores: the two layouts differ in the path between the ranks (a bridge between
 network namespaces against loopback), not in compute. Prints one JSON line per measurement, with
@@ -39,6 +43,7 @@ LAYOUTS = {"2 nodes x 1 rank": ("--nodes=2", "--ntasks-per-node=1"),
            "1 node x 2 ranks": ("--nodes=1", "--ntasks-per-node=2")}
 # The example's GPU and CPU counts overridden as on a CPU cluster (a local node has this machine's cores)
 CPU_JOB = ("--gpus-per-node=0", "--cpus-per-task=1", "--time=60")
+MEASURES = ("round_trip", "training", "lost", "vanished")
 
 
 def environment() -> dict:
@@ -115,8 +120,9 @@ def state_differences(a: str, b: str) -> list[str]:
 
 
 def trainer_process(job_id: str, rank: int) -> int:
-    """The pid of rank `rank`'s trainer in the job: the process srun's step started with that
-    SLURM_PROCID (its parent is slurmstepd; its loader workers' parent is the trainer)."""
+    """The pid of rank `rank`'s trainer in the job: the Python process srun's step started with that
+    SLURM_PROCID (its parent is slurmstepd; its loader workers' parent is the trainer; the batch
+    script, also slurmstepd's child with SLURM_PROCID=0, is a shell)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -126,10 +132,11 @@ def trainer_process(job_id: str, rank: int) -> int:
                 parent = fh.read().rsplit(")", 1)[1].split()[1]
             with open(f"/proc/{parent}/comm") as fh:
                 parent_name = fh.read().strip()
+            program = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
         except OSError:  # ended meanwhile, or not ours to read
             continue
         if ({f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()} <= environ
-                and parent_name == "slurmstepd"):
+                and parent_name == "slurmstepd" and program.startswith("python")):
             found.append(int(pid))
     if len(found) != 1:
         raise RuntimeError(f"rank {rank} of job {job_id}: {found} processes")
@@ -151,10 +158,50 @@ def lost_node(steps: int, work: str) -> dict:
             "srun_lines": lines}
 
 
+def set_node_link(node: int, state: str) -> None:
+    """The machine's end of node `node`'s veth pair (local_cluster.sh) up or down: down, the node's
+    slurmd and ranks reach nothing and nothing reaches them, and no connection is closed."""
+    subprocess.run(["ip", "link", "set", f"veth-node{node}", state], check=True)
+
+
+def job_restarts(job_id: str) -> int:
+    text = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    return int(text.split(" Restarts=")[1].split()[0]) if " Restarts=" in text else 0
+
+
+def vanished_node(steps: int, work: str) -> dict:
+    every = max(1, steps // 4)
+    job_id, out, log = submit("2 nodes x 1 rank", work, "vanished", "--max_train_steps", str(steps),
+                              "--checkpointing_steps", str(every))
+    while not os.path.isdir(os.path.join(out, f"checkpoint-{every}")):
+        time.sleep(0.1)
+    first = trainer_process(job_id, 0)
+    set_node_link(2, "down")
+    cut = time.monotonic()
+    try:
+        while job_restarts(job_id) == 0:
+            time.sleep(0.2)
+        requeued = time.monotonic() - cut
+        while os.path.exists(f"/proc/{first}"):
+            time.sleep(0.2)
+        ended = time.monotonic() - cut
+    finally:
+        set_node_link(2, "up")
+    restored = time.monotonic()
+    while subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True,
+                         text=True).stdout.strip() not in ("BeginTime", ""):
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+    state = wait_for_job(job_id)
+    return {"measure": "vanished node", "state": state, "cut_to_requeue_s": round(requeued, 1),
+            "cut_to_node1_rank_ended_s": round(ended, 1), "restore_to_job_end_s": round(time.monotonic() - restored, 1)}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps of each training job")
     parser.add_argument("--repeats", type=int, default=2000, help="all-reduces timed per round trip")
+    parser.add_argument("--only", choices=MEASURES, help="one measurement (numbered in the docstring); default: all")
     parser.add_argument("--probe", type=int, help=argparse.SUPPRESS)  # inside a rank (round_trip)
     args = parser.parse_args(argv)
     if args.probe:
@@ -162,16 +209,22 @@ def main(argv=None) -> None:
     def report(row: dict) -> None:
         print(json.dumps({**row, "load_average": os.getloadavg()[0]}), flush=True)
 
-    for layout in LAYOUTS:
-        report(round_trip(layout, args.repeats))
-    with tempfile.TemporaryDirectory(prefix="two-nodes-") as work:
-        checkpoints = []
+    wanted = {args.only} if args.only else set(MEASURES)
+    if "round_trip" in wanted:
         for layout in LAYOUTS:
-            run = training(layout, args.steps, work)
-            checkpoints.append(run.pop("checkpoint"))
-            report(run)
-        report({"measure": "training", "differing_state_files": state_differences(*checkpoints)})
-        report(lost_node(args.steps, work))
+            report(round_trip(layout, args.repeats))
+    with tempfile.TemporaryDirectory(prefix="two-nodes-") as work:
+        if "training" in wanted:
+            checkpoints = []
+            for layout in LAYOUTS:
+                run = training(layout, args.steps, work)
+                checkpoints.append(run.pop("checkpoint"))
+                report(run)
+            report({"measure": "training", "differing_state_files": state_differences(*checkpoints)})
+        if "lost" in wanted:
+            report(lost_node(args.steps, work))
+        if "vanished" in wanted:
+            report(vanished_node(args.steps, work))
     print(json.dumps({"command": " ".join(sys.argv)}))
 
 

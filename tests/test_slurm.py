@@ -14,7 +14,9 @@ cluster serves the one-node tests).
   every rank stops at the same step and the requeued job finishes the run; a signal to one node's
   rank alone stops both at one step; when one node's rank is killed, the other fails by itself on
   the closed connection, Slurm's line names the lost task and node, and the same command resumes
-  from the newest complete checkpoint. Each 2-rank job ends as the uninterrupted run.
+  from the newest complete checkpoint; when one node's link is cut, Slurm declares the node down
+  and requeues the job, which resumes once the node is back. Each 2-rank job ends as the
+  uninterrupted run.
 The slowed jobs run the examples with tests/faults.py --step_seconds S for train_ddpm.py, whose
 steps sleep until the first stop: the first segment lasts as long as the scheduler needs, at little
 CPU, and the requeued one finishes in seconds. The jobs' interpreter is this one (the examples'
@@ -320,4 +322,48 @@ def test_a_lost_node_ends_the_job_in_bounded_time_and_the_same_command_resumes_b
     assert wait_for_job(submit(script, again, recipe, out, *TWO_NODES, "--time=30"), timeout=900) == "COMPLETED"
     text = read_log(again)
     assert f"0: resumed from {newest} at optimizer step" in text and "done: 100 optimizer steps" in text, text[-3000:]
+    assert_same_run(out, straight)
+
+
+def set_node_link(node: int, state: str) -> None:
+    """Node `node`'s link up or down (bench/two_nodes.py cuts it for its figures too)."""
+    load_bench_module("two_nodes").set_node_link(node, state)
+
+
+# local_cluster.sh's SlurmdTimeout (30 s), slurmctld's ping interval within it, and KillWait (30 s)
+NODE_DOWN_BOUND = 30 + 30 + 30 + 30
+
+
+def test_a_node_cut_off_the_network_is_declared_down_and_the_requeued_job_resumes_bit_identical(two_nodes, tmp_path,
+                                                                                                two_rank_straight):
+    """Node2's link cut mid-run and kept down (a vanished node: nothing is closed, node1's rank waits at
+    its collective): Slurm declares node2 down after SlurmdTimeout, ends node1's rank (SIGTERM, which
+    cannot finish a stop without its peer, then SIGKILL), and requeues the job by itself (--requeue),
+    minutes before the process group's 30-minute timeout would. With the link back, node2 returns to
+    service, its stranded rank ends, and the same job resumes from the newest complete checkpoint and
+    ends as the uninterrupted run."""
+    recipe, straight = two_rank_straight
+    out, log = tmp_path / "run", tmp_path / "slurm.out"
+    script = slurm_script(tmp_path, "train_multi_node.sbatch", 0.3)  # slowed until it is resumed
+    job_id = submit(script, log, recipe, out, *TWO_NODES, "--time=30")
+    wait_for_checkpoint(out / "checkpoint-25", log)
+    first, stranded = trainer_process(job_id, 0), trainer_process(job_id, 1)
+    set_node_link(2, "down")
+    try:
+        deadline = time.monotonic() + NODE_DOWN_BOUND
+        while os.path.exists(f"/proc/{first}"):  # node1's rank: ended by Slurm, not by the group's timeout
+            assert time.monotonic() < deadline, read_log(log)[-3000:]
+            time.sleep(1)
+        node = subprocess.run(["scontrol", "show", "node", "node2"], capture_output=True, text=True).stdout
+        assert "DOWN" in node.split("State=")[1].split()[0] and "Reason=Not responding" in node, node
+        assert load_bench_module("two_nodes").job_restarts(job_id) == 1 and os.path.exists(f"/proc/{stranded}")
+        # what the requeued job will find: it cannot start before node2 is back
+        newest = next(path for path in reversed(list_checkpoints(out)) if verify_checkpoint(path) is None)
+    finally:
+        set_node_link(2, "up")
+    assert wait_for_job(job_id, timeout=900) == "COMPLETED", read_log(log)[-3000:]
+    text = read_log(log)
+    assert "srun: error: Node failure on node2" in text and "DUE TO NODE FAILURE" in text, text[-3000:]
+    assert f"0: resumed from {newest} at optimizer step" in text and "done: 100 optimizer steps" in text, text[-3000:]
+    assert not os.path.exists(f"/proc/{stranded}")
     assert_same_run(out, straight)

@@ -36,6 +36,9 @@ case "${1:-}" in
   *) echo "usage: bash $0 [--nodes N | --stop]" >&2; exit 2 ;;
 esac
 subnet=${LOCAL_CLUSTER_SUBNET:-10.213.64}
+# A node that stops answering (its network cut) is declared DOWN, and its jobs requeued, after this many
+# seconds; Slurm's default is 300. 30 keeps the tests' cut node (tests/test_slurm.py) to a minute.
+slurmd_timeout=30
 bridge=slurmbr0
 exec 9>/run/local_slurm_cluster.lock
 flock 9
@@ -116,6 +119,7 @@ SlurmdLogFile=/var/log/slurm/slurmd-%n.log
 ReturnToService=2
 JobRequeue=1
 KillWait=30
+SlurmdTimeout=$slurmd_timeout
 MinJobAge=600
 $node_lines
 PartitionName=debug Nodes=$node_list Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
