@@ -143,12 +143,19 @@ def trainer_process(job_id: str, rank: int) -> int:
     return found[0]
 
 
-def lost_node(steps: int, work: str) -> dict:
+def past_first_checkpoint(name: str, steps: int, work: str) -> tuple[str, str, str]:
+    """The 2-node job with a checkpoint every steps/4 steps, once its first is written: (job id,
+    output folder, log)."""
     every = max(1, steps // 4)
-    job_id, out, log = submit("2 nodes x 1 rank", work, "lost", "--max_train_steps", str(steps),
+    job_id, out, log = submit("2 nodes x 1 rank", work, name, "--max_train_steps", str(steps),
                               "--checkpointing_steps", str(every))
     while not os.path.isdir(os.path.join(out, f"checkpoint-{every}")):
         time.sleep(0.1)
+    return job_id, out, log
+
+
+def lost_node(steps: int, work: str) -> dict:
+    job_id, _, log = past_first_checkpoint("lost", steps, work)
     os.kill(trainer_process(job_id, 1), signal.SIGKILL)
     killed = time.monotonic()
     state = wait_for_job(job_id)
@@ -170,11 +177,7 @@ def job_restarts(job_id: str) -> int:
 
 
 def vanished_node(steps: int, work: str) -> dict:
-    every = max(1, steps // 4)
-    job_id, out, log = submit("2 nodes x 1 rank", work, "vanished", "--max_train_steps", str(steps),
-                              "--checkpointing_steps", str(every))
-    while not os.path.isdir(os.path.join(out, f"checkpoint-{every}")):
-        time.sleep(0.1)
+    job_id, _, _ = past_first_checkpoint("vanished", steps, work)
     first = trainer_process(job_id, 0)
     set_node_link(2, "down")
     cut = time.monotonic()
