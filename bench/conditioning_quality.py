@@ -108,7 +108,10 @@ def photo_patches(out: str, count: int, seed: int = 0) -> tuple[str, str]:
 
 
 def posterior_mean_psnr(pipeline: str, reference: str, samples: int, steps: int, scheduler: str) -> dict:
-    """PSNR and SSIM of the mean of `samples` samples per tile (seeds 0, 1, ...; `scheduler`)."""
+    """PSNR and SSIM of the mean of `samples` samples per tile (seeds 0, 1, ...; `scheduler`), and
+    how far its PSNR lies above bicubic's, tile by tile: the mean paired difference, its standard
+    error (a difference within about two of them is a tie) and the tiles on which the model is
+    closer. Tiles that either reproduces exactly (inf dB) are left out of the pairs."""
     import torch
 
     from diffusion_extras.cli.common import list_images, load_image, load_pipeline
@@ -125,7 +128,12 @@ def posterior_mean_psnr(pipeline: str, reference: str, samples: int, steps: int,
                                                             range(first, min(first + 64, len(tiles))), steps, seed, 1.0)
                              for first in range(0, len(tiles), 64)]) for seed in range(samples)]
     mean = np.round(np.mean(np.stack(draws).astype(np.float64), axis=0)).astype(np.uint8)
-    return {"samples_per_image": samples, **conditioned.closeness(mean, tiles, prefix="mean_")}
+    gain = conditioned.psnr(mean, tiles) - conditioned.psnr(conditioned.bicubic(tiles, FACTOR), tiles)
+    gain = gain[np.isfinite(gain)]
+    return {"samples_per_image": samples, **conditioned.closeness(mean, tiles, prefix="mean_"),
+            "mean_minus_bicubic_psnr": float(gain.mean()),
+            "mean_minus_bicubic_psnr_standard_error": float(gain.std(ddof=1) / np.sqrt(len(gain))),
+            "tiles_closer_than_bicubic": f"{int((gain > 0).sum())} of {len(gain)}"}
 
 
 def super_resolution(args, out: str) -> dict:
