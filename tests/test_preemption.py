@@ -98,6 +98,28 @@ def test_two_ranks_agree_on_the_stop_step_when_one_rank_is_signalled(tiny_recipe
     assert_same_state(reference, out, STEPS)
 
 
+def test_the_stop_agreement_waits_at_its_collective_as_long_as_the_process_group(monkeypatch):
+    """The stop agreement's gloo group takes the process group's timeout (build.py's
+    COLLECTIVE_TIMEOUT_MINUTES), not torch's default for a new gloo group: a rank held at either
+    collective (a network cut) fails after the same wait. A one-process gloo world stands in for the
+    ranks; the constant is set to a value torch would not choose by itself."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from diffusion_extras.training import build, preemption
+    monkeypatch.setattr(build, "COLLECTIVE_TIMEOUT_MINUTES", 7)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        watch = preemption.PreemptionWatch(SimpleNamespace(num_processes=2, process_index=0))
+        try:
+            assert watch.group._get_backend(torch.device("cpu")).options._timeout == timedelta(minutes=7)
+            assert not watch.requested()  # the group works: the one-element all-reduce
+        finally:
+            watch.close()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_streamed_data_preempted_and_resumed_exactly(tiny_recipe, tmp_path, parquet_images, ranks):
     """Each rank's stream position is saved at the stop step; the resumed run equals an

@@ -34,7 +34,7 @@ import pytest
 from helpers import ROOT, load_bench_module, load_unet_weights, read_history, run_training, write_tiny_recipe
 from processes import cli_env, launch_training
 
-from diffusion_extras.training.checkpointing import list_checkpoints, verify_checkpoint
+from diffusion_extras.training.checkpointing import resume_candidates
 
 CLUSTER = os.path.join(ROOT, "examples", "slurm", "local_cluster.sh")
 # The 2-rank jobs' recipe: 100 steps of global batch 8, checkpoints every 25, two loader workers per rank
@@ -317,7 +317,7 @@ def test_a_lost_node_ends_the_job_in_bounded_time_and_the_same_command_resumes_b
     lost = text.index("srun: error: node2: task 1: Killed")
     assert text.index("srun: error: node1: task 0: Exited with exit code 1") > lost, text[-3000:]
     assert "done:" not in text and not (out / "unet").exists()
-    newest = next(path for path in reversed(list_checkpoints(out)) if verify_checkpoint(path) is None)
+    newest = resume_candidates(str(out), "latest")[0]  # what --resume_from_checkpoint latest picks
     again = tmp_path / "again.out"
     assert wait_for_job(submit(script, again, recipe, out, *TWO_NODES, "--time=30"), timeout=900) == "COMPLETED"
     text = read_log(again)
@@ -328,6 +328,11 @@ def test_a_lost_node_ends_the_job_in_bounded_time_and_the_same_command_resumes_b
 def set_node_link(node: int, state: str) -> None:
     """Node `node`'s link up or down (bench/two_nodes.py cuts it for its figures too)."""
     load_bench_module("two_nodes").set_node_link(node, state)
+
+
+def job_restarts(job_id: str) -> int:
+    """How many times Slurm has requeued the job (bench/two_nodes.py reads it for its figures too)."""
+    return load_bench_module("two_nodes").job_restarts(job_id)
 
 
 # local_cluster.sh's SlurmdTimeout (30 s), slurmctld's ping interval within it, and KillWait (30 s)
@@ -356,9 +361,9 @@ def test_a_node_cut_off_the_network_is_declared_down_and_the_requeued_job_resume
             time.sleep(1)
         node = subprocess.run(["scontrol", "show", "node", "node2"], capture_output=True, text=True).stdout
         assert "DOWN" in node.split("State=")[1].split()[0] and "Reason=Not responding" in node, node
-        assert load_bench_module("two_nodes").job_restarts(job_id) == 1 and os.path.exists(f"/proc/{stranded}")
+        assert job_restarts(job_id) == 1 and os.path.exists(f"/proc/{stranded}")
         # what the requeued job will find: it cannot start before node2 is back
-        newest = next(path for path in reversed(list_checkpoints(out)) if verify_checkpoint(path) is None)
+        newest = resume_candidates(str(out), "latest")[0]  # what --resume_from_checkpoint latest picks
     finally:
         set_node_link(2, "up")
     assert wait_for_job(job_id, timeout=900) == "COMPLETED", read_log(log)[-3000:]
@@ -373,8 +378,8 @@ def test_a_network_cut_shorter_than_slurmd_timeout_costs_only_the_wait(two_nodes
     """Node2's link down for 15 s mid-run (under local_cluster.sh's SlurmdTimeout of 30 s): the ranks
     wait at their collective, TCP resends what it held once the link is back, and the job goes on:
     no requeue, no node failure, the uninterrupted run's result. A collective timeout shorter than
-    the cut would fail it (seen with 5 s for both the process group, training/build.py, and the stop
-    agreement's group, training/preemption.py: which of them waits depends on where the cut falls)."""
+    the cut would fail it (seen with build.py's COLLECTIVE_TIMEOUT_MINUTES at 5 s, which both the
+    process group and the stop agreement's group take: which of them waits depends on where the cut falls)."""
     recipe, straight = two_rank_straight
     out, log = tmp_path / "run", tmp_path / "slurm.out"
     script = slurm_script(tmp_path, "train_multi_node.sbatch", 0.3)
@@ -387,7 +392,7 @@ def test_a_network_cut_shorter_than_slurmd_timeout_costs_only_the_wait(two_nodes
         set_node_link(2, "up")
     assert wait_for_job(job_id, timeout=900) == "COMPLETED", read_log(log)[-3000:]
     text = read_log(log)
-    assert load_bench_module("two_nodes").job_restarts(job_id) == 0 and "Node failure" not in text, text[-3000:]
+    assert job_restarts(job_id) == 0 and "Node failure" not in text, text[-3000:]
     assert "resumed from" not in text and "done: 100 optimizer steps" in text, text[-3000:]
     # the cut held a step up (a global batch of 8 over 15 s: about 0.5 images/s; the others ~20)
     assert min(h["images_per_second"] for h in read_history(out)) < 1

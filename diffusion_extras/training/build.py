@@ -36,7 +36,9 @@ from diffusion_extras.training.run_data import build_data, clean_input, fit_batc
 from diffusion_extras.training.run_state import Extras, Learner, Objective, Plan, Progress, Run, StepFunctions
 from diffusion_extras.training.sampling_copy import SamplingCopy
 
-COLLECTIVE_TIMEOUT_MINUTES = 30  # see make_accelerator: what a rank may wait for at a collective
+# what a rank may wait for at a collective: the process group's (make_accelerator says why) and
+# the stop agreement's group's (preemption.py)
+COLLECTIVE_TIMEOUT_MINUTES = 30
 
 
 def make_accelerator(config: TrainConfig):

@@ -44,7 +44,14 @@ class PreemptionWatch:
         self.received_at: float | None = None  # time.monotonic() when it came
         self.group = None
         if accelerator.num_processes > 1 and torch.distributed.is_initialized():
-            self.group = torch.distributed.new_group(backend="gloo")  # collective: every rank makes it
+            from datetime import timedelta
+
+            from diffusion_extras.training.build import COLLECTIVE_TIMEOUT_MINUTES  # made the accelerator: loaded
+
+            # collective: every rank makes it. Its own timeout, or torch gives it gloo's default
+            # rather than the process group's.
+            self.group = torch.distributed.new_group(backend="gloo",
+                                                     timeout=timedelta(minutes=COLLECTIVE_TIMEOUT_MINUTES))
             store = torch.distributed.PrefixStore(f"ddpm_stop/{next(_watches)}",
                                                   torch.distributed.distributed_c10d._get_default_store())
             stop_flag.share(stop_flag.Shared(store, accelerator.process_index, accelerator.num_processes))
