@@ -34,6 +34,20 @@ def need(ok, message: str) -> None:
 
 def validate(c: TrainConfig) -> None:
     """Every check that needs no data, model or device; raises ConfigError with the fix."""
+    validate_ranges(c)
+    validate_choices_and_combinations(c)
+    validate_paths(c)
+    validate_latent(c)
+    validate_conditioning(c)
+    if c.model_config_name_or_path is None and c.pretrained_model_name_or_path is None \
+            and c.pretrained_vae_model_name_or_path is None:
+        # a config file's UNet is checked when it is loaded, a pretrained one is what it is, a
+        # latent one at the latents' size (training/autoencoder.py, once the VAE's config is read)
+        validate_model_shape(c.model, c.resolution)
+
+
+def validate_ranges(c: TrainConfig) -> None:
+    """Each number within its range: counts, rates, probabilities, weights."""
     for name in ("train_batch_size", "eval_batch_size", "gradient_accumulation_steps", "num_epochs",
                  "ddpm_num_steps", "ddpm_num_inference_steps", "diagnostics_steps",
                  "save_model_steps", "checkpointing_steps"):
@@ -52,6 +66,31 @@ def validate(c: TrainConfig) -> None:
     need(c.shuffle_buffer_size >= 0, "--shuffle_buffer_size must be >= 0")
     need(0 <= c.condition_dropout < 1, f"--condition_dropout must lie in [0, 1) (got {c.condition_dropout})")
     need(c.guidance_scale >= 0, f"--guidance_scale must be >= 0 (1: no guidance; got {c.guidance_scale})")
+    need(c.vlb_weight >= 0, f"--vlb_weight must be >= 0 (got {c.vlb_weight})")
+    need(c.offset_noise >= 0, f"--offset_noise must be >= 0 (0: off; got {c.offset_noise})")
+    need(c.snr_gamma is None or c.snr_gamma >= 0,
+         f"--snr_gamma must be >= 0 (0 turns the weighting off; got {c.snr_gamma})")
+    need(c.diagnostics_bins >= 1 and c.diagnostics_bins <= c.ddpm_num_steps,
+         f"--diagnostics_bins must lie in [1, --ddpm_num_steps] (got {c.diagnostics_bins})")
+    need(c.max_nonfinite_steps >= 1, f"--max_nonfinite_steps must be at least 1 (got {c.max_nonfinite_steps})")
+    need(c.find_lr_steps >= 10, f"--find_lr_steps must be at least 10 (got {c.find_lr_steps})")
+    need(c.eval_steps is None or c.eval_steps >= 1, f"--eval_steps must be at least 1 (got {c.eval_steps})")
+    need(c.eval_num_samples >= 2, f"--eval_num_samples must be at least 2 (got {c.eval_num_samples})")
+    need(c.validation_split is None or 0 <= c.validation_split < 1,
+         f"--validation_split must lie in [0, 1) (got {c.validation_split})")
+    need(c.grad_diagnostics_steps is None or c.grad_diagnostics_steps >= 0,
+         f"--grad_diagnostics_steps must be at least 0 (0: off; got {c.grad_diagnostics_steps})")
+    need(c.validation_steps >= 1, f"--validation_steps must be at least 1 (got {c.validation_steps})")
+    need(c.posthoc_ema_snapshot_steps >= 1, "--posthoc_ema_snapshot_steps must be at least 1")
+    need(c.huber_c > 0, f"--huber_c must be positive (got {c.huber_c})")
+    need(0 < c.ema_max_decay < 1, f"--ema_max_decay must lie in (0, 1) (got {c.ema_max_decay})")
+    need(c.ema_inv_gamma > 0 and c.ema_power > 0, "--ema_inv_gamma and --ema_power must be positive")
+    for name in ("save_images_epochs", "save_model_epochs"):
+        need(getattr(c, name) is None or getattr(c, name) >= 1, f"--{name} must be at least 1 (got {getattr(c, name)})")
+
+
+def validate_choices_and_combinations(c: TrainConfig) -> None:
+    """Each value one of its choices; flags that need, or exclude, each other or a device."""
     need(not (c.label_column and not c.class_conditional),
          "--label_column is read only with --class_conditional: add it")
     need(not c.streaming or c.dataset_name or c.train_data_dir or c.train_data_files,
@@ -65,45 +104,22 @@ def validate(c: TrainConfig) -> None:
     need(c.torch_compile_mode == "default" or c.torch_compile_backend == "inductor",
          f"--torch_compile_mode {c.torch_compile_mode} is an inductor mode: drop it or use "
          "--torch_compile_backend inductor")
-    need(c.vlb_weight >= 0, f"--vlb_weight must be >= 0 (got {c.vlb_weight})")
-    need(c.offset_noise >= 0, f"--offset_noise must be >= 0 (0: off; got {c.offset_noise})")
     need(not (c.variance_type == "learned_range" and c.rescale_betas_zero_snr and c.prediction_type == "epsilon"),
          "--variance_type learned_range with --rescale_betas_zero_snr cannot recover x_0 from epsilon at zero SNR "
          "(the bound needs it): add --prediction_type v_prediction")
-    need(c.snr_gamma is None or c.snr_gamma >= 0,
-         f"--snr_gamma must be >= 0 (0 turns the weighting off; got {c.snr_gamma})")
-    need(c.diagnostics_bins >= 1 and c.diagnostics_bins <= c.ddpm_num_steps,
-         f"--diagnostics_bins must lie in [1, --ddpm_num_steps] (got {c.diagnostics_bins})")
-    need(c.max_nonfinite_steps >= 1, f"--max_nonfinite_steps must be at least 1 (got {c.max_nonfinite_steps})")
-    need(c.find_lr_steps >= 10, f"--find_lr_steps must be at least 10 (got {c.find_lr_steps})")
     need(not (c.find_lr and c.resume_from_checkpoint),
          "--find_lr sweeps a fresh model and never loads a checkpoint: drop --resume_from_checkpoint")
-    need(c.eval_steps is None or c.eval_steps >= 1, f"--eval_steps must be at least 1 (got {c.eval_steps})")
-    need(c.eval_num_samples >= 2, f"--eval_num_samples must be at least 2 (got {c.eval_num_samples})")
     try:
         parse_metrics(c.eval_metrics)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    need(c.validation_split is None or 0 <= c.validation_split < 1,
-         f"--validation_split must lie in [0, 1) (got {c.validation_split})")
     need(not (c.validation_split and c.streaming),
          "--validation_split needs cached data (a stream has no fixed set to hold out); drop --streaming")
-    need(c.grad_diagnostics_steps is None or c.grad_diagnostics_steps >= 0,
-         f"--grad_diagnostics_steps must be at least 0 (0: off; got {c.grad_diagnostics_steps})")
-    need(c.validation_steps >= 1, f"--validation_steps must be at least 1 (got {c.validation_steps})")
-    need(c.inception_weights is None or os.path.isfile(c.inception_weights),
-         f"--inception_weights {c.inception_weights}: no such file (leave it out to download the detector)")
     if c.use_8bit_adam:
         try:
             import bitsandbytes  # noqa: F401  (presence check)
         except ImportError:
             raise ConfigError("--use_8bit_adam needs bitsandbytes: pip install bitsandbytes (CUDA GPUs)") from None
-    need(c.posthoc_ema_snapshot_steps >= 1, "--posthoc_ema_snapshot_steps must be at least 1")
-    need(c.huber_c > 0, f"--huber_c must be positive (got {c.huber_c})")
-    need(0 < c.ema_max_decay < 1, f"--ema_max_decay must lie in (0, 1) (got {c.ema_max_decay})")
-    need(c.ema_inv_gamma > 0 and c.ema_power > 0, "--ema_inv_gamma and --ema_power must be positive")
-    for name in ("save_images_epochs", "save_model_epochs"):
-        need(getattr(c, name) is None or getattr(c, name) >= 1, f"--{name} must be at least 1 (got {getattr(c, name)})")
     need(not (c.overwrite_output_dir and c.resume_from_checkpoint),
          "--overwrite_output_dir starts afresh and --resume_from_checkpoint continues: give one of them")
     try:
@@ -113,6 +129,18 @@ def validate(c: TrainConfig) -> None:
     need(not (c.keep_alpha and c.eval_steps),
          "--keep_alpha trains RGBA images and FID/KID score RGB ones: drop --eval_steps, or --keep_alpha "
          "(transparency is then composited on --background)")
+    if c.mixed_precision == "fp16":
+        import torch
+        need(torch.cuda.is_available(),
+             "--mixed_precision fp16 needs a CUDA GPU and none is visible; use --mixed_precision bf16 or no on CPU")
+    need(not (c.pretrained_model_name_or_path and c.model_config_name_or_path),
+         "--pretrained_model_name_or_path brings its UNet's shape: drop --model_config_name_or_path")
+
+
+def validate_paths(c: TrainConfig) -> None:
+    """The data source (one), and the files and folders that must exist, or must not, before the run."""
+    need(c.inception_weights is None or os.path.isfile(c.inception_weights),
+         f"--inception_weights {c.inception_weights}: no such file (leave it out to download the detector)")
     sources = [f"--{name}" for name in ("dataset_name", "train_data_dir", "train_data_files") if getattr(c, name)]
     need(len(sources) <= 1, f"give one data source, not both {' and '.join(sources[:2])}")
     if c.train_data_dir is not None:
@@ -137,19 +165,6 @@ def validate(c: TrainConfig) -> None:
         folder = checkpoint_folder(c.resume_from_checkpoint, c.output_dir)
         need(os.path.isdir(folder), f"--resume_from_checkpoint {c.resume_from_checkpoint}: no such checkpoint "
              f"folder {folder} (give 'latest', a checkpoint-<step> name in --output_dir or a checkpoint's path)")
-    if c.mixed_precision == "fp16":
-        import torch
-        need(torch.cuda.is_available(),
-             "--mixed_precision fp16 needs a CUDA GPU and none is visible; use --mixed_precision bf16 or no on CPU")
-    need(not (c.pretrained_model_name_or_path and c.model_config_name_or_path),
-         "--pretrained_model_name_or_path brings its UNet's shape: drop --model_config_name_or_path")
-    validate_latent(c)
-    validate_conditioning(c)
-    if c.model_config_name_or_path is None and c.pretrained_model_name_or_path is None \
-            and c.pretrained_vae_model_name_or_path is None:
-        # a config file's UNet is checked when it is loaded, a pretrained one is what it is, a
-        # latent one at the latents' size (training/autoencoder.py, once the VAE's config is read)
-        validate_model_shape(c.model, c.resolution)
 
 
 def checkpoint_folder(resume_from: str, output_dir: str) -> str:
