@@ -77,9 +77,11 @@ def save_pngs(folder: str, images: np.ndarray) -> str:
 
 
 # ----------------------------------------------------------------------------- super-resolution
-def photo_patches(out: str, count: int, seed: int = 0) -> tuple[str, str]:
+def photo_patches(out: str, count: int, dihedral: bool = False, seed: int = 0) -> tuple[str, str]:
     """(a saved dataset of `count` random PATCH crops of the photos' training bands, a folder of
-    the held-out bands' tiles as PNGs), written once."""
+    the held-out bands' tiles as PNGs), written once. `dihedral`: each crop also gets one of the 8
+    flips and quarter-turns at random, so two photos give the model more kinds of edge to learn
+    from (the held-out tiles stay as they are)."""
     import datasets
     from PIL import Image
     from sklearn.datasets import load_sample_images
@@ -97,7 +99,11 @@ def photo_patches(out: str, count: int, seed: int = 0) -> tuple[str, str]:
     for index in range(count):
         photo, (start, stop) = photos[index % len(photos)], spans[rng.integers(len(spans))]
         top, left = rng.integers(0, photo.shape[0] - PATCH + 1), rng.integers(start, stop - PATCH + 1)
-        crops.append(Image.fromarray(photo[top:top + PATCH, left:left + PATCH]))
+        crop = photo[top:top + PATCH, left:left + PATCH]
+        if dihedral:
+            turn = rng.integers(8)
+            crop = np.rot90(crop[:, ::-1] if turn >= 4 else crop, k=turn % 4)
+        crops.append(Image.fromarray(np.ascontiguousarray(crop)))
     datasets.Dataset.from_dict({"image": crops}, features=datasets.Features({"image": datasets.Image()})) \
         .save_to_disk(training)
     tiles = [photo[top:top + PATCH, left:left + PATCH] for photo in photos for held in HELD_OUT_BANDS
@@ -139,7 +145,7 @@ def posterior_mean_psnr(pipeline: str, reference: str, samples: int, steps: int,
 def super_resolution(args, out: str) -> dict:
     import yaml
 
-    training, held_out = photo_patches(out, args.patches)
+    training, held_out = photo_patches(out, args.patches, args.dihedral)
     recipe = os.path.join(out, "sr-recipe.yaml")
     with open(recipe, "w") as fh:
         yaml.safe_dump({"resolution": PATCH, "model": SR_MODEL, "train_batch_size": 32, "save_images_steps":
@@ -151,7 +157,7 @@ def super_resolution(args, out: str) -> dict:
     report = evaluate(run, held_out, [*sampler, "--feature_extractor", "tiny", "--eval_metrics", "fid",
                                       "--batch_size", "64"])
     report.update(posterior_mean_psnr(run, held_out, args.samples_per_image, args.num_inference_steps, args.scheduler))
-    return {"train_seconds": seconds, "training_patches": args.patches, **report}
+    return {"train_seconds": seconds, "training_patches": args.patches, "dihedral": args.dihedral, **report}
 
 
 # ----------------------------------------------------------------------------- inpainting
@@ -198,6 +204,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--num_inference_steps", type=int, default=50,
                         help="denoising steps of every sample (default: 50)")
     parser.add_argument("--patches", type=int, default=4000, help="super_resolution: training crops")
+    parser.add_argument("--dihedral", action="store_true",
+                        help="super_resolution: give each training crop one of the 8 flips and quarter-turns")
     parser.add_argument("--samples_per_image", type=int, default=4, help="super_resolution: the mean's samples")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "conditioning"))
     args = parser.parse_args(argv[:split])
