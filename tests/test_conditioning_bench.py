@@ -27,3 +27,48 @@ def test_the_inpainting_benchmark_scores_half_masked_held_out_digits(tmp_path):
         for name in ("digit_accuracy", "reference_digit_accuracy", "baseline_digit_accuracy"):
             assert 0 <= report[name] <= 1
     assert json.loads((tmp_path / "out" / "results-inpainting.json").read_text())["chance"] == 0.1
+
+
+def where_in_training_bands(crop, quality):
+    """The (photo, flip, quarter-turns) under which `crop` is a tile of a training band, or None."""
+    import numpy as np
+    from sklearn.datasets import load_sample_images
+
+    photos = load_sample_images().images
+    band = photos[0].shape[1] // quality.BANDS
+    size = quality.PATCH
+    for index, photo in enumerate(photos):
+        for flip in (False, True):
+            for turns in range(4):
+                # undo the bench's transform: it flips left-right, then turns k quarters anticlockwise
+                original = np.rot90(crop, k=-turns)
+                original = original[:, ::-1] if flip else original
+                rows, columns = np.nonzero((photo[:-size + 1, :-size + 1] == original[0, 0]).all(-1))
+                for top, left in zip(rows, columns):
+                    inside = left // band not in quality.HELD_OUT_BANDS and (left + size - 1) // band not in \
+                        quality.HELD_OUT_BANDS
+                    if inside and (photo[top:top + size, left:left + size] == original).all():
+                        return index, flip, turns
+    return None
+
+
+def test_the_super_resolution_benchmark_scores_held_out_and_trained_on_tiles_against_bicubic(tmp_path):
+    """A tiny run (one step, 8 crops with --dihedral): every crop is a flipped or turned tile of a
+    training band (never of a held-out one), not all in their original orientation; the report
+    holds the held-out figures, the mean of samples' paired gain and the trained-on bands' figures."""
+    import datasets
+    import numpy as np
+
+    quality = load_bench_module("conditioning_quality")
+    out = tmp_path / "out"
+    result = quality.main(["--task", "super_resolution", "--max_train_steps", "1", "--num_inference_steps", "1",
+                           "--patches", "8", "--dihedral", "--samples_per_image", "2", "--out", str(out),
+                           "--", "--train_batch_size", "4"])
+    crops = [np.asarray(row["image"]) for row in datasets.load_from_disk(str(out / "patches"))]
+    found = [where_in_training_bands(crop, quality) for crop in crops]
+    assert len(crops) == 8 and None not in found
+    assert any(flip or turns for _, flip, turns in found)
+    assert result["dihedral"] is True and result["num_samples"] == 104 and result["samples_per_image"] == 2
+    assert result["training_band_bicubic_psnr"] > result["bicubic_psnr"]  # the trained-on bands are smoother
+    for name in ("psnr", "mean_psnr", "mean_minus_bicubic_psnr", "training_band_psnr"):
+        assert np.isfinite(result[name]), name
