@@ -173,11 +173,10 @@ def super_resolution(args, out: str) -> dict:
     seconds = train(run, ["--config", recipe, "--dataset_name", training, "--conditioning", "super_resolution",
                           "--sr_factor", str(FACTOR), "--max_train_steps", str(args.max_train_steps), *args.extra])
     sampler = ["--scheduler", args.scheduler, "--num_inference_steps", str(args.num_inference_steps)]
-    report = evaluate(run, held_out, [*sampler, "--feature_extractor", "tiny", "--eval_metrics", "fid",
-                                      "--batch_size", "64"])
+    scoring = [*sampler, "--feature_extractor", "tiny", "--eval_metrics", "fid", "--batch_size", "64"]
+    report = evaluate(run, held_out, scoring)
     report.update(posterior_mean_psnr(run, held_out, args.samples_per_image, args.num_inference_steps, args.scheduler))
-    seen = evaluate(run, training_band_tiles(out), [*sampler, "--feature_extractor", "tiny", "--eval_metrics", "fid",
-                                                    "--batch_size", "64"])
+    seen = evaluate(run, training_band_tiles(out), scoring)
     report.update(training_band_psnr=seen["psnr"], training_band_bicubic_psnr=seen["bicubic_psnr"])
     return {"train_seconds": seconds, "training_patches": args.patches, "dihedral": args.dihedral, **report}
 

@@ -29,12 +29,10 @@ def test_the_inpainting_benchmark_scores_half_masked_held_out_digits(tmp_path):
     assert json.loads((tmp_path / "out" / "results-inpainting.json").read_text())["chance"] == 0.1
 
 
-def where_in_training_bands(crop, quality):
+def where_in_training_bands(crop, photos, quality):
     """The (photo, flip, quarter-turns) under which `crop` is a tile of a training band, or None."""
     import numpy as np
-    from sklearn.datasets import load_sample_images
 
-    photos = load_sample_images().images
     band = photos[0].shape[1] // quality.BANDS
     size = quality.PATCH
     for index, photo in enumerate(photos):
@@ -58,6 +56,7 @@ def test_the_super_resolution_benchmark_scores_held_out_and_trained_on_tiles_aga
     holds the held-out figures, the mean of samples' paired gain and the trained-on bands' figures."""
     import datasets
     import numpy as np
+    from sklearn.datasets import load_sample_images
 
     quality = load_bench_module("conditioning_quality")
     out = tmp_path / "out"
@@ -65,7 +64,8 @@ def test_the_super_resolution_benchmark_scores_held_out_and_trained_on_tiles_aga
                            "--patches", "8", "--dihedral", "--samples_per_image", "2", "--out", str(out),
                            "--", "--train_batch_size", "4"])
     crops = [np.asarray(row["image"]) for row in datasets.load_from_disk(str(out / "patches"))]
-    found = [where_in_training_bands(crop, quality) for crop in crops]
+    photos = load_sample_images().images
+    found = [where_in_training_bands(crop, photos, quality) for crop in crops]
     assert len(crops) == 8 and None not in found
     assert any(flip or turns for _, flip, turns in found)
     assert result["dihedral"] is True and result["num_samples"] == 104 and result["samples_per_image"] == 2
