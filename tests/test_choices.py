@@ -69,4 +69,8 @@ def test_sampling_choices_are_the_samplers_and_precisions():
         sampling.make_scheduler(name, DDPMScheduler().config)
     with pytest.raises(ValueError, match="unknown scheduler 'euler'"):
         sampling.make_scheduler("euler", DDPMScheduler().config)
+    for spacing in evaluation_choices.TIMESTEP_SPACINGS:  # diffusers' values, each taken as given
+        assert sampling.make_scheduler("ddim", DDPMScheduler().config, spacing).config.timestep_spacing == spacing
+    with pytest.raises(ValueError, match="unknown timestep spacing 'uniform'"):
+        sampling.make_scheduler("ddim", DDPMScheduler().config, "uniform")
     assert backbones.Dinov2Features.__init__.__defaults__[0] == evaluation_choices.DINOV2_DEFAULT

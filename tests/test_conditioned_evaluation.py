@@ -64,22 +64,27 @@ def test_the_digit_classifier_labels_digits_and_never_saw_them():
     assert digits.recognised(np.concatenate([judged[:2], np.full((1, 16, 16, 1), 7, np.uint8)])) is None
 
 
-def test_the_evaluate_command_scores_what_the_sample_command_makes(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--timestep_spacing", "trailing", "--back_projection_steps", "3"]])
+def test_the_evaluate_command_scores_what_the_sample_command_makes(tmp_path, flags):
     """Super-resolution of 12 references: `evaluate` degrades each as training does, samples it and
-    scores it; `sample` of those low-resolution images saved as PNG (seed, steps alike) makes the
-    same images, whose PSNR against the references is evaluate's; the bicubic baseline is scored too."""
+    scores it; `sample` of those low-resolution images saved as PNG (seed, steps, timestep spacing,
+    back-projection alike) makes the same images, whose PSNR against the references is evaluate's;
+    the bicubic baseline is scored too (back-projected alike when the samples are); the report
+    names the spacing the sampler used."""
     from diffusion_extras.evaluation.pipeline_image_conditioned import degrade
 
     pipeline = save_pipeline(tmp_path / "sr", "super_resolution")
     references = np.random.default_rng(1).integers(0, 256, (12, 8, 8, 1), dtype=np.uint8)
     low = degrade(torch.from_numpy(references).permute(0, 3, 1, 2).float() / 127.5 - 1, 2)
     low = ((low + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
-    common = ["--num_inference_steps", 3, "--seed", 4, "--batch_size", 5, "--device", "cpu"]
+    common = ["--num_inference_steps", 3, "--seed", 4, "--batch_size", 5, "--device", "cpu", *flags]
     reference = save_pngs(tmp_path / "ref", references)
     result = run_cli(["-m", "diffusion_extras.evaluate", pipeline, "--reference", reference, "--feature_extractor",
                       "tiny", "--output", tmp_path / "report.json", *common])
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["num_samples"] == 12 and report["conditioning"] == "super_resolution"
+    assert report["timestep_spacing"] == ("trailing" if flags else "leading")
+    assert report["back_projection_steps"] == (3 if flags else 0)
     assert {"fid", "kid", "ssim", "bicubic_psnr", "bicubic_ssim"} <= report.keys() and "digit_accuracy" not in report
     run_cli(["-m", "diffusion_extras.sample", pipeline, "--conditioning_images", save_pngs(tmp_path / "low", low),
              "--output", tmp_path / "out", *common])
@@ -88,6 +93,12 @@ def test_the_evaluate_command_scores_what_the_sample_command_makes(tmp_path):
     assert report["psnr"] == pytest.approx(conditioned.psnr(made, references).mean())
     bicubic = conditioned.bicubic(references, 2)
     assert report["bicubic_psnr"] == pytest.approx(conditioned.psnr(bicubic, references).mean())
+    if flags:
+        projected = conditioned.bicubic(references, 2, 3)
+        assert report["bicubic_back_projected_psnr"] == pytest.approx(conditioned.psnr(projected, references).mean())
+        assert report["bicubic_back_projected_psnr"] != pytest.approx(report["bicubic_psnr"])
+    else:
+        assert "bicubic_back_projected_psnr" not in report
     assert "fid" in result.stdout
 
 

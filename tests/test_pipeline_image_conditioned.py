@@ -12,8 +12,10 @@ from PIL import Image
 from diffusion_extras.evaluation.pipeline_class_conditional import guided_model_output
 from diffusion_extras.evaluation.pipeline_image_conditioned import (
     ImageConditionedPipeline,
+    back_project,
     condition_channels,
     degrade,
+    shrink,
     upsample,
 )
 from diffusion_extras.training.conditioning import ImageCondition
@@ -84,6 +86,67 @@ def test_every_compatible_scheduler_starts_from_its_own_noise_level(name):
     first, second = calls
     assert len(first) == len(pipe.scheduler.timesteps) and torch.isfinite(first[-1]).all()
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_one_trailing_ddim_step_returns_the_models_estimate_of_x0_from_pure_noise(prediction_type):
+    """The commands' --scheduler ddim --timestep_spacing trailing --num_inference_steps 1: one UNet
+    call, at the schedule's last timestep, and the image is the x_0 that call predicts (clipped to
+    [-1, 1]): the model's estimate of the posterior mean given the condition. With the default
+    leading spacing the one step is timestep 0 instead, where x_t is taken for a nearly clean image."""
+    from diffusion_extras.evaluation.sampling import make_scheduler
+
+    pipe = pipeline("super_resolution")
+    trained = DDPMScheduler.from_config(pipe.scheduler.config, prediction_type=prediction_type)
+    calls = []
+    pipe.unet.register_forward_hook(lambda module, args, kwargs, out: calls.append(
+        (args[0].clone(), int(args[1] if len(args) > 1 else kwargs["timestep"]), out.sample.clone())), with_kwargs=True)
+    low, noise = random_uint8((2, 4, 4, 1)), torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(3))
+    pipe.scheduler = make_scheduler("ddim", trained.config, "trailing")
+    images = pipe(image=low, num_inference_steps=1, latents=noise, output_type="pt").images
+    [(x_t, t, output)] = calls
+    assert t == 99 and torch.equal(x_t[:, :1], noise)
+    alpha_bar = trained.alphas_cumprod[t]
+    if prediction_type == "epsilon":
+        x0 = (noise - (1 - alpha_bar).sqrt() * output) / alpha_bar.sqrt()
+    else:
+        x0 = alpha_bar.sqrt() * noise - (1 - alpha_bar).sqrt() * output
+    assert torch.allclose(images, (x0.clamp(-1, 1) + 1) / 2, atol=1e-6)
+    assert 0.05 < images.std() and not torch.allclose(images, images.mean())  # not a saturated constant
+    calls.clear()
+    pipe.scheduler = make_scheduler("ddim", trained.config)
+    pipe(image=low, num_inference_steps=1, latents=noise, output_type="pt")
+    assert calls[0][1] == 0
+
+
+def test_back_projection_makes_an_upscaled_image_give_its_low_resolution_input_back():
+    """back_project: an upscaled image with detail that its input does not hold, shrunk as training
+    degrades images (before the 8-bit rounding), misses its input; 10 steps of back-projection
+    bring it within a quarter of an 8-bit level, 30 within a thousandth of one. The pipeline's
+    back_projection_steps is back_project of its plain output (the same noise); an inpainting
+    pipeline refuses it."""
+    smooth = torch.nn.functional.avg_pool2d(torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)),
+                                            5, 1, 2) * 1.2 - 0.6
+    for factor in (2, 4):
+        low = shrink(smooth, factor)
+        detail = upsample(low, factor) + 0.2 * (torch.arange(32) % 2 * 2 - 1).float()  # a stripe at full resolution
+        misses = [(shrink(back_project(detail, low, factor, steps), factor) - low).abs().max() for steps in (0, 10, 30)]
+        assert misses[0] > 0.03 and misses[1] < 0.25 / 127.5 and misses[2] < 0.001 / 127.5, (factor, misses)
+
+    pipe = pipeline("super_resolution", channels=3)
+    low = random_uint8((2, 6, 6, 3), seed=5)
+    given = torch.from_numpy(low).permute(0, 3, 1, 2).float() / 127.5 - 1
+
+    def upscale(steps):
+        generators = [torch.Generator().manual_seed(i) for i in range(2)]
+        return pipe(image=low, num_inference_steps=3, generator=generators, output_type="pt",
+                    back_projection_steps=steps).images * 2 - 1
+
+    plain, projected = upscale(0), upscale(10)
+    assert torch.allclose(projected, back_project(plain, given, 2, 10), atol=1e-5)
+    assert (projected - plain).abs().max() > 0.1
+    with pytest.raises(ValueError, match="super-resolution only"):
+        pipeline("inpainting")(image=random_uint8((1, 8, 8, 1)), mask_image=np.ones((8, 8)), back_projection_steps=1)
 
 
 def test_inpainting_fills_the_mask_and_gives_the_other_pixels_back():

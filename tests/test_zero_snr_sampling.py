@@ -26,6 +26,9 @@ def test_samplers_start_at_the_zero_snr_step(name):
     # an export from before the setting (rescaled, spacing "leading") is sampled with trailing too
     assert zero_snr.config.timestep_spacing == "leading"
     assert sampling.make_scheduler(name, DDPMScheduler().config).config.timestep_spacing != "trailing"
+    # a spacing asked for is the one used, on either schedule
+    assert sampling.make_scheduler(name, zero_snr.config, "leading").config.timestep_spacing == "leading"
+    assert first_timestep(sampling.make_scheduler(name, DDPMScheduler().config, "trailing")) == 999
 
 
 def test_exported_scheduler_config_loads_with_trailing_spacing(tmp_path):

@@ -8,13 +8,20 @@ import sys
 from contextlib import contextmanager
 
 from diffusion_extras.core.commands import prog_name
-from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, SCHEDULERS
+from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, SCHEDULERS, TIMESTEP_SPACINGS
 
 
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
     return value
 
 
@@ -27,10 +34,14 @@ def pipeline_parser(command: str, description: str) -> argparse.ArgumentParser:
 
 
 def add_sampler_arguments(parser: argparse.ArgumentParser) -> None:
-    """--scheduler, --num_inference_steps and --seed of the sample and evaluate commands."""
+    """--scheduler, --timestep_spacing, --num_inference_steps and --seed of the sample and evaluate commands."""
     parser.add_argument("--scheduler", choices=SCHEDULERS, default="ddim",
                         help="the sampler, on the pipeline's noise schedule: ddpm (ancestral), ddim (eta=0) or dpm "
                              "(DPM-Solver++ (2M)) (default: %(default)s)")
+    parser.add_argument("--timestep_spacing", choices=TIMESTEP_SPACINGS, default=None,
+                        help="where the steps fall on the training schedule (diffusers' scheduler setting): trailing "
+                             "starts at its last step, as a zero-terminal-SNR schedule needs. Default: the pipeline's "
+                             "scheduler config's (trailing for a zero-terminal-SNR schedule)")
     parser.add_argument("--num_inference_steps", type=positive_int, default=50,
                         help="denoising steps per image (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
@@ -66,6 +77,10 @@ def add_condition_arguments(parser: argparse.ArgumentParser, images_help: str) -
     parser.add_argument("--masks", default=None, metavar="DIR",
                         help="inpainting: the masks (white = to fill), the files at the same relative paths as the "
                              "images'")
+    parser.add_argument("--back_projection_steps", type=non_negative_int, default=0, metavar="N",
+                        help="super-resolution: N steps of iterative back-projection of each output onto its input, "
+                             "so that the output, downsampled again, gives the input back (docs/conditioning.md; "
+                             "default: %(default)s, none)")
     parser.add_argument("--mask", choices=MASK_KINDS, default="random",
                         help="inpainting without --masks: random masks as training draws them (from --seed), or one "
                              "half of each image")

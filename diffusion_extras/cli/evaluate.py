@@ -164,7 +164,7 @@ def sample_metrics(args, pipeline, groups: dict, resolution: Resolution, device,
         reference = (load_reference(args.reference, extractor, resolution, args.cache_dir, args.batch_size)
                      if rank == 0 else None)  # the other ranks only extract features
         suites.append((extractor, reference, wanted))
-    scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
+    scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config, args.timestep_spacing)
     metrics = evaluate_unet_metrics(pipeline.unet, scheduler, suites, args.num_samples, args.num_inference_steps,
                                     args.seed, args.batch_size, device, num_classes, guidance["guidance_scale"],
                                     rank, num_ranks, guide=guidance["guide"],
@@ -177,7 +177,7 @@ def sample_metrics(args, pipeline, groups: dict, resolution: Resolution, device,
                        autoguidance=guidance["guide"] is not None)
     return {**metrics, **balance, "feature_extractors": {m: e.name for e, _, group in suites for m in group},
             "reference_images": suites[0][1].num_images, "scheduler": args.scheduler,
-            "num_inference_steps": args.num_inference_steps}
+            "timestep_spacing": scheduler.config.timestep_spacing, "num_inference_steps": args.num_inference_steps}
 
 
 def conditioned_metrics(args, pipeline, groups: dict, resolution: Resolution, device, rank: int, num_ranks: int,
@@ -191,15 +191,18 @@ def conditioned_metrics(args, pipeline, groups: dict, resolution: Resolution, de
 
     kind = pipeline.config.conditioning
     inputs = reference_conditions(args, pipeline, resolution)
-    pipeline.scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
+    pipeline.scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config, args.timestep_spacing)
     pipeline.set_progress_bar_config(disable=True)
     samples = conditioned.conditioned_samples(pipeline, inputs, args.num_inference_steps, args.seed,
                                               guidance["guidance_scale"], args.batch_size, rank, num_ranks,
-                                              guidance["guidance_interval"])
+                                              guidance["guidance_interval"], args.back_projection_steps)
     if samples is None:  # not rank 0
         return {}
     targets = conditioned.to_uint8(inputs["images"])
-    report = {"conditioning": kind, **conditioned.scores(kind, samples, targets, pipeline.config.sr_factor)}
+    report = {"conditioning": kind, **conditioned.scores(kind, samples, targets, pipeline.config.sr_factor,
+                                                         args.back_projection_steps)}
+    if kind == "super_resolution":
+        report["back_projection_steps"] = args.back_projection_steps
     for features, wanted in groups.items():
         extractor = build_feature_extractor(features, args.inception_weights, device,
                                             model={"dinov2": args.dinov2_model, "clip": args.clip_model}.get(features))
@@ -210,7 +213,8 @@ def conditioned_metrics(args, pipeline, groups: dict, resolution: Resolution, de
     if args.baseline is not None and kind == "inpainting":
         report.update(baseline_scores(args, device, inputs, targets))
     return {**report, "num_samples": len(samples), "guidance_scale": guidance["guidance_scale"],
-            "scheduler": args.scheduler, "num_inference_steps": args.num_inference_steps}
+            "scheduler": args.scheduler, "timestep_spacing": pipeline.scheduler.config.timestep_spacing,
+            "num_inference_steps": args.num_inference_steps}
 
 
 def reference_conditions(args, pipeline, resolution: Resolution) -> dict:
@@ -250,7 +254,7 @@ def baseline_scores(args, device, inputs: dict, targets) -> dict:
     if getattr(baseline, "vae", None) is not None or baseline.unet.config.in_channels != channels:
         raise ValueError(f"--baseline {args.baseline}: give an unconditional pixel pipeline of {channels}-channel "
                          f"images (its UNet takes {baseline.unet.config.in_channels} channel(s))")
-    scheduler = make_scheduler(args.scheduler, baseline.scheduler.config)
+    scheduler = make_scheduler(args.scheduler, baseline.scheduler.config, args.timestep_spacing)
     count = len(targets)
     completions = np.concatenate([conditioned.inpaint_by_replacement(
         baseline.unet, scheduler, inputs["images"][first:first + args.batch_size] * 2 - 1,

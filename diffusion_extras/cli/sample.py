@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         device = resolve_device(args.device)
         pipeline = load_pipeline(args.pipeline, device=device, dtype=dtype)
         guidance = guidance_for(pipeline, args, device, **{"--class_labels": args.class_labels})
-        scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config)
+        scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config, args.timestep_spacing)
         if isinstance(pipeline, ImageConditionedPipeline):
             images = sample_conditions(args, pipeline, scheduler, guidance)
         else:
@@ -109,7 +109,7 @@ def sample_conditions(args, pipeline, scheduler, guidance: dict):
     return np.concatenate([sample_conditioned(pipeline, batch(inputs, first, args.batch_size),
                                               range(first, min(first + args.batch_size, len(paths))),
                                               args.num_inference_steps, args.seed, guidance["guidance_scale"],
-                                              guidance["guidance_interval"])
+                                              guidance["guidance_interval"], args.back_projection_steps)
                            for first in range(0, len(paths), args.batch_size)])
 
 

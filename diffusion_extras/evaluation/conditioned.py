@@ -11,7 +11,12 @@ import torch
 
 from diffusion_extras.core import stop_flag
 from diffusion_extras.evaluation import digits, distributed
-from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline, degrade, upsample
+from diffusion_extras.evaluation.pipeline_image_conditioned import (
+    ImageConditionedPipeline,
+    back_project,
+    degrade,
+    upsample,
+)
 from diffusion_extras.evaluation.sampling import image_seed
 
 
@@ -30,14 +35,16 @@ def stop_between_steps(pipeline, step, timestep, callback_kwargs) -> dict:
 
 
 def sample_conditioned(pipeline: ImageConditionedPipeline, inputs: dict, indices: range, num_inference_steps: int,
-                       seed: int, guidance_scale: float, guidance_interval: tuple[float, float] | None = None
-                       ) -> np.ndarray:
+                       seed: int, guidance_scale: float, guidance_interval: tuple[float, float] | None = None,
+                       back_projection_steps: int = 0) -> np.ndarray:
     """uint8 [N, H, W, C]: the samples of `inputs` ({"image": ..., "mask_image": ... for inpainting},
     N tensors in [0, 1] as the pipeline takes them), the images numbered `indices` (image i with
     noise from image_seed(seed, i)), so an image is the same in any chunk of any batch size (to the
-    UNet's float rounding across batch sizes)."""
+    UNet's float rounding across batch sizes). back_projection_steps: the pipeline's (super-resolution)."""
     generators = [torch.Generator().manual_seed(image_seed(seed, index)) for index in indices]
     arguments = {name: value for name, value in inputs.items() if name in ("image", "mask_image")}
+    if back_projection_steps:
+        arguments["back_projection_steps"] = back_projection_steps
     images = pipeline(**arguments, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                       generator=generators, output_type="np", guidance_interval=guidance_interval,
                       callback_on_step_end=stop_between_steps).images
@@ -51,7 +58,8 @@ def batch(inputs: dict, first: int, count: int) -> dict:
 
 def conditioned_samples(pipeline: ImageConditionedPipeline, inputs: dict, num_inference_steps: int, seed: int,
                         guidance_scale: float, batch_size: int, rank: int = 0, num_ranks: int = 1,
-                        guidance_interval: tuple[float, float] | None = None) -> np.ndarray | None:
+                        guidance_interval: tuple[float, float] | None = None,
+                        back_projection_steps: int = 0) -> np.ndarray | None:
     """The samples of all of `inputs` (sample_conditioned), on rank 0 (None elsewhere): over the
     ranks of a launch a collective, batch k (images k x batch_size on) made by rank k mod num_ranks,
     as metrics.sample_features shares its images."""
@@ -59,7 +67,7 @@ def conditioned_samples(pipeline: ImageConditionedPipeline, inputs: dict, num_in
     with stop_flag.interruptible():  # a stop gives up on every rank before the gather (core/stop_flag.py)
         made = {first: sample_conditioned(pipeline, batch(inputs, first, batch_size),
                                           range(first, min(first + batch_size, count)), num_inference_steps, seed,
-                                          guidance_scale, guidance_interval)
+                                          guidance_scale, guidance_interval, back_projection_steps)
                 for first in range(rank * batch_size, count, num_ranks * batch_size)}
     if num_ranks > 1:
         made = distributed.gather_to_main(made, rank, num_ranks)
@@ -105,11 +113,13 @@ def ssim(images: np.ndarray, references: np.ndarray, window: int = 11, sigma: fl
     return index.mean(dim=(1, 2, 3)).numpy()
 
 
-def bicubic(images: np.ndarray, factor: int) -> np.ndarray:
+def bicubic(images: np.ndarray, factor: int, back_projection_steps: int = 0) -> np.ndarray:
     """Super-resolution's baseline: uint8 [N, H, W, C] degraded as training degrades them, then
-    upsampled bicubically (the condition the model starts from)."""
+    upsampled bicubically (the condition the model starts from), and back-projected onto the
+    degraded images `back_projection_steps` times (the pipeline's back_projection_steps)."""
     pixels = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() / 127.5 - 1
-    return to_uint8((upsample(degrade(pixels, factor), factor) + 1) / 2)
+    low = degrade(pixels, factor)
+    return to_uint8((back_project(upsample(low, factor), low, factor, back_projection_steps) + 1) / 2)
 
 
 def closeness(samples: np.ndarray, references: np.ndarray, prefix: str = "") -> dict[str, float]:
@@ -120,14 +130,19 @@ def closeness(samples: np.ndarray, references: np.ndarray, prefix: str = "") -> 
             f"{prefix}ssim": float(ssim(samples, references).mean())}
 
 
-def scores(kind: str, samples: np.ndarray, targets: np.ndarray, sr_factor: int = 1) -> dict[str, float]:
+def scores(kind: str, samples: np.ndarray, targets: np.ndarray, sr_factor: int = 1,
+           back_projection_steps: int = 0) -> dict[str, float]:
     """How close the samples (uint8 [N, H, W, C]) come to the images their conditions were made from:
-    psnr, ssim; super-resolution also bicubic_psnr, bicubic_ssim (its baseline); digits (every target
+    psnr, ssim; super-resolution also bicubic_psnr, bicubic_ssim (its baseline), and with
+    back_projection_steps (the samples') bicubic_back_projected_psnr and _ssim; digits (every target
     one of scikit-learn's: digits.recognised) also digit_accuracy (of the samples) and
     reference_digit_accuracy (of the targets: the classifier's ceiling)."""
     values = closeness(samples, targets)
     if kind == "super_resolution":
         values.update(closeness(bicubic(targets, sr_factor), targets, prefix="bicubic_"))
+        if back_projection_steps:
+            values.update(closeness(bicubic(targets, sr_factor, back_projection_steps), targets,
+                                    prefix="bicubic_back_projected_"))
     known = digits.recognised(targets)
     if known is not None:
         labels, classifier = known

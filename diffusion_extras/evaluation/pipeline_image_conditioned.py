@@ -46,14 +46,31 @@ def quantize(images: torch.Tensor) -> torch.Tensor:
     return ((images.clamp(-1, 1) + 1) * 127.5).round() / 127.5 - 1
 
 
+def shrink(images: torch.Tensor, factor: int) -> torch.Tensor:
+    """Bicubic downsampling by `factor`, antialiased as an image is shrunk (SR3): training's
+    degradation before its rounding to 8 bits."""
+    height, width = images.shape[-2:]
+    return F.interpolate(images.float(), size=(height // factor, width // factor), mode="bicubic", antialias=True,
+                         align_corners=False)
+
+
 def degrade(images: torch.Tensor, factor: int) -> torch.Tensor:
     """The low-resolution input that super-resolution learns from, of images [B, C, H, W] in [-1, 1]:
-    bicubic downsampling by `factor`, antialiased as an image is shrunk (SR3), rounded to 8 bits as
-    the low-resolution images users bring are."""
-    height, width = images.shape[-2:]
-    low = F.interpolate(images.float(), size=(height // factor, width // factor), mode="bicubic", antialias=True,
-                        align_corners=False)
-    return quantize(low)
+    shrunk by `factor`, rounded to 8 bits as the low-resolution images users bring are."""
+    return quantize(shrink(images, factor))
+
+
+def back_project(images: torch.Tensor, low_resolution: torch.Tensor, factor: int, steps: int) -> torch.Tensor:
+    """Iterative back-projection (Irani & Peleg 1991) of upscaled `images` [B, C, H, W] in [-1, 1]
+    onto their `low_resolution` input: `steps` times, the bicubic upsampling of what the input and
+    the images shrunk as training degrades them differ by is added, so that the images, shrunk
+    again, come back as the input; clamped to [-1, 1] at the end. Affine in `images` (before the
+    clamp), so the back-projection of a mean of samples is the mean of theirs."""
+    images = images.float()
+    for _ in range(steps):
+        difference = low_resolution.float() - shrink(images, factor)
+        images = images + F.interpolate(difference, size=images.shape[-2:], mode="bicubic", align_corners=False)
+    return images.clamp(-1, 1)
 
 
 def upsample(low_resolution: torch.Tensor, factor: int) -> torch.Tensor:
@@ -169,7 +186,8 @@ class ImageConditionedPipeline(PackagePipeline):
                  guidance_scale: float = DEFAULT_IMAGE_GUIDANCE_SCALE,
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
                  return_dict: bool = True, guidance_interval: tuple[float, float] | None = None,
-                 callback_on_step_end=None, eta: float = 0.0, latents: torch.Tensor | None = None):
+                 callback_on_step_end=None, eta: float = 0.0, latents: torch.Tensor | None = None,
+                 back_projection_steps: int = 0):
         """Images made from `image`: for super_resolution the low-resolution input (the output is
         sr_factor x its size), for inpainting the image whose `mask_image` pixels (white, >= 0.5) are
         filled (the others come back as given), for image-to-image the conditioning image (the output
@@ -181,8 +199,16 @@ class ImageConditionedPipeline(PackagePipeline):
         (schedulers without one ignore it); latents: the starting noise [B, C, h, w] (unit Gaussian,
         scaled here by init_noise_sigma) instead of drawing it from `generator` (LatentDiffusionPipeline's).
         callback_on_step_end(pipe, step, t, {"latents": x_t}) -> dict runs after each step, as in
-        diffusers' pipelines (a returned "latents" replaces x_t)."""
+        diffusers' pipelines (a returned "latents" replaces x_t). back_projection_steps (super-resolution
+        only; default 0, none): that many steps of iterative back-projection (back_project) of each
+        output onto its input, so that the output, shrunk as training degrades images, gives the
+        input back (the analogue of inpainting's kept pixels); docs/conditioning.md has its gains."""
         kind, device = self.config.conditioning, self._execution_device
+        if back_projection_steps and (kind != "super_resolution" or back_projection_steps < 0):
+            raise ValueError(f"back_projection_steps={back_projection_steps}: a count of steps >= 0, for "
+                             f"super-resolution only (this pipeline's conditioning is {kind})")
+        if back_projection_steps and output_type == "latent" and self.vae is not None:
+            raise ValueError("back_projection_steps works on pixels: ask for output_type 'pil', 'np' or 'pt'")
         pixels = self.preprocess(image, self.image_channels)
         mask = None
         if kind == "inpainting":
@@ -214,11 +240,14 @@ class ImageConditionedPipeline(PackagePipeline):
             images = sample
         else:
             images = sample if self.vae is None else decode_latents(self.vae, sample)
+            if back_projection_steps:
+                images = back_project(images, pixels.to(images.device), self.config.sr_factor, back_projection_steps)
             if mask is not None:  # the pixels outside the mask, as given
                 images = torch.where(mask >= 0.5, images, pixels)
             images = VaeImageProcessor(do_resize=False).postprocess(images, output_type=output_type)
         return ImagePipelineOutput(images=images) if return_dict else (images,)
 
 
-__all__ = ["CONDITIONING_KINDS", "DEFAULT_IMAGE_GUIDANCE_SCALE", "ImageConditionedPipeline", "condition_channels",
-           "degrade", "encode_normalised", "latent_condition", "pixel_condition", "quantize", "upsample"]
+__all__ = ["CONDITIONING_KINDS", "DEFAULT_IMAGE_GUIDANCE_SCALE", "ImageConditionedPipeline", "back_project",
+           "condition_channels", "degrade", "encode_normalised", "latent_condition", "pixel_condition", "quantize",
+           "shrink", "upsample"]

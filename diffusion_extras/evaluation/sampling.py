@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from diffusion_extras.core import stop_flag
 from diffusion_extras.data.batch_order import mix_seed
-from diffusion_extras.evaluation.choices import SCHEDULERS
+from diffusion_extras.evaluation.choices import SCHEDULERS, TIMESTEP_SPACINGS
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     guided_step,
     scheduler_model_output,
@@ -30,16 +30,22 @@ from diffusion_extras.evaluation.pipeline_latent import decode_latents
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # by choices.SAMPLING_DTYPES
 
 
-def make_scheduler(name: str, config):
+def make_scheduler(name: str, config, timestep_spacing: str | None = None):
     """A sampling scheduler built from the training scheduler's config (betas, prediction type).
-    A zero-terminal-SNR schedule is sampled with "trailing" timesteps, which start at the zero-SNR
-    step (Lin et al. 2024, Sec. 3.3), also for pipelines whose config predates that setting."""
+    `timestep_spacing` (diffusers': leading, linspace, trailing) places its steps; by default the
+    config's, except that a zero-terminal-SNR schedule is sampled with "trailing" timesteps, which
+    start at the zero-SNR step (Lin et al. 2024, Sec. 3.3), also for pipelines whose config predates
+    that setting."""
     from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 
     classes = {"ddpm": DDPMScheduler, "ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}
     if name not in classes:
         raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
-    overrides = {"timestep_spacing": "trailing"} if config.get("rescale_betas_zero_snr") else {}
+    if timestep_spacing is not None and timestep_spacing not in TIMESTEP_SPACINGS:
+        raise ValueError(f"unknown timestep spacing {timestep_spacing!r}; choose one of {', '.join(TIMESTEP_SPACINGS)}")
+    if timestep_spacing is None and config.get("rescale_betas_zero_snr"):
+        timestep_spacing = "trailing"
+    overrides = {"timestep_spacing": timestep_spacing} if timestep_spacing else {}
     return classes[name].from_config(config, **overrides)
 
 
