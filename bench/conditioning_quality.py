@@ -10,12 +10,12 @@ super_resolution: 4x super-resolution of photo patches. scikit-learn's two sampl
 crops inside bands 0-2 and 4-6 train, the non-overlapping 32 px tiles of bands 3 and 7 (a quarter of
 each photo, across its content) are held out. The model (the digits recipe's UNet shape on 3 + 3
 channels) upscales the tiles' 8 px versions (training's degradation); reported: PSNR and SSIM of one
-sample per tile against the tile, beside bicubic upsampling's (the condition the model starts
-from), and of the mean of --samples_per_image samples (an estimate of the posterior mean, the
-PSNR-optimal output); and one sample's PSNR on as many tiles of two trained-on bands, beside
-bicubic's there (a model that gains much more over bicubic there than on the held-out tiles has
-memorised its crops). FID uses the `tiny` features: relative only (no network for the Inception
-detector).
+sample per tile against the tile, beside bicubic upsampling's (the condition the model starts from),
+and of the mean of --samples_per_image samples (an estimate of the posterior mean, the PSNR-optimal
+output), and that mean back-projected onto the input (--back_projection_steps, beside bicubic back-
+projected alike); and one sample's PSNR on as many tiles of two trained-on bands, beside bicubic's
+there (a model that gains much more over bicubic there than on the held-out tiles has memorised its
+crops). FID uses the `tiny` features: relative only (no network for the Inception detector).
 
 inpainting: the digits recipe with --conditioning inpainting (random masks) and --validation_split
 0.2 (a seeded fifth never trained on), against the unconditional digits recipe trained alike. The
@@ -132,16 +132,19 @@ def training_band_tiles(out: str) -> str:
     return folder
 
 
-def posterior_mean_psnr(pipeline: str, reference: str, samples: int, steps: int, scheduler: str) -> dict:
+def posterior_mean_psnr(pipeline: str, reference: str, samples: int, steps: int, scheduler: str,
+                        back_projection_steps: int = 0) -> dict:
     """PSNR and SSIM of the mean of `samples` samples per tile (seeds 0, 1, ...; `scheduler`), and
     how far its PSNR lies above bicubic's, tile by tile: the mean paired difference, its standard
     error (a difference within about two of them is a tie) and the tiles on which the model is
-    closer. Tiles that either reproduces exactly (inf dB) are left out of the pairs."""
+    closer. Tiles that either reproduces exactly (inf dB) are left out of the pairs. With
+    `back_projection_steps` the same again for the mean back-projected onto the input that many
+    steps (keys prefixed back_projected_), against bicubic and against bicubic back-projected alike."""
     import torch
 
     from diffusion_extras.cli.common import list_images, load_image, load_pipeline
     from diffusion_extras.evaluation import conditioned
-    from diffusion_extras.evaluation.pipeline_image_conditioned import degrade
+    from diffusion_extras.evaluation.pipeline_image_conditioned import back_project, degrade
     from diffusion_extras.evaluation.sampling import make_scheduler
 
     pipe = load_pipeline(pipeline)
@@ -152,13 +155,32 @@ def posterior_mean_psnr(pipeline: str, reference: str, samples: int, steps: int,
     draws = [np.concatenate([conditioned.sample_conditioned(pipe, {"image": low[first:first + 64]},
                                                             range(first, min(first + 64, len(tiles))), steps, seed, 1.0)
                              for first in range(0, len(tiles), 64)]) for seed in range(samples)]
-    mean = np.round(np.mean(np.stack(draws).astype(np.float64), axis=0)).astype(np.uint8)
-    gain = conditioned.psnr(mean, tiles) - conditioned.psnr(conditioned.bicubic(tiles, FACTOR), tiles)
+    mean = np.mean(np.stack(draws).astype(np.float64), axis=0)
+    bicubic = conditioned.bicubic(tiles, FACTOR)
+    report = {"samples_per_image": samples, **paired_gain(np.round(mean).astype(np.uint8), tiles, bicubic, "mean_")}
+    if back_projection_steps:
+        lows = degrade(torch.from_numpy(tiles).permute(0, 3, 1, 2).float() / 127.5 - 1, FACTOR)
+        pixels = torch.from_numpy(mean).permute(0, 3, 1, 2).float() / 127.5 - 1
+        projected = conditioned.to_uint8((back_project(pixels, lows, FACTOR, back_projection_steps) + 1) / 2)
+        baseline = conditioned.bicubic(tiles, FACTOR, back_projection_steps)
+        report.update(back_projection_steps=back_projection_steps,
+                      **paired_gain(projected, tiles, bicubic, "back_projected_mean_"),
+                      **paired_gain(baseline, tiles, bicubic, "back_projected_bicubic_"),
+                      **{name.replace("minus_bicubic", "minus_back_projected_bicubic"): value for name, value in
+                         paired_gain(projected, tiles, baseline, "back_projected_mean_").items() if "minus" in name})
+    return report
+
+
+def paired_gain(images: np.ndarray, tiles: np.ndarray, bicubic: np.ndarray, prefix: str) -> dict:
+    """PSNR and SSIM of uint8 `images` against `tiles`, and their PSNR's gain over `bicubic`'s tile
+    by tile: mean, standard error and the tiles closer (tiles either reproduces exactly left out)."""
+    from diffusion_extras.evaluation import conditioned
+
+    gain = conditioned.psnr(images, tiles) - conditioned.psnr(bicubic, tiles)
     gain = gain[np.isfinite(gain)]
-    return {"samples_per_image": samples, **conditioned.closeness(mean, tiles, prefix="mean_"),
-            "mean_minus_bicubic_psnr": float(gain.mean()),
-            "mean_minus_bicubic_psnr_standard_error": float(gain.std(ddof=1) / np.sqrt(len(gain))),
-            "tiles_closer_than_bicubic": f"{int((gain > 0).sum())} of {len(gain)}"}
+    return {**conditioned.closeness(images, tiles, prefix=prefix), f"{prefix}minus_bicubic_psnr": float(gain.mean()),
+            f"{prefix}minus_bicubic_psnr_standard_error": float(gain.std(ddof=1) / np.sqrt(len(gain))),
+            f"{prefix}tiles_closer_than_bicubic": f"{int((gain > 0).sum())} of {len(gain)}"}
 
 
 def super_resolution(args, out: str) -> dict:
@@ -175,7 +197,8 @@ def super_resolution(args, out: str) -> dict:
     sampler = ["--scheduler", args.scheduler, "--num_inference_steps", str(args.num_inference_steps)]
     scoring = [*sampler, "--feature_extractor", "tiny", "--eval_metrics", "fid", "--batch_size", "64"]
     report = evaluate(run, held_out, scoring)
-    report.update(posterior_mean_psnr(run, held_out, args.samples_per_image, args.num_inference_steps, args.scheduler))
+    report.update(posterior_mean_psnr(run, held_out, args.samples_per_image, args.num_inference_steps, args.scheduler,
+                                      args.back_projection_steps))
     seen = evaluate(run, training_band_tiles(out), scoring)
     report.update(training_band_psnr=seen["psnr"], training_band_bicubic_psnr=seen["bicubic_psnr"])
     return {"train_seconds": seconds, "training_patches": args.patches, "dihedral": args.dihedral, **report}
@@ -228,6 +251,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--dihedral", action="store_true",
                         help="super_resolution: give each training crop one of the 8 flips and quarter-turns")
     parser.add_argument("--samples_per_image", type=int, default=4, help="super_resolution: the mean's samples")
+    parser.add_argument("--back_projection_steps", type=int, default=10,
+                        help="super_resolution: also score the mean back-projected onto the input this many steps, "
+                             "beside bicubic back-projected alike (the commands' flag; 0: not; default: 10)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "conditioning"))
     args = parser.parse_args(argv[:split])
     args.extra = argv[split + 1:]  # flags after -- go to both trainings
