@@ -132,11 +132,28 @@ def test_inpainting_from_folders_keeps_the_unmasked_pixels_and_scores_digits(tmp
      "--masks is for inpainting; this pipeline's conditioning is super_resolution"),
     ([], "this pipeline is image-conditioned (super_resolution): give --conditioning_images DIR"),
     (["--conditioning_images", ".", "--guide", "."], "an image-conditioned pipeline guides on its image"),
+    (["--conditioning_images", ".", "--back_projection_steps", "3"],
+     "--back_projection_steps is for super-resolution pipelines; this pipeline's conditioning is inpainting"),
 ])
 def test_what_the_sample_command_refuses(tmp_path, flags, message):
-    pipeline = save_pipeline(tmp_path / "sr", "super_resolution")
+    kind = "inpainting" if "--back_projection_steps" in flags else "super_resolution"
+    pipeline = save_pipeline(tmp_path / kind, kind)
     result = run_cli(["-m", "diffusion_extras.sample", pipeline, "--output", tmp_path / "out", *flags], check=False)
     assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", ["sample", "evaluate"])
+def test_both_commands_refuse_back_projection_for_a_pipeline_that_is_not_super_resolution(tmp_path, command):
+    """An unconditional pipeline given --back_projection_steps: one line naming the flag, before any sampling."""
+    pipeline = save_tiny_pipeline(tmp_path / "p")
+    reference = save_pngs(tmp_path / "ref", np.zeros((2, 8, 8, 1), np.uint8))
+    flags = ["--reference", reference] if command == "evaluate" else []
+    result = run_cli(["-m", f"diffusion_extras.{command}", pipeline, "--back_projection_steps", "2", *flags,
+                      "--output", tmp_path / "out"], check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: --back_projection_steps is for super-resolution pipelines; "
+        "this pipeline's conditioning is none: drop it")
 
 
 def test_an_inpainting_run_reports_its_scores_at_eval_steps(tiny_recipe, tmp_path):

@@ -89,7 +89,8 @@ def main(argv=None) -> int:
         folder = check_pipeline_argument(args)
         check_reference(args.reference)
         if folder is not None:
-            check_conditioning_flags(saved_conditioning(folder), args.conditioning_images, args.masks, ("image",))
+            check_conditioning_flags(saved_conditioning(folder), args.conditioning_images, args.masks, ("image",),
+                                     args.back_projection_steps)
         if args.baseline is not None:
             local_pipeline_folder(args.baseline)
         names = [m.strip() for m in args.eval_metrics.split(",") if m.strip()]

@@ -56,10 +56,15 @@ def saved_conditioning(path: str) -> str | None:
 
 
 def check_conditioning_flags(conditioning: str | None, conditioning_images: str | None, masks: str | None,
-                             needs_images: tuple = ("super_resolution", "inpainting", "image")) -> None:
-    """The sample and evaluate commands' condition folders against the pipeline's kind (None: not
+                             needs_images: tuple = ("super_resolution", "inpainting", "image"),
+                             back_projection_steps: int = 0) -> None:
+    """The sample and evaluate commands' condition flags against the pipeline's kind (None: not
     image-conditioned): a one-line ValueError for a folder it does not take or one it needs (the
-    kinds of `needs_images` need --conditioning_images)."""
+    kinds of `needs_images` need --conditioning_images), or --back_projection_steps on a pipeline
+    that is not super-resolution."""
+    if back_projection_steps and conditioning != "super_resolution":
+        raise ValueError(f"--back_projection_steps is for super-resolution pipelines; this pipeline's conditioning "
+                         f"is {conditioning or 'none'}: drop it")
     if conditioning is None:
         given = "--conditioning_images" if conditioning_images else "--masks" if masks else None
         if given:

@@ -63,7 +63,8 @@ def main(argv=None) -> int:
         folder = check_pipeline_argument(args, **{"--class_labels": args.class_labels})
         if folder is not None:
             requested_classes(saved_id2label(folder), args.class_labels, args.num_images or 16)
-            check_conditioning_flags(saved_conditioning(folder), args.conditioning_images, args.masks)
+            check_conditioning_flags(saved_conditioning(folder), args.conditioning_images, args.masks,
+                                     back_projection_steps=args.back_projection_steps)
     # torch and diffusers (seconds) once the flags and the folder are good
     with importing_the_stack():
         from diffusion_extras.cli.common import guidance_for, load_pipeline, resolve_device
@@ -99,7 +100,8 @@ def sample_conditions(args, pipeline, scheduler, guidance: dict):
     from diffusion_extras.evaluation.conditioned import batch, sample_conditioned
 
     kind = pipeline.config.conditioning
-    check_conditioning_flags(kind, args.conditioning_images, args.masks)  # a Hub id's, once loaded
+    check_conditioning_flags(kind, args.conditioning_images, args.masks,  # a Hub id's, once loaded
+                             back_projection_steps=args.back_projection_steps)
     paths = list_images(args.conditioning_images)[:args.num_images]
     inputs = {"image": unit_tensor(read_images(paths, pipeline.image_channels))}
     if kind == "inpainting":
