@@ -159,9 +159,8 @@ def posterior_mean_psnr(pipeline: str, reference: str, samples: int, steps: int,
     bicubic = conditioned.bicubic(tiles, FACTOR)
     report = {"samples_per_image": samples, **paired_gain(np.round(mean).astype(np.uint8), tiles, bicubic, "mean_")}
     if back_projection_steps:
-        lows = degrade(torch.from_numpy(tiles).permute(0, 3, 1, 2).float() / 127.5 - 1, FACTOR)
         pixels = torch.from_numpy(mean).permute(0, 3, 1, 2).float() / 127.5 - 1
-        projected = conditioned.to_uint8((back_project(pixels, lows, FACTOR, back_projection_steps) + 1) / 2)
+        projected = conditioned.to_uint8((back_project(pixels, low * 2 - 1, FACTOR, back_projection_steps) + 1) / 2)
         baseline = conditioned.bicubic(tiles, FACTOR, back_projection_steps)
         report.update(back_projection_steps=back_projection_steps,
                       **paired_gain(projected, tiles, bicubic, "back_projected_mean_"),
