@@ -1,10 +1,13 @@
 """Image conditions in the data (data/conditioning.py): random inpainting masks from seeds, and
 stored conditions (a column, a paired folder; cached or streamed) that reach the UNet paired with
 their image through crops and flips."""
+import os
+
 import numpy as np
 import pytest
 import torch
 from helpers import first_step_inputs, paired_images, run_training, write_paired_folders, write_paired_parquet
+from PIL import Image
 
 from diffusion_extras.data import conditioning
 from diffusion_extras.training.conditioning import ImageCondition
@@ -100,3 +103,50 @@ def test_a_condition_column_that_is_missing_or_not_images_is_refused(tmp_path, t
                               "--conditioning", "inpainting", "--mask_column", column, "--max_train_steps", 1,
                               check=False)
         assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
+
+
+def test_a_pair_with_two_files_of_one_name_is_refused_naming_both(tmp_path, tiny_recipe):
+    """A paired folder holding 3.bmp and 3.jpg: either could be image 3's mask; the trainer refuses
+    before training, naming both files, and the commands' --masks pairing refuses the same."""
+    from diffusion_extras.cli.common import paired_paths
+
+    images, masks = paired_images(4, 8, 8)
+    image_dir, mask_dir = write_paired_folders(tmp_path / "data", images, masks)
+    Image.fromarray(masks[3]).save(tmp_path / "data" / "pairs" / "1" / "3.jpg")
+    result = run_training(tiny_recipe(max_train_samples=None), tmp_path / "run", "--train_data_dir", image_dir,
+                          "--conditioning", "inpainting", "--mask_data_dir", mask_dir, "--max_train_steps", 1,
+                          check=False)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"--mask_data_dir {mask_dir}" in last and "3.bmp" in last and "3.jpg" in last and "keep one" in last
+    paths = sorted(str(path) for path in (tmp_path / "data" / "images").rglob("*.png"))
+    with pytest.raises(ValueError, match=r"3\.bmp and .*3\.jpg .*keep one"):
+        paired_paths(paths, image_dir, mask_dir, "--masks")
+    Image.fromarray(images[1]).save(tmp_path / "data" / "images" / "1" / "1.tif")  # two images that one mask pairs
+    (tmp_path / "data" / "pairs" / "1" / "3.jpg").unlink()
+    with pytest.raises(ValueError, match=r"1\.png and .*1\.tif .*--masks pairs a file by its name"):
+        paired_paths(sorted(str(p) for p in (tmp_path / "data" / "images").rglob("*.*")), image_dir, mask_dir,
+                     "--masks")
+
+
+def test_the_trainer_the_paired_folders_and_the_commands_read_the_same_files(tmp_path):
+    """One list of image extensions: the files datasets' imagefolder reads for --train_data_dir (a
+    TIFF and an upper-case .PNG among them, not a PDF that Pillow would open), the files a paired
+    folder pairs and the files a command's folder lists are the same."""
+    import datasets
+
+    from diffusion_extras.cli.common import list_images
+    from diffusion_extras.data import pairs
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for name in ("0.png", "1.tif", "2.PNG", "3.webp", "4.jpeg"):
+        Image.fromarray(np.full((4, 4), 9, np.uint8)).save(folder / name)
+    Image.fromarray(np.full((4, 4), 9, np.uint8)).save(folder / "5.pdf")
+    (folder / "notes.txt").write_text("not an image")
+    trainer = datasets.load_dataset("imagefolder", data_dir=str(folder), split="train")
+    read = sorted(os.path.basename(row["path"]) for row in trainer.cast_column("image", datasets.Image(decode=False))
+                  ["image"])
+    assert read == ["0.png", "1.tif", "2.PNG", "3.webp", "4.jpeg"]
+    assert sorted(os.path.basename(path) for path in pairs.image_files(str(folder), "--masks").values()) == read
+    assert [os.path.basename(path) for path in list_images(str(folder))] == read

@@ -39,8 +39,6 @@ from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditio
 from diffusion_extras.evaluation.pipeline_latent import LatentDiffusionPipeline, vae_scale_factor
 from diffusion_extras.hub.download import first_line, is_offline_error, offline_reason
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
-
 
 # ----------------------------------------------------------------------------- the device
 def resolve_device(name: str) -> torch.device:
@@ -203,12 +201,19 @@ def read_images(paths: list[str], channels: int) -> np.ndarray:
 
 
 def paired_paths(paths: list[str], folder: str, other: str, flag: str) -> list[str]:
-    """For each image of `paths` (under `folder`), the file of `other` at the same relative path
-    (any image extension), or a one-line ValueError naming the first image without one."""
-    from diffusion_extras.data.conditioning import image_files
+    """For each image of `paths` (under `folder`), the one file of `other` at the same relative path
+    (any image extension), or a one-line ValueError naming the first image without one, or two
+    files of one name (data/pairs.py: the trainer's rule for its paired folders)."""
+    from diffusion_extras.data.pairs import image_files
 
-    pairs = image_files(other)
+    pairs = image_files(other, flag)
     keys = [os.path.splitext(os.path.relpath(path, folder))[0] for path in paths]
+    first = {}
+    for key, path in zip(keys, paths):
+        twin = first.setdefault(key, path)
+        if twin != path:
+            raise ValueError(f"{twin} and {path} have one name but for the extension, and {flag} pairs a file by its "
+                             "name: keep one of them")
     missing = [path for path, key in zip(paths, keys) if key not in pairs]
     if missing:
         raise ValueError(f"{flag} {other}: no file at the relative path of {missing[0]} ({len(missing)} image(s) "
@@ -243,10 +248,14 @@ def unit_tensor(images: np.ndarray) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- reference images
 def list_images(folder: str) -> list[str]:
-    paths = sorted(os.path.join(root, name) for root, _, names in os.walk(folder)
-                   for name in names if name.lower().endswith(IMAGE_EXTENSIONS))
+    """The image files under `folder` (the extensions the trainer reads: data/pairs.py), sorted by path."""
+    from diffusion_extras.data.pairs import is_image_file
+
+    paths = sorted(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
+                   if is_image_file(name))
     if not paths:
-        raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found under {folder}")
+        raise ValueError(f"no images found under {folder} (the extensions datasets' imagefolder reads: .png, .jpg, "
+                         ".webp, .tif, ...)")
     return paths
 
 

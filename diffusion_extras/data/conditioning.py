@@ -1,7 +1,8 @@
 """Image conditions in the data (--conditioning): which column holds a stored condition (the
 conditioning image of image-to-image, or an inpainting mask: a column of the dataset, or a folder
-paired file by file with --train_data_dir), each training image decoded with it into one array of
-C + S channels (the image's C, the condition's S), and the random inpainting masks.
+paired file by file with --train_data_dir, which pairs.py lists), each training image decoded with
+it into one array of C + S channels (the image's C, the condition's S), and the random inpainting
+masks.
 
 Stored side by side, a pair is one image to the rest of the data layer: the decode-once cache, the
 stream, the (seed, micro-step) batch order, the crops and the flips carry image and condition
@@ -11,16 +12,13 @@ step, from (seed, micro-step), so a resume and any number of ranks see the same.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import numpy as np
 
-from diffusion_extras.data.images import EIGHT_BIT, DataError, PixelFormat, decode_image, find_image_column
-from diffusion_extras.data.spec import DataSpec, Resolution
-
-CONDITIONING_IMAGE_COLUMN = "conditioning_image"  # a paired folder's conditioning images, as a column
-MASK_COLUMN = "mask"                              # a paired folder's masks, as a column
+from diffusion_extras.data.images import EIGHT_BIT, PixelFormat, decode_image, find_image_column
+from diffusion_extras.data.pairs import CONDITIONING_IMAGE_COLUMN, MASK_COLUMN
+from diffusion_extras.data.spec import DataError, DataSpec, Resolution
 
 
 class StoredCondition(NamedTuple):
@@ -61,49 +59,6 @@ def columns(dataset, spec: DataSpec) -> tuple[str, StoredCondition | None]:
         if not isinstance(feature, datasets.Image):
             raise DataError(f"{flag} {condition.column} holds {feature}, not images")
     return find_image_column(dataset, spec.image_column, (condition.column,) if condition else ()), condition
-
-
-def paired_folder(spec: DataSpec) -> tuple[str, str] | None:
-    """(the folder paired with --train_data_dir, the column its files become), or None."""
-    if spec.train_data_dir and spec.conditioning_data_dir:
-        return spec.conditioning_data_dir, CONDITIONING_IMAGE_COLUMN
-    if spec.train_data_dir and spec.mask_data_dir:
-        return spec.mask_data_dir, MASK_COLUMN
-    return None
-
-
-def image_files(folder: str) -> dict[str, str]:
-    """{relative path without extension: path} of the images under `folder` (Pillow's extensions)."""
-    from PIL import Image
-
-    extensions = set(Image.registered_extensions())
-    found = {}
-    for root, _, names in os.walk(folder):
-        for name in sorted(names):
-            stem, extension = os.path.splitext(name)
-            if extension.lower() in extensions:
-                found[os.path.relpath(os.path.join(root, stem), folder)] = os.path.join(root, name)
-    return found
-
-
-def paired_folders_dataset(image_folder: str, condition_folder: str, column: str):
-    """A datasets.Dataset of two image columns, `image` and `column`: each image of `image_folder`
-    with the file of `condition_folder` at the same relative path (any image extension), in path
-    order. An image without its pair is refused, naming it. In memory: decoded at each start (a
-    dataset with the two columns is cached once)."""
-    import datasets
-
-    images, conditions = image_files(image_folder), image_files(condition_folder)
-    if not images:
-        raise DataError(f"--train_data_dir {image_folder}: no images found")
-    unpaired = sorted(set(images) - set(conditions))
-    if unpaired:
-        raise DataError(f"{len(unpaired)} image(s) of {image_folder} have no file at the same relative path in "
-                        f"{condition_folder} (first: {images[unpaired[0]]}); give every image its pair")
-    keys = sorted(images)
-    features = datasets.Features({"image": datasets.Image(), column: datasets.Image()})
-    return datasets.Dataset.from_dict({"image": [images[k] for k in keys], column: [conditions[k] for k in keys]},
-                                      features=features)
 
 
 def decode_pair(item: dict, condition_item: dict | None, resolution: Resolution, center_crop: bool, channels: int,

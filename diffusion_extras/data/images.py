@@ -16,13 +16,10 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from diffusion_extras.data.image_header import DEEP_MODES, ImageHeader, holds_grayscale, read_header
-from diffusion_extras.data.spec import DataSpec, Resolution, image_size
+from diffusion_extras.data.pairs import paired_folder, paired_folders_dataset
+from diffusion_extras.data.spec import DataError, DataSpec, Resolution, image_size
 
 logger = logging.getLogger(__name__)
-
-
-class DataError(ValueError):
-    """A dataset problem found before training; the message names it and the fix."""
 
 
 # ----------------------------------------------------------------------------- loading
@@ -73,7 +70,7 @@ def open_dataset(spec: DataSpec, streaming: bool = False):
     """The one dispatch from the data flags to the training split, a datasets.Dataset (or an
     IterableDataset when streaming), for both the cached and the streamed source: --train_data_files
     (.tar shards or parquet, through datasets' `webdataset` / `parquet` builders), --train_data_dir
-    (`imagefolder`; with a paired folder of conditions or masks, the pairs: data/conditioning.py),
+    (`imagefolder`; with a paired folder of conditions or masks, the pairs: data/pairs.py),
     --dataset_name (a save_to_disk folder, a folder load_dataset understands, or a Hub id;
     --dataset_config_name picks its configuration), else the embedded digits."""
     import datasets
@@ -85,7 +82,6 @@ def open_dataset(spec: DataSpec, streaming: bool = False):
             builder, data_files={"train": files}, cache_dir=cache_dir, streaming=streaming),
             f"--train_data_files {spec.train_data_files}"), spec.train_data_files)
     if spec.train_data_dir:
-        from diffusion_extras.data.conditioning import paired_folder, paired_folders_dataset  # it imports this module
         paired = paired_folder(spec)  # --conditioning_data_dir / --mask_data_dir: file by file with the images
         if paired is not None:
             dataset = paired_folders_dataset(spec.train_data_dir, *paired)

@@ -1,5 +1,6 @@
 """What the data layer is given: which images and how a run reads them (`DataSpec`), and which
-process is reading (`Processes`). Nothing else of a training config reaches the data parts.
+process is reading (`Processes`); the error it raises (`DataError`). Nothing else of a training
+config reaches the data parts.
 
     spec = DataSpec(train_data_dir="my_images", resolution=32, train_batch_size=16)
     source = build_source(spec, accelerate.PartialState(), channels=3)
@@ -15,6 +16,10 @@ if TYPE_CHECKING:  # the training config builds a DataSpec: it imports without t
 
 
 Resolution = int | tuple[int, int]  # pixels: N (square), or (height, width)
+
+
+class DataError(ValueError):
+    """A dataset problem found before training; the message names it and the fix."""
 
 
 @dataclass(frozen=True)
