@@ -213,3 +213,98 @@ def test_what_the_pipeline_refuses():
         pipeline("inpainting")(image=np.zeros((8, 8), np.uint8), num_inference_steps=1)
     with pytest.raises(ValueError, match="conditioning 'colour' is not one of"):
         ImageConditionedPipeline(tiny_unet(1), DDPMScheduler(), conditioning="colour")
+
+
+def mask_forms(mask: np.ndarray) -> dict:
+    """One bool mask [H, W] (True = to fill) in every form users store one: 0/1 and 0/255 in 8 and
+    16 bits, booleans, grayscale with soft edges, RGB, opaque RGBA, a palette, numpy and torch."""
+    u8 = mask.astype(np.uint8)
+    soft = np.where(mask, 200, 40).astype(np.uint8)  # soft-edged grey: above and below half
+    rgb = np.stack([u8 * 255] * 3, axis=-1)
+    palette = Image.fromarray(u8, "P")
+    palette.putpalette([0, 0, 0, 255, 255, 255])  # index 1 shows white: read as the colours it shows
+    return {
+        "uint8 0/1": u8, "uint8 0/255": u8 * 255, "bool": mask, "int64 0/1": mask.astype(np.int64),
+        "uint16 0/65535": u8.astype(np.uint16) * 65535, "float 0/1": mask.astype(np.float32),
+        "float 8-bit levels": u8.astype(np.float32) * 255, "soft grey": soft, "numpy HWC RGB": rgb,
+        "PIL 1": Image.fromarray(mask), "PIL L 0/1": Image.fromarray(u8), "PIL L 0/255": Image.fromarray(u8 * 255),
+        "PIL I;16": Image.fromarray(u8.astype(np.uint16) * 65535), "PIL RGB": Image.fromarray(rgb),
+        "PIL RGBA opaque": Image.fromarray(np.dstack([rgb, np.full_like(u8, 255)])), "PIL P": palette,
+        "torch uint8 0/1": torch.from_numpy(u8), "torch bool": torch.from_numpy(mask),
+        "torch float [1, 1, H, W]": torch.from_numpy(mask).float()[None, None],
+    }
+
+
+def test_a_mask_in_any_common_form_fills_the_same_pixels(tmp_path):
+    """The UNet's mask channel, and the pixels that come back as given, are the same for one mask
+    in each form: a 0/1 mask (how segmentation masks are saved) fills what a 0/255 one does, not
+    nothing; a file read back from disk (8-bit and 16-bit PNG, palette) too."""
+    mask = np.zeros((8, 12), bool)
+    mask[2:6, 3:9] = True
+    photo = random_uint8((8, 12, 1), seed=2)
+    pipe = pipeline("inpainting")
+    inputs = unet_inputs(pipe)
+    forms = mask_forms(mask)
+    for name in ("PIL L 0/1", "PIL I;16", "PIL P"):
+        forms[name].save(tmp_path / "mask.png")
+        with Image.open(tmp_path / "mask.png") as saved:
+            saved.load()
+            forms[f"{name}, a PNG"] = saved
+    for name, form in forms.items():
+        inputs.clear()
+        out = pipe(image=photo, mask_image=form, num_inference_steps=1, output_type="np").images[0]
+        assert torch.equal(inputs[0][0, 1], torch.from_numpy(mask).float()), name
+        assert np.array_equal(np.round(out[~mask] * 255), photo[~mask].astype(np.float32)), name
+
+
+def test_a_mask_of_another_size_is_resized_and_one_that_cannot_be_read_as_meant_is_refused():
+    """A mask twice its image's size is resized as diffusers' mask processor resizes (nearest) and
+    fills the same pixels; another aspect ratio, a label map, a colour mask, a transparent one and
+    a count of masks that is neither 1 nor the images' are refused with one line, before the UNet runs."""
+    mask = np.zeros((8, 12), bool)
+    mask[2:6, 3:9] = True
+    pipe = pipeline("inpainting")
+    inputs = unet_inputs(pipe)
+    photo = random_uint8((8, 12, 1), seed=2)
+    pipe(image=photo, mask_image=np.kron(mask, np.ones((2, 2), bool)).astype(np.uint8), num_inference_steps=1)
+    assert torch.equal(inputs[0][0, 1], torch.from_numpy(mask).float())
+    inputs.clear()
+    red = np.zeros((8, 12, 3), np.uint8)
+    red[mask] = (255, 0, 0)
+    transparent = np.dstack([np.full((8, 12, 3), 255, np.uint8), mask.astype(np.uint8) * 255])
+    refused = {
+        "is 12x8 .* and its image 8x12: another aspect ratio": np.ones((12, 8), np.uint8),
+        "reach 3 of 255 and none reaches half, so it would fill nothing; a label map": mask * 3 + (~mask) * 1,
+        "is in colour": Image.fromarray(red),
+        "is transparent in places": Image.fromarray(transparent),
+        "holds 3 masks for 2 images": np.zeros((3, 8, 12), np.uint8),
+        "holds floats up to 2.5": mask * 2.5,
+    }
+    for message, form in refused.items():
+        images = np.stack([photo, photo]) if "3 masks" in message else photo
+        with pytest.raises(ValueError, match=message):
+            pipe(image=images, mask_image=form.astype(np.uint8) if "label" in message else form,
+                 num_inference_steps=1)
+    assert not inputs
+
+
+def test_an_exported_inpainting_pipeline_reads_masks_by_the_rule_without_the_package(tmp_path):
+    """save_pretrained writes pipeline_masks.py beside the pipeline's file; a process without the
+    package loads the folder (trust_remote_code) and fills what a 0/1 mask marks."""
+    from package_blocker import run_without_the_package
+
+    pipeline("inpainting").save_pretrained(tmp_path / "export")
+    assert (tmp_path / "export" / "pipeline_masks.py").is_file()
+    script = """
+import sys
+import numpy as np, torch
+from diffusers import DiffusionPipeline
+pipe = DiffusionPipeline.from_pretrained(sys.argv[1], trust_remote_code=True)
+image = np.full((8, 8), 100, np.uint8)
+mask = np.zeros((8, 8), np.uint8)
+mask[:, :4] = 1
+out = pipe(image=image, mask_image=mask, num_inference_steps=2, output_type="np").images[0, :, :, 0]
+print("changed", int((np.round(out * 255) != 100).sum()), "of", int(mask.sum()))
+"""
+    result = run_without_the_package(script, tmp_path, tmp_path / "export")
+    assert "changed 32 of 32" in result.stdout

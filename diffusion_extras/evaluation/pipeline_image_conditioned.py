@@ -12,9 +12,10 @@ the latents of a VAE (vae/), with any diffusers scheduler:
 
 Images are PIL images, numpy arrays (float in [0, 1], or uint8) or torch tensors ([0, 1]), one or
 a batch, as diffusers' image pipelines take them (VaeImageProcessor); any size whose sides the UNet
-(and the VAE) can halve, square or not. The trainer saves a copy of this file beside
-model_index.json with pipeline_class_conditional.py and pipeline_latent.py (its relative imports),
-so diffusers loads the folder without the training package. torch and diffusers only.
+(and the VAE) can halve, square or not; an inpainting mask in any common form (pipeline_masks.py).
+The trainer saves a copy of this file beside model_index.json with pipeline_class_conditional.py,
+pipeline_latent.py and pipeline_masks.py (its relative imports), so diffusers loads the folder
+without the training package. torch and diffusers only.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from diffusers.image_processor import VaeImageProcessor
 
 from .pipeline_class_conditional import PackagePipeline, _randn, guided_step
 from .pipeline_latent import decode_latents, latent_normalization, vae_scale_factor
+from .pipeline_masks import binary_masks
 
 PIPELINE_MODULE = "pipeline_image_conditioned"  # this file's name in an exported folder, without .py
 PIPELINE_CLASS = "ImageConditionedPipeline"
@@ -174,6 +176,25 @@ class ImageConditionedPipeline(PackagePipeline):
                              f"({'a mask: one' if mask else {1: 'grayscale', 3: 'RGB'}.get(channels, channels)})")
         return images.to(self._execution_device)
 
+    def prepare_mask(self, mask_image, pixels: torch.Tensor) -> torch.Tensor | None:
+        """An inpainting pipeline's mask_image for its images `pixels` [B, C, H, W]: fp32 [B, 1, H, W]
+        of 0 and 1 (1 = to fill) on the execution device, read by the one mask rule
+        (pipeline_masks.binary_masks: every common form; another size of the same aspect resized
+        as diffusers' mask processor resizes); one mask for all the images or one each. None for
+        the other kinds, which refuse a mask."""
+        kind = self.config.conditioning
+        if kind != "inpainting":
+            if mask_image is not None:
+                raise ValueError(f"mask_image is for inpainting; this pipeline's conditioning is {kind}")
+            return None
+        if mask_image is None:
+            raise ValueError("an inpainting pipeline needs mask_image (white = to fill)")
+        mask = binary_masks(mask_image, tuple(pixels.shape[-2:]))
+        if len(mask) not in (1, len(pixels)):
+            raise ValueError(f"mask_image holds {len(mask)} masks for {len(pixels)} images; give one mask, or one "
+                             "per image")
+        return mask.to(self._execution_device).expand(len(pixels), 1, *pixels.shape[-2:])
+
     def check_size(self, height: int, width: int) -> None:
         multiple = self.size_multiple
         if height % multiple or width % multiple:
@@ -210,13 +231,7 @@ class ImageConditionedPipeline(PackagePipeline):
         if back_projection_steps and output_type == "latent" and self.vae is not None:
             raise ValueError("back_projection_steps works on pixels: ask for output_type 'pil', 'np' or 'pt'")
         pixels = self.preprocess(image, self.image_channels)
-        mask = None
-        if kind == "inpainting":
-            if mask_image is None:
-                raise ValueError("an inpainting pipeline needs mask_image (white = to fill)")
-            mask = self.preprocess(mask_image, 1, mask=True).expand(len(pixels), 1, *pixels.shape[-2:])
-        elif mask_image is not None:
-            raise ValueError(f"mask_image is for inpainting; this pipeline's conditioning is {kind}")
+        mask = self.prepare_mask(mask_image, pixels)
         condition = pixel_condition(kind, pixels, mask, self.config.sr_factor)
         self.check_size(*condition.shape[-2:])
         if self.vae is not None:
