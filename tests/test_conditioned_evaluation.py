@@ -127,6 +127,30 @@ def test_inpainting_from_folders_keeps_the_unmasked_pixels_and_scores_digits(tmp
     assert report["reference_digit_accuracy"] >= 5 / 6 and np.isfinite(report["baseline_psnr"])
 
 
+def test_the_commands_read_mask_files_as_the_trainer_does(tmp_path):
+    """--masks of 0/1 PNGs (read as 0/255 they filled nothing), of 0/255 ones and of masks twice the
+    images' size give the same masks; a label map is refused naming its file."""
+    import argparse
+
+    from diffusion_extras.cli.common import condition_masks
+
+    images = np.random.default_rng(0).integers(0, 256, (3, 8, 12, 1), dtype=np.uint8)
+    masks = np.zeros_like(images)
+    masks[:, 2:6, 3:9] = 1
+    save_pngs(tmp_path / "img", images)
+    paths = sorted(str(path) for path in (tmp_path / "img").glob("*.png"))
+    read = {}
+    for name, stored in (("0/1", masks), ("0/255", masks * 255),
+                         ("twice", np.kron(masks * 255, np.ones((1, 2, 2, 1), np.uint8)))):
+        args = argparse.Namespace(masks=save_pngs(tmp_path / name.replace("/", "-"), stored), mask="random", seed=0)
+        read[name] = condition_masks(args, paths, str(tmp_path / "img"), (8, 12))
+    expected = torch.from_numpy(masks).permute(0, 3, 1, 2).float()
+    assert all(torch.equal(mask, expected) for mask in read.values())
+    args = argparse.Namespace(masks=save_pngs(tmp_path / "labels", masks * 2), mask="random", seed=0)
+    with pytest.raises(ValueError, match=r"000\.png: its values reach 2 of 255"):
+        condition_masks(args, paths, str(tmp_path / "img"), (8, 12))
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--conditioning_images", ".", "--masks", "."],
      "--masks is for inpainting; this pipeline's conditioning is super_resolution"),

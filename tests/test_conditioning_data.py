@@ -150,3 +150,34 @@ def test_the_trainer_the_paired_folders_and_the_commands_read_the_same_files(tmp
     assert read == ["0.png", "1.tif", "2.PNG", "3.webp", "4.jpeg"]
     assert sorted(os.path.basename(path) for path in pairs.image_files(str(folder), "--masks").values()) == read
     assert [os.path.basename(path) for path in list_images(str(folder))] == read
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+@pytest.mark.parametrize("form", ["0/1", "16-bit 0/65535", "twice the size"])
+def test_a_mask_folder_reaches_the_unet_as_the_mask_it_stores_in_any_form(tmp_path, form):
+    """--mask_data_dir of masks saved 0/1 (how segmentation masks are saved: read as 0/255 they
+    masked nothing), in 16 bits, or at twice their image's size (resized as the pipeline resizes a
+    mask): the UNet's mask channel is each image's mask (white where the image is bright)."""
+    images, masks = paired_images(16, 8, 8, seed=3)
+    stored = {"0/1": masks // 255, "16-bit 0/65535": (masks // 255).astype(np.uint16) * 65535,
+              "twice the size": np.kron(masks, np.ones((2, 2), np.uint8))}[form]
+    image_dir, mask_dir = write_paired_folders(tmp_path / "data", images, stored, pair_extension=".png")
+    cleans, inputs = first_step_inputs(tmp_path, "--train_data_dir", image_dir, "--conditioning", "inpainting",
+                                       "--mask_data_dir", mask_dir, "--random_flip", max_train_samples=None)
+    mask = inputs[0][:, 1:2]
+    assert 0 < mask.mean() < 1
+    assert torch.equal(mask, (cleans[0] > 0).float())
+
+
+def test_masks_the_rule_cannot_read_as_meant_are_refused_before_training(tmp_path, tiny_recipe):
+    """A mask folder of label maps (classes 0, 1, 2: nothing reaches half) is one line naming the
+    first file, before training (not a run of skipped rows)."""
+    images, masks = paired_images(8, 8, 8)
+    image_dir, mask_dir = write_paired_folders(tmp_path / "data", images, (masks // 255) * 2 + 0,
+                                               pair_extension=".png")
+    result = run_training(tiny_recipe(max_train_samples=None), tmp_path / "run", "--train_data_dir", image_dir,
+                          "--conditioning", "inpainting", "--mask_data_dir", mask_dir, "--train_batch_size", 4,
+                          "--max_train_steps", 1, check=False)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert "0.png: its values reach 2 of 255 and none reaches half" in last and "a label map?" in last

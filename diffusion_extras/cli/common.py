@@ -223,19 +223,20 @@ def paired_paths(paths: list[str], folder: str, other: str, flag: str) -> list[s
 
 def condition_masks(args, paths: list[str], folder: str, size) -> torch.Tensor:
     """float [N, 1, H, W] masks (1 = to fill) of the images `paths` (under `folder`, of (H, W) `size`):
-    --masks' files at their relative paths, else --mask's half or random masks (random_mask, from
+    --masks' files at their relative paths (read by the mask rule, data/conditioning.stored_mask:
+    resized to `size` when of its aspect), else --mask's half or random masks (random_mask, from
     --seed and the image's index)."""
     from diffusion_extras.cli.arguments import MASK_KINDS
     from diffusion_extras.data.batch_order import mix_seed
-    from diffusion_extras.data.conditioning import half_mask, random_masks
+    from diffusion_extras.data.conditioning import half_mask, random_masks, stored_mask
 
     height, width = size
-    if args.masks is not None:
-        masks = read_images(paired_paths(paths, folder, args.masks, "--masks"), 1)
-        if masks.shape[1:3] != (height, width):
-            raise ValueError(f"--masks {args.masks}: the masks are {masks.shape[1]}x{masks.shape[2]} and the images "
-                             f"{height}x{width}; give masks of the images' size")
-        return unit_tensor(masks)
+    if args.masks is not None:  # read as the trainer reads stored masks (the exported pipeline's rule)
+        masks = []
+        for path in paired_paths(paths, folder, args.masks, "--masks"):
+            with Image.open(path) as mask:
+                masks.append(np.asarray(stored_mask(mask, (height, width), path)))
+        return torch.from_numpy(np.stack(masks)[:, None] / 255).float()
     if args.mask != MASK_KINDS[0]:
         return torch.from_numpy(half_mask(height, width, args.mask)).float().expand(len(paths), 1, height, width)
     return torch.from_numpy(random_masks(height, width, [mix_seed(args.seed, index) for index in range(len(paths))]))

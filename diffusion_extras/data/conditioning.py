@@ -12,13 +12,24 @@ step, from (seed, micro-step), so a resume and any number of ranks see the same.
 """
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
+from PIL import Image, ImageOps
 
-from diffusion_extras.data.images import EIGHT_BIT, PixelFormat, decode_image, find_image_column
+from diffusion_extras.data.images import (
+    EIGHT_BIT,
+    PixelFormat,
+    decode_image,
+    find_image_column,
+    open_stored,
+    preprocess_image,
+)
 from diffusion_extras.data.pairs import CONDITIONING_IMAGE_COLUMN, MASK_COLUMN
 from diffusion_extras.data.spec import DataError, DataSpec, Resolution
+
+EXIF_ORIENTATION = 0x0112  # the EXIF tag ImageOps.exif_transpose reads
 
 
 class StoredCondition(NamedTuple):
@@ -64,15 +75,54 @@ def columns(dataset, spec: DataSpec) -> tuple[str, StoredCondition | None]:
 def decode_pair(item: dict, condition_item: dict | None, resolution: Resolution, center_crop: bool, channels: int,
                 condition: StoredCondition | None, pixels: PixelFormat = EIGHT_BIT) -> np.ndarray:
     """A stored image decoded and preprocessed ([H, W, C]; images.decode_image) and, with a stored
-    `condition`, its condition beside it ([H, W, C + S]): resized to exactly the image's decoded
-    size (the same crop for a pair of one aspect), so that random crops and flips take both alike."""
+    `condition`, its condition beside it ([H, W, C + S]), decoded as the image is (a mask first read
+    by the mask rule: stored_mask): resized to exactly the image's decoded size (the same crop for
+    a pair of one aspect), so that random crops and flips take both alike."""
     image = decode_image(item, resolution, center_crop, channels, pixels)
     if condition is None:
         return image
     if condition_item is None:
         raise DataError(f"no {condition.column} for this image")
-    paired = decode_image(condition_item, image.shape[:2], True, condition.channels(channels), pixels)
+    with open_stored(condition_item) as stored:
+        if condition.mask:
+            name = condition_item.get("path") or f"the {condition.column} of the image"
+            stored = stored_mask(stored, oriented_size(item), name)
+        paired = preprocess_image(stored, image.shape[:2], True, condition.channels(channels), pixels)
     return np.concatenate([image, paired], axis=-1)
+
+
+def stored_mask(mask: Image.Image, size: tuple[int, int], name: str) -> Image.Image:
+    """A stored mask read by the one mask rule (evaluation/pipeline_masks.py, which the exported
+    pipeline applies to its mask_image: 0/1 and 0/255, 8 and 16 bits, palettes, ...; refused by
+    `name` where it cannot be read as meant), oriented by its EXIF tag as images are, at `size`
+    (height, width: its image's; another size of the same aspect resized as the pipeline resizes
+    one, another aspect refused), binarised: an 8-bit image of 0 and 255."""
+    # the rule lives in the exported pipeline's files (an export loads without this package), the one
+    # import across the layers that pyproject.toml allows; here, as it imports diffusers
+    from diffusion_extras.evaluation.pipeline_masks import binary_masks
+
+    try:
+        binary = binary_masks(ImageOps.exif_transpose(mask), size, name)
+    except ValueError as error:
+        raise DataError(str(error)) from None
+    return Image.fromarray(binary[0, 0].numpy().astype(np.uint8) * 255)
+
+
+def oriented_size(item: dict) -> tuple[int, int]:
+    """(height, width) of a stored image once its EXIF orientation is applied (from its header)."""
+    with open_stored(item) as image:
+        width, height = image.size
+        quarter_turn = image.getexif().get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8)  # exif_transpose swaps the sides
+    return (width, height) if quarter_turn else (height, width)
+
+
+def check_masks(pairs, count: int = 16) -> None:
+    """The first `count` (image, mask) pairs of stored items read by the mask rule before training
+    (stored_mask), so that masks the rule refuses (transparency, colour, label maps, another aspect)
+    are one line naming the first, not a run of rows skipped while decoding."""
+    for image_item, mask_item in itertools.islice(pairs, count):
+        with open_stored(mask_item) as mask:
+            stored_mask(mask, oriented_size(image_item), mask_item.get("path") or "one of the first masks")
 
 
 # ----------------------------------------------------------------------------- random inpainting masks
@@ -84,7 +134,7 @@ def random_mask(height: int, width: int, seed: int) -> np.ndarray:
     """bool [height, width], True = to fill: a rectangle (a quarter to three quarters of each side),
     one to four free-form strokes (random walks drawn with a brush of 1/8 to 1/3 of the shorter
     side, as LaMa's and Palette's masks), or one half of the image; drawn from `seed` alone."""
-    from PIL import Image, ImageDraw
+    from PIL import ImageDraw
 
     rng = np.random.default_rng(seed)
     kind = MASK_KINDS[rng.choice(len(MASK_KINDS), p=MASK_KIND_WEIGHTS)]

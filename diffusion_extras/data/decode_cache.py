@@ -18,7 +18,7 @@ from diffusion_extras.data.spec import Resolution, image_size
 logger = logging.getLogger(__name__)
 
 
-CACHE_FORMAT = 3  # bump when the cached layout or preprocessing changes
+CACHE_FORMAT = 4  # bump when the cached layout or preprocessing changes (4: stored masks by the mask rule)
 
 
 # ----------------------------------------------------------------------------- decode once

@@ -242,7 +242,7 @@ def _stored_headers(items) -> list:
     headers = []
     for index, item in enumerate(items):
         try:
-            with _decode(item) as image:
+            with open_stored(item) as image:
                 headers.append((item.get("path") or f"image {index}", read_header(image), holds_grayscale(image)))
         except Exception:  # an unreadable file is named (and skipped) by the decoder later
             continue
@@ -380,11 +380,12 @@ def _resize_crop(image: Image.Image, size: tuple, box: tuple | None) -> Image.Im
 def decode_image(item: dict, resolution: Resolution, center_crop: bool, channels: int,
                  pixels: PixelFormat = EIGHT_BIT) -> np.ndarray:
     """A stored image ({"bytes", "path"}) decoded and preprocessed; raises on unreadable files."""
-    with _decode(item) as image:
+    with open_stored(item) as image:
         return preprocess_image(image, resolution, center_crop, channels, pixels)
 
 
-def _decode(item: dict) -> Image.Image:
+def open_stored(item: dict) -> Image.Image:
+    """A stored image ({"bytes", "path"}) opened (lazily: its header read, not its pixels)."""
     if item.get("bytes") is not None:
         return Image.open(io.BytesIO(item["bytes"]))
     return Image.open(item["path"])

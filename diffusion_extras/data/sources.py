@@ -55,6 +55,10 @@ class CachedImages:
         with processes.local_main_process_first():
             dataset = dataset if dataset is not None else data.load_image_dataset(spec)
             image_column, condition = conditioning.columns(dataset, spec)  # a stored condition: beside each image
+            if condition is not None and condition.mask:  # refused before decoding, where it can be
+                rows = dataset.with_format("arrow")[:16]
+                conditioning.check_masks(zip(rows.column(image_column).to_pylist(),
+                                             rows.column(condition.column).to_pylist()))
             pixels = data.dataset_format(dataset, image_column, spec.background)  # 16/32-bit images keep their depth
             self.images = decode_cache.cached_decode(dataset, image_column, spec.resolution, spec.center_crop,
                                                      channels, spec.cache_dir, processes.is_local_main_process,

@@ -57,6 +57,17 @@ def first_stored_images(spec: DataSpec, count: int = 16) -> list:
     return [item[column] for item in stream.take(count)]
 
 
+def first_stored_pairs(spec: DataSpec, condition: StoredCondition, count: int = 16) -> list:
+    """The stream's first `count` (image, stored condition) pairs, undecoded, as first_stored_images."""
+    import datasets
+    stream = open_stream(spec)
+    column, _ = conditioning.columns(stream, spec)
+    stream = stream.select_columns([column, condition.column])
+    for name in (column, condition.column):
+        stream = stream.cast_column(name, datasets.Image(decode=False))
+    return [(item[column], item[condition.column]) for item in stream.take(count)]
+
+
 def load_stream(spec: DataSpec, rank: int, world_size: int, label_column: str | None = None):
     """This rank's shard of the shuffled stream, and its image column; examples keep the column
     that `label_column` reads (a 'struct.field' keeps the struct) and a stored condition's
@@ -256,6 +267,9 @@ class StreamSource:
         shard, column = load_stream(spec, processes.process_index, processes.num_processes,
                                     classes.column if classes else None)
         self.pixels = stored_format(first_stored_images(spec) if firsts is None else firsts, spec.background)
+        condition = conditioning.stored_condition(spec)
+        if condition is not None and condition.mask:  # refused before training, where it can be
+            conditioning.check_masks(first_stored_pairs(spec, condition))
         self.stream = StreamingBatches(shard, column, spec.train_batch_size, spec.resolution, spec.center_crop,
                                        channels, spec.seed + processes.process_index,
                                        spec.dataloader_num_workers, processes.device.type == "cuda",
