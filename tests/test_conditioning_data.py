@@ -181,3 +181,20 @@ def test_masks_the_rule_cannot_read_as_meant_are_refused_before_training(tmp_pat
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert "0.png: its values reach 2 of 255 and none reaches half" in last and "a label map?" in last
+
+
+@pytest.mark.usefixtures("fresh_accelerate")
+@pytest.mark.parametrize("streaming", [False, True])
+def test_16_bit_conditioning_images_keep_their_depth_beside_8_bit_images(tmp_path, streaming):
+    """Image-to-image with 8-bit images and 16-bit conditioning PNGs: the pair's depth is judged
+    from both (images.stored_format), so the UNet sees each condition at 16 bits (here image x 256
+    + 128, no 8-bit level), cached or streamed; judged from the images alone it was rounded to 8."""
+    images, _ = paired_images(16, 8, 8, seed=4)
+    conditions = images.astype(np.uint16) * 256 + 128
+    image_dir, condition_dir = write_paired_folders(tmp_path / "data", images, conditions, pair_extension=".png")
+    flags = ["--train_data_dir", image_dir, "--conditioning", "image", "--conditioning_data_dir", condition_dir,
+             *(["--streaming", "--max_train_steps", 1] if streaming else [])]
+    cleans, inputs = first_step_inputs(tmp_path, *flags, max_train_samples=None)
+    image = torch.round((cleans[0].double() + 1) / 2 * 255)
+    expected = (image * 256 + 128) / 65535 * 2 - 1
+    torch.testing.assert_close(inputs[0][:, 1:].double(), expected, atol=1e-5, rtol=0)

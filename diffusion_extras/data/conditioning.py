@@ -41,6 +41,12 @@ class StoredCondition(NamedTuple):
         return 1 if self.mask else image_channels
 
 
+def decoded_like_images(condition: StoredCondition | None) -> tuple[str, ...]:
+    """The column of a stored condition that is decoded as the images are (a conditioning image:
+    its depth, transparency and sample range judged with theirs, images.stored_format), or ()."""
+    return (condition.column,) if condition is not None and not condition.mask else ()
+
+
 def stored_condition(spec: DataSpec) -> StoredCondition | None:
     """The stored condition of a run's data, or None (no condition, or one derived from the image)."""
     if spec.conditioning == "image":

@@ -278,9 +278,10 @@ def dataset_channels(dataset, image_column: str, count: int = 16) -> int:
     return stored_channels(_first_items(dataset, image_column, count)) or 3
 
 
-def dataset_format(dataset, image_column: str, background: str = "white", count: int = 16) -> PixelFormat:
-    """The PixelFormat of the training images, judged by the first `count` rows."""
-    return stored_format(_first_items(dataset, image_column, count), background)
+def dataset_format(dataset, columns: tuple[str, ...], background: str = "white", count: int = 16) -> PixelFormat:
+    """The PixelFormat of the training images, judged by the first `count` rows of their `columns`
+    (the images', and a stored conditioning image's: a pair is one array, decoded alike)."""
+    return stored_format([item for column in columns for item in _first_items(dataset, column, count)], background)
 
 
 def _first_items(dataset, image_column: str, count: int) -> list:

@@ -59,7 +59,9 @@ class CachedImages:
                 rows = dataset.with_format("arrow")[:16]
                 conditioning.check_masks(zip(rows.column(image_column).to_pylist(),
                                              rows.column(condition.column).to_pylist()))
-            pixels = data.dataset_format(dataset, image_column, spec.background)  # 16/32-bit images keep their depth
+            # 16/32-bit images keep their depth, and so do conditioning images (a mask is binary: 8 bits)
+            pixels = data.dataset_format(dataset, (image_column, *conditioning.decoded_like_images(condition)),
+                                         spec.background)
             self.images = decode_cache.cached_decode(dataset, image_column, spec.resolution, spec.center_crop,
                                                      channels, spec.cache_dir, processes.is_local_main_process,
                                                      pixels, condition)

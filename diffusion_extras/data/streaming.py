@@ -266,10 +266,13 @@ class StreamSource:
         """`firsts`: first_stored_images(spec), when the caller has read them (open_training_data)."""
         shard, column = load_stream(spec, processes.process_index, processes.num_processes,
                                     classes.column if classes else None)
-        self.pixels = stored_format(first_stored_images(spec) if firsts is None else firsts, spec.background)
         condition = conditioning.stored_condition(spec)
+        pairs = first_stored_pairs(spec, condition) if condition is not None else []
         if condition is not None and condition.mask:  # refused before training, where it can be
-            conditioning.check_masks(first_stored_pairs(spec, condition))
+            conditioning.check_masks(pairs)
+        conditions = [paired for _, paired in pairs] if conditioning.decoded_like_images(condition) else []
+        firsts = first_stored_images(spec) if firsts is None else firsts
+        self.pixels = stored_format(firsts + conditions, spec.background)  # a pair is one array: the deeper
         self.stream = StreamingBatches(shard, column, spec.train_batch_size, spec.resolution, spec.center_crop,
                                        channels, spec.seed + processes.process_index,
                                        spec.dataloader_num_workers, processes.device.type == "cuda",
