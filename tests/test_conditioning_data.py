@@ -198,3 +198,20 @@ def test_16_bit_conditioning_images_keep_their_depth_beside_8_bit_images(tmp_pat
     image = torch.round((cleans[0].double() + 1) / 2 * 255)
     expected = (image * 256 + 128) / 65535 * 2 - 1
     torch.testing.assert_close(inputs[0][:, 1:].double(), expected, atol=1e-5, rtol=0)
+
+
+def test_a_transparent_conditioning_image_is_composited_on_the_background_as_images_are(tmp_path):
+    """decode_pair decodes a conditioning image as an image (images.preprocess_image): an RGBA
+    condition beside grey images is composited on --background (here black), then made grey."""
+    from diffusion_extras.data.images import PixelFormat
+
+    grey = np.full((8, 8), 90, np.uint8)
+    rgba = np.dstack([np.full((8, 8, 3), 200, np.uint8), np.where(np.arange(8) < 4, 0, 255).astype(np.uint8)[None]
+                      .repeat(8, 0)])
+    Image.fromarray(grey).save(tmp_path / "image.png")
+    Image.fromarray(rgba).save(tmp_path / "condition.png")
+    items = [{"path": str(tmp_path / name), "bytes": None} for name in ("image.png", "condition.png")]
+    pair = conditioning.decode_pair(*items, 8, True, 1, conditioning.StoredCondition("c", mask=False),
+                                    PixelFormat("uint8", (0, 0, 0)))
+    assert pair.shape == (8, 8, 2) and (pair[..., 0] == 90).all()
+    assert (pair[:, :4, 1] == 0).all() and (pair[:, 4:, 1] == 200).all()
