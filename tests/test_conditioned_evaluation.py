@@ -129,7 +129,8 @@ def test_inpainting_from_folders_keeps_the_unmasked_pixels_and_scores_digits(tmp
 
 def test_the_commands_read_mask_files_as_the_trainer_does(tmp_path):
     """--masks of 0/1 PNGs (read as 0/255 they filled nothing), of 0/255 ones and of masks twice the
-    images' size give the same masks; a label map is refused naming its file."""
+    images' size give the same masks, resized and cropped with their images to evaluate's size as
+    training decodes a pair; a label map is refused naming its file."""
     import argparse
 
     from diffusion_extras.cli.common import condition_masks
@@ -146,6 +147,15 @@ def test_the_commands_read_mask_files_as_the_trainer_does(tmp_path):
         read[name] = condition_masks(args, paths, str(tmp_path / "img"), (8, 12))
     expected = torch.from_numpy(masks).permute(0, 3, 1, 2).float()
     assert all(torch.equal(mask, expected) for mask in read.values())
+    # evaluate's references are resized and cropped to the model's size: the mask with them, as training decodes a pair
+    from diffusion_extras.data.conditioning import StoredCondition, decode_pair
+
+    trained = decode_pair({"path": paths[0], "bytes": None}, {"path": str(tmp_path / "0-1" / "000.png"), "bytes": None},
+                          4, True, 1, StoredCondition("mask", mask=True))
+    cropped = condition_masks(argparse.Namespace(masks=str(tmp_path / "0-1"), mask="random", seed=0), paths,
+                              str(tmp_path / "img"), (4, 4))
+    assert cropped.shape == (3, 1, 4, 4) and 0 < cropped.mean() < 1
+    assert torch.equal(cropped[0, 0], torch.from_numpy(trained[:, :, 1] > 127).float())
     args = argparse.Namespace(masks=save_pngs(tmp_path / "labels", masks * 2), mask="random", seed=0)
     with pytest.raises(ValueError, match=r"000\.png: its values reach 2 of 255"):
         condition_masks(args, paths, str(tmp_path / "img"), (8, 12))

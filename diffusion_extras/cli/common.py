@@ -223,20 +223,21 @@ def paired_paths(paths: list[str], folder: str, other: str, flag: str) -> list[s
 
 def condition_masks(args, paths: list[str], folder: str, size) -> torch.Tensor:
     """float [N, 1, H, W] masks (1 = to fill) of the images `paths` (under `folder`, of (H, W) `size`):
-    --masks' files at their relative paths (read by the mask rule, data/conditioning.stored_mask:
-    resized to `size` when of its aspect), else --mask's half or random masks (random_mask, from
-    --seed and the image's index)."""
+    --masks' files at their relative paths (read by the mask rule at their image's stored size,
+    data/conditioning.stored_mask, then resized and cropped to `size` as the image is), else
+    --mask's half or random masks (random_mask, from --seed and the image's index)."""
     from diffusion_extras.cli.arguments import MASK_KINDS
     from diffusion_extras.data.batch_order import mix_seed
-    from diffusion_extras.data.conditioning import half_mask, random_masks, stored_mask
+    from diffusion_extras.data.conditioning import half_mask, oriented_size, random_masks, stored_mask
 
     height, width = size
-    if args.masks is not None:  # read as the trainer reads stored masks (the exported pipeline's rule)
+    if args.masks is not None:  # read as the trainer reads a stored mask beside its image (decode_pair)
         masks = []
-        for path in paired_paths(paths, folder, args.masks, "--masks"):
+        for image_path, path in zip(paths, paired_paths(paths, folder, args.masks, "--masks")):
             with Image.open(path) as mask:
-                masks.append(np.asarray(stored_mask(mask, (height, width), path)))
-        return torch.from_numpy(np.stack(masks)[:, None] / 255).float()
+                binary = stored_mask(mask, oriented_size({"path": image_path, "bytes": None}), path)
+            masks.append(preprocess_image(binary, (height, width), center_crop=True, channels=1)[:, :, 0])
+        return torch.from_numpy(np.stack(masks)[:, None] > 127).float()  # binarised at half, as the trainer's step
     if args.mask != MASK_KINDS[0]:
         return torch.from_numpy(half_mask(height, width, args.mask)).float().expand(len(paths), 1, height, width)
     return torch.from_numpy(random_masks(height, width, [mix_seed(args.seed, index) for index in range(len(paths))]))
