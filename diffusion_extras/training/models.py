@@ -34,7 +34,9 @@ def unet_config(config: TrainConfig, model: dict | None = None, latent: LatentSp
     else:
         values = dict(config.model if model is None else model)
     values["sample_size"] = sample_size(latent.size if latent else config.resolution)
-    channels, outputs = values.get("in_channels", 3), values.get("out_channels", 3)
+    for name in ("in_channels", "out_channels"):  # a config that leaves them out means diffusers' defaults
+        values.setdefault(name, unet_default(name))
+    channels, outputs = values["in_channels"], values["out_channels"]
     if latent is not None and (channels != latent.channels or outputs not in (channels, 2 * channels)):
         raise ConfigError(f"the UNet has {channels} -> {outputs} channels and the VAE's latents have "
                           f"{latent.channels}: set in_channels and out_channels to {latent.channels}, or choose no "
@@ -50,6 +52,15 @@ def unet_config(config: TrainConfig, model: dict | None = None, latent: LatentSp
     values["out_channels"] = expected  # the prediction and, with a learned variance, its C values
     validate_model_shape(values, config.resolution, latent.factor if latent else 1)
     return values
+
+
+def unet_default(name: str):
+    """UNet2DModel's default for the argument `name`: what diffusers fills a config without it with."""
+    import inspect
+
+    from diffusers import UNet2DModel
+
+    return inspect.signature(UNet2DModel.__init__).parameters[name].default
 
 
 def sample_size(resolution: Resolution) -> int | list[int]:
