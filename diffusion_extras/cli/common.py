@@ -231,7 +231,7 @@ def condition_masks(args, paths: list[str], folder: str, size) -> torch.Tensor:
             raise ValueError(f"--masks {args.masks}: the masks are {masks.shape[1]}x{masks.shape[2]} and the images "
                              f"{height}x{width}; give masks of the images' size")
         return unit_tensor(masks)
-    if args.mask != MASK_KINDS[0]:
+    if args.mask not in (None, MASK_KINDS[0]):  # None: not given, random
         return torch.from_numpy(half_mask(height, width, args.mask)).float().expand(len(paths), 1, height, width)
     return torch.from_numpy(random_masks(height, width, [mix_seed(args.seed, index) for index in range(len(paths))]))
 
