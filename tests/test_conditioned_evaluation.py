@@ -178,7 +178,7 @@ def test_a_hub_id_is_refused_the_flags_that_mean_nothing_for_its_kind_as_a_folde
          "--back_projection_steps is for super-resolution pipelines"),
         ("sample", "someone/sr", ["--conditioning_images", reference, "--masks", reference],
          "--masks is for inpainting pipelines; this pipeline's conditioning is super_resolution"),
-        ("sample", "someone/sr", [], "this pipeline is image-conditioned (super_resolution): give --conditioning_images"),
+        ("sample", "someone/sr", [], "this pipeline is image-conditioned (super_resolution): give --conditioning"),
         ("evaluate", "someone/sr", ["--conditioning_images", reference],
          "--conditioning_images: this command makes a super_resolution pipeline's conditions from the --reference"),
         ("evaluate", "someone/sr", ["--baseline", "someone/unconditional"],
