@@ -164,6 +164,7 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
             raise ValueError("--guide: an image-conditioned pipeline guides on its image (the prediction without "
                              "the condition), not with a guide UNet; drop --guide")
         scale = DEFAULT_IMAGE_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
+        pipeline.check_guidance(scale)  # refused where the export records no condition dropout
         return {"guidance_scale": scale, "guide": None, "guidance_interval": args.guidance_interval}
     guide = getattr(pipeline, "guide", None)
     if args.guide is not None:
@@ -171,6 +172,8 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
                  load_guide(args.guide, pipeline.unet, device, pipeline.scheduler.config.get("prediction_type")))
     if getattr(pipeline, "id2label", None) or guide is not None:
         scale = DEFAULT_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
+        if isinstance(pipeline, ClassConditionalPipeline):  # the latent one too
+            pipeline.check_guidance(scale, guide)
         return {"guidance_scale": scale, "guide": guide, "guidance_interval": args.guidance_interval}
     refuse_guidance_flags(type(pipeline).__name__, args, **class_flags)
     return {"guidance_scale": 1.0, "guide": None, "guidance_interval": None}

@@ -69,8 +69,10 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
     model_cpu_offload_seq = "unet->vae"
 
     def __init__(self, vae: AutoencoderKL | VQModel | AutoencoderTiny, unet: UNet2DModel, scheduler,
-                 id2label: dict | None = None, guide: UNet2DModel | None = None):
-        super().__init__(unet=unet, scheduler=scheduler, id2label=id2label, guide=guide)
+                 id2label: dict | None = None, guide: UNet2DModel | None = None,
+                 condition_dropout: float | None = None):
+        super().__init__(unet=unet, scheduler=scheduler, id2label=id2label, guide=guide,
+                         condition_dropout=condition_dropout)
         self.register_modules(vae=vae)
         self.vae_scale_factor = vae_scale_factor(vae.config)  # pixels per latent, as diffusers' pipelines name it
 
@@ -100,6 +102,7 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
                 raise ValueError(f"class_labels must be ids in [0, {unet.config.num_class_embeds - 1}); "
                                  f"got {list(class_labels)}")
             batch_size = len(labels)
+            self.check_guidance(guidance_scale, guide)
         elif guide is None:
             guidance_scale = 1.0  # nothing to guide with: the UNet's own prediction
         size = unet.config.sample_size

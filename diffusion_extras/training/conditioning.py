@@ -42,10 +42,11 @@ class ImageCondition:
     sr_factor: int             # super_resolution's factor
     seed: int                  # the run's seed: random masks are drawn from (seed, micro-step, image)
     vae: object | None = None  # latent diffusion: the frozen VAE that encodes the condition (on the device)
+    dropout: float | None = None  # --conditioning_dropout_prob: guidance on the image needs it > 0 (None: not known)
 
     def pipeline_config(self) -> dict:
         """What the exported ImageConditionedPipeline records of it."""
-        return {"conditioning": self.kind, "sr_factor": self.sr_factor}
+        return {"conditioning": self.kind, "sr_factor": self.sr_factor, "conditioning_dropout_prob": self.dropout}
 
     def unet_channels(self, sample_channels: int) -> int:
         """The channels the condition adds to the UNet's input (pipeline_image_conditioned.condition_channels)."""
@@ -97,11 +98,11 @@ class ImageCondition:
 
 
 def for_run(kind: str, image_channels: int, stored_channels: int, sr_factor: int, seed: int,
-            vae=None) -> ImageCondition | None:
+            vae=None, dropout: float | None = None) -> ImageCondition | None:
     """The run's ImageCondition, or None for --conditioning none."""
     if kind == "none":
         return None
-    return ImageCondition(kind, image_channels, stored_channels, sr_factor, seed, vae)
+    return ImageCondition(kind, image_channels, stored_channels, sr_factor, seed, vae, dropout)
 
 
 def conditions_of(spec: ImageCondition, images: np.ndarray, seed: int) -> dict:

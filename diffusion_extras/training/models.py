@@ -261,10 +261,11 @@ EXPORT_STAGING = ".pipeline.tmp"  # where export_pipeline writes before swapping
 
 
 def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | None = None, vae=None,
-                    conditioning: dict | None = None) -> None:
-    """Save a DDPMPipeline, or with `class_names` a ClassConditionalPipeline, or with a `vae` a
-    LatentDiffusionPipeline (vae/ too), or with `conditioning` ({"conditioning": kind, "sr_factor":
-    n}) an ImageConditionedPipeline (with vae/ in a latent run), the custom ones with their source
+                    conditioning: dict | None = None, condition_dropout: float | None = None) -> None:
+    """Save a DDPMPipeline, or with `class_names` a ClassConditionalPipeline (recording the
+    `condition_dropout` it trained with), or with a `vae` a LatentDiffusionPipeline (vae/ too), or
+    with `conditioning` ({"conditioning": kind, "sr_factor": n, "conditioning_dropout_prob": p}) an
+    ImageConditionedPipeline (with vae/ in a latent run), the custom ones with their source
     files (weights only, no optimizer state), into output_dir, swapping each part in by rename so a
     kill mid-save leaves the previous export loadable."""
     import shutil
@@ -278,13 +279,14 @@ def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | 
         names += ["vae"] * (vae is not None) + save_custom_pipeline(pipeline, staging)
     elif vae is not None:
         pipeline = latent_pipeline.LatentDiffusionPipeline(vae=vae, unet=unet, scheduler=noise_scheduler,
-                                                          id2label=dict(enumerate(class_names or ())))
+                                                          id2label=dict(enumerate(class_names or ())),
+                                                          condition_dropout=condition_dropout)
         names += ["vae", *save_custom_pipeline(pipeline, staging)]
     elif class_names is None:
         from diffusers import DDPMPipeline
         DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(staging)
     else:
-        names += save_class_conditional(unet, noise_scheduler, class_names, staging)
+        names += save_class_conditional(unet, noise_scheduler, class_names, staging, condition_dropout)
     for name in (*names, "model_index.json"):  # model_index.json last: it marks a pipeline
         target, old = os.path.join(output_dir, name), os.path.join(output_dir, f".{name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -298,10 +300,13 @@ def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | 
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def save_class_conditional(unet, noise_scheduler, class_names: list, folder: str) -> list[str]:
-    """A ClassConditionalPipeline of these parts saved (save_custom_pipeline)."""
+def save_class_conditional(unet, noise_scheduler, class_names: list, folder: str,
+                           condition_dropout: float | None = None) -> list[str]:
+    """A ClassConditionalPipeline of these parts saved (save_custom_pipeline), recording the
+    `condition_dropout` it trained with (None: not known)."""
     pipeline = conditional.ClassConditionalPipeline(unet=unet, scheduler=noise_scheduler,
-                                                    id2label=dict(enumerate(class_names)))
+                                                    id2label=dict(enumerate(class_names)),
+                                                    condition_dropout=condition_dropout)
     return save_custom_pipeline(pipeline, folder)
 
 
