@@ -18,6 +18,7 @@ from diffusion_extras.evaluation.pipeline_image_conditioned import (
     condition_channels,
     degrade,
     image_batch,
+    sample_channels,
     shrink,
     upsample,
 )
@@ -311,3 +312,14 @@ def test_the_image_processor_is_built_once_and_model_hooks_are_freed_after_decod
     monkeypatch.setattr(pipe, "maybe_free_model_hooks", lambda: calls.append("free"))
     pipe(image=random_uint8((8, 8, 3)), num_inference_steps=1)
     assert calls == ["decode", "free"]
+
+
+def test_the_sample_channel_rule_inverts_the_condition_channel_rule_for_every_kind():
+    """One rule for the channels of x_t in a conditioned UNet's input (the pipeline, the trainer's
+    data channels and model line, a fine-tune's base): C samples plus condition_channels(kind, C)
+    give C back, the trainer's `none` included; inpainting's mask is one channel more."""
+    for kind in ("none", "super_resolution", "inpainting", "image"):
+        for channels in (1, 2, 3, 4):
+            assert sample_channels(kind, channels + condition_channels(kind, channels)) == channels, (kind, channels)
+    assert [condition_channels(kind, 3) for kind in ("none", "super_resolution", "inpainting", "image")] == [0, 3, 4, 3]
+    assert pipeline("inpainting", channels=3).sample_channels == 3

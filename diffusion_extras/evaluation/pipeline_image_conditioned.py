@@ -25,7 +25,7 @@ from diffusers import AutoencoderKL, AutoencoderTiny, ImagePipelineOutput, UNet2
 from diffusers.image_processor import VaeImageProcessor
 
 from .pipeline_class_conditional import PackagePipeline, _randn, check_guidance_trained, guided_step
-from .pipeline_latent import decode_latents, latent_normalization, vae_scale_factor
+from .pipeline_latent import decode_latents, encode_posterior, latent_normalization, vae_scale_factor
 
 PIPELINE_MODULE = "pipeline_image_conditioned"  # this file's name in an exported folder, without .py
 PIPELINE_CLASS = "ImageConditionedPipeline"
@@ -37,8 +37,15 @@ DEFAULT_IMAGE_GUIDANCE_SCALE = 1.0
 
 def condition_channels(kind: str, channels: int) -> int:
     """The condition's channels for `channels`-channel samples (pixels, or latents): an image of
-    theirs, and for inpainting the mask before it."""
-    return channels + (kind == "inpainting")
+    theirs, and for inpainting the mask before it (none for the trainer's --conditioning none)."""
+    return 0 if kind == "none" else channels + (kind == "inpainting")
+
+
+def sample_channels(kind: str, in_channels: int) -> int:
+    """The channels of x_t of a UNet with `in_channels` inputs conditioned on `kind`: the inverse of
+    condition_channels (in_channels = C + condition_channels(kind, C)). The one rule: the pipeline,
+    the trainer's model line and data channels, and a fine-tune's base read it here."""
+    return in_channels if kind == "none" else (in_channels - (kind == "inpainting")) // 2
 
 
 def quantize(images: torch.Tensor) -> torch.Tensor:
@@ -95,14 +102,11 @@ def pixel_condition(kind: str, image: torch.Tensor, mask: torch.Tensor | None = 
 @torch.no_grad()
 def encode_normalised(vae, pixels: torch.Tensor) -> torch.Tensor:
     """The VAE posterior's mean of pixels in [-1, 1] (a VQModel's or AutoencoderTiny's deterministic
-    latents), normalised as the UNet's latents are (pipeline_latent.latent_normalization), in fp32
-    outside autocast as the trainer encodes (data/latents.encode, which this file cannot import)."""
+    latents; pipeline_latent.encode_posterior, the trainer's encode), normalised as the UNet's latents
+    are (pipeline_latent.latent_normalization)."""
     shift, scale = (value.to(pixels.device).view(1, -1, 1, 1)
                     for value in latent_normalization(vae.config, vae.config.latent_channels))
-    with torch.autocast(pixels.device.type, enabled=False):
-        output = vae.encode(pixels.to(vae.dtype))
-    distribution = getattr(output, "latent_dist", None)
-    mean = (output.latents if distribution is None else distribution.mean).float()
+    mean, _ = encode_posterior(vae, pixels)
     return (mean - shift) * scale
 
 
@@ -245,7 +249,7 @@ class ImageConditionedPipeline(PackagePipeline):
     @property
     def sample_channels(self) -> int:
         """The channels of x_t (pixels, or latents): the UNet's input less the condition's."""
-        return (self.unet.config.in_channels - (self.config.conditioning == "inpainting")) // 2
+        return sample_channels(self.config.conditioning, self.unet.config.in_channels)
 
     @property
     def image_channels(self) -> int:
@@ -367,4 +371,4 @@ class ImageConditionedPipeline(PackagePipeline):
 
 __all__ = ["CONDITIONING_KINDS", "DEFAULT_IMAGE_GUIDANCE_SCALE", "ImageConditionedPipeline", "back_project",
            "condition_channels", "degrade", "encode_normalised", "image_batch", "latent_condition", "pixel_condition",
-           "quantize", "shrink", "upsample"]
+           "quantize", "sample_channels", "shrink", "upsample"]

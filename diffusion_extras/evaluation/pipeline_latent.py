@@ -45,6 +45,22 @@ def vae_scale_factor(vae_config) -> int:
 
 
 @torch.no_grad()
+def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE posterior's (mean, std), float32, of pixels in [-1, 1] on its device, encoded in fp32
+    outside autocast: the one encode of the package (the trainer's latent cache and stream,
+    data/latents.py, and the image-conditioned pipeline's condition import it from here, as exported
+    pipelines load without the package). A deterministic encoder (a VQModel's latents before
+    quantisation, which its decoder quantises, as diffusers' LDMPipeline decodes them; an
+    AutoencoderTiny's) has std 0: every draw is its latent."""
+    with torch.autocast(pixels.device.type, enabled=False):
+        output = vae.encode(pixels.to(vae.dtype))
+    distribution = getattr(output, "latent_dist", None)
+    if distribution is None:
+        return output.latents.float(), torch.zeros_like(output.latents, dtype=torch.float32)
+    return distribution.mean.float(), distribution.std.float()
+
+
+@torch.no_grad()
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """The UNet's normalised latents [B, C, h, w] -> images in [-1, 1], fp32: un-normalised, then
     the VAE's decoder. A VAE whose config says force_upcast decodes in fp32 and is given back in the
@@ -127,4 +143,5 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
         return ImagePipelineOutput(images=images) if return_dict else (images,)
 
 
-__all__ = ["LatentDiffusionPipeline", "decode_latents", "latent_normalization", "vae_scale_factor"]
+__all__ = ["LatentDiffusionPipeline", "decode_latents", "encode_posterior", "latent_normalization",
+           "vae_scale_factor"]

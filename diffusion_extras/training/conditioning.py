@@ -23,12 +23,7 @@ import torch
 from diffusion_extras.data import batch_order
 from diffusion_extras.data.conditioning import random_masks
 from diffusion_extras.data.latents import Posterior
-from diffusion_extras.evaluation.pipeline_image_conditioned import (
-    condition_channels,
-    degrade,
-    latent_condition,
-    pixel_condition,
-)
+from diffusion_extras.evaluation.pipeline_image_conditioned import degrade, latent_condition, pixel_condition
 
 MASK_STREAM = 0x4D41534B  # seed stream of the random inpainting masks
 
@@ -47,10 +42,6 @@ class ImageCondition:
     def pipeline_config(self) -> dict:
         """What the exported ImageConditionedPipeline records of it."""
         return {"conditioning": self.kind, "sr_factor": self.sr_factor, "conditioning_dropout_prob": self.dropout}
-
-    def unet_channels(self, sample_channels: int) -> int:
-        """The channels the condition adds to the UNet's input (pipeline_image_conditioned.condition_channels)."""
-        return condition_channels(self.kind, sample_channels)
 
     def mask_seeds(self, micro_step: int, first: int, count: int) -> list[int]:
         """The random masks' seeds of images first..first+count-1 of a global micro-batch."""

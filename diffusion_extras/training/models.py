@@ -168,7 +168,7 @@ def describe(unet, chosen: str, data_channels: int, optimization: str = "", late
     """The model line (shape and size: the images' height x width; the optimization when it followed
     the data; with a `latent` space, which latents at which `resolution`; an image `condition`'s
     input channels) and, if the images are converted, the conversion line."""
-    channels = sample_channels(unet.config.in_channels, condition or "none")
+    channels = image_conditioned.sample_channels(condition or "none", unet.config.in_channels)
     added = unet.config.in_channels - channels
     kind = latent.describe(resolution) if latent else COLOUR_NAMES.get(channels, channels)
     kind += f"; + {added} input channel(s) of the {condition} condition" if added else ""
@@ -196,26 +196,11 @@ def build_unet(config: TrainConfig, model: dict | None = None, latent: LatentSpa
     values = unet_config(config, model, latent)
     if model is not None and "num_class_embeds" in model:
         values["num_class_embeds"] = model["num_class_embeds"]
-    values["in_channels"] += condition_channels(config, values["in_channels"])
+    values["in_channels"] += image_conditioned.condition_channels(config.conditioning, values["in_channels"])
     try:
         return UNet2DModel(**values)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"the UNet config is invalid: {error}") from None
-
-
-def sample_channels(in_channels: int, conditioning: str) -> int:
-    """The channels of x_t (pixels or latents) of a UNet with `in_channels` inputs trained with
-    --conditioning `conditioning`: in_channels = C + the condition's (C, or 1 + C for inpainting)."""
-    if conditioning == "none":
-        return in_channels
-    return (in_channels - (conditioning == "inpainting")) // 2
-
-
-def condition_channels(config: TrainConfig, sample_channels: int) -> int:
-    """The input channels --conditioning adds to a UNet of `sample_channels`-channel samples (0: none)."""
-    if config.conditioning == "none":
-        return 0
-    return image_conditioned.condition_channels(config.conditioning, sample_channels)
 
 
 def widen_input(unet, channels: int) -> None:
