@@ -10,9 +10,10 @@ the latents of a VAE (vae/), with any diffusers scheduler:
     pipe(image=..., num_inference_steps=50, guidance_scale=2.0, generator=torch.manual_seed(0),
          output_type="np")                                 # guidance on the image (trained with dropout)
 
-Images are PIL images, numpy arrays (float in [0, 1], or uint8) or torch tensors ([0, 1]), one or
-a batch, as diffusers' image pipelines take them (VaeImageProcessor); any size whose sides the UNet
-(and the VAE) can halve, square or not. The trainer saves a copy of this file beside
+Images are PIL images (any mode), numpy arrays (channels-last) or torch tensors (channels-first),
+uint8, uint16 or float in [0, 1], one, a batch or a list, laid out as diffusers' VaeImageProcessor
+reads them (image_batch) and converted to the model's channels as the trainer converts; any size
+whose sides the UNet (and the VAE) can halve, square or not. The trainer saves a copy of this file beside
 model_index.json with pipeline_class_conditional.py and pipeline_latent.py (its relative imports),
 so diffusers loads the folder without the training package. torch and diffusers only.
 """
