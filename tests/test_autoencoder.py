@@ -211,13 +211,12 @@ def test_deterministic_autoencoders_train_export_and_decode_as_diffusers_pipelin
     VQModel quantises its latents, AutoencoderTiny's decoder takes them as they are."""
     import diffusers
 
-    from diffusion_extras.data import latents
-    from diffusion_extras.evaluation.pipeline_latent import LatentDiffusionPipeline
+    from diffusion_extras.evaluation.pipeline_latent import LatentDiffusionPipeline, encode_posterior
     torch.manual_seed(0)
     model = getattr(diffusers, kind)(**(TINY_AUTOENCODER_TINY if kind == "AutoencoderTiny" else TINY_VQ))
     model.save_pretrained(tmp_path / "vae")
     pixels = torch.rand(2, 3, 8, 8) * 2 - 1
-    mean, std = latents.encode(model.eval(), pixels)
+    mean, std = encode_posterior(model.eval(), pixels)
     assert mean.shape == (2, 2, 4, 4) and std.abs().max() == 0
     run_training(tiny_recipe(model=LATENT_MODEL), tmp_path / "run", "--pretrained_vae_model_name_or_path",
                  tmp_path / "vae", "--max_train_steps", 2)

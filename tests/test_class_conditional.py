@@ -184,7 +184,8 @@ def test_resume_with_labels_is_bitwise_identical(tiny_recipe, tmp_path):
     assert_same_state(straight, resumed, 6)
     # the labels and their dropout are used: another dropout gives other weights
     other = tmp_path / "other"
-    run_training(tiny_recipe(class_conditional=True, condition_dropout=0.0), other, "--max_train_steps", 6)
+    run_training(tiny_recipe(class_conditional=True, condition_dropout=0.0, guidance_scale=1.0), other,
+                 "--max_train_steps", 6)
     a, b = load_unet_weights(straight), load_unet_weights(other)
     assert not all(torch.equal(a[k], b[k]) for k in a)
 

@@ -163,7 +163,11 @@ def test_the_commands_read_mask_files_as_the_trainer_does(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--conditioning_images", ".", "--masks", "."],
-     "--masks is for inpainting; this pipeline's conditioning is super_resolution"),
+     "--masks is for inpainting pipelines; this pipeline's conditioning is super_resolution: drop it"),
+    (["--conditioning_images", ".", "--mask", "left"],
+     "--mask is for inpainting pipelines; this pipeline's conditioning is super_resolution: drop it"),
+    (["--conditioning_images", ".", "--class_labels", "3"],
+     "--class_labels: this pipeline (ImageConditionedPipeline) has no classes: drop it"),
     ([], "this pipeline is image-conditioned (super_resolution): give --conditioning_images DIR"),
     (["--conditioning_images", ".", "--guide", "."], "an image-conditioned pipeline guides on its image"),
     (["--conditioning_images", ".", "--back_projection_steps", "3"],
@@ -188,6 +192,46 @@ def test_both_commands_refuse_back_projection_for_a_pipeline_that_is_not_super_r
     assert result.stderr.strip().splitlines()[-1] == (
         "error: --back_projection_steps is for super-resolution pipelines; "
         "this pipeline's conditioning is none: drop it")
+
+
+def test_a_hub_id_is_refused_the_flags_that_mean_nothing_for_its_kind_as_a_folder_is(tmp_path, monkeypatch):
+    """The kind of a Hub id's pipeline is known only once it is loaded: both commands then check the
+    condition flags against it, as they check a local folder's before loading. Each refusal is the
+    command's one error line."""
+    from hub_server import HubServer, serve_in_process
+
+    reference = save_pngs(tmp_path / "ref", np.zeros((2, 8, 8, 1), np.uint8))
+    refused = [
+        ("sample", "someone/unconditional", ["--back_projection_steps", "3"],
+         "--back_projection_steps is for super-resolution pipelines; this pipeline's conditioning is none: drop it"),
+        ("sample", "someone/unconditional", ["--conditioning_images", reference],
+         "--conditioning_images is for image-conditioned pipelines"),
+        ("evaluate", "someone/unconditional", ["--conditioning_images", reference],
+         "--conditioning_images is for image-conditioned pipelines"),
+        ("evaluate", "someone/unconditional", ["--back_projection_steps", "3"],
+         "--back_projection_steps is for super-resolution pipelines"),
+        ("sample", "someone/sr", ["--conditioning_images", reference, "--masks", reference],
+         "--masks is for inpainting pipelines; this pipeline's conditioning is super_resolution"),
+        ("sample", "someone/sr", [], "this pipeline is image-conditioned (super_resolution): give --conditioning"),
+        ("evaluate", "someone/sr", ["--conditioning_images", reference],
+         "--conditioning_images: this command makes a super_resolution pipeline's conditions from the --reference"),
+        ("evaluate", "someone/sr", ["--baseline", "someone/unconditional"],
+         "--baseline is for inpainting pipelines; this pipeline's conditioning is super_resolution"),
+        ("evaluate", "someone/inpainting", ["--mask", "left", "--masks", reference],
+         "--mask draws masks where no --masks are given: give one of them"),
+    ]
+    with HubServer() as server:
+        server.add_repo("someone/unconditional", save_tiny_pipeline(tmp_path / "unconditional"))
+        server.add_repo("someone/sr", save_pipeline(tmp_path / "sr", "super_resolution"))
+        server.add_repo("someone/inpainting", save_pipeline(tmp_path / "inpainting", "inpainting"))
+        serve_in_process(monkeypatch, server, tmp_path / "hub_cache")
+        for command, repo, flags, message in refused:
+            extra = ["--reference", reference, "--feature_extractor", "tiny"] if command == "evaluate" else []
+            result = run_cli(["-m", f"diffusion_extras.{command}", repo, *flags, *extra, "--output", tmp_path / "out",
+                              "--num_inference_steps", 1, "--device", "cpu"], check=False)
+            assert result.returncode == 2, (command, repo, flags, result.stdout[-300:])
+            assert message in result.stderr.strip().splitlines()[-1], (command, repo, flags)
+        assert not (tmp_path / "out").exists()  # refused before anything was sampled
 
 
 def test_an_inpainting_run_reports_its_scores_at_eval_steps(tiny_recipe, tmp_path):

@@ -33,7 +33,8 @@ def kind_flags(kind: str, folder) -> tuple:
         data = write_paired_parquet(folder / "pairs.parquet", images, pairs, "edges")
         return ("--train_data_files", data, "--conditioning", "image", "--conditioning_image_column", "edges",
                 "--conditioning_dropout_prob", 0.3, "--random_flip")
-    return ("--conditioning", kind, "--sr_factor", 2, "--conditioning_dropout_prob", 0.3, "--random_flip")
+    return ("--conditioning", kind, *(("--sr_factor", 2) if kind == "super_resolution" else ()),
+            "--conditioning_dropout_prob", 0.3, "--random_flip")
 
 
 @pytest.mark.parametrize("kind", ["inpainting", "super_resolution", "image"])

@@ -183,6 +183,27 @@ def test_model_config_from_json_file_and_pipeline_folder(tmp_path):
         assert list(built.config.block_out_channels) == [8, 16] and built.config.sample_size == 12
 
 
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_a_model_config_without_channels_gets_diffusers_defaults_with_or_without_a_condition(tmp_path):
+    """A --model_config_name_or_path JSON that leaves out in_channels and out_channels means diffusers'
+    UNet2DModel defaults (3, RGB), as diffusers' train_unconditional.py builds it: the condition's
+    channels are added to those, and the grayscale digits are read as RGB to train it (one step)."""
+    import json
+
+    from helpers import TINY_RECIPE, first_step_inputs
+
+    shape = {k: v for k, v in TINY_RECIPE["model"].items() if k not in ("in_channels", "out_channels")}
+    path = tmp_path / "unet.json"
+    path.write_text(json.dumps(shape))
+    for kind, inputs in (("none", 3), ("super_resolution", 6), ("inpainting", 7)):
+        built = models.build_unet(parse_config(["--model_config_name_or_path", str(path), "--resolution", "8",
+                                                "--conditioning", kind]))
+        assert (built.config.in_channels, built.config.out_channels) == (inputs, 3), kind
+    cleans, seen = first_step_inputs(tmp_path, "--model_config_name_or_path", path, "--conditioning",
+                                     "super_resolution", "--sr_factor", 2)
+    assert cleans[0].shape[1] == 3 and seen[0].shape[1] == 6
+
+
 def test_model_config_from_a_hub_id_as_diffusers_reads_it(tmp_path, monkeypatch):
     """diffusers' train_unconditional.py reads --model_config_name_or_path with load_config: a Hub
     id of a UNet repo works there, so here (a pipeline repo's unet/ too)."""

@@ -355,3 +355,75 @@ def test_a_training_checkpoint_guides_with_its_ema_weights(tmp_path, tiny_recipe
     guide = load_guide(str(without_ema), exported, "cpu", "epsilon")
     assert "the checkpoint's raw weights (the run kept no EMA)" in capsys.readouterr().err
     assert all(torch.equal(value, raw[name]) for name, value in guide.state_dict().items())
+
+
+def test_guidance_is_refused_on_an_export_trained_without_condition_dropout(tiny_recipe, tmp_path):
+    """Guidance weighs the prediction against the one without the condition, which only condition
+    dropout trains. The trainer's export records the dropout (an image-conditioned run's
+    --conditioning_dropout_prob, a class-conditional run's --condition_dropout); with 0 recorded,
+    guidance_scale != 1 is one line naming guidance_scale, in the pipeline and in both commands,
+    before any sampling; 1, or a dropout > 0, or autoguidance, samples. An export from before the
+    record (None) guides as asked."""
+    from diffusion_extras.cli.common import load_pipeline
+    from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline
+
+    image_run, class_run = tmp_path / "sr", tmp_path / "classes"
+    run_training(tiny_recipe(), image_run, "--conditioning", "super_resolution", "--sr_factor", 2,
+                 "--max_train_steps", 1)
+    run_training(tiny_recipe(class_conditional=True, condition_dropout=0.0, guidance_scale=1.0), class_run,
+                 "--max_train_steps", 1)
+    assert json.loads((image_run / "model_index.json").read_text())["conditioning_dropout_prob"] == 0.0
+    assert json.loads((class_run / "model_index.json").read_text())["condition_dropout"] == 0.0
+    low = np.zeros((1, 4, 4, 1), np.uint8)
+    sr = load_pipeline(str(image_run))
+    with pytest.raises(ValueError, match=r"^guidance_scale=3: this model was trained with "
+                                         r"--conditioning_dropout_prob 0, so its prediction without the condition"):
+        sr(image=low, num_inference_steps=1, guidance_scale=3)
+    sr(image=low, num_inference_steps=1, guidance_scale=1)
+    classes = load_pipeline(str(class_run))
+    with pytest.raises(ValueError, match=r"^guidance_scale=2: this model was trained with --condition_dropout 0"):
+        classes(class_labels=[1], num_inference_steps=1)  # the default scale, 2
+    classes(class_labels=[1], num_inference_steps=1, guidance_scale=1)
+    classes.guide = classes.unet  # autoguidance does not use the "no class" embedding
+    classes(class_labels=[1], num_inference_steps=1, guidance_scale=3)
+    for dropout in (0.1, None):  # trained with dropout; an export from before the record
+        unconditioned = ImageConditionedPipeline(sr.unet, sr.scheduler, conditioning="super_resolution", sr_factor=2,
+                                                 conditioning_dropout_prob=dropout)
+        unconditioned(image=low, num_inference_steps=1, guidance_scale=3)
+        ClassConditionalPipeline(classes.unet, classes.scheduler, {0: "a"}, condition_dropout=dropout)(
+            class_labels=[0], num_inference_steps=1, guidance_scale=3)
+    low_folder = tmp_path / "low"
+    low_folder.mkdir()
+    Image.fromarray(low[0, :, :, 0]).save(low_folder / "0.png")
+    evaluate = ["--reference", low_folder, "--feature_extractor", "tiny"]
+    for command, run, flags in (("sample", image_run, ["--conditioning_images", low_folder]),
+                                ("evaluate", image_run, evaluate), ("sample", class_run, []),
+                                ("evaluate", class_run, evaluate)):
+        result = run_cli(["-m", f"diffusion_extras.{command}", run, "--guidance_scale", 3, *flags, "--output",
+                          tmp_path / "out", "--num_inference_steps", 1], check=False)
+        assert result.returncode == 2, (command, run, result.stderr[-500:])
+        assert result.stderr.strip().splitlines()[-1].startswith("error: guidance_scale=3: this model was trained"), \
+            (command, run, result.stderr[-500:])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sr_factor", "2"], "--sr_factor is read with --conditioning super_resolution: add it, or drop --sr_factor"),
+    (["--condition_dropout", "0.2"], "--condition_dropout is read with --class_conditional"),
+    (["--guidance_scale", "3"], "--guidance_scale is read with --class_conditional or --conditioning"),
+    (["--class_conditional", "--condition_dropout", "0"],
+     "--guidance_scale 2 guides with the 'no class' prediction, which --condition_dropout 0 never trains"),
+    (["--conditioning", "inpainting", "--guidance_scale", "2"],
+     "--guidance_scale 2 guides on the image with the prediction without it, which --conditioning_dropout_prob 0"),
+])
+def test_the_trainer_refuses_flags_that_mean_nothing_for_the_run_and_guidance_without_dropout(flags, message):
+    from diffusion_extras.training.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config(flags)
+    parse_config({"--sr_factor": ["--conditioning", "super_resolution", "--sr_factor", "2"],
+                  "--condition_dropout": ["--class_conditional", "--condition_dropout", "0.2"],
+                  "--guidance_scale": ["--class_conditional", "--guidance_scale", "3"],
+                  "--class_conditional": ["--class_conditional", "--condition_dropout", "0", "--guidance_scale", "1"],
+                  "--conditioning": ["--conditioning", "inpainting", "--guidance_scale", "2",
+                                     "--conditioning_dropout_prob", "0.1"]}[flags[0]])  # where they belong: taken

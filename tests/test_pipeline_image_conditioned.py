@@ -2,6 +2,8 @@
 gives the UNet is the one training gives it, from PIL, numpy or tensors; any compatible scheduler
 starts from its own noise level; inpainting keeps the pixels outside the mask; guidance on the
 image; the refusals."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,8 @@ from diffusion_extras.evaluation.pipeline_image_conditioned import (
     back_project,
     condition_channels,
     degrade,
+    image_batch,
+    sample_channels,
     shrink,
     upsample,
 )
@@ -203,8 +207,8 @@ def test_guidance_on_the_image_weighs_the_prediction_without_the_condition():
 
 def test_what_the_pipeline_refuses():
     pipe = pipeline("super_resolution")
-    with pytest.raises(ValueError, match="has 3 channel"):
-        pipe(image=np.zeros((1, 4, 4, 3), np.float32), num_inference_steps=1)
+    with pytest.raises(ValueError, match=r"image of shape \(5, 4, 4\): give \[H, W\], \[C, H, W\] or \[N, C, H, W\]"):
+        pipe(image=torch.zeros(5, 4, 4), num_inference_steps=1)
     with pytest.raises(ValueError, match="would be 7x8 .*UNet needs sides that are multiples of 2"):
         pipeline("image")(image=np.zeros((7, 8), np.uint8), num_inference_steps=1)
     with pytest.raises(ValueError, match="mask_image is for inpainting"):
@@ -308,3 +312,109 @@ print("changed", int((np.round(out * 255) != 100).sum()), "of", int(mask.sum()))
 """
     result = run_without_the_package(script, tmp_path, tmp_path / "export")
     assert "changed 32 of 32" in result.stdout
+
+
+def test_every_form_of_an_image_is_read_as_meant_for_the_pipelines_channels():
+    """One RGBA picture given as every form users hold images in (PIL in any mode, numpy [H, W, C] /
+    [N, H, W, C] / [H, W], torch [C, H, W] / [N, C, H, W] / [H, W], uint8, uint16 or float, lists of
+    them), read by diffusers' layouts (numpy channels-last, torch channels-first) and converted as
+    the trainer converts images: transparency on white, RGB -> L by Pillow's weights, L -> RGB by
+    copies; a layout that fits neither convention is refused naming its shape."""
+    rgba = random_uint8((8, 12, 4), seed=3)
+    picture = Image.fromarray(rgba, "RGBA")
+    on_white = Image.alpha_composite(Image.new("RGBA", picture.size, "white"), picture)
+    expected = {channels: torch.from_numpy(np.asarray(on_white.convert("L" if channels == 1 else "RGB"),
+                                                      np.float32) / 255).reshape(8, 12, -1).permute(2, 0, 1)[None]
+                for channels in (1, 3)}
+    rgb = np.asarray(on_white.convert("RGB"))
+    grey = np.asarray(on_white.convert("L"))
+    chw = torch.from_numpy(rgb).permute(2, 0, 1)
+    forms = {"PIL RGBA": picture, "PIL RGB": on_white.convert("RGB"),
+             "numpy HWC RGBA": rgba, "numpy HWC uint8": rgb, "numpy NHWC float": rgb[None] / 255.0,
+             "numpy HWC uint16": rgb.astype(np.uint16) * 257, "torch CHW uint8": chw,
+             "torch NCHW float": chw[None].float() / 255, "torch CHW RGBA": torch.from_numpy(rgba).permute(2, 0, 1),
+             "list of PIL": [on_white.convert("RGB")], "list of tensors": [chw.float() / 255]}
+    for channels in (1, 3):
+        for name, form in forms.items():
+            # Pillow rounds L and its alpha composite to 8-bit levels
+            tolerance = 1.01 / 255 if channels == 1 or "RGBA" in name else 1e-6
+            read = image_batch(form, channels)
+            assert read.shape == (1, channels, 8, 12), name
+            torch.testing.assert_close(read, expected[channels], atol=tolerance, rtol=0, msg=name)
+    palette = on_white.convert("RGB").convert("P")  # its own colours, read through Pillow's convert
+    for channels in (1, 3):
+        torch.testing.assert_close(image_batch(palette, channels), image_batch(palette.convert("RGB"), channels))
+    for form in (grey, torch.from_numpy(grey), Image.fromarray(grey), grey[:, :, None], torch.from_numpy(grey)[None]):
+        torch.testing.assert_close(image_batch(form, 3), expected[1].expand(1, 3, 8, 12), atol=1e-6, rtol=0)
+    assert image_batch([rgb, rgb[None]], 1).shape == (2, 1, 8, 12)
+    for form, shape in ((rgb.transpose(2, 0, 1), "(3, 8, 12)"), (torch.from_numpy(rgb), "(8, 12, 3)"),
+                        (torch.zeros(5, 8, 12), "(5, 8, 12)"), (np.zeros((2, 8, 12)), "(2, 8, 12)")):
+        with pytest.raises(ValueError, match=rf"^image of shape {re.escape(shape)}: give "):
+            image_batch(form, 1)
+    with pytest.raises(ValueError, match=r"images of 2 sizes \(\(4, 4\), \(8, 12\)"):
+        image_batch([rgb, rgb[:4, :4]], 1)
+
+
+def test_a_grayscale_pipeline_given_an_rgb_tensor_makes_one_image_of_its_luminance():
+    """A grayscale super-resolution pipeline given an RGB tensor [3, h, w]: one image (not a batch of
+    three), the same as of that picture converted to L."""
+    pipe = pipeline("super_resolution")
+    rgb = random_uint8((4, 6, 3), seed=2)
+    tensor = torch.from_numpy(rgb).permute(2, 0, 1).float() / 255
+    out = pipe(image=tensor, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np")
+    grey = pipe(image=Image.fromarray(rgb).convert("L"), num_inference_steps=2,
+                generator=torch.Generator().manual_seed(0), output_type="np")
+    assert out.images.shape == (1, 8, 12, 1)
+    np.testing.assert_allclose(out.images, grey.images, atol=0.02)
+
+
+def test_num_images_per_prompt_samples_each_image_that_many_times_in_turn():
+    """num_images_per_prompt n: image i's samples are outputs i n ... i n + n - 1, each the sample of
+    that image with its own generator (as the images given n times each)."""
+    pipe = pipeline("inpainting", channels=3)
+    images = random_uint8((2, 8, 8, 3), seed=4)
+    masks = np.zeros((2, 8, 8), np.float32)
+    masks[0, :4], masks[1, :, 4:] = 1, 1
+
+    def generators():
+        return [torch.Generator().manual_seed(seed) for seed in range(6)]
+    many = pipe(image=images, mask_image=masks[:, :, :, None], num_images_per_prompt=3, num_inference_steps=2,
+                generator=generators(), output_type="np").images
+    repeated = pipe(image=images.repeat(3, axis=0), mask_image=masks.repeat(3, axis=0)[:, :, :, None],
+                    num_inference_steps=2, generator=generators(), output_type="np").images
+    assert many.shape == (6, 8, 8, 3)
+    np.testing.assert_allclose(many, repeated, atol=1e-6)
+    assert not np.allclose(many[0], many[1])  # each its own noise
+
+
+def test_the_image_processor_is_built_once_and_model_hooks_are_freed_after_decoding(monkeypatch):
+    """The image processor is the pipeline's, built in __init__ (no new VaeImageProcessor in a call);
+    maybe_free_model_hooks runs after the VAE has decoded, as diffusers' pipelines free them (an
+    offloaded VAE freed before its decode would be loaded again)."""
+    from diffusers import AutoencoderKL
+    from helpers import TINY_VAE
+
+    import diffusion_extras.evaluation.pipeline_image_conditioned as module
+
+    vae = AutoencoderKL(**TINY_VAE).eval()
+    unet = tiny_unet(2, sample_size=4, in_channels=4)
+    pipe = ImageConditionedPipeline(unet, DDPMScheduler(num_train_timesteps=10), vae=vae, conditioning="image")
+    pipe.set_progress_bar_config(disable=True)
+    monkeypatch.setattr(module, "VaeImageProcessor", None)  # a call that built one would fail
+    calls = []
+    decode = vae.decode
+    monkeypatch.setattr(vae, "decode", lambda *args, **kwargs: calls.append("decode") or decode(*args, **kwargs))
+    monkeypatch.setattr(pipe, "maybe_free_model_hooks", lambda: calls.append("free"))
+    pipe(image=random_uint8((8, 8, 3)), num_inference_steps=1)
+    assert calls == ["decode", "free"]
+
+
+def test_the_sample_channel_rule_inverts_the_condition_channel_rule_for_every_kind():
+    """One rule for the channels of x_t in a conditioned UNet's input (the pipeline, the trainer's
+    data channels and model line, a fine-tune's base): C samples plus condition_channels(kind, C)
+    give C back, the trainer's `none` included; inpainting's mask is one channel more."""
+    for kind in ("none", "super_resolution", "inpainting", "image"):
+        for channels in (1, 2, 3, 4):
+            assert sample_channels(kind, channels + condition_channels(kind, channels)) == channels, (kind, channels)
+    assert [condition_channels(kind, 3) for kind in ("none", "super_resolution", "inpainting", "image")] == [0, 3, 4, 3]
+    assert pipeline("inpainting", channels=3).sample_channels == 3

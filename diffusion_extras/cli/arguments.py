@@ -81,9 +81,9 @@ def add_condition_arguments(parser: argparse.ArgumentParser, images_help: str) -
                         help="super-resolution: N steps of iterative back-projection of each output onto its input, "
                              "so that the output, downsampled again, gives the input back (docs/conditioning.md; "
                              "default: %(default)s, none)")
-    parser.add_argument("--mask", choices=MASK_KINDS, default="random",
+    parser.add_argument("--mask", choices=MASK_KINDS, default=None,
                         help="inpainting without --masks: random masks as training draws them (from --seed), or one "
-                             "half of each image")
+                             "half of each image (default: random)")
 
 
 def noise_interval(text: str) -> tuple[float, float]:

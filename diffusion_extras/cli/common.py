@@ -162,6 +162,7 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
             raise ValueError("--guide: an image-conditioned pipeline guides on its image (the prediction without "
                              "the condition), not with a guide UNet; drop --guide")
         scale = DEFAULT_IMAGE_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
+        pipeline.check_guidance(scale)  # refused where the export records no condition dropout
         return {"guidance_scale": scale, "guide": None, "guidance_interval": args.guidance_interval}
     guide = getattr(pipeline, "guide", None)
     if args.guide is not None:
@@ -169,6 +170,8 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
                  load_guide(args.guide, pipeline.unet, device, pipeline.scheduler.config.get("prediction_type")))
     if getattr(pipeline, "id2label", None) or guide is not None:
         scale = DEFAULT_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
+        if isinstance(pipeline, ClassConditionalPipeline):  # the latent one too
+            pipeline.check_guidance(scale, guide)
         return {"guidance_scale": scale, "guide": guide, "guidance_interval": args.guidance_interval}
     refuse_guidance_flags(type(pipeline).__name__, args, **class_flags)
     return {"guidance_scale": 1.0, "guide": None, "guidance_interval": None}
@@ -238,7 +241,7 @@ def condition_masks(args, paths: list[str], folder: str, size) -> torch.Tensor:
                 binary = stored_mask(mask, oriented_size({"path": image_path, "bytes": None}), path)
             masks.append(preprocess_image(binary, (height, width), center_crop=True, channels=1)[:, :, 0])
         return torch.from_numpy(np.stack(masks)[:, None] > 127).float()  # binarised at half, as the trainer's step
-    if args.mask != MASK_KINDS[0]:
+    if args.mask not in (None, MASK_KINDS[0]):  # None: not given, random
         return torch.from_numpy(half_mask(height, width, args.mask)).float().expand(len(paths), 1, height, width)
     return torch.from_numpy(random_masks(height, width, [mix_seed(args.seed, index) for index in range(len(paths))]))
 

@@ -40,6 +40,7 @@ from diffusion_extras.cli.inputs import (
     check_pipeline_argument,
     check_reference,
     local_pipeline_folder,
+    pipeline_conditioning,
     saved_conditioning,
 )
 from diffusion_extras.core.commands import importing_the_stack, leaves_the_process_as_found
@@ -89,8 +90,7 @@ def main(argv=None) -> int:
         folder = check_pipeline_argument(args)
         check_reference(args.reference)
         if folder is not None:
-            check_conditioning_flags(saved_conditioning(folder), args.conditioning_images, args.masks, ("image",),
-                                     args.back_projection_steps)
+            check_conditioning_flags(saved_conditioning(folder), args, needs_images=("image",))
         if args.baseline is not None:
             local_pipeline_folder(args.baseline)
         names = [m.strip() for m in args.eval_metrics.split(",") if m.strip()]
@@ -109,6 +109,7 @@ def main(argv=None) -> int:
     with one_line_errors():
         device = launch_device(args.device, num_ranks)
         pipeline = load_pipeline(args.pipeline, device=device)
+        check_conditioning_flags(pipeline_conditioning(pipeline), args, needs_images=("image",))  # a Hub id's too
         guidance = guidance_for(pipeline, args, device)  # refused by an unconditional one without a guide
         num_classes = len(pipeline.id2label) if getattr(pipeline, "id2label", None) else None
         resolution = pipeline_resolution(pipeline)

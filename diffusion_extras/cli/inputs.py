@@ -55,29 +55,46 @@ def saved_conditioning(path: str) -> str | None:
     return read_model_index(path).get("conditioning")
 
 
-def check_conditioning_flags(conditioning: str | None, conditioning_images: str | None, masks: str | None,
-                             needs_images: tuple = ("super_resolution", "inpainting", "image"),
-                             back_projection_steps: int = 0) -> None:
-    """The sample and evaluate commands' condition flags against the pipeline's kind (None: not
-    image-conditioned): a one-line ValueError for a folder it does not take or one it needs (the
-    kinds of `needs_images` need --conditioning_images), or --back_projection_steps on a pipeline
-    that is not super-resolution."""
-    if back_projection_steps and conditioning != "super_resolution":
-        raise ValueError(f"--back_projection_steps is for super-resolution pipelines; this pipeline's conditioning "
-                         f"is {conditioning or 'none'}: drop it")
+def check_conditioning_flags(conditioning: str | None, args,
+                             needs_images: tuple = ("super_resolution", "inpainting", "image")) -> None:
+    """The sample and evaluate commands' condition flags (`args`: --conditioning_images, --masks,
+    --mask, --back_projection_steps, evaluate's --baseline) against the pipeline's kind of condition
+    (None: not image-conditioned; a folder's saved_conditioning, or a loaded pipeline's
+    pipeline_conditioning): a one-line ValueError for a flag that means nothing for it, or for
+    --conditioning_images missing where the kinds of `needs_images` take it (and given where they
+    do not: evaluate makes the other kinds' conditions from --reference)."""
+    given = {flag: value for flag, value in (
+        ("--conditioning_images", args.conditioning_images), ("--masks", args.masks), ("--mask", args.mask),
+        ("--back_projection_steps", args.back_projection_steps), ("--baseline", getattr(args, "baseline", None)))
+        if value}
+    kinds = {"--masks": "inpainting", "--mask": "inpainting", "--baseline": "inpainting",
+             "--back_projection_steps": "super_resolution"}
+    names = {"inpainting": "inpainting", "super_resolution": "super-resolution"}
+    for flag in given:
+        if flag in kinds and conditioning != kinds[flag]:
+            raise ValueError(f"{flag} is for {names[kinds[flag]]} pipelines; this pipeline's conditioning is "
+                             f"{conditioning or 'none'}: drop it")
     if conditioning is None:
-        given = "--conditioning_images" if conditioning_images else "--masks" if masks else None
-        if given:
-            raise ValueError(f"{given} is for image-conditioned pipelines (super-resolution, inpainting, "
+        if "--conditioning_images" in given:
+            raise ValueError("--conditioning_images is for image-conditioned pipelines (super-resolution, inpainting, "
                              "image-to-image); this pipeline is not one: drop it")
         return
-    if conditioning_images is None and conditioning in needs_images:
+    if "--masks" in given and "--mask" in given:
+        raise ValueError("--mask draws masks where no --masks are given: give one of them")
+    if conditioning in needs_images and args.conditioning_images is None:
         raise ValueError(f"this pipeline is image-conditioned ({conditioning}): give --conditioning_images DIR")
-    if masks and conditioning != "inpainting":
-        raise ValueError(f"--masks is for inpainting; this pipeline's conditioning is {conditioning}: drop it")
-    for folder, flag in ((conditioning_images, "--conditioning_images"), (masks, "--masks")):
-        if folder is not None and not os.path.isdir(folder):
-            raise ValueError(f"{flag} {folder}: no such folder")
+    if conditioning not in needs_images and "--conditioning_images" in given:
+        raise ValueError(f"--conditioning_images: this command makes a {conditioning} pipeline's conditions from "
+                         "the --reference images: drop it")
+    for flag in ("--conditioning_images", "--masks"):
+        if flag in given and not os.path.isdir(given[flag]):
+            raise ValueError(f"{flag} {given[flag]}: no such folder")
+
+
+def pipeline_conditioning(pipeline) -> str | None:
+    """The kind of condition of a loaded pipeline (an ImageConditionedPipeline's config records it), or
+    None for any other: what saved_conditioning reads of a folder, for a Hub id once it is loaded."""
+    return dict(pipeline.config).get("conditioning")
 
 
 def package_pipeline_class(path: str) -> str | None:

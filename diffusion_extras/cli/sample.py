@@ -28,6 +28,7 @@ from diffusion_extras.cli.arguments import (
 from diffusion_extras.cli.inputs import (
     check_conditioning_flags,
     check_pipeline_argument,
+    pipeline_conditioning,
     saved_conditioning,
     saved_id2label,
 )
@@ -63,8 +64,7 @@ def main(argv=None) -> int:
         folder = check_pipeline_argument(args, **{"--class_labels": args.class_labels})
         if folder is not None:
             requested_classes(saved_id2label(folder), args.class_labels, args.num_images or 16)
-            check_conditioning_flags(saved_conditioning(folder), args.conditioning_images, args.masks,
-                                     back_projection_steps=args.back_projection_steps)
+            check_conditioning_flags(saved_conditioning(folder), args)
     # torch and diffusers (seconds) once the flags and the folder are good
     with importing_the_stack():
         from diffusion_extras.cli.common import guidance_for, load_pipeline, resolve_device
@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     with one_line_errors():
         device = resolve_device(args.device)
         pipeline = load_pipeline(args.pipeline, device=device, dtype=dtype)
+        check_loaded_pipeline_flags(pipeline, args)  # a Hub id's, known once it is loaded
         guidance = guidance_for(pipeline, args, device, **{"--class_labels": args.class_labels})
         scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config, args.timestep_spacing)
         if isinstance(pipeline, ImageConditionedPipeline):
@@ -100,8 +101,6 @@ def sample_conditions(args, pipeline, scheduler, guidance: dict):
     from diffusion_extras.evaluation.conditioned import batch, sample_conditioned
 
     kind = pipeline.config.conditioning
-    check_conditioning_flags(kind, args.conditioning_images, args.masks,  # a Hub id's, once loaded
-                             back_projection_steps=args.back_projection_steps)
     paths = list_images(args.conditioning_images)[:args.num_images]
     inputs = {"image": unit_tensor(read_images(paths, pipeline.image_channels))}
     if kind == "inpainting":
@@ -113,6 +112,15 @@ def sample_conditions(args, pipeline, scheduler, guidance: dict):
                                               args.num_inference_steps, args.seed, guidance["guidance_scale"],
                                               guidance["guidance_interval"], args.back_projection_steps)
                            for first in range(0, len(paths), args.batch_size)])
+
+
+def check_loaded_pipeline_flags(pipeline, args) -> None:
+    """The flags that mean nothing for the loaded pipeline's kind, refused in one line: the condition
+    flags (check_conditioning_flags) and --class_labels on a pipeline without classes. A local
+    folder was checked before loading (main); a Hub id is known only now."""
+    check_conditioning_flags(pipeline_conditioning(pipeline), args)
+    if args.class_labels is not None and not getattr(pipeline, "id2label", None):
+        raise ValueError(f"--class_labels: this pipeline ({type(pipeline).__name__}) has no classes: drop it")
 
 
 def requested_classes(id2label: dict[int, str] | None, class_labels: str | None,

@@ -29,6 +29,7 @@ import torch
 
 from diffusion_extras.data import batch_order, decode_cache
 from diffusion_extras.data.decode_cache import DecodedImages
+from diffusion_extras.evaluation.pipeline_latent import encode_posterior  # the one VAE encode: pyproject's exception
 
 LATENT_FORMAT = 1  # bump when the stored layout of latents changes
 FINGERPRINT_FORMAT = 2  # of vae_fingerprint; checkpoints without it hold an earlier release's (earlier_fingerprints)
@@ -151,22 +152,9 @@ class Posterior:
         """(mean, std) on `device` of images in [-1, 1], encoded ENCODE_BATCH at a time on the VAE's
         device (outside autocast: fp32, as the cache encodes)."""
         pixels = pixels.to(next(self.encoder.vae.parameters()).device)
-        parts = [encode(self.encoder.vae, pixels[first:first + ENCODE_BATCH])
+        parts = [encode_posterior(self.encoder.vae, pixels[first:first + ENCODE_BATCH])
                  for first in range(0, len(pixels), ENCODE_BATCH)]
         return tuple(torch.cat(values).to(device, non_blocking=True) for values in zip(*parts))
-
-
-def encode(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The VAE posterior's (mean, std), float32, of pixels in [-1, 1] on its device: what the cache
-    stores and what a stream's batches are turned into. A deterministic encoder (a VQModel's latents
-    before quantisation, which its decoder quantises, as diffusers' LDMPipeline decodes them; an
-    AutoencoderTiny's) has std 0: every draw is its latent."""
-    with torch.autocast(pixels.device.type, enabled=False):
-        output = vae.encode(pixels.to(vae.dtype))
-    distribution = getattr(output, "latent_dist", None)
-    if distribution is None:
-        return output.latents.float(), torch.zeros_like(output.latents, dtype=torch.float32)
-    return distribution.mean.float(), distribution.std.float()
 
 
 def model_input(batch: torch.Tensor, device, flip=None, posterior: Posterior | None = None, noise=None):
@@ -199,7 +187,7 @@ def encoded_rows(images: DecodedImages, encoder: Encoder, rows: range) -> np.nda
     pixels = batch_order.to_model_input(pixels, device)
     views = [pixels, pixels.flip(-1)][:encoder.views]
     with torch.no_grad():
-        parts = [part for view in views for part in encode(encoder.vae, view)]  # mean, std of each view
+        parts = [part for view in views for part in encode_posterior(encoder.vae, view)]  # each view's mean, std
     return torch.cat(parts, dim=1).permute(0, 2, 3, 1).cpu().numpy()
 
 

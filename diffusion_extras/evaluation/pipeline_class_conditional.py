@@ -30,6 +30,17 @@ PIPELINE_CLASS = "ClassConditionalPipeline"
 DEFAULT_GUIDANCE_SCALE = 2.0
 
 
+def check_guidance_trained(guidance_scale: float, dropout: float | None, flag: str) -> None:
+    """Guidance (guidance_scale != 1) weighs the prediction against the one without the condition,
+    which a model learns only from condition dropout (`flag`, the trainer's, that the export
+    records as `dropout`): a one-line ValueError where the record says it trained with none. None:
+    an export from before the record, guided as asked."""
+    if dropout is not None and float(dropout) == 0 and guidance_scale != 1:
+        raise ValueError(f"guidance_scale={guidance_scale:g}: this model was trained with {flag} 0, so its "
+                         "prediction without the condition, which guidance weighs against, was never trained; use "
+                         f"guidance_scale=1 (no guidance), or train with {flag} > 0")
+
+
 def null_class(unet) -> int:
     """The "no class" index: the UNet's last class embedding, which training gives dropped labels."""
     return unet.config.num_class_embeds - 1
@@ -288,12 +299,16 @@ class ClassConditionalPipeline(PackagePipeline):
     model_cpu_offload_seq = "unet"
     _optional_components = ["guide"]  # autoguidance's weaker UNet, saved in guide/ when there is one
 
-    def __init__(self, unet: UNet2DModel, scheduler, id2label: dict | None = None, guide: UNet2DModel | None = None):
+    def __init__(self, unet: UNet2DModel, scheduler, id2label: dict | None = None, guide: UNet2DModel | None = None,
+                 condition_dropout: float | None = None):
         super().__init__()
         self.register_modules(unet=unet, scheduler=scheduler, guide=guide)
         # JSON keys are strings: {"0": "zero", ...}; kept in the config so save_pretrained writes them
         id2label = {int(k): str(v) for k, v in (id2label or {}).items()}
-        self.register_to_config(id2label={str(k): v for k, v in sorted(id2label.items())})
+        # condition_dropout: the trainer's --condition_dropout, which taught the "no class" prediction
+        # that guidance needs (check_guidance); None: not recorded
+        self.register_to_config(id2label={str(k): v for k, v in sorted(id2label.items())},
+                                condition_dropout=condition_dropout)
         self.id2label = id2label
         self.labels = {name: index for index, name in sorted(id2label.items())}  # DiTPipeline's name -> id
 
@@ -315,6 +330,12 @@ class ClassConditionalPipeline(PackagePipeline):
         if autoguidance and guide is None:
             raise ValueError("autoguidance=True needs a guide: set pipe.guide to a weaker UNet2DModel (and save it)")
         return guide
+
+    def check_guidance(self, guidance_scale: float, guide=None) -> None:
+        """Classifier-free guidance (no `guide`) on a model trained without label dropout refused
+        (check_guidance_trained): its "no class" embedding was never trained."""
+        if guide is None:
+            check_guidance_trained(guidance_scale, self.config.get("condition_dropout"), "--condition_dropout")
 
     def get_label_ids(self, label: str | list[str]) -> list[int]:
         """Class names -> class ids, as DiTPipeline.get_label_ids."""
@@ -338,6 +359,7 @@ class ClassConditionalPipeline(PackagePipeline):
         "np" (float [N, H, W, C] in [0, 1]) or "pt"."""
         unet, device = self.unet, self._execution_device
         guide = self.guide_for(autoguidance)
+        self.check_guidance(guidance_scale, guide)
         labels = torch.as_tensor(class_labels, dtype=torch.long).reshape(-1).to(device)
         num_classes = null_class(unet)
         if len(labels) == 0 or labels.min() < 0 or labels.max() >= num_classes:
@@ -373,6 +395,6 @@ def _randn(shape, generator, device) -> torch.Tensor:
     return torch.randn(shape, generator=generator, device=on).to(device)
 
 
-__all__ = ["DEFAULT_GUIDANCE_SCALE", "ClassConditionalPipeline", "PackagePipeline", "check_guide",
-           "guided_model_output", "guided_step", "in_guidance_interval", "noise_level", "null_class",
+__all__ = ["DEFAULT_GUIDANCE_SCALE", "ClassConditionalPipeline", "PackagePipeline", "check_guidance_trained",
+           "check_guide", "guided_model_output", "guided_step", "in_guidance_interval", "noise_level", "null_class",
            "scheduler_model_output", "scheduler_step", "unconditional_inputs", "with_condition"]

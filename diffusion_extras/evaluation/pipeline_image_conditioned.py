@@ -10,12 +10,13 @@ the latents of a VAE (vae/), with any diffusers scheduler:
     pipe(image=..., num_inference_steps=50, guidance_scale=2.0, generator=torch.manual_seed(0),
          output_type="np")                                 # guidance on the image (trained with dropout)
 
-Images are PIL images, numpy arrays (float in [0, 1], or uint8) or torch tensors ([0, 1]), one or
-a batch, as diffusers' image pipelines take them (VaeImageProcessor); any size whose sides the UNet
-(and the VAE) can halve, square or not; an inpainting mask in any common form (pipeline_masks.py).
-The trainer saves a copy of this file beside model_index.json with pipeline_class_conditional.py,
-pipeline_latent.py and pipeline_masks.py (its relative imports), so diffusers loads the folder
-without the training package. torch and diffusers only.
+Images are PIL images (any mode), numpy arrays (channels-last) or torch tensors (channels-first),
+uint8, uint16 or float in [0, 1], one, a batch or a list, laid out as diffusers' VaeImageProcessor
+reads them (image_batch) and converted to the model's channels as the trainer converts; any size
+whose sides the UNet (and the VAE) can halve, square or not; an inpainting mask in any common form
+(pipeline_masks.py). The trainer saves a copy of this file beside model_index.json with
+pipeline_class_conditional.py, pipeline_latent.py and pipeline_masks.py (its relative imports), so
+diffusers loads the folder without the training package. torch and diffusers only.
 """
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL, AutoencoderTiny, ImagePipelineOutput, UNet2DModel, VQModel
 from diffusers.image_processor import VaeImageProcessor
 
-from .pipeline_class_conditional import PackagePipeline, _randn, guided_step
-from .pipeline_latent import decode_latents, latent_normalization, vae_scale_factor
-from .pipeline_masks import binary_masks
+from .pipeline_class_conditional import PackagePipeline, _randn, check_guidance_trained, guided_step
+from .pipeline_latent import decode_latents, encode_posterior, latent_normalization, vae_scale_factor
+from .pipeline_masks import binary_masks, mask_processor
 
 PIPELINE_MODULE = "pipeline_image_conditioned"  # this file's name in an exported folder, without .py
 PIPELINE_CLASS = "ImageConditionedPipeline"
@@ -39,8 +40,15 @@ DEFAULT_IMAGE_GUIDANCE_SCALE = 1.0
 
 def condition_channels(kind: str, channels: int) -> int:
     """The condition's channels for `channels`-channel samples (pixels, or latents): an image of
-    theirs, and for inpainting the mask before it."""
-    return channels + (kind == "inpainting")
+    theirs, and for inpainting the mask before it (none for the trainer's --conditioning none)."""
+    return 0 if kind == "none" else channels + (kind == "inpainting")
+
+
+def sample_channels(kind: str, in_channels: int) -> int:
+    """The channels of x_t of a UNet with `in_channels` inputs conditioned on `kind`: the inverse of
+    condition_channels (in_channels = C + condition_channels(kind, C)). The one rule: the pipeline,
+    the trainer's model line and data channels, and a fine-tune's base read it here."""
+    return in_channels if kind == "none" else (in_channels - (kind == "inpainting")) // 2
 
 
 def quantize(images: torch.Tensor) -> torch.Tensor:
@@ -97,14 +105,11 @@ def pixel_condition(kind: str, image: torch.Tensor, mask: torch.Tensor | None = 
 @torch.no_grad()
 def encode_normalised(vae, pixels: torch.Tensor) -> torch.Tensor:
     """The VAE posterior's mean of pixels in [-1, 1] (a VQModel's or AutoencoderTiny's deterministic
-    latents), normalised as the UNet's latents are (pipeline_latent.latent_normalization), in fp32
-    outside autocast as the trainer encodes (data/latents.encode, which this file cannot import)."""
+    latents; pipeline_latent.encode_posterior, the trainer's encode), normalised as the UNet's latents
+    are (pipeline_latent.latent_normalization)."""
     shift, scale = (value.to(pixels.device).view(1, -1, 1, 1)
                     for value in latent_normalization(vae.config, vae.config.latent_channels))
-    with torch.autocast(pixels.device.type, enabled=False):
-        output = vae.encode(pixels.to(vae.dtype))
-    distribution = getattr(output, "latent_dist", None)
-    mean = (output.latents if distribution is None else distribution.mean).float()
+    mean, _ = encode_posterior(vae, pixels)
     return (mean - shift) * scale
 
 
@@ -119,15 +124,96 @@ def latent_condition(kind: str, pixels: torch.Tensor, vae) -> torch.Tensor:
     return torch.cat([F.max_pool2d(pixels[:, :1], factor), encoded], dim=1)
 
 
-def _unit_range(image):
-    """uint8 arrays and tensors as floats in [0, 1], the range VaeImageProcessor expects of them."""
-    if isinstance(image, list):
-        return [_unit_range(item) for item in image]
-    if isinstance(image, np.ndarray) and image.dtype == np.uint8:
-        return image.astype(np.float32) / 255
-    if isinstance(image, torch.Tensor) and image.dtype == torch.uint8:
-        return image.float() / 255
-    return image
+COLOUR_CHANNELS = (1, 3, 4)  # grayscale, RGB, RGBA: what a channel axis of an image holds
+LUMA = (0.299, 0.587, 0.114)  # RGB -> L as Pillow's convert("L") weighs it (ITU-R 601-2), the trainer's conversion
+WHITE = 1.0  # what transparency is composited on: the trainer's default --background
+
+
+def _pil_image(image, channels: int) -> np.ndarray:
+    """A PIL image of any mode as float [H, W, channels] in [0, 1], as the trainer reads one
+    (data/images.py, which this file cannot import): transparency composited on white, then Pillow's
+    convert to L or RGB."""
+    from PIL import Image
+
+    if image.mode in ("RGBA", "LA", "La", "RGBa", "PA") or "transparency" in image.info:
+        image = Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), image.convert("RGBA"))
+    array = np.asarray(image.convert("L" if channels == 1 else "RGB"), dtype=np.float32) / 255
+    return array[:, :, None] if array.ndim == 2 else array
+
+
+def _unit_float(image) -> torch.Tensor:
+    """An array or tensor as a float tensor on the CPU in [0, 1]: 16-bit integers / 65535, other
+    integers as 8-bit levels / 255, bool 0 or 1, floats as they are (diffusers' range)."""
+    if isinstance(image, np.ndarray):
+        sixteen = image.dtype == np.uint16
+        values = torch.from_numpy(np.ascontiguousarray(image.astype(np.float32) if sixteen else image))
+        if sixteen:
+            return values / 65535
+    else:
+        values = image.detach().cpu()
+    if values.dtype == torch.bool or values.is_floating_point():
+        return values.float()
+    return values.float() / (65535 if values.dtype == torch.uint16 else 255)
+
+
+def _as_nchw(image, what: str) -> torch.Tensor:
+    """One array or tensor as float [N, C, H, W] in [0, 1], its layout read by diffusers' convention
+    (VaeImageProcessor: numpy channels-last, torch channels-first): numpy [H, W], [H, W, C] (one
+    image) or [N, H, W, C]; torch [H, W], [C, H, W] (one image) or [N, C, H, W]; C 1, 3 or 4. A shape
+    that fits none (a batch without its channel axis, the other library's layout) is refused by name,
+    never guessed: [3, h, w] is one RGB image to a grayscale pipeline, not three grayscale ones."""
+    is_numpy = isinstance(image, np.ndarray)
+    values = _unit_float(image)
+    shape = tuple(values.shape)
+    if values.ndim == 2:
+        return values[None, None]
+    channel_axis = -1 if is_numpy else values.ndim - 3
+    if values.ndim in (3, 4) and shape[channel_axis] in COLOUR_CHANNELS:
+        values = values[None] if values.ndim == 3 else values
+        return values.permute(0, 3, 1, 2) if is_numpy else values
+    layout = ("[H, W], [H, W, C] or [N, H, W, C] (numpy is channels-last" if is_numpy
+              else "[H, W], [C, H, W] or [N, C, H, W] (torch is channels-first")
+    raise ValueError(f"{what} of shape {shape}: give {layout}, as diffusers' VaeImageProcessor reads it) with C "
+                     "1, 3 or 4; a batch of grayscale images needs its channel axis of 1")
+
+
+def _convert_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
+    """[N, C, H, W] in [0, 1] as `channels` (1 or 3), as the trainer converts images: alpha composited
+    on white, RGB -> L by Pillow's weights, L -> RGB by copies."""
+    if images.shape[1] == 4:
+        alpha = images[:, 3:]
+        images = images[:, :3] * alpha + WHITE * (1 - alpha)
+    if images.shape[1] == 3 and channels == 1:
+        images = (images * torch.tensor(LUMA).view(1, 3, 1, 1)).sum(1, keepdim=True)
+    elif images.shape[1] == 1 and channels == 3:
+        images = images.expand(-1, 3, -1, -1)
+    return images
+
+
+def image_batch(image, channels: int, what: str = "image") -> torch.Tensor:
+    """What a pipeline's image argument holds, as float [N, channels, H, W] in [0, 1] on the CPU:
+    a PIL image of any mode, a numpy array or a torch tensor (uint8, uint16 or float in [0, 1]; the
+    layouts of _as_nchw), or a list of them; each read as meant and converted to the pipeline's
+    channels as the trainer converts images. One size for all, or a one-line ValueError."""
+    from PIL import Image
+
+    items = image if isinstance(image, (list, tuple)) else [image]
+    if not items:
+        raise ValueError(f"{what} is an empty list: give at least one image")
+    batches = []
+    for item in items:
+        if isinstance(item, Image.Image):
+            batches.append(torch.from_numpy(_pil_image(item, channels)).permute(2, 0, 1)[None])
+        elif isinstance(item, (np.ndarray, torch.Tensor)):
+            batches.append(_convert_channels(_as_nchw(item, what), channels))
+        else:
+            raise ValueError(f"{what}: a {type(item).__name__}; give PIL images, numpy arrays or torch tensors")
+    sizes = sorted({tuple(batch.shape[-2:]) for batch in batches})
+    if len(sizes) > 1:
+        raise ValueError(f"{what}: images of {len(sizes)} sizes ({sizes[0]}, {sizes[1]}, ...; height, width) in one "
+                         "call: give images of one size")
+    return torch.cat(batches).contiguous()
+
 
 
 class ImageConditionedPipeline(PackagePipeline):
@@ -138,19 +224,26 @@ class ImageConditionedPipeline(PackagePipeline):
     _optional_components = ["vae"]  # latent models only
 
     def __init__(self, unet: UNet2DModel, scheduler, vae: AutoencoderKL | VQModel | AutoencoderTiny | None = None,
-                 conditioning: str = "super_resolution", sr_factor: int = 4):
+                 conditioning: str = "super_resolution", sr_factor: int = 4,
+                 conditioning_dropout_prob: float | None = None):
         super().__init__()
         if conditioning not in CONDITIONING_KINDS:
             raise ValueError(f"conditioning {conditioning!r} is not one of {', '.join(CONDITIONING_KINDS)}")
         self.register_modules(unet=unet, scheduler=scheduler, vae=vae)
-        self.register_to_config(conditioning=conditioning, sr_factor=int(sr_factor))
+        # conditioning_dropout_prob: the trainer's, which taught the prediction without the image that
+        # guidance needs (check_guidance); None: not recorded
+        self.register_to_config(conditioning=conditioning, sr_factor=int(sr_factor),
+                                conditioning_dropout_prob=conditioning_dropout_prob)
         # pixels per latent, as diffusers' pipelines name it (1: a pixel model)
         self.vae_scale_factor = vae_scale_factor(vae.config) if vae is not None else 1
+        # [0, 1] <-> [-1, 1] and the outputs' types, built once (image_batch reads the inputs' layouts)
+        self.image_processor = VaeImageProcessor(do_resize=False, vae_latent_channels=-1)
+        self.mask_processor = mask_processor()
 
     @property
     def sample_channels(self) -> int:
         """The channels of x_t (pixels, or latents): the UNet's input less the condition's."""
-        return (self.unet.config.in_channels - (self.config.conditioning == "inpainting")) // 2
+        return sample_channels(self.config.conditioning, self.unet.config.in_channels)
 
     @property
     def image_channels(self) -> int:
@@ -163,18 +256,11 @@ class ImageConditionedPipeline(PackagePipeline):
         block but the last, after the VAE's downsampling."""
         return 2 ** (len(self.unet.config.block_out_channels) - 1) * self.vae_scale_factor
 
-    def preprocess(self, image, channels: int, mask: bool = False) -> torch.Tensor:
-        """PIL, numpy or torch images -> fp32 [B, C, H, W] on the execution device: in [-1, 1], or
-        for a mask binarised to 0 and 1 (diffusers' VaeImageProcessor, without resizing)."""
-        processor = VaeImageProcessor(do_resize=False, do_normalize=not mask, do_binarize=mask,
-                                      do_convert_rgb=channels == 3 and not mask,
-                                      do_convert_grayscale=channels == 1 or mask, vae_latent_channels=-1)
-        images = processor.preprocess(_unit_range(image)).float()
-        if images.shape[1] != channels:
-            what = "mask_image" if mask else "image"
-            raise ValueError(f"{what} has {images.shape[1]} channel(s); this pipeline takes {channels} "
-                             f"({'a mask: one' if mask else {1: 'grayscale', 3: 'RGB'}.get(channels, channels)})")
-        return images.to(self._execution_device)
+    def preprocess_image(self, image) -> torch.Tensor:
+        """The `image` argument (image_batch: any PIL mode, numpy, torch, lists) -> fp32 [B, C, H, W] in
+        [-1, 1] on the execution device, C the pipeline's image channels."""
+        images = image_batch(image, self.image_channels)
+        return self.image_processor.preprocess(images).float().to(self._execution_device)
 
     def prepare_mask(self, mask_image, pixels: torch.Tensor) -> torch.Tensor | None:
         """An inpainting pipeline's mask_image for its images `pixels` [B, C, H, W]: fp32 [B, 1, H, W]
@@ -189,11 +275,17 @@ class ImageConditionedPipeline(PackagePipeline):
             return None
         if mask_image is None:
             raise ValueError("an inpainting pipeline needs mask_image (white = to fill)")
-        mask = binary_masks(mask_image, tuple(pixels.shape[-2:]))
+        mask = binary_masks(mask_image, tuple(pixels.shape[-2:]), processor=self.mask_processor)
         if len(mask) not in (1, len(pixels)):
             raise ValueError(f"mask_image holds {len(mask)} masks for {len(pixels)} images; give one mask, or one "
                              "per image")
         return mask.to(self._execution_device).expand(len(pixels), 1, *pixels.shape[-2:])
+
+    def check_guidance(self, guidance_scale: float) -> None:
+        """Guidance on the image of a model trained without --conditioning_dropout_prob refused
+        (check_guidance_trained): its prediction without the image was never trained."""
+        check_guidance_trained(guidance_scale, self.config.get("conditioning_dropout_prob"),
+                               "--conditioning_dropout_prob")
 
     def check_size(self, height: int, width: int) -> None:
         multiple = self.size_multiple
@@ -208,12 +300,13 @@ class ImageConditionedPipeline(PackagePipeline):
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
                  return_dict: bool = True, guidance_interval: tuple[float, float] | None = None,
                  callback_on_step_end=None, eta: float = 0.0, latents: torch.Tensor | None = None,
-                 back_projection_steps: int = 0):
+                 back_projection_steps: int = 0, num_images_per_prompt: int = 1):
         """Images made from `image`: for super_resolution the low-resolution input (the output is
         sr_factor x its size), for inpainting the image whose `mask_image` pixels (white, >= 0.5) are
         filled (the others come back as given), for image-to-image the conditioning image (the output
         has its size). guidance_scale > 1 guides on the image (the prediction with the condition
-        dropped as the weak one; for models trained with --conditioning_dropout_prob), within
+        dropped as the weak one; refused for a model whose export records that it trained without
+        --conditioning_dropout_prob), within
         guidance_interval (low, high] of noise level sigma if given (ClassConditionalPipeline's
         guidance). A list of generators gives image i its own noise. output_type: "pil", "np" (float
         [N, H, W, C] in [0, 1]), "pt" ([N, C, H, W] in [0, 1]) or, with a VAE, "latent". eta: DDIM's
@@ -223,15 +316,22 @@ class ImageConditionedPipeline(PackagePipeline):
         diffusers' pipelines (a returned "latents" replaces x_t). back_projection_steps (super-resolution
         only; default 0, none): that many steps of iterative back-projection (back_project) of each
         output onto its input, so that the output, shrunk as training degrades images, gives the
-        input back (the analogue of inpainting's kept pixels); docs/conditioning.md has its gains."""
+        input back (the analogue of inpainting's kept pixels); docs/conditioning.md has its gains.
+        num_images_per_prompt: samples of each input image (diffusers' img2img pipelines' name), image
+        i's at outputs i x n ... i x n + n - 1 (a list of generators: one per output)."""
         kind, device = self.config.conditioning, self._execution_device
         if back_projection_steps and (kind != "super_resolution" or back_projection_steps < 0):
             raise ValueError(f"back_projection_steps={back_projection_steps}: a count of steps >= 0, for "
                              f"super-resolution only (this pipeline's conditioning is {kind})")
         if back_projection_steps and output_type == "latent" and self.vae is not None:
             raise ValueError("back_projection_steps works on pixels: ask for output_type 'pil', 'np' or 'pt'")
-        pixels = self.preprocess(image, self.image_channels)
+        self.check_guidance(guidance_scale)
+        if num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt={num_images_per_prompt}: give at least 1")
+        pixels = self.preprocess_image(image)
         mask = self.prepare_mask(mask_image, pixels)
+        if num_images_per_prompt > 1:  # each image (and its mask) n times, in turn
+            pixels, mask = (x if x is None else x.repeat_interleave(num_images_per_prompt, 0) for x in (pixels, mask))
         condition = pixel_condition(kind, pixels, mask, self.config.sr_factor)
         self.check_size(*condition.shape[-2:])
         if self.vae is not None:
@@ -250,7 +350,6 @@ class ImageConditionedPipeline(PackagePipeline):
             if callback_on_step_end is not None:
                 returned = callback_on_step_end(self, step, self.scheduler.timesteps[step], {"latents": sample})
                 sample = (returned or {}).get("latents", sample)
-        self.maybe_free_model_hooks()
         if output_type == "latent" and self.vae is not None:
             images = sample
         else:
@@ -259,10 +358,11 @@ class ImageConditionedPipeline(PackagePipeline):
                 images = back_project(images, pixels.to(images.device), self.config.sr_factor, back_projection_steps)
             if mask is not None:  # the pixels outside the mask, as given
                 images = torch.where(mask >= 0.5, images, pixels)
-            images = VaeImageProcessor(do_resize=False).postprocess(images, output_type=output_type)
+            images = self.image_processor.postprocess(images, output_type=output_type)
+        self.maybe_free_model_hooks()  # after the VAE's decode, as diffusers' pipelines free them
         return ImagePipelineOutput(images=images) if return_dict else (images,)
 
 
 __all__ = ["CONDITIONING_KINDS", "DEFAULT_IMAGE_GUIDANCE_SCALE", "ImageConditionedPipeline", "back_project",
-           "condition_channels", "degrade", "encode_normalised", "latent_condition", "pixel_condition", "quantize",
-           "shrink", "upsample"]
+           "condition_channels", "degrade", "encode_normalised", "image_batch", "latent_condition", "pixel_condition",
+           "quantize", "sample_channels", "shrink", "upsample"]

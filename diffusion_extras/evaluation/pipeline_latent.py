@@ -45,6 +45,22 @@ def vae_scale_factor(vae_config) -> int:
 
 
 @torch.no_grad()
+def encode_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE posterior's (mean, std), float32, of pixels in [-1, 1] on its device, encoded in fp32
+    outside autocast: the one encode of the package (the trainer's latent cache and stream,
+    data/latents.py, and the image-conditioned pipeline's condition import it from here, as exported
+    pipelines load without the package). A deterministic encoder (a VQModel's latents before
+    quantisation, which its decoder quantises, as diffusers' LDMPipeline decodes them; an
+    AutoencoderTiny's) has std 0: every draw is its latent."""
+    with torch.autocast(pixels.device.type, enabled=False):
+        output = vae.encode(pixels.to(vae.dtype))
+    distribution = getattr(output, "latent_dist", None)
+    if distribution is None:
+        return output.latents.float(), torch.zeros_like(output.latents, dtype=torch.float32)
+    return distribution.mean.float(), distribution.std.float()
+
+
+@torch.no_grad()
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """The UNet's normalised latents [B, C, h, w] -> images in [-1, 1], fp32: un-normalised, then
     the VAE's decoder. A VAE whose config says force_upcast decodes in fp32 and is given back in the
@@ -69,8 +85,10 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
     model_cpu_offload_seq = "unet->vae"
 
     def __init__(self, vae: AutoencoderKL | VQModel | AutoencoderTiny, unet: UNet2DModel, scheduler,
-                 id2label: dict | None = None, guide: UNet2DModel | None = None):
-        super().__init__(unet=unet, scheduler=scheduler, id2label=id2label, guide=guide)
+                 id2label: dict | None = None, guide: UNet2DModel | None = None,
+                 condition_dropout: float | None = None):
+        super().__init__(unet=unet, scheduler=scheduler, id2label=id2label, guide=guide,
+                         condition_dropout=condition_dropout)
         self.register_modules(vae=vae)
         self.vae_scale_factor = vae_scale_factor(vae.config)  # pixels per latent, as diffusers' pipelines name it
 
@@ -100,6 +118,7 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
                 raise ValueError(f"class_labels must be ids in [0, {unet.config.num_class_embeds - 1}); "
                                  f"got {list(class_labels)}")
             batch_size = len(labels)
+            self.check_guidance(guidance_scale, guide)
         elif guide is None:
             guidance_scale = 1.0  # nothing to guide with: the UNet's own prediction
         size = unet.config.sample_size
@@ -124,4 +143,5 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
         return ImagePipelineOutput(images=images) if return_dict else (images,)
 
 
-__all__ = ["LatentDiffusionPipeline", "decode_latents", "latent_normalization", "vae_scale_factor"]
+__all__ = ["LatentDiffusionPipeline", "decode_latents", "encode_posterior", "latent_normalization",
+           "vae_scale_factor"]

@@ -55,16 +55,20 @@ def read_masks(mask, name: str = "mask_image") -> np.ndarray:
                      for index, plane in enumerate(samples)])
 
 
-def binary_masks(mask, size: tuple[int, int], name: str = "mask_image") -> torch.Tensor:
+def mask_processor() -> VaeImageProcessor:
+    """diffusers' mask processor as its inpainting pipelines build it: no normalising, binarised at 0.5."""
+    return VaeImageProcessor(vae_scale_factor=1, do_normalize=False, do_binarize=True, do_convert_grayscale=True)
+
+
+def binary_masks(mask, size: tuple[int, int], name: str = "mask_image",
+                 processor: VaeImageProcessor | None = None) -> torch.Tensor:
     """float32 [N, 1, height, width] of 0 and 1 (1 = to fill): read_masks, resized to `size`
     (height, width) where it is of another size but the same aspect (as diffusers' mask processor
     resizes a tensor: nearest neighbour; another aspect is refused, naming both sizes), binarised
-    at 0.5 by that processor."""
+    at 0.5 by that processor (`processor`: one built by mask_processor, which a pipeline keeps)."""
     values = torch.from_numpy(read_masks(mask, name))[:, None]
     check_mask_size(tuple(values.shape[-2:]), size, name)
-    processor = VaeImageProcessor(vae_scale_factor=1, do_normalize=False, do_binarize=True,
-                                  do_convert_grayscale=True)
-    return processor.preprocess(values, height=size[0], width=size[1])
+    return (processor or mask_processor()).preprocess(values, height=size[0], width=size[1])
 
 
 def check_mask_size(mask_size: tuple[int, int], image_size: tuple[int, int], name: str) -> None:

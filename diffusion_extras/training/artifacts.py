@@ -251,15 +251,18 @@ def connect_hub(config, is_main_process: bool):
 
 
 def export(unet, ema, noise_scheduler, target: Target, hub_pusher=None, card: dict | None = None,
-           final: bool = False, class_names: list | None = None, vae=None, conditioning: dict | None = None) -> None:
+           final: bool = False, class_names: list | None = None, vae=None, conditioning: dict | None = None,
+           condition_dropout: float | None = None) -> None:
     """The DDPMPipeline with EMA weights (the latent pipeline with a `vae`, the image-conditioned one
-    with `conditioning`: models.export_pipeline); with a `hub_pusher`, the
+    with `conditioning`, a class-conditional one recording its `condition_dropout`:
+    models.export_pipeline); with a `hub_pusher`, the
     model card (from `card`: config, images_seen, metrics, dataset_name, _redact; see
     hub.write_model_card) and a push, in the background except the final one, which waits and
     reports the commit URL."""
     # a one-off copy, not the run's SamplingCopy: save_pretrained edits the config a compiled copy guards on
     with sampling_unet(unet, ema) as copy:
-        models.export_pipeline(copy, noise_scheduler, target.output_dir, class_names, vae, conditioning)
+        models.export_pipeline(copy, noise_scheduler, target.output_dir, class_names, vae, conditioning,
+                               condition_dropout)
     if hub_pusher is None:
         return
     info = {"repo_id": hub_pusher.repo_id, "global_step": target.step, **(card or {})}

@@ -14,6 +14,7 @@ from diffusion_extras.core.phema import PowerFunctionEMA
 from diffusion_extras.core.timesteps import make_timestep_sampler
 from diffusion_extras.data import latents, sources
 from diffusion_extras.data.spec import Resolution
+from diffusion_extras.evaluation.pipeline_image_conditioned import sample_channels
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.monitoring import held_out as validation
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
@@ -137,8 +138,8 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     latent = autoencoder.load_latent_space(config) if config.pretrained_vae_model_name_or_path else None
     recorded = checkpointing.recorded_config(config.output_dir, config.resume_from_checkpoint)
     choice, unet = build_model(config, accelerator, data_channels, classes.names if classes else None, base, latent)
-    image_channels = latent.image_channels if latent else models.sample_channels(unet.config.in_channels,
-                                                                               config.conditioning)
+    image_channels = latent.image_channels if latent else sample_channels(config.conditioning,
+                                                                        unet.config.in_channels)
     training_data, held_out_images = build_data(config, accelerator, image_channels, dataset,
                                                 switches["validation_split"], classes,
                                                 hooks.data_source or sources.build_source, latent, recorded)

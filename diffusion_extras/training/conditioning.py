@@ -23,12 +23,7 @@ import torch
 from diffusion_extras.data import batch_order
 from diffusion_extras.data.conditioning import random_masks
 from diffusion_extras.data.latents import Posterior
-from diffusion_extras.evaluation.pipeline_image_conditioned import (
-    condition_channels,
-    degrade,
-    latent_condition,
-    pixel_condition,
-)
+from diffusion_extras.evaluation.pipeline_image_conditioned import degrade, latent_condition, pixel_condition
 
 MASK_STREAM = 0x4D41534B  # seed stream of the random inpainting masks
 
@@ -42,14 +37,11 @@ class ImageCondition:
     sr_factor: int             # super_resolution's factor
     seed: int                  # the run's seed: random masks are drawn from (seed, micro-step, image)
     vae: object | None = None  # latent diffusion: the frozen VAE that encodes the condition (on the device)
+    dropout: float | None = None  # --conditioning_dropout_prob: guidance on the image needs it > 0 (None: not known)
 
     def pipeline_config(self) -> dict:
         """What the exported ImageConditionedPipeline records of it."""
-        return {"conditioning": self.kind, "sr_factor": self.sr_factor}
-
-    def unet_channels(self, sample_channels: int) -> int:
-        """The channels the condition adds to the UNet's input (pipeline_image_conditioned.condition_channels)."""
-        return condition_channels(self.kind, sample_channels)
+        return {"conditioning": self.kind, "sr_factor": self.sr_factor, "conditioning_dropout_prob": self.dropout}
 
     def mask_seeds(self, micro_step: int, first: int, count: int) -> list[int]:
         """The random masks' seeds of images first..first+count-1 of a global micro-batch."""
@@ -97,11 +89,11 @@ class ImageCondition:
 
 
 def for_run(kind: str, image_channels: int, stored_channels: int, sr_factor: int, seed: int,
-            vae=None) -> ImageCondition | None:
+            vae=None, dropout: float | None = None) -> ImageCondition | None:
     """The run's ImageCondition, or None for --conditioning none."""
     if kind == "none":
         return None
-    return ImageCondition(kind, image_channels, stored_channels, sr_factor, seed, vae)
+    return ImageCondition(kind, image_channels, stored_channels, sr_factor, seed, vae, dropout)
 
 
 def conditions_of(spec: ImageCondition, images: np.ndarray, seed: int) -> dict:

@@ -34,7 +34,9 @@ def unet_config(config: TrainConfig, model: dict | None = None, latent: LatentSp
     else:
         values = dict(config.model if model is None else model)
     values["sample_size"] = sample_size(latent.size if latent else config.resolution)
-    channels, outputs = values.get("in_channels", 3), values.get("out_channels", 3)
+    for name in ("in_channels", "out_channels"):  # a config that leaves them out means diffusers' defaults
+        values.setdefault(name, unet_default(name))
+    channels, outputs = values["in_channels"], values["out_channels"]
     if latent is not None and (channels != latent.channels or outputs not in (channels, 2 * channels)):
         raise ConfigError(f"the UNet has {channels} -> {outputs} channels and the VAE's latents have "
                           f"{latent.channels}: set in_channels and out_channels to {latent.channels}, or choose no "
@@ -50,6 +52,15 @@ def unet_config(config: TrainConfig, model: dict | None = None, latent: LatentSp
     values["out_channels"] = expected  # the prediction and, with a learned variance, its C values
     validate_model_shape(values, config.resolution, latent.factor if latent else 1)
     return values
+
+
+def unet_default(name: str):
+    """UNet2DModel's default for the argument `name`: what diffusers fills a config without it with."""
+    import inspect
+
+    from diffusers import UNet2DModel
+
+    return inspect.signature(UNet2DModel.__init__).parameters[name].default
 
 
 def sample_size(resolution: Resolution) -> int | list[int]:
@@ -157,7 +168,7 @@ def describe(unet, chosen: str, data_channels: int, optimization: str = "", late
     """The model line (shape and size: the images' height x width; the optimization when it followed
     the data; with a `latent` space, which latents at which `resolution`; an image `condition`'s
     input channels) and, if the images are converted, the conversion line."""
-    channels = sample_channels(unet.config.in_channels, condition or "none")
+    channels = image_conditioned.sample_channels(condition or "none", unet.config.in_channels)
     added = unet.config.in_channels - channels
     kind = latent.describe(resolution) if latent else COLOUR_NAMES.get(channels, channels)
     kind += f"; + {added} input channel(s) of the {condition} condition" if added else ""
@@ -185,26 +196,11 @@ def build_unet(config: TrainConfig, model: dict | None = None, latent: LatentSpa
     values = unet_config(config, model, latent)
     if model is not None and "num_class_embeds" in model:
         values["num_class_embeds"] = model["num_class_embeds"]
-    values["in_channels"] += condition_channels(config, values["in_channels"])
+    values["in_channels"] += image_conditioned.condition_channels(config.conditioning, values["in_channels"])
     try:
         return UNet2DModel(**values)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"the UNet config is invalid: {error}") from None
-
-
-def sample_channels(in_channels: int, conditioning: str) -> int:
-    """The channels of x_t (pixels or latents) of a UNet with `in_channels` inputs trained with
-    --conditioning `conditioning`: in_channels = C + the condition's (C, or 1 + C for inpainting)."""
-    if conditioning == "none":
-        return in_channels
-    return (in_channels - (conditioning == "inpainting")) // 2
-
-
-def condition_channels(config: TrainConfig, sample_channels: int) -> int:
-    """The input channels --conditioning adds to a UNet of `sample_channels`-channel samples (0: none)."""
-    if config.conditioning == "none":
-        return 0
-    return image_conditioned.condition_channels(config.conditioning, sample_channels)
 
 
 def widen_input(unet, channels: int) -> None:
@@ -250,10 +246,11 @@ EXPORT_STAGING = ".pipeline.tmp"  # where export_pipeline writes before swapping
 
 
 def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | None = None, vae=None,
-                    conditioning: dict | None = None) -> None:
-    """Save a DDPMPipeline, or with `class_names` a ClassConditionalPipeline, or with a `vae` a
-    LatentDiffusionPipeline (vae/ too), or with `conditioning` ({"conditioning": kind, "sr_factor":
-    n}) an ImageConditionedPipeline (with vae/ in a latent run), the custom ones with their source
+                    conditioning: dict | None = None, condition_dropout: float | None = None) -> None:
+    """Save a DDPMPipeline, or with `class_names` a ClassConditionalPipeline (recording the
+    `condition_dropout` it trained with), or with a `vae` a LatentDiffusionPipeline (vae/ too), or
+    with `conditioning` ({"conditioning": kind, "sr_factor": n, "conditioning_dropout_prob": p}) an
+    ImageConditionedPipeline (with vae/ in a latent run), the custom ones with their source
     files (weights only, no optimizer state), into output_dir, swapping each part in by rename so a
     kill mid-save leaves the previous export loadable."""
     import shutil
@@ -267,13 +264,14 @@ def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | 
         names += ["vae"] * (vae is not None) + save_custom_pipeline(pipeline, staging)
     elif vae is not None:
         pipeline = latent_pipeline.LatentDiffusionPipeline(vae=vae, unet=unet, scheduler=noise_scheduler,
-                                                          id2label=dict(enumerate(class_names or ())))
+                                                          id2label=dict(enumerate(class_names or ())),
+                                                          condition_dropout=condition_dropout)
         names += ["vae", *save_custom_pipeline(pipeline, staging)]
     elif class_names is None:
         from diffusers import DDPMPipeline
         DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(staging)
     else:
-        names += save_class_conditional(unet, noise_scheduler, class_names, staging)
+        names += save_class_conditional(unet, noise_scheduler, class_names, staging, condition_dropout)
     for name in (*names, "model_index.json"):  # model_index.json last: it marks a pipeline
         target, old = os.path.join(output_dir, name), os.path.join(output_dir, f".{name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -287,10 +285,13 @@ def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | 
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def save_class_conditional(unet, noise_scheduler, class_names: list, folder: str) -> list[str]:
-    """A ClassConditionalPipeline of these parts saved (save_custom_pipeline)."""
+def save_class_conditional(unet, noise_scheduler, class_names: list, folder: str,
+                           condition_dropout: float | None = None) -> list[str]:
+    """A ClassConditionalPipeline of these parts saved (save_custom_pipeline), recording the
+    `condition_dropout` it trained with (None: not known)."""
     pipeline = conditional.ClassConditionalPipeline(unet=unet, scheduler=noise_scheduler,
-                                                    id2label=dict(enumerate(class_names)))
+                                                    id2label=dict(enumerate(class_names)),
+                                                    condition_dropout=condition_dropout)
     return save_custom_pipeline(pipeline, folder)
 
 

@@ -66,7 +66,8 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
                     guarded_write(run, "pipeline export", [os.path.join(config.output_dir, models.EXPORT_STAGING)]):
                 artifacts.export(unet, extras.ema, objective.noise_scheduler, target, run.hub_pusher, model_card(run),
                                  last, run.data.class_names, run.data.vae,
-                                 run.data.condition.pipeline_config() if run.data.condition else None)
+                                 run.data.condition.pipeline_config() if run.data.condition else None,
+                                 config.condition_dropout if run.data.class_names is not None else None)
         work.append(export)
     return work
 

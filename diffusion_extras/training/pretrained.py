@@ -21,12 +21,13 @@ from typing import NamedTuple
 
 from diffusion_extras.data.spec import Resolution, as_resolution, image_size, resolution_text
 from diffusion_extras.evaluation.choices import IMAGE_PIPELINE_CLASS
+from diffusion_extras.evaluation.pipeline_image_conditioned import condition_channels, sample_channels
 from diffusion_extras.evaluation.pipeline_latent import vae_scale_factor
 from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
 from diffusion_extras.training import checkpointing
 from diffusion_extras.training.autoencoder import AUTOENCODERS, VAE_SUBFOLDER, LatentSpace
 from diffusion_extras.training.config import ConfigError, TrainConfig
-from diffusion_extras.training.models import COLOUR_NAMES, Choice, condition_channels, sample_channels, shown
+from diffusion_extras.training.models import COLOUR_NAMES, Choice, shown
 from diffusion_extras.training.validation import validate
 
 # What a fine-tune trains with where the user sets none: a tenth of the from-scratch learning rate
@@ -125,7 +126,7 @@ class Pretrained(NamedTuple):
         if base_kind not in ("none", config.conditioning):
             raise ConfigError(f"{flag}: its UNet is conditioned for {base_kind}: fine-tune it with --conditioning "
                               f"{base_kind} (or leave --conditioning out)")
-        channels, size = sample_channels(unet.get("in_channels", 3), base_kind), unet_size(unet)
+        channels, size = sample_channels(base_kind, unet.get("in_channels", 3)), unet_size(unet)
         if (latent is None) != (self.vae_factor is None):
             raise ConfigError(f"{flag}: its UNet was trained on {'pixels' if latent else 'latents'}: "
                               + ("drop --pretrained_vae_model_name_or_path" if latent else
@@ -177,7 +178,7 @@ class Pretrained(NamedTuple):
         fine-tunes an unconditional base; else 0."""
         if self.conditioning is not None or config.conditioning == "none":
             return 0
-        return condition_channels(config, self.unet_config.get("in_channels", 3))
+        return condition_channels(config.conditioning, self.unet_config.get("in_channels", 3))
 
 
 def channel_fix(unet_channels: int, data_channels: int) -> str:

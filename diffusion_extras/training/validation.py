@@ -39,6 +39,7 @@ def validate(c: TrainConfig) -> None:
     validate_paths(c)
     validate_latent(c)
     validate_conditioning(c)
+    validate_kind_flags(c)
     if c.model_config_name_or_path is None and c.pretrained_model_name_or_path is None \
             and c.pretrained_vae_model_name_or_path is None:
         # a config file's UNet is checked when it is loaded, a pretrained one is what it is, a
@@ -230,6 +231,27 @@ def validate_conditioning(c: TrainConfig) -> None:
         if getattr(c, folder):
             need(c.train_data_dir is not None, f"--{folder} pairs its files with --train_data_dir's: add it")
             need(os.path.isdir(getattr(c, folder)), f"--{folder} {getattr(c, folder)}: no such folder")
+
+
+def validate_kind_flags(c: TrainConfig) -> None:
+    """A flag given for a kind of run it is not (it would change nothing), and guidance on a model
+    that learns no prediction without its condition (no dropout: the exports record it and refuse
+    guidance too). A fine-tune's base may bring its --conditioning: checked once it is merged in."""
+    inherited = c.conditioning == "none" and c.pretrained_model_name_or_path is not None
+    kinds = {"sr_factor": ("--conditioning super_resolution", c.conditioning == "super_resolution" or inherited),
+             "condition_dropout": ("--class_conditional", c.class_conditional),
+             "guidance_scale": ("--class_conditional or --conditioning",
+                                c.class_conditional or c.conditioning != "none" or inherited)}
+    for name, (kind, applies) in kinds.items():
+        need(name not in c.given or applies, f"--{name} is read with {kind}: add it, or drop --{name}")
+    if c.class_conditional and c.condition_dropout == 0:
+        need(c.guidance_scale == 1, f"--guidance_scale {c.guidance_scale:g} guides with the 'no class' prediction, "
+                                    "which --condition_dropout 0 never trains: give --guidance_scale 1 (no guidance) "
+                                    "or a --condition_dropout > 0")
+    if c.conditioning != "none" and c.conditioning_dropout_prob == 0 and "guidance_scale" in c.given:
+        need(c.guidance_scale == 1, f"--guidance_scale {c.guidance_scale:g} guides on the image with the prediction "
+                                    "without it, which --conditioning_dropout_prob 0 never trains: add "
+                                    "--conditioning_dropout_prob (e.g. 0.1), or drop --guidance_scale")
 
 
 def validate_model_shape(model: dict, resolution: Resolution, vae_factor: int = 1) -> None:
