@@ -17,7 +17,7 @@ from diffusion_extras.training.run_state import Run
 # The sample grids and debug images follow the run's length, unless --ddpm_num_inference_steps is
 # given: a short trial's grids (64 images of 50 DDIM steps each) took most of its time on a CPU. One
 # DDIM step per OPTIMIZER_STEPS_PER_GRID_STEP optimizer steps of the run, GRID_MIN_STEPS at least.
-GRID_MIN_STEPS = 10  # DDIM is still a sampler there (a few steps fewer draw blur)
+GRID_MIN_STEPS = 10  # the fewest DDIM steps of a grid
 OPTIMIZER_STEPS_PER_GRID_STEP = 10  # the default 50 from a 500-step run on; 1200 steps: the recipe's 50
 # A sampling pass of one image against a training step of it, the rule the grids' cost estimates
 # use: a third by FLOPs (forward and backward, 2 + 4 per parameter, against 2); measured on a shared
