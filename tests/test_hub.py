@@ -431,3 +431,49 @@ def test_every_export_kind_round_trips_through_the_hub_without_the_package(name,
     found, hf_home = loaded_by_id
     assert found[name] == LOADED[name]
     assert list((hf_home / "hub" / f"models--test-user--{name}" / "snapshots").glob("*/model_index.json"))
+
+
+def save_image_conditioned(folder, kind: str) -> str:
+    """A tiny ImageConditionedPipeline of `kind` (random weights) saved as the trainer exports it."""
+    from diffusers import DDPMScheduler
+    from helpers import tiny_unet
+
+    from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline, condition_channels
+    unet = tiny_unet(1, in_channels=1 + condition_channels(kind, 1))
+    ImageConditionedPipeline(unet, DDPMScheduler(num_train_timesteps=50), conditioning=kind,
+                             sr_factor=2).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("command, kind, flags, message", [
+    ("sample", "unconditional", ["--conditioning_images", "."],
+     "--conditioning_images is for image-conditioned pipelines"),
+    ("sample", "unconditional", ["--back_projection_steps", "2"], "--back_projection_steps is for super-resolution"),
+    ("sample", "inpainting", ["--conditioning_images", ".", "--back_projection_steps", "2"],
+     "--back_projection_steps is for super-resolution pipelines; this pipeline's conditioning is inpainting"),
+    ("evaluate", "unconditional", ["--masks", "."], "--masks is for image-conditioned pipelines"),
+    ("evaluate", "image", [], "this pipeline is image-conditioned (image): give --conditioning_images DIR"),
+    ("evaluate", "super_resolution", ["--masks", "."], "--masks is for inpainting"),
+])
+def test_a_hub_id_is_checked_for_the_flags_of_its_kind_as_a_folder_is(tmp_path, monkeypatch, command, kind, flags,
+                                                                     message):
+    """The sample and evaluate commands given a Hub id (the loopback Hub, in this process) refuse the
+    condition flags its kind does not take, with the line a local folder of that kind gets."""
+    from helpers import run_cli, save_tiny_pipeline
+    from hub_server import serve_in_process
+
+    folder = save_tiny_pipeline(tmp_path / "p") if kind == "unconditional" else \
+        save_image_conditioned(tmp_path / "p", kind)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    Image.new("L", (8, 8)).save(reference / "0.png")
+    extra = ["--reference", reference, "--feature_extractor", "tiny"] if command == "evaluate" else []
+    results = {}
+    with HubServer() as server:
+        server.add_repo(f"test-user/{kind}", folder)
+        serve_in_process(monkeypatch, server, tmp_path / "cache")
+        for name in (f"test-user/{kind}", folder):
+            results[name] = run_cli(["-m", f"diffusion_extras.{command}", name, *flags, *extra, "--output",
+                                     tmp_path / "out", "--device", "cpu"], check=False)
+    for name, result in results.items():
+        assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1], (name, result.stderr)

@@ -118,6 +118,12 @@ def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
     return pipeline.to(device)
 
 
+def loaded_conditioning(pipeline) -> str | None:
+    """The kind of condition of a loaded pipeline (what inputs.saved_conditioning reads from a
+    folder's model_index.json; a Hub id's is known once loaded), None for one not image-conditioned."""
+    return pipeline.config.conditioning if isinstance(pipeline, ImageConditionedPipeline) else None
+
+
 def load_guide(path: str, unet, device, prediction_type: str | None = None):
     """The guide UNet of --guide, in `unet`'s dtype, checked against `unet` (check_guide) and, where its
     folder records one, against the model's `prediction_type`: a pipeline folder (its unet/, its

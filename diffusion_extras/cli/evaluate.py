@@ -101,7 +101,13 @@ def main(argv=None) -> int:
         check_inception_reachable(groups, args.inception_weights)
     # torch, diffusers, scipy (seconds) once the flags and the files are good
     with importing_the_stack():
-        from diffusion_extras.cli.common import guidance_for, load_images, load_pipeline, pipeline_resolution
+        from diffusion_extras.cli.common import (
+            guidance_for,
+            load_images,
+            load_pipeline,
+            loaded_conditioning,
+            pipeline_resolution,
+        )
         from diffusion_extras.evaluation import likelihood
         from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline
 
@@ -109,6 +115,8 @@ def main(argv=None) -> int:
     with one_line_errors():
         device = launch_device(args.device, num_ranks)
         pipeline = load_pipeline(args.pipeline, device=device)
+        check_conditioning_flags(loaded_conditioning(pipeline), args.conditioning_images, args.masks, ("image",),
+                                 args.back_projection_steps)  # a Hub id's, as a folder's before loading
         guidance = guidance_for(pipeline, args, device)  # refused by an unconditional one without a guide
         num_classes = len(pipeline.id2label) if getattr(pipeline, "id2label", None) else None
         resolution = pipeline_resolution(pipeline)

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
                                      back_projection_steps=args.back_projection_steps)
     # torch and diffusers (seconds) once the flags and the folder are good
     with importing_the_stack():
-        from diffusion_extras.cli.common import guidance_for, load_pipeline, resolve_device
+        from diffusion_extras.cli.common import guidance_for, load_pipeline, loaded_conditioning, resolve_device
         from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline
         from diffusion_extras.evaluation.sampling import DTYPES, generate, make_scheduler, save_images
 
@@ -75,6 +75,8 @@ def main(argv=None) -> int:
     with one_line_errors():
         device = resolve_device(args.device)
         pipeline = load_pipeline(args.pipeline, device=device, dtype=dtype)
+        check_conditioning_flags(loaded_conditioning(pipeline), args.conditioning_images, args.masks,  # a Hub id's
+                                 back_projection_steps=args.back_projection_steps)
         guidance = guidance_for(pipeline, args, device, **{"--class_labels": args.class_labels})
         scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config, args.timestep_spacing)
         if isinstance(pipeline, ImageConditionedPipeline):
@@ -100,8 +102,6 @@ def sample_conditions(args, pipeline, scheduler, guidance: dict):
     from diffusion_extras.evaluation.conditioned import batch, sample_conditioned
 
     kind = pipeline.config.conditioning
-    check_conditioning_flags(kind, args.conditioning_images, args.masks,  # a Hub id's, once loaded
-                             back_projection_steps=args.back_projection_steps)
     paths = list_images(args.conditioning_images)[:args.num_images]
     inputs = {"image": unit_tensor(read_images(paths, pipeline.image_channels))}
     if kind == "inpainting":
