@@ -21,7 +21,7 @@ GRID_MIN_STEPS = 10  # the fewest DDIM steps of a grid
 OPTIMIZER_STEPS_PER_GRID_STEP = 10  # the default 50 from a 500-step run on; 1200 steps: the recipe's 50
 # A sampling pass of one image against a training step of it, the rule the grids' cost estimates
 # use: a third by FLOPs (forward and backward, 2 + 4 per parameter, against 2); measured on a shared
-# 2-core CPU, 0.4 to 0.7 (docs/BENCHMARKS.md, "The final sample grids of a short run").
+# 2-core CPU, 0.27 to 0.69 (docs/BENCHMARKS.md, "The final sample grids of a short run").
 SAMPLING_SHARE_OF_TRAINING = 0.5
 
 
