@@ -21,8 +21,9 @@ inpainting: the digits recipe with --conditioning inpainting (random masks) and 
 0.2 (a seeded fifth never trained on), against the unconditional digits recipe trained alike. The
 held-out digits have one half masked (left, then top); reported: the share of completions the digit
 classifier (evaluation/digits.py, fitted on the other digits) calls the original's class, beside its
-accuracy on the originals (the ceiling), on the unconditional model's completions (the replacement
-method) and chance (0.1).
+accuracy on the originals (the ceiling), on the known half alone (the masked half left blank: what
+the visible half already tells; also read by a classifier fitted on halves), on the unconditional
+model's completions (the replacement method) and chance (0.1).
 
 Results go to --out (default bench/results/conditioning/) as results-TASK.json.
 """
@@ -219,6 +220,27 @@ def held_out_digits(out: str, flags: list[str]) -> str:
     return folder
 
 
+def known_half_accuracy(reference: str, side: str) -> dict:
+    """What the visible half of each digit of the `reference` folder tells alone, its `side` half (the
+    evaluate command's --mask half) left blank at the background's 0: the accuracy of the digit
+    classifier that judges the completions (fitted on the other, whole digits), and of one fitted on
+    the other digits blanked alike (which learns to read halves)."""
+    from diffusion_extras.cli.common import list_images, read_images
+    from diffusion_extras.data.conditioning import half_mask
+    from diffusion_extras.evaluation.digits import DigitClassifier, preprocessed_digits, recognised
+
+    digits = read_images(list_images(reference), 1)
+    labels, classifier = recognised(digits)
+    masked = half_mask(*digits.shape[1:3], side)[None, :, :, None]
+    blanked = np.where(masked, 0, digits).astype(np.uint8)
+    every, every_label = preprocessed_digits(digits.shape[1:3])
+    judged = {digit.tobytes() for digit in digits}
+    others = np.array([digit.tobytes() not in judged for digit in every])
+    refit = DigitClassifier(np.where(masked, 0, every[others]).astype(np.uint8), every_label[others])
+    return {"known_half_digit_accuracy": classifier.accuracy(blanked, labels),
+            "known_half_refit_digit_accuracy": refit.accuracy(blanked, labels)}
+
+
 def inpainting(args, out: str) -> dict:
     common = ["--validation_split", "0.2", "--max_train_steps", str(args.max_train_steps),
               "--save_images_steps", str(args.max_train_steps), "--checkpointing_steps", str(args.max_train_steps),
@@ -233,6 +255,7 @@ def inpainting(args, out: str) -> dict:
         report[side] = evaluate(runs["inpainting"], reference, [
             "--mask", side, "--baseline", runs["unconditional"], "--scheduler", args.scheduler, "--num_inference_steps",
             str(args.num_inference_steps), "--feature_extractor", "tiny", "--eval_metrics", "fid"])
+        report[side].update(known_half_accuracy(reference, side))
     return report
 
 

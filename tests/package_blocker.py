@@ -12,11 +12,11 @@ sys.meta_path.insert(0, Block())
 """
 
 
-def run_without_the_package(code: str, folder, *args):
+def run_without_the_package(code: str, folder, *args, env: dict | None = None):
     """`python load.py ARGS` in a process of its own (processes.run_command, checked), load.py being
-    BLOCK_THE_PACKAGE + `code` written into `folder`, with no PYTHONPATH: as a user without this
-    package runs an export."""
+    BLOCK_THE_PACKAGE + `code` written into `folder`, with no PYTHONPATH and `env` (None unsets): as
+    a user without this package runs an export."""
     from processes import run_command
     script = folder / "load.py"
     script.write_text(BLOCK_THE_PACKAGE + code)
-    return run_command([script, *args], env={"PYTHONPATH": None})
+    return run_command([script, *args], env={**(env or {}), "PYTHONPATH": None})

@@ -318,3 +318,162 @@ def test_conditional_model_card_shows_a_call_that_runs_as_written(tmp_path, monk
     exec(compile(code, "model card", "exec"), {})
     with Image.open(tmp_path / "sample.png") as image:
         assert image.size == (8, 8)
+
+
+# ----------------------------------------------------------------------------- every export, through the Hub
+# name: the flags of a 1-step tiny run that exports that kind of pipeline ("{vae}", "{pairs}": files
+# the fixture makes)
+EXPORTS = {
+    "unconditional": [],
+    "class-conditional": ["--class_conditional"],
+    "latent": ["--pretrained_vae_model_name_or_path", "{vae}", "--model_config_name_or_path", "{latent_model}"],
+    "super-resolution": ["--conditioning", "super_resolution", "--sr_factor", "2"],
+    "inpainting": ["--conditioning", "inpainting"],
+    "image-to-image": ["--conditioning", "image", "--train_data_files", "{pairs}", "--conditioning_image_column",
+                       "edges", "--max_train_samples", "16"],
+}
+TRAIN_AND_PUSH = """
+import json, sys
+from diffusion_extras.training.main import main
+codes = {name: main(argv) for name, argv in json.loads(sys.argv[1]).items()}
+print("exit codes: " + json.dumps(codes))
+"""
+# A user without the package: each export loaded by its Hub id (into the empty cache of HF_HOME) and
+# from the folder the run wrote, sampled alike with the inputs its kind takes; prints {name: [pipeline
+# class, the images' shape, whether both loads gave the same images]} or {name: the error's last lines}.
+LOAD_BY_ID = """
+import json, sys, traceback
+import numpy as np, torch
+from diffusers import DiffusionPipeline
+rng = np.random.default_rng(0)
+grey = rng.integers(0, 256, (8, 8), dtype=np.uint8)
+mask = np.zeros((8, 8), np.uint8)
+mask[:, :4] = 255
+inputs = {"unconditional": dict(batch_size=1), "latent": dict(batch_size=1),
+          "class-conditional": dict(class_labels=[3]), "super-resolution": dict(image=grey[::2, ::2]),
+          "inpainting": dict(image=grey, mask_image=mask),
+          "image-to-image": dict(image=grey)}
+found = {}
+for name, (repo_id, folder) in json.loads(sys.argv[1]).items():
+    try:
+        images = []
+        for source in (repo_id, folder):
+            pipe = DiffusionPipeline.from_pretrained(source, trust_remote_code=True)
+            pipe.set_progress_bar_config(disable=True)
+            images.append(pipe(**inputs[name], num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+                               output_type="np").images)
+        found[name] = [type(pipe).__name__, list(np.shape(images[0])), bool(np.array_equal(*images))]
+    except Exception:
+        found[name] = traceback.format_exc()[-2000:]
+print(json.dumps(found))
+"""
+# name: what its export loaded by id gives (pipeline class, images' shape, the same as the folder's)
+LOADED = {
+    "unconditional": ["DDPMPipeline", [1, 8, 8, 1], True],
+    "class-conditional": ["ClassConditionalPipeline", [1, 8, 8, 1], True],
+    "latent": ["LatentDiffusionPipeline", [1, 8, 8, 3], True],
+    "super-resolution": ["ImageConditionedPipeline", [1, 8, 8, 1], True],
+    "inpainting": ["ImageConditionedPipeline", [1, 8, 8, 1], True],
+    "image-to-image": ["ImageConditionedPipeline", [1, 8, 8, 1], True],
+}
+HUB_EXPORTS = pytest.mark.xdist_group("test_hub.hub_exports")
+
+
+@pytest.fixture(scope="module")
+def hub_exports(tmp_path_factory):
+    """Each kind of EXPORTS trained 1 step on the digits (tiny recipe; image-to-image on a column of
+    pairs) and pushed by the trainer (--push_to_hub) to a loopback Hub, in one process: (the server,
+    {name: (repo id, output folder)}), the server still up."""
+    from helpers import LATENT_MODEL, paired_images, save_tiny_vae, write_paired_parquet, write_tiny_recipe
+    folder = tmp_path_factory.mktemp("hub_exports")
+    files = {"vae": save_tiny_vae(folder / "vae"), "latent_model": folder / "latent_model.json",
+             "pairs": write_paired_parquet(folder / "pairs.parquet", *paired_images(16, 8, 8, seed=4), "edges")}
+    files["latent_model"].write_text(json.dumps({**LATENT_MODEL, "sample_size": 4}))
+    recipe = write_tiny_recipe(folder)
+    exports = {name: (f"test-user/{name}", str(folder / name)) for name in EXPORTS}
+    argvs = {name: ["--config", recipe, "--output_dir", exports[name][1], "--max_train_steps", "1",
+                    *[flag.format(**files) for flag in flags],
+                    "--push_to_hub", "--hub_token", TOKEN, "--hub_model_id", exports[name][0]]
+             for name, flags in EXPORTS.items()}
+    with HubServer() as server:  # anonymous downloads: a public repo, a user without a token
+        env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(folder / "trainer_hf_home"),
+               "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        result = run_command(["-c", TRAIN_AND_PUSH, json.dumps(argvs)], env=env, timeout=600)
+        codes = json.loads(result.stdout.split("exit codes: ")[-1].strip().splitlines()[0])
+        assert codes == dict.fromkeys(EXPORTS, 0), result.stderr[-3000:]
+        yield server, exports
+
+
+@pytest.fixture(scope="module")
+def loaded_by_id(hub_exports, tmp_path_factory):
+    """LOAD_BY_ID's answer for every export, run once without the package, HF_HOME an empty folder:
+    (that answer, the HF_HOME)."""
+    from package_blocker import run_without_the_package
+    server, exports = hub_exports
+    folder = tmp_path_factory.mktemp("load_by_id")
+    hf_home = folder / "hf_home"
+    env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(hf_home), "HF_TOKEN": None,
+           "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    result = run_without_the_package(LOAD_BY_ID, folder, json.dumps(exports), env=env)
+    return json.loads(result.stdout.strip().splitlines()[-1]), hf_home
+
+
+@HUB_EXPORTS
+@pytest.mark.parametrize("name", EXPORTS)
+def test_every_export_kind_round_trips_through_the_hub_without_the_package(name, hub_exports, loaded_by_id):
+    """Each kind the trainer exports, pushed by the trainer (the files of its folder, as written), is
+    downloaded by its id into an empty cache, loaded without the package (trust_remote_code) and
+    sampled: the images of the pipeline the run left in its folder, bit for bit."""
+    server, exports = hub_exports
+    repo_id, folder = exports[name]
+    pushed, written = server.repos[repo_id]["files"], files_under(folder)
+    assert "model_index.json" in pushed and all(pushed[path] == written[path] for path in pushed)
+    found, hf_home = loaded_by_id
+    assert found[name] == LOADED[name]
+    assert list((hf_home / "hub" / f"models--test-user--{name}" / "snapshots").glob("*/model_index.json"))
+
+
+def save_image_conditioned(folder, kind: str) -> str:
+    """A tiny ImageConditionedPipeline of `kind` (random weights) saved as the trainer exports it."""
+    from diffusers import DDPMScheduler
+    from helpers import tiny_unet
+
+    from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline, condition_channels
+    unet = tiny_unet(1, in_channels=1 + condition_channels(kind, 1))
+    ImageConditionedPipeline(unet, DDPMScheduler(num_train_timesteps=50), conditioning=kind,
+                             sr_factor=2).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("command, kind, flags, message", [
+    ("sample", "unconditional", ["--conditioning_images", "."],
+     "--conditioning_images is for image-conditioned pipelines"),
+    ("sample", "unconditional", ["--back_projection_steps", "2"], "--back_projection_steps is for super-resolution"),
+    ("sample", "inpainting", ["--conditioning_images", ".", "--back_projection_steps", "2"],
+     "--back_projection_steps is for super-resolution pipelines; this pipeline's conditioning is inpainting"),
+    ("evaluate", "unconditional", ["--masks", "."], "--masks is for image-conditioned pipelines"),
+    ("evaluate", "image", [], "this pipeline is image-conditioned (image): give --conditioning_images DIR"),
+    ("evaluate", "super_resolution", ["--masks", "."], "--masks is for inpainting"),
+])
+def test_a_hub_id_is_checked_for_the_flags_of_its_kind_as_a_folder_is(tmp_path, monkeypatch, command, kind, flags,
+                                                                     message):
+    """The sample and evaluate commands given a Hub id (the loopback Hub, in this process) refuse the
+    condition flags its kind does not take, with the line a local folder of that kind gets."""
+    from helpers import run_cli, save_tiny_pipeline
+    from hub_server import serve_in_process
+
+    folder = save_tiny_pipeline(tmp_path / "p") if kind == "unconditional" else \
+        save_image_conditioned(tmp_path / "p", kind)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    Image.new("L", (8, 8)).save(reference / "0.png")
+    extra = ["--reference", reference, "--feature_extractor", "tiny"] if command == "evaluate" else []
+    results = {}
+    with HubServer() as server:
+        server.add_repo(f"test-user/{kind}", folder)
+        serve_in_process(monkeypatch, server, tmp_path / "cache")
+        for name in (f"test-user/{kind}", folder):
+            results[name] = run_cli(["-m", f"diffusion_extras.{command}", name, *flags, *extra, "--output",
+                                     tmp_path / "out", "--device", "cpu"], check=False)
+    for name, result in results.items():
+        assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1], (name, result.stderr)

@@ -193,3 +193,12 @@ def test_every_link_to_a_file_of_the_repository_resolves(document):
                if "://" not in target and not target.startswith("#")]
     missing = [target for target in targets if not ((ROOT / document).parent / target).exists()]
     assert not missing, f"{document} links to files that do not exist: {missing}"
+
+
+README_MOST_LINES = 250  # a user reads it in five minutes; the reference is docs/
+
+
+def test_the_readme_stays_short():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines < README_MOST_LINES, (
+        f"README.md has {lines} lines (fewer than {README_MOST_LINES} wanted): move the details to docs/ and link them")

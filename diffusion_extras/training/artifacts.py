@@ -143,6 +143,12 @@ def write_grid(images: np.ndarray, per_row: int, target: Target) -> str:
     return path
 
 
+def debug_images_sampled(num_images: int, with_ema: bool, latent: bool) -> int:
+    """The images save_debug_images samples: the first min(16, num_images) seeds from the raw and the
+    EMA weights (with EMA), and DEBUG_SEEDS for the denoising strip (none in a latent run)."""
+    return 2 * min(num_images, 16) * with_ema + min(DEBUG_SEEDS, num_images) * (not latent)
+
+
 def save_debug_images(unet, ema, noise_scheduler, target: Target, num_images: int, num_inference_steps: int,
                       seed: int, sampling_copy: SamplingCopy | None = None, vae=None) -> list[str]:
     """Beside each sample grid: the first seeds from the raw weights | the EMA weights (with EMA on),

@@ -58,6 +58,7 @@ def log_window(run: Run, loss_sum: torch.Tensor, steps: int, seconds: float, pro
     loss = accelerator.reduce(loss_sum / max(steps, 1), reduction="mean").item()
     values = {"loss": loss, "lr": run.progress.step_lr,
               "images_per_second": run.data.images_seen(steps) / max(seconds, 1e-9)}
+    run.progress.seconds_per_image = 1 / max(values["images_per_second"], 1e-9)  # the grids' cost estimate
     values.update(extras.diagnostics.reduce_and_reset(accelerator))
     if extras.ema is not None:
         values["ema_decay"] = extras.ema.decay(extras.ema.optimization_step)

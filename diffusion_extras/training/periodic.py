@@ -14,11 +14,47 @@ from diffusion_extras.training import artifacts, conditioned_artifacts, disk_spa
 from diffusion_extras.training.hooks import hook
 from diffusion_extras.training.run_state import Run
 
+# The sample grids and debug images follow the run's length, unless --ddpm_num_inference_steps is
+# given: a short trial's grids (64 images of 50 DDIM steps each) took most of its time on a CPU. One
+# DDIM step per OPTIMIZER_STEPS_PER_GRID_STEP optimizer steps of the run, GRID_MIN_STEPS at least.
+GRID_MIN_STEPS = 10  # the fewest DDIM steps of a grid
+OPTIMIZER_STEPS_PER_GRID_STEP = 10  # the default 50 from a 500-step run on; 1200 steps: the recipe's 50
+# A sampling pass of one image against a training step of it, the rule the grids' cost estimates
+# use: a third by FLOPs (forward and backward, 2 + 4 per parameter, against 2); measured on a shared
+# 2-core CPU, 0.27 to 0.69 (docs/BENCHMARKS.md, "The final sample grids of a short run").
+SAMPLING_SHARE_OF_TRAINING = 0.5
+
+
+def grid_inference_steps(configured: int, given: bool, max_train_steps: int) -> int:
+    """The DDIM steps of the run's sample grids and debug images: --ddpm_num_inference_steps
+    (`configured`) when `given` (by flag or recipe), else at most one per OPTIMIZER_STEPS_PER_GRID_STEP
+    of the run's `max_train_steps` and at least GRID_MIN_STEPS. The run's length, not the step: every
+    grid of a run is sampled alike, so they compare."""
+    if given:
+        return configured
+    return min(configured, max(GRID_MIN_STEPS, max_train_steps // OPTIMIZER_STEPS_PER_GRID_STEP))
+
+
+def grid_steps(run: Run) -> int:
+    config = run.config
+    return grid_inference_steps(config.ddpm_num_inference_steps, "ddpm_num_inference_steps" in config.given,
+                                run.plan.max_train_steps)
+
+
+def sampling_estimate(image_steps: int, seconds_per_image: float | None) -> str:
+    """", about N s" for `image_steps` UNet passes of one image at a training speed of
+    `seconds_per_image` (SAMPLING_SHARE_OF_TRAINING of it each); "" before any was measured."""
+    if seconds_per_image is None:
+        return ""
+    seconds = image_steps * seconds_per_image * SAMPLING_SHARE_OF_TRAINING
+    return f", about {seconds:.{0 if seconds >= 10 else 1}f} s at the training speed"
+
 
 @contextlib.contextmanager
 def end_of_run_work(run: Run, what: str, show: bool = True):
-    """After the last step the bar is closed, so each piece of work says when it starts and how
-    long it took (on CPU the grid, export and report take about a minute: silence reads as a hang)."""
+    """After the last step the bar is closed, so each piece of work says when it starts (with what
+    it is estimated to cost, where `what` says) and how long it took (on CPU the grid, export and
+    report take about a minute: silence reads as a hang)."""
     if not show:
         yield
         return
@@ -35,7 +71,7 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
     config, plan, learner, objective, extras = run.config, run.plan, run.learner, run.objective, run.extras
     unet = run.accelerator.unwrap_model(learner.unet)
     target = artifacts.Target(config.output_dir, step, run.accelerator, run.history)
-    sampling_settings = dict(num_images=config.eval_batch_size, num_inference_steps=config.ddpm_num_inference_steps,
+    sampling_settings = dict(num_images=config.eval_batch_size, num_inference_steps=grid_steps(run),
                              seed=config.seed, sampling_copy=extras.sampling_copy)
     work = []
     if config.posthoc_ema and (step % config.posthoc_ema_snapshot_steps == 0 or last):
@@ -45,7 +81,12 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
         work.append(snapshot)
     if interval_due(plan.save_images_steps, step, last, config.save_images_epochs):
         def debug_images():
-            with end_of_run_work(run, "final debug images and loss plot", last), \
+            sampled = 0 if run.data.condition else artifacts.debug_images_sampled(
+                config.eval_batch_size, extras.ema is not None, run.data.vae is not None)
+            cost = sampling_estimate(sampled * grid_steps(run) * run.accelerator.num_processes,  # main process only
+                                     run.progress.seconds_per_image)
+            what = f" ({sampled} images, {grid_steps(run)} DDIM steps{cost})" if sampled else ""
+            with end_of_run_work(run, "final debug images and loss plot" + what, last), \
                     guarded_write(run, "sample grid", artifacts.debug_image_paths(config.output_dir, step)):
                 if run.data.condition is None:  # a conditional run's grid shows condition | sample | target
                     artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target,
@@ -104,22 +145,30 @@ def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
     target = artifacts.Target(config.output_dir, step, accelerator, run.history)
     writes = (guarded_write(run, "sample grid", [artifacts.sample_grid_path(config.output_dir, step)])
               if accelerator.is_main_process else contextlib.nullcontext())  # the other ranks write nothing
+    steps = grid_steps(run)
     if run.data.condition is not None:
-        with end_of_run_work(run, f"final sample grid (conditions of {len(grid_images(run))} images, "
-                                  f"{config.ddpm_num_inference_steps} DDIM steps)", last), writes:
+        images, guidance = grid_images(run), image_guidance_scale(config)
+        with end_of_run_work(run, grid_line(f"conditions of {len(images)} images", len(images), steps, guidance,
+                                            run.progress.seconds_per_image), last), writes:
             conditioned_artifacts.save_conditioned_grid(
                 accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler, target,
-                grid_images(run), run.data.condition, config.ddpm_num_inference_steps, config.seed,
-                image_guidance_scale(config), extras.sampling_copy, accelerator.process_index,
-                accelerator.num_processes, run.data.vae)
+                images, run.data.condition, steps, config.seed, guidance, extras.sampling_copy,
+                accelerator.process_index, accelerator.num_processes, run.data.vae)
         return
-    with end_of_run_work(run, f"final sample grid ({config.eval_batch_size} images, "
-                              f"{config.ddpm_num_inference_steps} DDIM steps)", last), writes:
+    guidance = config.guidance_scale if run.data.class_names is not None else 1.0
+    with end_of_run_work(run, grid_line(f"{config.eval_batch_size} images", config.eval_batch_size, steps, guidance,
+                                        run.progress.seconds_per_image), last), writes:
         artifacts.save_sample_grid(accelerator.unwrap_model(run.learner.unet), extras.ema,
-                                   run.objective.noise_scheduler, target, config.eval_batch_size,
-                                   config.ddpm_num_inference_steps, config.seed, run.data.class_names,
-                                   config.guidance_scale, extras.sampling_copy, accelerator.process_index,
-                                   accelerator.num_processes, run.data.vae)
+                                   run.objective.noise_scheduler, target, config.eval_batch_size, steps,
+                                   config.seed, run.data.class_names, config.guidance_scale, extras.sampling_copy,
+                                   accelerator.process_index, accelerator.num_processes, run.data.vae)
+
+
+def grid_line(what: str, images: int, steps: int, guidance_scale: float, seconds_per_image: float | None) -> str:
+    """The line that announces the final sample grid: its images, its DDIM steps and its estimated
+    cost (guidance batches each image with its unguided twin: twice the passes)."""
+    passes = images * steps * (2 if guidance_scale != 1 else 1)
+    return f"final sample grid ({what}, {steps} DDIM steps{sampling_estimate(passes, seconds_per_image)})"
 
 
 CONDITIONED_GRID_IMAGES = 16  # at most: the conditions a conditional run's grid samples

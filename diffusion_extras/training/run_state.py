@@ -166,6 +166,7 @@ class Progress:
     last_metrics: dict = field(default_factory=dict)  # the last evaluation, named for the model card
     input_statistics: torch.Tensor | None = None   # mean, std, min, max of the last clean micro-batch
     nonfinite_inputs: torch.Tensor | None = None   # the same, of the last skipped step (NaN: none yet)
+    seconds_per_image: float | None = None  # training time per image of the last logging window (all ranks)
 
 
 @dataclass
