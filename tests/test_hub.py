@@ -320,6 +320,25 @@ def test_conditional_model_card_shows_a_call_that_runs_as_written(tmp_path, monk
         assert image.size == (8, 8)
 
 
+def test_the_card_of_a_model_trained_without_condition_dropout_samples_without_guidance(tmp_path, monkeypatch):
+    """A class-conditional run with --condition_dropout 0 has no no-class prediction and its pipeline
+    refuses guidance: its card's call asks for none, says why, and runs as written."""
+    from diffusers import DDPMScheduler
+    from helpers import tiny_unet
+
+    from diffusion_extras.training.models import save_class_conditional
+    folder = tmp_path / "ddpm-pets"
+    save_class_conditional(tiny_unet(num_class_embeds=4), DDPMScheduler(num_train_timesteps=50), ["cat", "dog", "fox"],
+                           str(folder), condition_dropout=0.0)
+    text = open(write_model_card(str(folder), {"repo_id": str(folder), "class_names": ["cat", "dog", "fox"],
+                                               "config": {"condition_dropout": 0.0}})).read()
+    code = text.split("## Usage")[1].split("```python\n")[1].split("```")[0]
+    assert "guidance_scale=1.0," in code and "`--condition_dropout 0`" in text and "guidance_interval" not in text
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "model card", "exec"), {})
+    assert (tmp_path / "sample.png").is_file()
+
+
 # ----------------------------------------------------------------------------- every export, through the Hub
 # name: the flags of a 1-step tiny run that exports that kind of pipeline ("{vae}", "{pairs}": files
 # the fixture makes)

@@ -225,8 +225,10 @@ def _card_body(folder: str, info: dict, config: dict, repo_id: str, dataset: str
     if conditioning:
         lines += _image_usage(repo_id, conditioning["conditioning"], info.get("vae") is not None)
     else:
-        usage = _latent_usage if info.get("vae") else _usage
-        lines += usage(repo_id, info.get("class_names"))
+        # a run trained with --condition_dropout 0 has no no-class prediction: its pipeline refuses guidance
+        guided = config.get("condition_dropout") != 0
+        lines += (_latent_usage(repo_id, info.get("class_names")) if info.get("vae")
+                  else _usage(repo_id, info.get("class_names"), guided))
     return "\n".join(lines)
 
 
@@ -271,7 +273,9 @@ def _latent_usage(repo_id: str, class_names: list | None) -> list[str]:
             "```", ""]
 
 
-def _usage(repo_id: str, class_names: list | None) -> list[str]:
+def _usage(repo_id: str, class_names: list | None, guided: bool = True) -> list[str]:
+    """A DDPMPipeline's usage, or a class-conditional one's: with guidance where the run trained the
+    no-class prediction (`guided`), else without (the pipeline refuses guidance_scale != 1 then)."""
     if not class_names:
         return ["## Usage", "", "```python", "from diffusers import DDPMPipeline", "",
                 f'pipeline = DDPMPipeline.from_pretrained("{repo_id}")',
@@ -284,12 +288,14 @@ def _usage(repo_id: str, class_names: list | None) -> list[str]:
             "```python", "import torch", "from diffusers import DiffusionPipeline", "",
             f'pipeline = DiffusionPipeline.from_pretrained("{repo_id}", trust_remote_code=True)',
             f"class_ids = pipeline.get_label_ids([{names}])  # pipeline.id2label lists the classes",
-            f"images = pipeline(class_labels=class_ids, guidance_scale={DEFAULT_GUIDANCE_SCALE},",
+            f"images = pipeline(class_labels=class_ids, guidance_scale={DEFAULT_GUIDANCE_SCALE if guided else 1.0},",
             "                  num_inference_steps=50, generator=torch.manual_seed(0)).images",
             'images[0].save("sample.png")', "```", "",
             "`guidance_interval=(low, high)` guides only at noise levels sigma in (low, high] (Kynkäänniemi et al. "
             "2024; one UNet call elsewhere), and a weaker UNet set as `pipeline.guide` guides in place of the "
-            "no-class branch (autoguidance, Karras et al. 2024; saved in `guide/`, off with `autoguidance=False`).",
+            "no-class branch (autoguidance, Karras et al. 2024; saved in `guide/`, off with `autoguidance=False`)."
+            if guided else "Trained with `--condition_dropout 0`: there is no no-class prediction to guide with, so "
+            "the pipeline samples without classifier-free guidance (it refuses `guidance_scale` other than 1).",
             ""]
 
 
