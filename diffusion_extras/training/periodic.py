@@ -50,16 +50,14 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
                 if run.data.condition is None:  # a conditional run's grid shows condition | sample | target
                     artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target,
                                                 **sampling_settings, vae=run.data.vae)
-                artifacts.save_loss_plot(extras.diagnostics, objective.schedule.alphas_cumprod.cpu(),
-                                         run.data.sigma_data, config.prediction_type, target)
+                artifacts.save_loss_plot(extras.diagnostics, objective, run.data.sigma_data, target)
         work.append(debug_images)
     if plan.grad_diagnostics_steps and step % plan.grad_diagnostics_steps == 0:  # the monitor: main process only
-        work.append(lambda: artifacts.gradient_diagnostics(extras.grad_monitor, unet, objective.schedule, config,
-                                                           extras.diagnostics.bin_centers(), target))
+        work.append(lambda: artifacts.gradient_diagnostics(extras.grad_monitor, unet, objective, config.loss_type,
+                                                           config.huber_c, extras.diagnostics.bin_centers(), target))
     if extras.held_out is not None and (step % config.validation_steps == 0 or last):
         work.append(lambda: artifacts.held_out_loss(unet, extras.ema, extras.held_out, extras.diagnostics,
-                                                    objective.schedule, run.data.sigma_data, config.prediction_type,
-                                                    target, extras.sampling_copy))
+                                                    objective, run.data.sigma_data, target, extras.sampling_copy))
     if interval_due(plan.save_model_steps, step, last, config.save_model_epochs):
         def export():
             with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last), \
@@ -192,8 +190,8 @@ def model_card(run: Run) -> dict:
 
 
 def write_reference_bins(run: Run) -> dict:
-    return artifacts.write_reference_bins(run.extras.diagnostics, run.objective.schedule.alphas_cumprod.cpu(),
-                                          run.data.sigma_data, run.config.prediction_type, run.config.output_dir)
+    return artifacts.write_reference_bins(run.extras.diagnostics, run.objective, run.data.sigma_data,
+                                          run.config.output_dir)
 
 
 def write_health_report(run: Run) -> str:
