@@ -125,8 +125,9 @@ def test_the_export_is_a_ddpm_pipeline_that_samples_with_the_euler_flow(flow_run
     steps, seed = 5, 3
     images = pipeline(batch_size=2, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
                       output_type="np").images
-    # the Euler loop of the flow ODE dx/dsigma = v written out: sigmas from 1 to the table's last, shifted
-    sigmas = shifted(torch.linspace(1.0, 1 / T, steps, dtype=torch.float64), 2.0).tolist() + [0.0]
+    # the Euler loop of the flow ODE dx/dsigma = v written out, at FlowMatchEulerDiscreteScheduler's
+    # sigmas: evenly spaced from 1 to the table's smallest (itself shifted), then shifted, then 0
+    sigmas = shifted(torch.linspace(1.0, shifted(1 / T, 2.0), steps, dtype=torch.float64), 2.0).tolist() + [0.0]
     unet = pipeline.unet
     x = torch.randn((2, 1, 8, 8), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
