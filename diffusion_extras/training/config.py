@@ -190,7 +190,7 @@ class TrainConfig:
     # --- evaluation -------------------------------------------------------------------
     save_images_steps: int = _f(500, "Save a sample grid (EMA weights, DDIM), the debug images and the loss-per-timestep plot every N optimizer steps and at the end. 0: none, at the end either (saves the sampling when it is costly).", resume=APPLY, group="evaluation")
     eval_batch_size: int = _f(64, "Images in each sample grid.", resume=APPLY, group="evaluation")
-    ddpm_num_inference_steps: int = _f(50, "DDIM steps for sample grids.", resume=APPLY, group="evaluation")
+    ddpm_num_inference_steps: int = _f(50, "Sampling steps of the sample grids: DDIM's (a flow model's: Euler's).", resume=APPLY, group="evaluation")
     guidance_scale: float = _f(DEFAULT_GUIDANCE_SCALE, "With --class_conditional: classifier-free guidance scale of the sample grids and FID (one row per class, up to 10 classes); 1: no guidance. Default: the pipeline's DEFAULT_GUIDANCE_SCALE. With --conditioning: guidance on the image, when given (else the image pipeline's default, 1: none).", resume=FREE, group="evaluation")
     eval_steps: int | None = _f(None, "Every N optimizer steps (and at the end): FID/KID of EMA samples against the training data. None: off.", resume=APPLY, group="evaluation")
     eval_num_samples: int = _f(1000, "Samples per evaluation (and reference images, at most the dataset size).", resume=APPLY, group="evaluation")

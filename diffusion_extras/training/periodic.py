@@ -8,6 +8,7 @@ import os
 import time
 
 from diffusion_extras.core import stop_flag
+from diffusion_extras.evaluation import sampling
 from diffusion_extras.evaluation.choices import DEFAULT_IMAGE_GUIDANCE_SCALE
 from diffusion_extras.hub.secrets import redact_config
 from diffusion_extras.training import artifacts, conditioned_artifacts, disk_space, models
@@ -101,17 +102,18 @@ def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
     target = artifacts.Target(config.output_dir, step, accelerator, run.history)
     writes = (guarded_write(run, "sample grid", [artifacts.sample_grid_path(config.output_dir, step)])
               if accelerator.is_main_process else contextlib.nullcontext())  # the other ranks write nothing
+    steps = (f"{config.ddpm_num_inference_steps} "
+             f"{'Euler' if sampling.is_flow_config(run.objective.noise_scheduler.config) else 'DDIM'} steps")
     if run.data.condition is not None:
-        with end_of_run_work(run, f"final sample grid (conditions of {len(grid_images(run))} images, "
-                                  f"{config.ddpm_num_inference_steps} DDIM steps)", last), writes:
+        with end_of_run_work(run, f"final sample grid (conditions of {len(grid_images(run))} images, {steps})",
+                             last), writes:
             conditioned_artifacts.save_conditioned_grid(
                 accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler, target,
                 grid_images(run), run.data.condition, config.ddpm_num_inference_steps, config.seed,
                 image_guidance_scale(config), extras.sampling_copy, accelerator.process_index,
                 accelerator.num_processes, run.data.vae)
         return
-    with end_of_run_work(run, f"final sample grid ({config.eval_batch_size} images, "
-                              f"{config.ddpm_num_inference_steps} DDIM steps)", last), writes:
+    with end_of_run_work(run, f"final sample grid ({config.eval_batch_size} images, {steps})", last), writes:
         artifacts.save_sample_grid(accelerator.unwrap_model(run.learner.unet), extras.ema,
                                    run.objective.noise_scheduler, target, config.eval_batch_size,
                                    config.ddpm_num_inference_steps, config.seed, run.data.class_names,
