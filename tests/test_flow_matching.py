@@ -233,3 +233,25 @@ def test_a_class_conditional_flow_export_samples_guided_euler_without_the_packag
             x = x + (following - sigma) * (weak + scale * (strong - weak))
     np.testing.assert_allclose(images, (x / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy(), atol=1e-5)
     assert (out / "images" / "samples.png").exists()  # the training grid sampled it (guided Euler) too
+
+
+def test_a_latent_flow_export_samples_its_latents_with_the_euler_flow(tiny_recipe, tmp_path):
+    """A latent flow run's LatentDiffusionPipeline (the folder's own copy): the Euler loop on the
+    latents, from unit noise (a flow scheduler has no init_noise_sigma), then decoded."""
+    from diffusers import DiffusionPipeline
+    from helpers import LATENT_MODEL, save_tiny_vae
+
+    out = tmp_path / "run"
+    run_training(tiny_recipe(model=LATENT_MODEL, save_images_steps=2), out, *FLOW, "--max_train_steps", 2,
+                 "--pretrained_vae_model_name_or_path", save_tiny_vae(tmp_path / "vae"))
+    pipeline = DiffusionPipeline.from_pretrained(out, trust_remote_code=True)
+    assert isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler)
+    latents = pipeline(batch_size=2, num_inference_steps=3, generator=torch.Generator().manual_seed(4),
+                       output_type="latent").images
+    sigmas = torch.linspace(1.0, 1 / T, 3, dtype=torch.float64).tolist() + [0.0]
+    x = torch.randn((2, 2, 4, 4), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for sigma, following in zip(sigmas[:-1], sigmas[1:]):
+            x = x + (following - sigma) * pipeline.unet(x, torch.tensor(sigma * T, dtype=torch.float32)).sample
+    torch.testing.assert_close(latents, x, rtol=0, atol=1e-5)
+    assert (out / "images" / "samples.png").exists()  # the training grid, decoded
