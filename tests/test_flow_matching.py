@@ -255,3 +255,15 @@ def test_a_latent_flow_export_samples_its_latents_with_the_euler_flow(tiny_recip
             x = x + (following - sigma) * pipeline.unet(x, torch.tensor(sigma * T, dtype=torch.float32)).sample
     torch.testing.assert_close(latents, x, rtol=0, atol=1e-5)
     assert (out / "images" / "samples.png").exists()  # the training grid, decoded
+
+
+def test_the_sample_command_takes_euler_for_a_flow_model_and_refuses_ddim_in_one_line(flow_run, tmp_path):
+    from helpers import run_cli
+
+    result = run_cli(["-m", "diffusion_extras.sample", flow_run, "--scheduler", "euler", "--num_images", 2,
+                      "--num_inference_steps", 3, "--output", tmp_path / "euler"])
+    assert len(list((tmp_path / "euler").glob("0*.png"))) == 2, result.stdout
+    refused = run_cli(["-m", "diffusion_extras.sample", flow_run, "--scheduler", "ddim", "--num_images", 2,
+                       "--output", tmp_path / "ddim"], check=False)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "scheduler 'ddim' cannot sample a flow-matching model; choose one of euler" in refused.stderr
