@@ -267,3 +267,17 @@ def test_the_sample_command_takes_euler_for_a_flow_model_and_refuses_ddim_in_one
                        "--output", tmp_path / "ddim"], check=False)
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert "scheduler 'ddim' cannot sample a flow-matching model; choose one of euler" in refused.stderr
+
+
+def test_the_guidance_interval_reads_a_flow_sigma_as_edms():
+    """x_t = (1 - s) x_0 + s noise is (x_0 + s / (1 - s) noise) scaled: EDM's sigma is s / (1 - s)."""
+    from diffusion_extras.evaluation.pipeline_class_conditional import in_guidance_interval, noise_level
+
+    scheduler = flow_scheduler(T, shift=3.0)
+    scheduler.set_timesteps(4)
+    flow_sigmas = scheduler.sigmas[:-1].tolist()
+    assert noise_level(scheduler, 0) == math.inf and flow_sigmas[0] == 1.0
+    for step in (1, 2, 3):
+        assert noise_level(scheduler, step) == pytest.approx(flow_sigmas[step] / (1 - flow_sigmas[step]))
+    assert [in_guidance_interval(scheduler, step, (0.5, 5.0)) for step in range(4)] == [
+        0.5 < s / (1 - s) <= 5.0 if s < 1 else False for s in flow_sigmas]
