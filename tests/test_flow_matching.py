@@ -281,3 +281,16 @@ def test_the_guidance_interval_reads_a_flow_sigma_as_edms():
         assert noise_level(scheduler, step) == pytest.approx(flow_sigmas[step] / (1 - flow_sigmas[step]))
     assert [in_guidance_interval(scheduler, step, (0.5, 5.0)) for step in range(4)] == [
         0.5 < s / (1 - s) <= 5.0 if s < 1 else False for s in flow_sigmas]
+
+
+def test_a_flow_run_stays_compiled_with_every_extra(tmp_path):
+    """As test_compile's runs: the whole step compiled (eager backend: the same graphs), with
+    accumulation, EMA, held-out loss, gradient monitor, grids and FID, and no break or graph after
+    warm-up: the flow objective's gathers and weights trace like DDPM's."""
+    from test_compile import CHEAP_COMPILE, EXTRAS, STEP_GRAPHS, assert_stays_compiled, counted_run
+
+    flags = ("--use_ema", "--gradient_accumulation_steps", 2, "--eval_steps", 2, "--feature_extractor", "tiny",
+             "--eval_num_samples", 4, "--weighting_scheme", "cosmap", "--flow_shift", 2)
+    counts = counted_run(tmp_path, *CHEAP_COMPILE, *FLOW, *flags, "--max_train_steps", 6, **EXTRAS)
+    assert_stays_compiled(counts)
+    assert counts[1]["graphs"] == STEP_GRAPHS, counts
