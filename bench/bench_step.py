@@ -172,9 +172,9 @@ def bare_step(run):
     clean = batch_order.to_model_input(next(run.data.source.batches(0, 1)), device)
     generator = torch.Generator(device).manual_seed(config.seed)
     noise = torch.randn(clean.shape, generator=generator, device=device)
-    timesteps = torch.randint(0, run.objective.schedule.num_train_timesteps, (clean.shape[0],), generator=generator,
+    timesteps = torch.randint(0, run.objective.num_train_timesteps, (clean.shape[0],), generator=generator,
                               device=device)
-    noisy = run.objective.schedule.add_noise(clean, noise, timesteps)
+    noisy = run.objective.add_noise(clean, noise, timesteps)
     # run.learner.unet carries accelerate's autocast under mixed precision; the optimizer is the same fused
     # AdamW without accelerate's wrapper (so no GradScaler: fp16 gradients may underflow, not overflow).
     unet, optimizer = run.learner.unet, run.learner.optimizer.optimizer

@@ -28,7 +28,7 @@ def count_flops(run) -> dict:
     config, device, unet = run.config, run.accelerator.device, run.learner.unet
     channels = run.accelerator.unwrap_model(unet).config.in_channels
     sample = torch.randn(2, channels, config.resolution, config.resolution, device=device)
-    timesteps = torch.randint(0, run.objective.schedule.num_train_timesteps, (2,), device=device)
+    timesteps = torch.randint(0, run.objective.num_train_timesteps, (2,), device=device)
     counter = FlopCounterMode(display=False)
     # Eager, even under --torch_compile: a compiled module first called inside a dispatch mode is
     # left uncompiled for every later call (seen on torch 2.11 and 2.13), and the steps timed after

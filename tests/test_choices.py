@@ -2,7 +2,7 @@
 against, declared without torch, agree with the libraries and the modules that implement them."""
 import pytest
 import torch
-from diffusers import DDPMScheduler
+from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.optimization import SchedulerType
 
 from diffusion_extras.core import choices, timesteps
@@ -67,8 +67,12 @@ def test_sampling_choices_are_the_samplers_and_precisions():
     assert evaluation_choices.SAMPLING_DTYPES == tuple(sampling.DTYPES)
     for name in evaluation_choices.SCHEDULERS:
         sampling.make_scheduler(name, DDPMScheduler().config)
-    with pytest.raises(ValueError, match="unknown scheduler 'euler'"):
-        sampling.make_scheduler("euler", DDPMScheduler().config)
+    with pytest.raises(ValueError, match="unknown scheduler 'heun'"):
+        sampling.make_scheduler("heun", DDPMScheduler().config)
+    for name in evaluation_choices.FLOW_SCHEDULERS:  # a flow model's, refused on a DDPM config
+        sampling.make_scheduler(name, FlowMatchEulerDiscreteScheduler().config)
+        with pytest.raises(ValueError, match=f"scheduler '{name}' cannot sample a DDPM model"):
+            sampling.make_scheduler(name, DDPMScheduler().config)
     for spacing in evaluation_choices.TIMESTEP_SPACINGS:  # diffusers' values, each taken as given
         assert sampling.make_scheduler("ddim", DDPMScheduler().config, spacing).config.timestep_spacing == spacing
     with pytest.raises(ValueError, match="unknown timestep spacing 'uniform'"):

@@ -7,7 +7,12 @@ import torch
 from PIL import Image
 
 from diffusion_extras.monitoring.bins import timestep_bin_edges
-from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics, bayes_optimal_loss, per_dimension_variance
+from diffusion_extras.monitoring.diagnostics import (
+    TimestepDiagnostics,
+    bayes_optimal_curve,
+    bayes_optimal_loss,
+    per_dimension_variance,
+)
 from diffusion_extras.monitoring.plots import plot_loss_per_timestep
 
 T = 1000
@@ -278,7 +283,8 @@ def test_plot_is_a_png_with_the_loss_markers(tmp_path):
     diag = TimestepDiagnostics(T, num_bins=10)
     diag.update_loss(torch.arange(0, T, 7), torch.linspace(1.0, 0.01, len(range(0, T, 7))))
     diag.reduce_and_reset()
-    path = plot_loss_per_timestep(diag, alphas_cumprod, 0.5, "epsilon", str(tmp_path / "a" / "loss.png"))
+    path = plot_loss_per_timestep(diag, bayes_optimal_curve(alphas_cumprod, 0.5, "epsilon"), 0.5, "epsilon",
+                                  str(tmp_path / "a" / "loss.png"))
     with Image.open(path) as image:
         assert image.format == "PNG" and image.size == (700, 450)
     assert (tmp_path / "a" / "loss.png").stat().st_size > 10_000
@@ -288,7 +294,8 @@ def test_plot_is_a_png_with_the_loss_markers(tmp_path):
     empty = TimestepDiagnostics(T, num_bins=10)
     zero_snr = alphas_cumprod.clone()
     zero_snr[-1] = 0.0
-    path = plot_loss_per_timestep(empty, zero_snr, 0.5, "epsilon", str(tmp_path / "empty.png"), "empty")
+    path = plot_loss_per_timestep(empty, bayes_optimal_curve(zero_snr, 0.5, "epsilon"), 0.5, "epsilon",
+                                  str(tmp_path / "empty.png"), "empty")
     with Image.open(path) as image:
         assert image.format == "PNG" and image.size == (700, 450)
     assert _red_pixels(path) == 0

@@ -185,8 +185,8 @@ def test_command_help_and_a_bad_flag_answer_without_importing_torch(tmp_path, co
     module, parser = f"diffusion_extras.{command}", f"diffusion_extras.cli.{command}"
     result, heavy, _ = _run_listing_imports(["-m", module, "--help"], parser)
     assert result.returncode == 0 and flag in result.stdout and heavy == []
-    result, heavy, lines = _run_listing_imports(["-m", module, str(tmp_path), *needed, flag, "euler"], parser)
-    assert result.returncode == 2 and f"argument {flag}: invalid choice: 'euler'" in lines[-1], lines
+    result, heavy, lines = _run_listing_imports(["-m", module, str(tmp_path), *needed, flag, "heun"], parser)
+    assert result.returncode == 2 and f"argument {flag}: invalid choice: 'heun'" in lines[-1], lines
     assert heavy == []
 
 

@@ -10,7 +10,8 @@ from diffusers import DDPMScheduler
 from helpers import TINY_RECIPE, load_unet_weights, read_history, run_cli, run_training, tiny_unet
 from safetensors.torch import load_file
 
-from diffusion_extras.core.losses import NoiseSchedule, min_snr_weight
+from diffusion_extras.core.losses import min_snr_weight
+from diffusion_extras.core.objectives import DDPM
 from diffusion_extras.monitoring.grad_monitor import GradientMonitor
 from diffusion_extras.report.checks import RunLog
 from diffusion_extras.report.dynamics import check_gradient_dominance
@@ -20,11 +21,12 @@ def test_bin_gradients_match_plain_backward_and_leave_grad_untouched():
     torch.manual_seed(0)
     unet = tiny_unet(channels=3)
     unet.train()
-    schedule = NoiseSchedule.from_scheduler(DDPMScheduler(num_train_timesteps=100))
+    objective = DDPM(DDPMScheduler(num_train_timesteps=100), snr_gamma=5.0)
+    schedule = objective.schedule
     images = np.random.default_rng(0).integers(0, 256, (4, 3, 8, 8), dtype=np.uint8)
     monitor = GradientMonitor(images, 100, 4, seed=1)
     assert all(((monitor.timesteps[i] >= 25 * i) & (monitor.timesteps[i] < 25 * (i + 1))).all() for i in range(4))
-    measured = monitor.measure(unet, schedule, "epsilon", snr_gamma=5.0, device="cpu")
+    measured = monitor.measure(unet, objective, device="cpu")
     assert unet.training and all(p.grad is None for p in unet.parameters())
 
     # Independent: the min-SNR-weighted epsilon loss of each bin written out, .backward() into .grad.

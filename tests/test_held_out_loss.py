@@ -7,7 +7,7 @@ import pytest
 from diffusers import DDPMScheduler, UNet2DModel
 from helpers import read_history, run_cli, run_training
 
-from diffusion_extras.core.losses import NoiseSchedule
+from diffusion_extras.core.objectives import DDPM
 from diffusion_extras.data import batch_order, decode_cache
 from diffusion_extras.data import images as data
 from diffusion_extras.monitoring import held_out as validation
@@ -45,10 +45,10 @@ def test_training_logs_raw_and_ema_held_out_loss_per_bin_with_fixed_noise(tiny_r
     _, held = batch_order.split_held_out(images, 0.25, config.seed)
     held_out = validation.HeldOutLoss(held, 8, 1000, 10, config.seed, config.train_batch_size)
     unet = UNet2DModel.from_pretrained(out / "unet")
-    schedule = NoiseSchedule.from_scheduler(DDPMScheduler.from_pretrained(out / "scheduler"))
-    first = held_out.per_bin_loss(unet, schedule, "epsilon", "cpu")
+    objective = DDPM(DDPMScheduler.from_pretrained(out / "scheduler"))
+    first = held_out.per_bin_loss(unet, objective, "cpu")
     np.testing.assert_allclose(first, [rows[-1][f"validation/ema_bin/{i:02d}"] for i in range(10)], rtol=1e-5)
-    np.testing.assert_array_equal(first, held_out.per_bin_loss(unet, schedule, "epsilon", "cpu"))  # fixed noise
+    np.testing.assert_array_equal(first, held_out.per_bin_loss(unet, objective, "cpu"))  # fixed noise
     # EMA still warming up after 6 steps: the report says the EMA is behind the raw weights.
     assert rows[-1]["validation/ema_loss"] > 1.01 * rows[-1]["validation/raw_loss"]
     assert "ema_behind_raw" in (out / "training_report.md").read_text()

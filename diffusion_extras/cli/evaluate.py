@@ -179,7 +179,8 @@ def sample_metrics(args, pipeline, groups: dict, resolution: Resolution, device,
                        autoguidance=guidance["guide"] is not None)
     return {**metrics, **balance, "feature_extractors": {m: e.name for e, _, group in suites for m in group},
             "reference_images": suites[0][1].num_images, "scheduler": args.scheduler,
-            "timestep_spacing": scheduler.config.timestep_spacing, "num_inference_steps": args.num_inference_steps}
+            "timestep_spacing": scheduler.config.get("timestep_spacing"),  # a flow scheduler has none
+            "num_inference_steps": args.num_inference_steps}
 
 
 def conditioned_metrics(args, pipeline, groups: dict, resolution: Resolution, device, rank: int, num_ranks: int,

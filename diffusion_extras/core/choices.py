@@ -11,3 +11,7 @@ TIMESTEP_SAMPLING = ("uniform", "loss_aware")  # timesteps.SAMPLERS
 # diffusers.optimization.get_scheduler's names offered by --lr_scheduler: all but piecewise_constant,
 # whose step rules no flag gives
 LR_SCHEDULERS = ("cosine", "constant_with_warmup", "linear", "constant", "cosine_with_restarts", "polynomial")
+# --objective: what the network is trained on (core/objectives.py OBJECTIVES, in this order)
+OBJECTIVE_NAMES = ("ddpm", "flow_matching")
+# --weighting_scheme of flow matching: diffusers.training_utils' names (its SD3 scripts' flag)
+WEIGHTING_SCHEMES = ("logit_normal", "mode", "cosmap", "sigma_sqrt", "none")

@@ -102,6 +102,27 @@ def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tenso
     return guided
 
 
+def is_flow_scheduler(scheduler) -> bool:
+    """Whether the scheduler samples a flow-matching model (x_t = (1 - sigma) x_0 + sigma noise, the
+    UNet predicting the velocity): diffusers' FlowMatch* schedulers, and DPM-Solver and UniPC made with
+    use_flow_sigmas (prediction_type "flow_prediction")."""
+    return (type(scheduler).__name__.startswith("FlowMatch")
+            or scheduler.config.get("prediction_type") == "flow_prediction")
+
+
+def initial_noise_sigma(scheduler) -> float:
+    """The scale of the starting noise: `init_noise_sigma`, which flow schedulers do not have (their
+    x at sigma = 1 is the unit noise itself). Read after set_timesteps, as diffusers' pipelines."""
+    return getattr(scheduler, "init_noise_sigma", 1.0)
+
+
+def scale_model_input(scheduler, sample: torch.Tensor, t) -> torch.Tensor:
+    """The UNet's input for x_t: `scheduler.scale_model_input`, which flow schedulers do not have
+    (x_t goes in as it is)."""
+    scale = getattr(scheduler, "scale_model_input", None)
+    return sample if scale is None else scale(sample, t)
+
+
 def noise_level(scheduler, step: int) -> float:
     """EDM's noise level sigma of x_t at sampling step `step` (an index into scheduler.timesteps).
 
@@ -111,8 +132,12 @@ def noise_level(scheduler, step: int) -> float:
     table (inf at zero terminal SNR): at an integer t (DDPM, DDIM, PNDM) its entry; at a fractional t
     (KDPM2's interpolated evaluations) interpolated in log sigma between the neighbouring entries,
     the inverse of the sigma -> t map by which diffusers' Karras-type schedulers choose t
-    (`_sigma_to_t`). alpha_bar at int(t) would read the next lower entry."""
+    (`_sigma_to_t`). alpha_bar at int(t) would read the next lower entry. A flow scheduler's sigma s
+    (x_t = (1 - s) x_0 + s noise) is EDM's s / (1 - s): the same x_t scaled by 1 / (1 - s)."""
     sigmas = getattr(scheduler, "sigmas", None)
+    if sigmas is not None and is_flow_scheduler(scheduler):  # the flow's sigma is b; EDM's is b / a
+        sigma = float(sigmas[step])
+        return math.inf if sigma >= 1 else sigma / (1 - sigma)
     if sigmas is not None and len(sigmas) == len(scheduler.timesteps) + 1:
         return float(sigmas[step])
     t = float(scheduler.timesteps[step])
@@ -145,7 +170,7 @@ def guided_step(scheduler, unet, sample: torch.Tensor, step: int, class_labels, 
     DDIM's, for the schedulers whose step takes one."""
     t = scheduler.timesteps[step]
     scale = guidance_scale if in_guidance_interval(scheduler, step, guidance_interval) else 1.0
-    output = guided_model_output(unet, scheduler.scale_model_input(sample, t), t, class_labels, scale, dtype, guide,
+    output = guided_model_output(unet, scale_model_input(scheduler, sample, t), t, class_labels, scale, dtype, guide,
                                  condition)
     return scheduler_step(scheduler, scheduler_model_output(scheduler, output, sample), t, sample, generator, eta)
 
@@ -369,7 +394,7 @@ class ClassConditionalPipeline(PackagePipeline):
         # timesteps first (diffusers' order): a sigma scheduler's init_noise_sigma (Euler, Heun, LMS,
         # KDPM2) is the first inference sigma only once they are set
         self.scheduler.set_timesteps(num_inference_steps, device=device)
-        sample = _randn(shape, generator, device) * self.scheduler.init_noise_sigma
+        sample = _randn(shape, generator, device) * initial_noise_sigma(self.scheduler)
         for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # x_t stays fp32 whatever the UNet's dtype
             sample = guided_step(self.scheduler, unet, sample, step, labels, guidance_scale, generator,
                                  guide=guide, guidance_interval=guidance_interval)
@@ -396,5 +421,6 @@ def _randn(shape, generator, device) -> torch.Tensor:
 
 
 __all__ = ["DEFAULT_GUIDANCE_SCALE", "ClassConditionalPipeline", "PackagePipeline", "check_guidance_trained",
-           "check_guide", "guided_model_output", "guided_step", "in_guidance_interval", "noise_level", "null_class",
-           "scheduler_model_output", "scheduler_step", "unconditional_inputs", "with_condition"]
+           "check_guide", "guided_model_output", "guided_step", "in_guidance_interval", "initial_noise_sigma",
+           "is_flow_scheduler", "noise_level", "null_class", "scale_model_input", "scheduler_model_output",
+           "scheduler_step", "unconditional_inputs", "with_condition"]

@@ -18,7 +18,13 @@ from __future__ import annotations
 import torch
 from diffusers import AutoencoderKL, AutoencoderTiny, ImagePipelineOutput, UNet2DModel, VQModel
 
-from .pipeline_class_conditional import DEFAULT_GUIDANCE_SCALE, ClassConditionalPipeline, _randn, guided_step
+from .pipeline_class_conditional import (
+    DEFAULT_GUIDANCE_SCALE,
+    ClassConditionalPipeline,
+    _randn,
+    guided_step,
+    initial_noise_sigma,
+)
 
 PIPELINE_CLASS = "LatentDiffusionPipeline"
 
@@ -127,7 +133,7 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
             raise ValueError(f"Unexpected latents shape, got {tuple(latents.shape)}, expected {shape}")
         self.scheduler.set_timesteps(num_inference_steps, device=device)  # before init_noise_sigma, as diffusers
         noise = _randn(shape, generator, device) if latents is None else latents.to(device, torch.float32)
-        latents = noise * self.scheduler.init_noise_sigma
+        latents = noise * initial_noise_sigma(self.scheduler)
         for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # fp32 whatever the UNet's dtype
             latents = guided_step(self.scheduler, unet, latents, step, labels, guidance_scale, generator,
                                   guide=guide, guidance_interval=guidance_interval, eta=eta)

@@ -18,9 +18,11 @@ from tqdm.auto import tqdm
 
 from diffusion_extras.core import stop_flag
 from diffusion_extras.data.batch_order import mix_seed
-from diffusion_extras.evaluation.choices import SCHEDULERS, TIMESTEP_SPACINGS
+from diffusion_extras.evaluation.choices import FLOW_SCHEDULERS, SCHEDULERS, TIMESTEP_SPACINGS
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     guided_step,
+    initial_noise_sigma,
+    scale_model_input,
     scheduler_model_output,
     scheduler_step,
     unconditional_inputs,
@@ -31,22 +33,45 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16} 
 
 
 def make_scheduler(name: str, config, timestep_spacing: str | None = None):
-    """A sampling scheduler built from the training scheduler's config (betas, prediction type).
-    `timestep_spacing` (diffusers': leading, linspace, trailing) places its steps; by default the
-    config's, except that a zero-terminal-SNR schedule is sampled with "trailing" timesteps, which
-    start at the zero-SNR step (Lin et al. 2024, Sec. 3.3), also for pipelines whose config predates
-    that setting."""
-    from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
+    """A sampling scheduler built from the training scheduler's config (betas, prediction type; a
+    flow model's shift). `timestep_spacing` (diffusers': leading, linspace, trailing) places its steps;
+    by default the config's, except that a zero-terminal-SNR schedule is sampled with "trailing"
+    timesteps, which start at the zero-SNR step (Lin et al. 2024, Sec. 3.3), also for pipelines whose
+    config predates that setting. A DDPM scheduler on a flow model's config (or the reverse) is refused:
+    from_config would fill the missing betas with defaults and sample wrong without an error."""
+    from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
 
-    classes = {"ddpm": DDPMScheduler, "ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}
+    classes = {"ddpm": DDPMScheduler, "ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler,
+               "euler": FlowMatchEulerDiscreteScheduler}
     if name not in classes:
-        raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
+        raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS + FLOW_SCHEDULERS)}")
+    flow_model = is_flow_config(config)
+    if flow_model != (name in FLOW_SCHEDULERS):
+        model, offered = ("a flow-matching", FLOW_SCHEDULERS) if flow_model else ("a DDPM", SCHEDULERS)
+        raise ValueError(f"scheduler {name!r} cannot sample {model} model; choose one of {', '.join(offered)}")
     if timestep_spacing is not None and timestep_spacing not in TIMESTEP_SPACINGS:
         raise ValueError(f"unknown timestep spacing {timestep_spacing!r}; choose one of {', '.join(TIMESTEP_SPACINGS)}")
+    if flow_model:  # its sigmas are spaced by the shift (timestep_spacing is not one of its settings)
+        if timestep_spacing is not None:
+            raise ValueError("a flow-matching model's steps are placed by its scheduler's shift: drop the timestep "
+                             "spacing")
+        return classes[name].from_config(config)
     if timestep_spacing is None and config.get("rescale_betas_zero_snr"):
         timestep_spacing = "trailing"
     overrides = {"timestep_spacing": timestep_spacing} if timestep_spacing else {}
     return classes[name].from_config(config, **overrides)
+
+
+def is_flow_config(config) -> bool:
+    """Whether a scheduler config (a pipeline's scheduler/, the run's) is a flow-matching model's."""
+    return str(config.get("_class_name", "")).startswith("FlowMatch") or (
+        "shift" in config and "beta_start" not in config) or config.get("prediction_type") == "flow_prediction"
+
+
+def training_sampler(config):
+    """The sampler of a run's grids, debug images and FID, from its scheduler's config: DDIM for
+    DDPM, Euler for a flow-matching model."""
+    return make_scheduler(FLOW_SCHEDULERS[0] if is_flow_config(config) else "ddim", config)
 
 
 def class_rows(class_names: list, per_class: int, max_classes: int = 10) -> list[int]:
@@ -79,7 +104,7 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
     # Fresh solver state per batch (DPM-Solver keeps a history of model outputs). Timesteps before the
     # noise scale, as diffusers' pipelines: a sigma scheduler's init_noise_sigma follows its timesteps.
     scheduler.set_timesteps(num_inference_steps, device=device)
-    sample = sample * scheduler.init_noise_sigma
+    sample = sample * initial_noise_sigma(scheduler)
     net_dtype = next(unet.parameters()).dtype
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     if guide is not None and class_labels is None:  # autoguidance of the unconditional model
@@ -91,7 +116,7 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
                                  guide, guidance_interval)
             step_bar.update(len(generators))
             continue
-        model_input = scheduler.scale_model_input(sample, t).to(net_dtype)
+        model_input = scale_model_input(scheduler, sample, t).to(net_dtype)
         with autocast:  # a class-conditional UNet without labels: its "no class" prediction
             model_output = unet(model_input, t, **unconditional_inputs(unet, len(sample), device)).sample
         # x_t stays fp32 whatever the network precision: rounding it each step accumulates error.

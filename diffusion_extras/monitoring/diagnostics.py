@@ -215,9 +215,13 @@ class TimestepDiagnostics:
 
     def bayes_optimal_bins(self, alphas_cumprod, sigma_data, prediction_type) -> dict[str, float]:
         """Bayes-optimal loss averaged over each bin (uniform t), keyed like the loss bins."""
-        reference = bayes_optimal_curve(alphas_cumprod, sigma_data, prediction_type)
+        return self.reference_bins(bayes_optimal_curve(alphas_cumprod, sigma_data, prediction_type))
+
+    def reference_bins(self, reference) -> dict[str, float]:
+        """A per-timestep reference curve (an objective's bayes_optimal_loss) averaged over each bin."""
+        reference = np.asarray(reference, dtype=np.float64)
         if reference.shape != (self.num_train_timesteps,):
-            raise ValueError(f"alphas_cumprod has {reference.shape[0]} entries but "
+            raise ValueError(f"the reference curve has {reference.shape[0]} entries but "
                              f"num_train_timesteps={self.num_train_timesteps}; pass the scheduler's")
         edges = self.bin_edges()
         return {loss_bin_key(i, self.num_bins): float(reference[lo:hi].mean())

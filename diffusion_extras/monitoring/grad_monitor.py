@@ -46,29 +46,26 @@ class GradientMonitor:
         self.noise = torch.randn((num_bins, count, *shape), generator=generator)
         self.num_bins = num_bins
 
-    def bin_loss(self, unet, schedule, index: int, prediction_type: str, loss_type: str, huber_c: float,
-                 snr_gamma: float | None, device) -> torch.Tensor:
-        """The training loss (weighting included) of the probe batch at bin `index`'s timesteps."""
+    def bin_loss(self, unet, objective, index: int, loss_type: str, huber_c: float, device) -> torch.Tensor:
+        """The training loss (the `objective`'s weighting included) of the probe batch at bin `index`'s timesteps."""
         clean, condition = split_batch(self.clean_input(self.images, device))
         noise, timesteps = self.noise[index].to(device), self.timesteps[index].to(device)
-        target = schedule.target(prediction_type, clean, noise, timesteps)
+        target = objective.target(clean, noise, timesteps)
         labels = unconditional_inputs(unet, len(clean), clean.device)  # a class-conditional UNet: "no class"
-        noisy = with_condition(schedule.add_noise(clean, noise, timesteps), condition)
-        output = unet(noisy, timesteps, **labels).sample
+        noisy = with_condition(objective.add_noise(clean, noise, timesteps), condition)
+        output = unet(noisy, objective.model_timesteps(timesteps), **labels).sample
         prediction, _ = vlb.split_output(output, clean.shape[1])  # the simple loss only (no bound term)
         per_sample = losses.per_sample_loss(prediction, target, loss_type, huber_c)
-        if snr_gamma:
-            per_sample = per_sample * losses.min_snr_weight(schedule.snr[timesteps], snr_gamma, prediction_type)
-        return per_sample.mean()
+        return (per_sample * objective.loss_weight(timesteps)).mean()
 
-    def measure(self, unet, schedule, prediction_type: str, loss_type: str = "l2", huber_c: float = 0.1,
-                snr_gamma: float | None = None, device=None) -> dict[str, np.ndarray]:
+    def measure(self, unet, objective, loss_type: str = "l2", huber_c: float = 0.1,
+                device=None) -> dict[str, np.ndarray]:
         """Per bin: the gradient norm, and its share of the total gradient g = mean over bins of g_i,
         share_i = <g_i, g> / (num_bins ||g||^2) (the shares sum to 1; a bin pulling against the
         others has a negative share). Costs 2 x num_bins forward+backward passes of the probe batch."""
         parameters = [p for p in unet.parameters() if p.requires_grad]
         gradient = lambda index: torch.autograd.grad(  # noqa: E731
-            self.bin_loss(unet, schedule, index, prediction_type, loss_type, huber_c, snr_gamma, device), parameters)
+            self.bin_loss(unet, objective, index, loss_type, huber_c, device), parameters)
         was_training = unet.training
         unet.eval()
         try:

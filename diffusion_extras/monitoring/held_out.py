@@ -47,8 +47,9 @@ class HeldOutLoss:
         self.num_bins, self.seed, self.batch_size, self.clean_input = num_bins, seed, batch_size, clean_input
 
     @torch.no_grad()
-    def per_bin_loss(self, unet, schedule, prediction_type: str, device) -> np.ndarray:
-        """Mean unweighted per-sample MSE in each bin (as the training diagnostics), float64 [num_bins].
+    def per_bin_loss(self, unet, objective, device) -> np.ndarray:
+        """Mean unweighted per-sample MSE in each bin (as the training diagnostics), float64 [num_bins],
+        of the `objective`'s noising and target (core/objectives.py).
         One forward per (image, bin) pair: len(images) x num_bins samples in all."""
         pairs = self.timesteps.numel()
         totals = np.zeros(self.num_bins)
@@ -64,11 +65,11 @@ class HeldOutLoss:
                 generator = torch.Generator().manual_seed(mix_seed(self.seed, VALIDATION_STREAM, 2, chunk))
                 noise = torch.randn(clean.shape, generator=generator).to(device)
                 timesteps = self.timesteps.view(-1)[index].to(device)
-                noisy = schedule.add_noise(clean, noise, timesteps)
-                target = schedule.target(prediction_type, clean, noise, timesteps)
+                noisy = objective.add_noise(clean, noise, timesteps)
+                target = objective.target(clean, noise, timesteps)
                 # a class-conditional UNet is scored unconditionally ("no class")
                 labels = unconditional_inputs(unet, len(noisy), noisy.device)
-                output = unet(with_condition(noisy, condition), timesteps, **labels).sample
+                output = unet(with_condition(noisy, condition), objective.model_timesteps(timesteps), **labels).sample
                 prediction, _ = vlb.split_output(output, clean.shape[1])
                 mse = losses.per_sample_loss(prediction, target)  # the simple loss's part of a 2C output
                 np.add.at(totals, bins.numpy(), mse.double().cpu().numpy())  # a host sync per chunk

@@ -6,19 +6,20 @@ import os
 
 import numpy as np
 
-from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics, bayes_optimal_curve
+from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 
 
-def plot_loss_per_timestep(diag: TimestepDiagnostics, alphas_cumprod, sigma_data, prediction_type,
+def plot_loss_per_timestep(diag: TimestepDiagnostics, reference, sigma_data, target_name: str,
                            path: str, title: str = "") -> str:
-    """PNG of the running per-bin loss against the Bayes-optimal curve (log y); returns path."""
+    """PNG of the running per-bin loss against the Bayes-optimal curve `reference` (per timestep:
+    the objective's bayes_optimal_loss, or diagnostics.bayes_optimal_curve), log y; returns path.
+    `target_name`: what the network predicts, for the axis label."""
     # Figure + Agg canvas instead of pyplot: no global backend switch, nothing left open.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    reference = bayes_optimal_curve(alphas_cumprod, sigma_data, prediction_type)
-    reference_bins = np.array(list(
-        diag.bayes_optimal_bins(alphas_cumprod, sigma_data, prediction_type).values()))
+    reference = np.asarray(reference, dtype=np.float64)
+    reference_bins = np.array(list(diag.reference_bins(reference).values()))
     timesteps, centers = np.arange(reference.shape[0]), diag.bin_centers()
     fig = Figure(figsize=(7.0, 4.5), dpi=100)
     FigureCanvasAgg(fig)
@@ -39,7 +40,7 @@ def plot_loss_per_timestep(diag: TimestepDiagnostics, alphas_cumprod, sigma_data
         ax.axvline(edge - 0.5, color="0.9", lw=0.8, zorder=0)
     ax.set_yscale("log")
     ax.set_xlabel("timestep t")
-    ax.set_ylabel(f"per-dimension MSE ({prediction_type} target)")
+    ax.set_ylabel(f"per-dimension MSE ({target_name} target)")
     ax.set_title(title or f"Loss per timestep (sigma_data={float(sigma_data):.3g})")
     return save_figure(fig, [ax], path)
 

@@ -105,7 +105,7 @@ def save_sample_grid(unet, ema, noise_scheduler, target: Target, num_images: int
     rank r mod num_ranks, and the rows are gathered to rank 0, which writes the grid and returns
     its path (None on the other ranks). Rows are batches whatever the number of ranks, so the
     grid is bitwise the same on 1 or P ranks (the UNet's kernels are not bitwise across batch sizes)."""
-    scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
+    scheduler = sampling.training_sampler(noise_scheduler.config)
     labels = None
     if class_names is not None:
         per_row = max(1, num_images // min(len(class_names), 10))
@@ -155,7 +155,7 @@ def save_debug_images(unet, ema, noise_scheduler, target: Target, num_images: in
     and the denoising strip of the EMA weights, as samples/step_XXXXXX_{raw_vs_ema,denoising}.png
     and to the trackers. Costs about (2 x 16 + 4) images of sampling. With a `vae` (latent runs)
     the samples are decoded and there is no strip (its x_t and x_0 estimates are latents)."""
-    scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
+    scheduler = sampling.training_sampler(noise_scheduler.config)
     count = min(num_images, 16)
     sampling_copy = sampling_copy or SamplingCopy()
 
@@ -178,18 +178,17 @@ def save_debug_images(unet, ema, noise_scheduler, target: Target, num_images: in
     return paths
 
 
-def save_loss_plot(timestep_diagnostics, alphas_cumprod, sigma_data: float, prediction_type: str,
-                   target: Target) -> str:
-    """Loss per timestep bin against the Bayes-optimal reference curve."""
+def save_loss_plot(timestep_diagnostics, objective, sigma_data: float, target: Target) -> str:
+    """Loss per timestep bin against the `objective`'s Bayes-optimal reference curve."""
     path = target.path(CARD_PLOT)
-    plots.plot_loss_per_timestep(timestep_diagnostics, alphas_cumprod, sigma_data, prediction_type, path,
-                                       title=f"step {target.step}")
+    plots.plot_loss_per_timestep(timestep_diagnostics, objective.bayes_optimal_loss(sigma_data).numpy(), sigma_data,
+                                 objective.target_name, path, title=f"step {target.step}")
     target.log_image("loss_per_timestep", path)
     return path
 
 
-def held_out_loss(unet, ema, held_out, timestep_diagnostics, schedule, sigma_data: float, prediction_type: str,
-                  target: Target, sampling_copy: SamplingCopy | None = None) -> dict:
+def held_out_loss(unet, ema, held_out, timestep_diagnostics, objective, sigma_data: float, target: Target,
+                  sampling_copy: SamplingCopy | None = None) -> dict:
     """Held-out loss per timestep bin with the raw and the EMA weights (validation.py): logged to
     the trackers and history, plotted against the training curve and the Bayes-optimal reference.
     A sync and (held-out images x bins) forwards."""
@@ -198,12 +197,12 @@ def held_out_loss(unet, ema, held_out, timestep_diagnostics, schedule, sigma_dat
 
     def score(weights_ema):  # both in fp32 (the sampling copy), so raw and EMA compare like for like
         with sampling_copy(unet, weights_ema) as copy:
-            return held_out.per_bin_loss(copy, schedule, prediction_type, target.device)
+            return held_out.per_bin_loss(copy, objective, target.device)
     raw = score(None)
     ema_bins = score(ema) if ema is not None else None
     values = validation.log_values(raw, ema_bins)
     target.log_values(values)
-    reference = timestep_diagnostics.bayes_optimal_bins(schedule.alphas_cumprod.cpu(), sigma_data, prediction_type)
+    reference = timestep_diagnostics.reference_bins(objective.bayes_optimal_loss(sigma_data).numpy())
     path = validation.plot_held_out(target.history.read(), timestep_diagnostics.running_bin_loss, raw, ema_bins,
                                     np.array(list(reference.values())), timestep_diagnostics.bin_centers(),
                                     target.path(HELD_OUT_PLOT), title=f"held-out loss, step {target.step}")
@@ -211,11 +210,10 @@ def held_out_loss(unet, ema, held_out, timestep_diagnostics, schedule, sigma_dat
     return values
 
 
-def gradient_diagnostics(grad_monitor, unet, schedule, config, bin_centers: np.ndarray, target: Target) -> dict:
-    """Per-bin gradient norms and shares of the raw weights on the probe batch: logged, plotted.
-    `config`: the loss settings (prediction_type, loss_type, huber_c, snr_gamma)."""
-    measured = grad_monitor.measure(unet, schedule, config.prediction_type, config.loss_type, config.huber_c,
-                                    config.snr_gamma, target.device)
+def gradient_diagnostics(grad_monitor, unet, objective, loss_type: str, huber_c: float, bin_centers: np.ndarray,
+                         target: Target) -> dict:
+    """Per-bin gradient norms and shares of the raw weights on the probe batch: logged, plotted."""
+    measured = grad_monitor.measure(unet, objective, loss_type, huber_c, target.device)
     values = monitor.log_values(measured)
     target.log_values(values)
     path = monitor.plot_gradients(target.history.read(), bin_centers, target.path(GRAD_PLOT),
@@ -224,11 +222,10 @@ def gradient_diagnostics(grad_monitor, unet, schedule, config, bin_centers: np.n
     return values
 
 
-def write_reference_bins(timestep_diagnostics, alphas_cumprod, sigma_data: float, prediction_type: str,
-                         output_dir: str) -> dict:
-    """The Bayes-optimal loss per timestep bin for this data (sigma_data) and schedule, into
+def write_reference_bins(timestep_diagnostics, objective, sigma_data: float, output_dir: str) -> dict:
+    """The Bayes-optimal loss per timestep bin for this data (sigma_data) and objective, into
     logs/ so the report can judge the per-timestep losses whenever it is made."""
-    reference = timestep_diagnostics.bayes_optimal_bins(alphas_cumprod, sigma_data, prediction_type)
+    reference = timestep_diagnostics.reference_bins(objective.bayes_optimal_loss(sigma_data).numpy())
     os.makedirs(os.path.join(output_dir, "logs"), exist_ok=True)
     with open(os.path.join(output_dir, "logs", report.REFERENCE_FILE), "w") as fh:
         json.dump({"sigma_data": sigma_data, "bayes_optimal_bins": reference}, fh, indent=1)
@@ -325,7 +322,7 @@ def evaluate(unet, ema, noise_scheduler, suites, target: Target, num_samples: in
     extractors in `suites`."""
     accelerator = target.accelerator
     rank, num_ranks = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
-    scheduler = sampling.make_scheduler("ddim", noise_scheduler.config)
+    scheduler = sampling.training_sampler(noise_scheduler.config)
     with (sampling_copy or SamplingCopy())(unet, ema) as copy:
         metrics = evaluation.evaluate_unet_metrics(copy, scheduler, suites, num_samples, num_inference_steps, seed,
                                                    batch_size, target.device,

@@ -7,11 +7,11 @@ import os
 
 import torch
 
-from diffusion_extras.core import cpu_threads, losses, optimization, vlb
+from diffusion_extras.core import cpu_threads, objectives, optimization, vlb
 from diffusion_extras.core.ema import ExponentialMovingAverage
+from diffusion_extras.core.objectives import Objective
 from diffusion_extras.core.optimization import make_optimizer
 from diffusion_extras.core.phema import PowerFunctionEMA
-from diffusion_extras.core.timesteps import make_timestep_sampler
 from diffusion_extras.data import latents, sources
 from diffusion_extras.data.spec import Resolution
 from diffusion_extras.evaluation.pipeline_image_conditioned import sample_channels
@@ -34,7 +34,7 @@ from diffusion_extras.training.hooks import Hooks
 from diffusion_extras.training.periodic import write_reference_bins
 from diffusion_extras.training.resume import resume
 from diffusion_extras.training.run_data import build_data, clean_input, fit_batch_to_data, latent_record
-from diffusion_extras.training.run_state import Extras, Learner, Objective, Plan, Progress, Run, StepFunctions
+from diffusion_extras.training.run_state import Extras, Learner, Plan, Progress, Run, StepFunctions
 from diffusion_extras.training.sampling_copy import SamplingCopy
 
 # what a rank may wait for at a collective: the process group's (make_accelerator says why) and
@@ -126,7 +126,8 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     extension points (hooks.py), defaults when None."""
     hooks = hooks or Hooks()
     config, base = pretrained.resolve(config)  # None unless fine-tuning
-    if base is None and predicts_by_super_resolution_default(config.conditioning, config.given):
+    if base is None and config.objective == "ddpm" and predicts_by_super_resolution_default(config.conditioning,
+                                                                                            config.given):
         accelerator.print(f"objective: super-resolution predicts {config.prediction_type} (its default: DDIM samples "
                           "of an epsilon upscaler drift in colour); --prediction_type sets another")
     noise_scheduler = models.build_noise_scheduler(config, base.scheduler_config if base else None)
@@ -273,12 +274,9 @@ def compile_options(config: TrainConfig) -> dict:
 
 
 def build_objective(config: TrainConfig, accelerator, noise_scheduler) -> Objective:
-    """The noise schedule and reverse-process tables (fp32 copies on the device) and the timestep sampler."""
-    return Objective(noise_scheduler=noise_scheduler,
-                     schedule=losses.NoiseSchedule.from_scheduler(noise_scheduler, accelerator.device),
-                     timestep_sampler=make_timestep_sampler(config.timestep_sampling, config.ddpm_num_steps,
-                                                            accelerator.device),
-                     reverse_process=vlb.ReverseProcess.from_scheduler(noise_scheduler, accelerator.device))
+    """--objective on the run's scheduler, with the settings it reads (fp32 tables on the device)."""
+    settings = {name: getattr(config, name) for name in objectives.OBJECTIVES[config.objective].settings}
+    return objectives.make_objective(config.objective, noise_scheduler, accelerator.device, **settings)
 
 
 def register_checkpointed_state(accelerator, learner: Learner, objective: Objective, extras: Extras) -> None:

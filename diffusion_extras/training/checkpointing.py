@@ -36,6 +36,9 @@ ABANDONED = "abandoned-"
 # pretrained pipeline's configs as they were read (a resume reads them here, not from the Hub), and,
 # for a latent run, its VAE (the fingerprint of its weights and the latents' normalisation: the
 # space the UNet learned in, which a VAE changed under the same path would silently replace).
+# Settings added since some checkpoints were written, with the value those checkpoints trained with:
+# a resume that changes them is refused like any other (an older checkpoint trained DDPM).
+RECORDED_BEFORE_ADDED = {"objective": "ddpm"}
 RECORDED_KEY_POLICIES = {"unet": REFUSE, "num_processes": REFUSE, "pretrained": REFUSE, "vae": REFUSE}
 
 
@@ -315,6 +318,7 @@ def compare_configs(saved: dict, current: dict) -> dict[str, dict[str, tuple]]:
     """{policy: {key: (saved, current)}} for every recorded key whose value changed. Keys the
     checkpoint does not record (settings added since it was written) are not compared."""
     policies, changes = resume_policies(), {}
+    saved = {**RECORDED_BEFORE_ADDED, **saved}
     for key in saved.keys() & current.keys():
         if saved[key] != current[key] and key in policies:
             changes.setdefault(policies[key], {})[key] = (saved[key], current[key])

@@ -26,7 +26,7 @@ def save_conditioned_grid(unet, ema, noise_scheduler, target: Target, images: np
     inputs = conditions_of(condition, images, seed)
     per_row = sampling.grid_columns(len(images))
     with stop_flag.interruptible(), (sampling_copy or SamplingCopy())(unet, ema) as copy:
-        pipeline = conditioned.conditioned_pipeline(copy, sampling.make_scheduler("ddim", noise_scheduler.config), vae,
+        pipeline = conditioned.conditioned_pipeline(copy, sampling.training_sampler(noise_scheduler.config), vae,
                                                     condition.pipeline_config())
         rows = sample_rows(lambda first, count: conditioned.sample_conditioned(
             pipeline, conditioned.batch(inputs, first, count), range(first, first + count), num_inference_steps, seed,
@@ -53,7 +53,7 @@ def evaluate_conditioned(unet, ema, noise_scheduler, suites, target: Target, ima
     rank, num_ranks = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     inputs = conditions_of(condition, images, seed)
     with (sampling_copy or SamplingCopy())(unet, ema) as copy:
-        pipeline = conditioned.conditioned_pipeline(copy, sampling.make_scheduler("ddim", noise_scheduler.config),
+        pipeline = conditioned.conditioned_pipeline(copy, sampling.training_sampler(noise_scheduler.config),
                                                     vae, condition.pipeline_config())
         samples = conditioned.conditioned_samples(pipeline, {k: v for k, v in inputs.items() if k != "shown"},
                                                   num_inference_steps, seed, guidance_scale, batch_size, rank,

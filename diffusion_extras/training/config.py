@@ -21,9 +21,11 @@ from diffusion_extras.core.choices import (
     BETA_SCHEDULES,
     LOSS_TYPES,
     LR_SCHEDULERS,
+    OBJECTIVE_NAMES,
     PREDICTION_TYPES,
     TIMESTEP_SAMPLING,
     VARIANCE_TYPES,
+    WEIGHTING_SCHEMES,
 )
 from diffusion_extras.data.spec import DataSpec, Resolution
 from diffusion_extras.evaluation.choices import CONDITIONING_KINDS, DEFAULT_GUIDANCE_SCALE
@@ -138,6 +140,12 @@ class TrainConfig:
     vae_subfolder: str | None = _f(None, "The VAE's subfolder in --pretrained_vae_model_name_or_path (default: vae/ where the folder has one, else the folder itself).", resume=REFUSE, group="model")
     model: dict = _f(DIGITS_UNET, "UNet2DModel keyword arguments (YAML recipes only). Left at the digits UNet with --dataset_name or --train_data_dir, the model follows the images: their channels, and diffusers' train_unconditional.py default UNet at resolutions that are multiples of 32 (else the digits shape), trained with that script's optimization where you set none (docs/flags.md: Coming from diffusers).", resume=REFUSE, cli=False, group="model")
     # --- objective --------------------------------------------------------------------
+    objective: str = _f("ddpm", "What the UNet learns: ddpm (noise prediction on the DDPMScheduler's betas; the flags below), or flow_matching (rectified flow as diffusers' SD3 scripts train it: x_t = (1 - sigma) x_0 + sigma noise, the velocity noise - x_0 predicted at timestep sigma x 1000, sigma drawn and weighted by --weighting_scheme; exported with a FlowMatchEulerDiscreteScheduler, which DDPMPipeline samples as it is; docs/flow-matching.md).", choices=OBJECTIVE_NAMES, resume=REFUSE, group="objective")
+    weighting_scheme: str = _f("logit_normal", "With --objective flow_matching: how sigma is drawn or weighted (diffusers.training_utils' names, its SD3 scripts' flag): logit_normal (sigma = sigmoid of N(--logit_mean, --logit_std)), mode (--mode_scale), or uniform sigma with the loss weighted by cosmap or sigma_sqrt, or none.", choices=WEIGHTING_SCHEMES, resume=APPLY, group="objective")
+    logit_mean: float = _f(0.0, "With --weighting_scheme logit_normal: the mean of the normal whose sigmoid is sigma.", resume=APPLY, group="objective")
+    logit_std: float = _f(1.0, "With --weighting_scheme logit_normal: its standard deviation.", resume=APPLY, group="objective")
+    mode_scale: float = _f(1.29, "With --weighting_scheme mode: the scale of the mode sampling (SD3's; diffusers' scripts' default 1.29).", resume=APPLY, group="objective")
+    flow_shift: float = _f(1.0, "With --objective flow_matching: the FlowMatchEulerDiscreteScheduler's `shift` (sigma -> shift sigma / (1 + (shift - 1) sigma), more steps at high noise; SD3 uses 3), in training as in sampling, saved in the exported scheduler.", resume=REFUSE, group="objective")
     prediction_type: str = _f("epsilon", "What the UNet predicts: the noise, v (Salimans & Ho 2022) or the clean image. Not given, --conditioning super_resolution predicts v (SUPER_RESOLUTION_PREDICTION; a fine-tune, its base's).", choices=PREDICTION_TYPES, resume=REFUSE, group="objective")
     ddpm_num_steps: int = _f(1000, "Diffusion timesteps T.", resume=REFUSE, group="objective")
     ddpm_beta_schedule: str = _f("linear", "Noise schedule of the betas.", choices=BETA_SCHEDULES, resume=REFUSE, group="objective")
@@ -182,7 +190,7 @@ class TrainConfig:
     # --- evaluation -------------------------------------------------------------------
     save_images_steps: int = _f(500, "Save a sample grid (EMA weights, DDIM), the debug images and the loss-per-timestep plot every N optimizer steps and at the end. 0: none, at the end either (saves the sampling when it is costly).", resume=APPLY, group="evaluation")
     eval_batch_size: int = _f(64, "Images in each sample grid.", resume=APPLY, group="evaluation")
-    ddpm_num_inference_steps: int = _f(50, "DDIM steps of the sample grids and debug images, and of --eval_steps' samples. Not given (by flag or recipe), the grids take one per 10 optimizer steps of the run, 10 at least (docs/evaluation.md), so that a short run's grids cost in proportion.", resume=APPLY, group="evaluation")
+    ddpm_num_inference_steps: int = _f(50, "Sampling steps of the sample grids and debug images (DDIM's; a flow model's: Euler's), and of --eval_steps' samples. Not given (by flag or recipe), the grids take one per 10 optimizer steps of the run, 10 at least (docs/evaluation.md), so that a short run's grids cost in proportion.", resume=APPLY, group="evaluation")
     guidance_scale: float = _f(DEFAULT_GUIDANCE_SCALE, "With --class_conditional: classifier-free guidance scale of the sample grids and FID (one row per class, up to 10 classes); 1: no guidance. Default: the pipeline's DEFAULT_GUIDANCE_SCALE. With --conditioning: guidance on the image, when given (else the image pipeline's default, 1: none).", resume=FREE, group="evaluation")
     eval_steps: int | None = _f(None, "Every N optimizer steps (and at the end): FID/KID of EMA samples against the training data. None: off.", resume=APPLY, group="evaluation")
     eval_num_samples: int = _f(1000, "Samples per evaluation (and reference images, at most the dataset size).", resume=APPLY, group="evaluation")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-from diffusion_extras.core import losses, vlb
+from diffusion_extras.core import losses, objectives, vlb
 from diffusion_extras.data.spec import Resolution, image_size, resolution_text
 from diffusion_extras.evaluation import pipeline_class_conditional as conditional
 from diffusion_extras.evaluation import pipeline_image_conditioned as image_conditioned
@@ -221,11 +221,14 @@ def widen_input(unet, channels: int) -> None:
 
 
 def build_noise_scheduler(config: TrainConfig, base_scheduler: dict | None = None):
-    """The run's DDPMScheduler from the config; fine-tuning (`base_scheduler`: the pipeline's
+    """The run's scheduler: with --objective flow_matching a FlowMatchEulerDiscreteScheduler with
+    --flow_shift; else the DDPMScheduler from the config; fine-tuning (`base_scheduler`: the pipeline's
     scheduler config), that scheduler with the config's values for the fields the config names
     (pretrained.resolve took them from it unless the user set them): its betas' range, clipping
     and timestep spacing stay the pipeline's. A latent run's scheduler does not clip its x0 estimates
     to the pixels' [-1, 1]: normalised latents of unit variance lie beyond it a third of the time."""
+    if config.objective == "flow_matching":
+        return objectives.flow_scheduler(config.ddpm_num_steps, config.flow_shift)
     latent = config.pretrained_vae_model_name_or_path is not None
     if base_scheduler is not None:
         from diffusers import DDPMScheduler

@@ -8,6 +8,7 @@ import os
 import time
 
 from diffusion_extras.core import stop_flag
+from diffusion_extras.evaluation import sampling
 from diffusion_extras.evaluation.choices import DEFAULT_IMAGE_GUIDANCE_SCALE
 from diffusion_extras.hub.secrets import redact_config
 from diffusion_extras.training import artifacts, conditioned_artifacts, disk_space, models
@@ -39,6 +40,11 @@ def grid_steps(run: Run) -> int:
     config = run.config
     return grid_inference_steps(config.ddpm_num_inference_steps, "ddpm_num_inference_steps" in config.given,
                                 run.plan.max_train_steps)
+
+
+def sampler_name(run: Run) -> str:
+    """The sampler of the run's grids and debug images, as their lines name it."""
+    return "Euler" if sampling.is_flow_config(run.objective.noise_scheduler.config) else "DDIM"
 
 
 def sampling_estimate(image_steps: int, seconds_per_image: float | None) -> str:
@@ -85,22 +91,20 @@ def main_process_work(run: Run, step: int, last: bool) -> list:
                 config.eval_batch_size, extras.ema is not None, run.data.vae is not None)
             cost = sampling_estimate(sampled * grid_steps(run) * run.accelerator.num_processes,  # main process only
                                      run.progress.seconds_per_image)
-            what = f" ({sampled} images, {grid_steps(run)} DDIM steps{cost})" if sampled else ""
+            what = f" ({sampled} images, {grid_steps(run)} {sampler_name(run)} steps{cost})" if sampled else ""
             with end_of_run_work(run, "final debug images and loss plot" + what, last), \
                     guarded_write(run, "sample grid", artifacts.debug_image_paths(config.output_dir, step)):
                 if run.data.condition is None:  # a conditional run's grid shows condition | sample | target
                     artifacts.save_debug_images(unet, extras.ema, objective.noise_scheduler, target,
                                                 **sampling_settings, vae=run.data.vae)
-                artifacts.save_loss_plot(extras.diagnostics, objective.schedule.alphas_cumprod.cpu(),
-                                         run.data.sigma_data, config.prediction_type, target)
+                artifacts.save_loss_plot(extras.diagnostics, objective, run.data.sigma_data, target)
         work.append(debug_images)
     if plan.grad_diagnostics_steps and step % plan.grad_diagnostics_steps == 0:  # the monitor: main process only
-        work.append(lambda: artifacts.gradient_diagnostics(extras.grad_monitor, unet, objective.schedule, config,
-                                                           extras.diagnostics.bin_centers(), target))
+        work.append(lambda: artifacts.gradient_diagnostics(extras.grad_monitor, unet, objective, config.loss_type,
+                                                           config.huber_c, extras.diagnostics.bin_centers(), target))
     if extras.held_out is not None and (step % config.validation_steps == 0 or last):
         work.append(lambda: artifacts.held_out_loss(unet, extras.ema, extras.held_out, extras.diagnostics,
-                                                    objective.schedule, run.data.sigma_data, config.prediction_type,
-                                                    target, extras.sampling_copy))
+                                                    objective, run.data.sigma_data, target, extras.sampling_copy))
     if interval_due(plan.save_model_steps, step, last, config.save_model_epochs):
         def export():
             with end_of_run_work(run, "pipeline export" + (" and Hub push" if config.push_to_hub else ""), last), \
@@ -149,7 +153,7 @@ def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
     if run.data.condition is not None:
         images, guidance = grid_images(run), image_guidance_scale(config)
         with end_of_run_work(run, grid_line(f"conditions of {len(images)} images", len(images), steps, guidance,
-                                            run.progress.seconds_per_image), last), writes:
+                                            run.progress.seconds_per_image, sampler_name(run)), last), writes:
             conditioned_artifacts.save_conditioned_grid(
                 accelerator.unwrap_model(run.learner.unet), extras.ema, run.objective.noise_scheduler, target,
                 images, run.data.condition, steps, config.seed, guidance, extras.sampling_copy,
@@ -157,18 +161,19 @@ def sample_grid_on_every_rank(run: Run, step: int, last: bool) -> None:
         return
     guidance = config.guidance_scale if run.data.class_names is not None else 1.0
     with end_of_run_work(run, grid_line(f"{config.eval_batch_size} images", config.eval_batch_size, steps, guidance,
-                                        run.progress.seconds_per_image), last), writes:
+                                        run.progress.seconds_per_image, sampler_name(run)), last), writes:
         artifacts.save_sample_grid(accelerator.unwrap_model(run.learner.unet), extras.ema,
                                    run.objective.noise_scheduler, target, config.eval_batch_size, steps,
                                    config.seed, run.data.class_names, config.guidance_scale, extras.sampling_copy,
                                    accelerator.process_index, accelerator.num_processes, run.data.vae)
 
 
-def grid_line(what: str, images: int, steps: int, guidance_scale: float, seconds_per_image: float | None) -> str:
-    """The line that announces the final sample grid: its images, its DDIM steps and its estimated
-    cost (guidance batches each image with its unguided twin: twice the passes)."""
+def grid_line(what: str, images: int, steps: int, guidance_scale: float, seconds_per_image: float | None,
+              sampler: str = "DDIM") -> str:
+    """The line that announces the final sample grid: its images, its sampler's steps and its
+    estimated cost (guidance batches each image with its unguided twin: twice the passes)."""
     passes = images * steps * (2 if guidance_scale != 1 else 1)
-    return f"final sample grid ({what}, {steps} DDIM steps{sampling_estimate(passes, seconds_per_image)})"
+    return f"final sample grid ({what}, {steps} {sampler} steps{sampling_estimate(passes, seconds_per_image)})"
 
 
 CONDITIONED_GRID_IMAGES = 16  # at most: the conditions a conditional run's grid samples
@@ -242,8 +247,8 @@ def model_card(run: Run) -> dict:
 
 
 def write_reference_bins(run: Run) -> dict:
-    return artifacts.write_reference_bins(run.extras.diagnostics, run.objective.schedule.alphas_cumprod.cpu(),
-                                          run.data.sigma_data, run.config.prediction_type, run.config.output_dir)
+    return artifacts.write_reference_bins(run.extras.diagnostics, run.objective, run.data.sigma_data,
+                                          run.config.output_dir)
 
 
 def write_health_report(run: Run) -> str:

@@ -5,7 +5,7 @@ function of the trainer may read is declared here, with its unit.
     Run.config     the TrainConfig as the user gave it (never changed at run time)
     Run.plan       what the run derived from it: real length, intervals, the UNet, the extras' switches
     Run.learner    what learns: the prepared UNet, its optimizer and LR schedule
-    Run.objective  what it learns: the noise schedule and the timestep sampler
+    Run.objective  what it learns (core/objectives.py): noising, target, weights, timesteps, the scheduler
     Run.data       the data source, its scale and the images one optimizer step consumes
     Run.extras     EMA, post-hoc EMA, diagnostics, held-out loss, gradient monitor, evaluation
                    suites: each None when switched off
@@ -20,13 +20,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from accelerate import Accelerator
-from diffusers import DDPMScheduler
 
 from diffusion_extras.core.ema import ExponentialMovingAverage
-from diffusion_extras.core.losses import NoiseSchedule
+from diffusion_extras.core.objectives import Objective
 from diffusion_extras.core.phema import PowerFunctionEMA
-from diffusion_extras.core.timesteps import TimestepSampler
-from diffusion_extras.core.vlb import ReverseProcess
 from diffusion_extras.data.latents import Posterior
 from diffusion_extras.data.sources import DataSource
 from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
@@ -118,15 +115,6 @@ class Learner:
 
 
 @dataclass
-class Objective:
-    """What the network learns: which noise levels, how often."""
-    noise_scheduler: DDPMScheduler     # exported with the pipeline, configures the samplers
-    schedule: NoiseSchedule            # alphas_cumprod and SNR on the device, for fp32 noising and weights
-    timestep_sampler: TimestepSampler  # uniform, or loss-aware (importance-sampled)
-    reverse_process: ReverseProcess    # posterior and model-variance tables: the bound's term (learned variance)
-
-
-@dataclass
 class Data:
     """The training images."""
     source: DataSource             # sources.CachedImages or streaming.StreamSource
@@ -175,7 +163,7 @@ class Run:
     plan: Plan
     accelerator: Accelerator
     learner: Learner
-    objective: Objective
+    objective: Objective   # DDPM or flow matching: what the step, monitors, grids and export ask
     data: Data
     extras: Extras
     progress: Progress

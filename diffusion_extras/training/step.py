@@ -96,22 +96,24 @@ def model_shape(run: Run, batch_shape) -> tuple:
 
 
 def micro_batch_loss(run: Run, clean, noise, timesteps, importance, class_labels, condition=None) -> tuple:
-    """noise, predict, loss (min-SNR and importance weights; with a learned variance the bound's
+    """noise, predict, loss (the objective's and importance weights; with a learned variance the bound's
     term), and the diagnostics' accumulation; `condition`: an image condition, the UNet's input
     after x_t. Returns (the loss, the unweighted MSE per sample, detached)."""
-    config, schedule, unet = run.config, run.objective.schedule, run.learner.unet
+    config, objective, unet = run.config, run.objective, run.learner.unet
     if config.channels_last:
         clean = clean.contiguous(memory_format=torch.channels_last)
-    noisy = schedule.add_noise(clean, noise, timesteps)  # fp32, outside autocast
-    target = schedule.target(config.prediction_type, clean, noise, timesteps)
-    output = unet(with_condition(noisy, condition), timesteps, class_labels=class_labels).sample  # autocast inside
+    noisy = objective.add_noise(clean, noise, timesteps)  # fp32, outside autocast
+    target = objective.target(clean, noise, timesteps)
+    output = unet(with_condition(noisy, condition), objective.model_timesteps(timesteps),
+                  class_labels=class_labels).sample  # autocast inside
     prediction, variance_values = vlb.split_output(output, clean.shape[1])  # values: learned variance only
     error = losses.per_sample_loss(prediction, target, config.loss_type, config.huber_c)
-    per_sample = error * simple_loss_weights(run, timesteps)
+    per_sample = error * objective.loss_weight(timesteps)  # min-SNR, flow's weighting scheme, or 1
     bound = None
     if variance_values is not None:  # improved-diffusion's L_hybrid: T x L_{t-1} (uniform t) estimates the sum
         bound = bound_term(run, prediction, variance_values, clean, noisy, timesteps)
         per_sample = per_sample + config.vlb_weight * config.ddpm_num_steps * bound
+    # loss-aware importance weights multiply the whole loss, bound term included, so it stays unbiased
     loss = (per_sample * importance if importance is not None else per_sample).mean()
     mse = (error if config.loss_type == "l2" else losses.per_sample_loss(prediction, target)).detach()
     record_micro_batch(run, timesteps, mse, clean, class_labels, bound)
@@ -125,15 +127,6 @@ def conditioning_labels(run: Run, labels, drops):
         return None
     labels = labels.to(run.accelerator.device, non_blocking=True)
     return torch.where(drops, torch.full_like(labels, len(run.data.class_names)), labels)
-
-
-def simple_loss_weights(run: Run, timesteps):
-    """min-SNR weights (Hang et al. 2023) of the simple loss, 1 when off. Loss-aware importance
-    weights multiply the whole loss, bound term included, so it stays unbiased."""
-    if not run.config.snr_gamma:
-        return torch.ones(timesteps.shape, device=timesteps.device)
-    return losses.min_snr_weight(run.objective.schedule.snr[timesteps], run.config.snr_gamma,
-                                 run.config.prediction_type)
 
 
 def bound_term(run: Run, prediction, variance_values, clean, noisy, timesteps):

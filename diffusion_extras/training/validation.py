@@ -36,6 +36,7 @@ def validate(c: TrainConfig) -> None:
     """Every check that needs no data, model or device; raises ConfigError with the fix."""
     validate_ranges(c)
     validate_choices_and_combinations(c)
+    validate_objective(c)
     validate_paths(c)
     validate_latent(c)
     validate_conditioning(c)
@@ -88,6 +89,41 @@ def validate_ranges(c: TrainConfig) -> None:
     need(c.ema_inv_gamma > 0 and c.ema_power > 0, "--ema_inv_gamma and --ema_power must be positive")
     for name in ("save_images_epochs", "save_model_epochs"):
         need(getattr(c, name) is None or getattr(c, name) >= 1, f"--{name} must be at least 1 (got {getattr(c, name)})")
+
+
+FLOW_SETTINGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow_shift")
+
+
+def validate_objective(c: TrainConfig) -> None:
+    """--objective's own flags, and the other objective's refused by name where they were given."""
+    need(c.logit_std > 0, f"--logit_std must be positive (got {c.logit_std})")
+    need(c.flow_shift > 0, f"--flow_shift must be positive (1: no shift; got {c.flow_shift})")
+    if c.objective != "flow_matching":
+        given = [name for name in FLOW_SETTINGS if name in c.given]
+        need(not given, f"--{given[0] if given else ''} is a flow-matching setting: add --objective flow_matching "
+                        "or drop it")
+        return
+    flow = "--objective flow_matching"
+    need(not ("snr_gamma" in c.given and c.snr_gamma),
+         f"--snr_gamma weights DDPM's loss by its SNR; {flow} weights by --weighting_scheme: drop --snr_gamma")
+    need(not ("prediction_type" in c.given and c.prediction_type != "epsilon"),
+         f"--prediction_type {c.prediction_type}: {flow} always predicts the velocity noise - x_0 (what diffusers' "
+         "flow schedulers step with): drop --prediction_type")
+    need(c.variance_type == "fixed_small",
+         f"--variance_type {c.variance_type} is a DDPM reverse-process variance; {flow} samples with the "
+         "deterministic Euler flow: drop --variance_type")
+    need(not ("ddpm_beta_schedule" in c.given and c.ddpm_beta_schedule != "linear"),
+         f"--ddpm_beta_schedule sets DDPM's betas; {flow} has none (x_t = (1 - sigma) x_0 + sigma noise): "
+         "shape its noise levels with --flow_shift and --weighting_scheme instead")
+    need(not c.rescale_betas_zero_snr,
+         f"--rescale_betas_zero_snr rescales DDPM's betas; {flow} already reaches pure noise (sigma = 1): drop it")
+    need(c.timestep_sampling == "uniform",
+         f"--timestep_sampling {c.timestep_sampling} is DDPM's; {flow} draws sigma by --weighting_scheme: drop it")
+    need(c.pretrained_model_name_or_path is None,
+         f"{flow} trains from scratch: fine-tuning (--pretrained_model_name_or_path) is DDPM-only for now")
+    need(c.conditioning == "none",
+         f"--conditioning {c.conditioning} is DDPM-only for now: the image-conditioned pipeline does not sample "
+         f"flow models yet; drop --conditioning or {flow}")
 
 
 def validate_choices_and_combinations(c: TrainConfig) -> None:
