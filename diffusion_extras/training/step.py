@@ -9,6 +9,7 @@ from torch._dynamo import compiled_autograd
 from diffusion_extras.core import losses, vlb
 from diffusion_extras.core.optimization import step_unless_nonfinite
 from diffusion_extras.data import batch_order, latents
+from diffusion_extras.evaluation.pipeline_backbone import null_class, predict
 from diffusion_extras.evaluation.pipeline_class_conditional import with_condition
 from diffusion_extras.training.hooks import hook
 from diffusion_extras.training.run_state import Run
@@ -104,7 +105,7 @@ def micro_batch_loss(run: Run, clean, noise, timesteps, importance, class_labels
         clean = clean.contiguous(memory_format=torch.channels_last)
     noisy = schedule.add_noise(clean, noise, timesteps)  # fp32, outside autocast
     target = schedule.target(config.prediction_type, clean, noise, timesteps)
-    output = unet(with_condition(noisy, condition), timesteps, class_labels=class_labels).sample  # autocast inside
+    output = predict(unet, with_condition(noisy, condition), timesteps, class_labels)  # autocast inside
     prediction, variance_values = vlb.split_output(output, clean.shape[1])  # values: learned variance only
     error = losses.per_sample_loss(prediction, target, config.loss_type, config.huber_c)
     per_sample = error * simple_loss_weights(run, timesteps)
@@ -119,12 +120,12 @@ def micro_batch_loss(run: Run, clean, noise, timesteps, importance, class_labels
 
 
 def conditioning_labels(run: Run, labels, drops):
-    """The class labels the UNet sees: None unconditional; else the batch's labels with the dropped
-    ones replaced by "no class" (the last class embedding), which classifier-free guidance needs."""
+    """The class labels the model sees: None unconditional; else the batch's labels with the dropped
+    ones replaced by its "no class" index, which classifier-free guidance needs."""
     if run.data.class_names is None:
         return None
     labels = labels.to(run.accelerator.device, non_blocking=True)
-    return torch.where(drops, torch.full_like(labels, len(run.data.class_names)), labels)
+    return torch.where(drops, torch.full_like(labels, null_class(run.learner.unet)), labels)
 
 
 def simple_loss_weights(run: Run, timesteps):
