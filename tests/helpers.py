@@ -304,7 +304,9 @@ def read_history(output_dir) -> list:
 
 
 def load_unet_weights(folder):
-    return load_file(os.path.join(folder, "unet", "diffusion_pytorch_model.safetensors"))
+    """The exported model's weights: its unet/, or a DiT's transformer/."""
+    part = "unet" if os.path.isdir(os.path.join(folder, "unet")) else "transformer"
+    return load_file(os.path.join(folder, part, "diffusion_pytorch_model.safetensors"))
 
 
 def optimizer_state(checkpoint):

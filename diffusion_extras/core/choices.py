@@ -1,4 +1,4 @@
-"""The objective's and the optimizer's named options, importable without torch: the training
+"""The objective's, the optimizer's and the backbone's named options, importable without torch: the training
 config validates its flags against these (so `--help` and a bad flag answer before torch loads),
 and the modules that implement the options import them from here. tests/test_choices.py checks
 them against diffusers' own names and against the implementations."""
@@ -15,3 +15,9 @@ LR_SCHEDULERS = ("cosine", "constant_with_warmup", "linear", "constant", "cosine
 OBJECTIVE_NAMES = ("ddpm", "flow_matching")
 # --weighting_scheme of flow matching: diffusers.training_utils' names (its SD3 scripts' flag)
 WEIGHTING_SCHEMES = ("logit_normal", "mode", "cosmap", "sigma_sqrt", "none")
+MODEL_TYPES = ("unet", "dit")  # the denoising backbone: UNet2DModel, DiTTransformer2DModel (training/backbones.py)
+# DiT's sizes by the paper's names (Peebles & Xie 2023, Table 1): (depth, hidden size, heads), each
+# with a patch size: "S/2", ..., "XL/8"
+DIT_SHAPES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16)}
+DIT_PATCH_SIZES = (2, 4, 8)
+DIT_SIZES = tuple(f"{name}/{patch}" for name in DIT_SHAPES for patch in DIT_PATCH_SIZES)

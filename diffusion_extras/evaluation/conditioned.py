@@ -11,6 +11,7 @@ import torch
 
 from diffusion_extras.core import stop_flag
 from diffusion_extras.evaluation import digits, distributed
+from diffusion_extras.evaluation.pipeline_backbone import predict
 from diffusion_extras.evaluation.pipeline_image_conditioned import (
     ImageConditionedPipeline,
     back_project,
@@ -170,7 +171,7 @@ def inpaint_by_replacement(unet, scheduler, images: torch.Tensor, masks: torch.T
     timesteps = scheduler.timesteps
     for step, t in enumerate(timesteps):
         stop_flag.check()
-        output = unet(scheduler.scale_model_input(sample, t), t).sample
+        output = predict(unet, scheduler.scale_model_input(sample, t), t)
         sample = scheduler_step(scheduler, scheduler_model_output(scheduler, output, sample), t, sample, generators)
         if step + 1 < len(timesteps):
             known = scheduler.add_noise(images, _randn(images.shape, generators, device), timesteps[step + 1:step + 2])

@@ -17,7 +17,7 @@ import torch
 from diffusion_extras.core import losses, vlb
 from diffusion_extras.core.choices import VARIANCE_TYPES
 from diffusion_extras.data.batch_order import mix_seed
-from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs
+from diffusion_extras.evaluation.pipeline_backbone import predict
 
 NLL_STREAM = 0x4E4C4C  # "NLL": the noise seeds of the bound's x_t draws
 
@@ -75,6 +75,6 @@ def _term(unet, process, schedule, clean, t: int, prediction_type: str, variance
     timesteps = torch.full((len(clean),), t, dtype=torch.long, device=clean.device)
     noise = torch.randn(clean.shape, generator=torch.Generator().manual_seed(noise_seed)).to(clean.device)
     noisy = schedule.add_noise(clean, noise, timesteps)
-    output = unet(noisy, timesteps, **unconditional_inputs(unet, len(clean), clean.device)).sample.float()
+    output = predict(unet, noisy, timesteps).float()  # a class-conditional UNet: "no class"
     prediction, variance_values = vlb.split_output(output, clean.shape[1])
     return process.bound_term(prediction, variance_values, clean, noisy, timesteps, prediction_type, variance_type)

@@ -22,6 +22,8 @@ import sys
 import torch
 from diffusers import DDPMScheduler, DiffusionPipeline, ImagePipelineOutput, UNet2DModel
 
+from .pipeline_backbone import null_class, predict, sample_shape
+
 PIPELINE_MODULE = "pipeline_class_conditional"  # this file's name in an exported folder, without .py
 PIPELINE_CLASS = "ClassConditionalPipeline"
 # The one guidance default: the pipeline's __call__, the sample and evaluate commands, the trainer's
@@ -41,19 +43,14 @@ def check_guidance_trained(guidance_scale: float, dropout: float | None, flag: s
                          f"guidance_scale=1 (no guidance), or train with {flag} > 0")
 
 
-def null_class(unet) -> int:
-    """The "no class" index: the UNet's last class embedding, which training gives dropped labels."""
-    return unet.config.num_class_embeds - 1
-
-
 def unconditional_inputs(unet, batch_size: int, device) -> dict:
     """{} for an unconditional UNet, else {"class_labels": "no class" for each image}: the extra
     UNet arguments with which the held-out loss, the gradient probe, debug images and unlabelled
     sampling get a class-conditional UNet's unconditional prediction."""
-    unet = getattr(unet, "module", unet)  # DDP-wrapped or not
-    if getattr(getattr(unet, "config", None), "num_class_embeds", None) is None:
+    null = null_class(unet)  # DDP-wrapped or not
+    if null is None:
         return {}
-    return {"class_labels": torch.full((batch_size,), null_class(unet), dtype=torch.long, device=device)}
+    return {"class_labels": torch.full((batch_size,), null, dtype=torch.long, device=device)}
 
 
 def with_condition(sample: torch.Tensor, condition: torch.Tensor | None) -> torch.Tensor:
@@ -84,17 +81,17 @@ def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tenso
     strong_input = with_condition(sample, condition)
     with autocast:
         if guidance_scale == 1.0:
-            return unet(strong_input.to(net_dtype), t, **conditioning).sample.float()
+            return predict(unet, strong_input.to(net_dtype), t, **conditioning).float()
         if guide is not None:
-            strong = unet(strong_input.to(net_dtype), t, **conditioning).sample.float()
-            weak = guide(strong_input.to(next(guide.parameters()).dtype), t, **conditioning).sample.float()
+            strong = predict(unet, strong_input.to(net_dtype), t, **conditioning).float()
+            weak = predict(guide, strong_input.to(next(guide.parameters()).dtype), t, **conditioning).float()
         else:
             if condition is not None:  # the image condition dropped
                 both, dropped = torch.cat([strong_input, with_condition(sample, torch.zeros_like(condition))]), {}
             else:
                 null = torch.full_like(class_labels, null_class(unet))
                 both, dropped = torch.cat([sample, sample]), {"class_labels": torch.cat([class_labels, null])}
-            strong, weak = unet(both.to(net_dtype), t, **dropped).sample.float().chunk(2)
+            strong, weak = predict(unet, both.to(net_dtype), t, **dropped).float().chunk(2)
     guided = weak + guidance_scale * (strong - weak)
     channels = sample.shape[1]
     if strong.shape[1] == 2 * channels:  # learned variance: guide the prediction, keep the conditional variance (GLIDE)
@@ -318,7 +315,46 @@ def _is_part(value) -> bool:
     return isinstance(value, list) and len(value) == 2 and value[0] in (None, "diffusers")
 
 
-class ClassConditionalPipeline(PackagePipeline):
+class LabelledPipeline(PackagePipeline):
+    """A package pipeline with class names (id2label, saved in model_index.json) and DiTPipeline's
+    get_label_ids, and the images' output as diffusers' pipelines give it."""
+
+    def register_labels(self, id2label: dict | None, condition_dropout: float | None = None) -> None:
+        # JSON keys are strings: {"0": "zero", ...}; kept in the config so save_pretrained writes them
+        id2label = {int(k): str(v) for k, v in (id2label or {}).items()}
+        # condition_dropout: the trainer's --condition_dropout, which taught the "no class" prediction
+        # that guidance needs (check_guidance); None: not recorded
+        self.register_to_config(id2label={str(k): v for k, v in sorted(id2label.items())},
+                                condition_dropout=condition_dropout)
+        self.id2label = id2label
+        self.labels = {name: index for index, name in sorted(id2label.items())}  # DiTPipeline's name -> id
+
+    def check_guidance(self, guidance_scale: float, guide=None) -> None:
+        """Classifier-free guidance (no `guide`) on a model trained without label dropout refused
+        (check_guidance_trained): its "no class" embedding was never trained."""
+        if guide is None:
+            check_guidance_trained(guidance_scale, self.config.get("condition_dropout"), "--condition_dropout")
+
+    def get_label_ids(self, label: str | list[str]) -> list[int]:
+        """Class names -> class ids, as DiTPipeline.get_label_ids."""
+        names = [label] if isinstance(label, str) else list(label)
+        unknown = [name for name in names if name not in self.labels]
+        if unknown:
+            raise ValueError(f"unknown class name(s) {unknown}; the classes are: {', '.join(self.labels)}")
+        return [self.labels[name] for name in names]
+
+    def images_output(self, sample: torch.Tensor, output_type: str, return_dict: bool):
+        """Samples in [-1, 1] as "pil", "np" (float [N, H, W, C] in [0, 1]) or "pt" images."""
+        images = (sample / 2 + 0.5).clamp(0, 1)
+        if output_type != "pt":
+            images = images.cpu().permute(0, 2, 3, 1).float().numpy()
+            if output_type == "pil":
+                images = self.numpy_to_pil(images)
+        self.maybe_free_model_hooks()
+        return ImagePipelineOutput(images=images) if return_dict else (images,)
+
+
+class ClassConditionalPipeline(LabelledPipeline):
     """Class-conditional image generation with a UNet2DModel and classifier-free guidance."""
 
     model_cpu_offload_seq = "unet"
@@ -328,14 +364,7 @@ class ClassConditionalPipeline(PackagePipeline):
                  condition_dropout: float | None = None):
         super().__init__()
         self.register_modules(unet=unet, scheduler=scheduler, guide=guide)
-        # JSON keys are strings: {"0": "zero", ...}; kept in the config so save_pretrained writes them
-        id2label = {int(k): str(v) for k, v in (id2label or {}).items()}
-        # condition_dropout: the trainer's --condition_dropout, which taught the "no class" prediction
-        # that guidance needs (check_guidance); None: not recorded
-        self.register_to_config(id2label={str(k): v for k, v in sorted(id2label.items())},
-                                condition_dropout=condition_dropout)
-        self.id2label = id2label
-        self.labels = {name: index for index, name in sorted(id2label.items())}  # DiTPipeline's name -> id
+        self.register_labels(id2label, condition_dropout)
 
     def __setattr__(self, name, value):
         """`pipe.guide = weaker_unet` checks the guide against the model (check_guide; so does loading
@@ -356,20 +385,6 @@ class ClassConditionalPipeline(PackagePipeline):
             raise ValueError("autoguidance=True needs a guide: set pipe.guide to a weaker UNet2DModel (and save it)")
         return guide
 
-    def check_guidance(self, guidance_scale: float, guide=None) -> None:
-        """Classifier-free guidance (no `guide`) on a model trained without label dropout refused
-        (check_guidance_trained): its "no class" embedding was never trained."""
-        if guide is None:
-            check_guidance_trained(guidance_scale, self.config.get("condition_dropout"), "--condition_dropout")
-
-    def get_label_ids(self, label: str | list[str]) -> list[int]:
-        """Class names -> class ids, as DiTPipeline.get_label_ids."""
-        names = [label] if isinstance(label, str) else list(label)
-        unknown = [name for name in names if name not in self.labels]
-        if unknown:
-            raise ValueError(f"unknown class name(s) {unknown}; the classes are: {', '.join(self.labels)}")
-        return [self.labels[name] for name in names]
-
     @torch.no_grad()
     def __call__(self, class_labels: list[int], guidance_scale: float = DEFAULT_GUIDANCE_SCALE,
                  generator: torch.Generator | list[torch.Generator] | None = None, num_inference_steps: int = 50,
@@ -389,8 +404,7 @@ class ClassConditionalPipeline(PackagePipeline):
         num_classes = null_class(unet)
         if len(labels) == 0 or labels.min() < 0 or labels.max() >= num_classes:
             raise ValueError(f"class_labels must be ids in [0, {num_classes}); got {list(class_labels)}")
-        size = unet.config.sample_size
-        shape = (len(labels), unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
+        shape = (len(labels), *sample_shape(unet))
         # timesteps first (diffusers' order): a sigma scheduler's init_noise_sigma (Euler, Heun, LMS,
         # KDPM2) is the first inference sigma only once they are set
         self.scheduler.set_timesteps(num_inference_steps, device=device)
@@ -398,13 +412,7 @@ class ClassConditionalPipeline(PackagePipeline):
         for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # x_t stays fp32 whatever the UNet's dtype
             sample = guided_step(self.scheduler, unet, sample, step, labels, guidance_scale, generator,
                                  guide=guide, guidance_interval=guidance_interval)
-        images = (sample / 2 + 0.5).clamp(0, 1)
-        if output_type != "pt":
-            images = images.cpu().permute(0, 2, 3, 1).float().numpy()
-            if output_type == "pil":
-                images = self.numpy_to_pil(images)
-        self.maybe_free_model_hooks()
-        return ImagePipelineOutput(images=images) if return_dict else (images,)
+        return self.images_output(sample, output_type, return_dict)
 
 
 def _randn(shape, generator, device) -> torch.Tensor:
@@ -420,7 +428,7 @@ def _randn(shape, generator, device) -> torch.Tensor:
     return torch.randn(shape, generator=generator, device=on).to(device)
 
 
-__all__ = ["DEFAULT_GUIDANCE_SCALE", "ClassConditionalPipeline", "PackagePipeline", "check_guidance_trained",
-           "check_guide", "guided_model_output", "guided_step", "in_guidance_interval", "initial_noise_sigma",
-           "is_flow_scheduler", "noise_level", "null_class", "scale_model_input", "scheduler_model_output",
-           "scheduler_step", "unconditional_inputs", "with_condition"]
+__all__ = ["DEFAULT_GUIDANCE_SCALE", "ClassConditionalPipeline", "LabelledPipeline", "PackagePipeline",
+           "check_guidance_trained", "check_guide", "guided_model_output", "guided_step", "in_guidance_interval",
+           "initial_noise_sigma", "is_flow_scheduler", "noise_level", "null_class", "scale_model_input",
+           "scheduler_model_output", "scheduler_step", "unconditional_inputs", "with_condition"]

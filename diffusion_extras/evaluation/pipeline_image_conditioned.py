@@ -26,6 +26,9 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL, AutoencoderTiny, ImagePipelineOutput, UNet2DModel, VQModel
 from diffusers.image_processor import VaeImageProcessor
 
+# diffusers copies only the loaded file's own relative imports into its module cache (trust_remote_code):
+# each file the pipeline needs is imported here directly, pipeline_class_conditional's pipeline_backbone too
+from .pipeline_backbone import sample_shape  # noqa: F401
 from .pipeline_class_conditional import PackagePipeline, _randn, check_guidance_trained, guided_step
 from .pipeline_latent import decode_latents, encode_posterior, latent_normalization, vae_scale_factor
 from .pipeline_masks import binary_masks, mask_processor

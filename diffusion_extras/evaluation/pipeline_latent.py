@@ -18,6 +18,9 @@ from __future__ import annotations
 import torch
 from diffusers import AutoencoderKL, AutoencoderTiny, ImagePipelineOutput, UNet2DModel, VQModel
 
+# diffusers copies only the loaded file's own relative imports into its module cache (trust_remote_code):
+# each file the pipeline needs is imported here directly, pipeline_class_conditional's pipeline_backbone too
+from .pipeline_backbone import sample_shape
 from .pipeline_class_conditional import (
     DEFAULT_GUIDANCE_SCALE,
     ClassConditionalPipeline,
@@ -127,8 +130,7 @@ class LatentDiffusionPipeline(ClassConditionalPipeline):
             self.check_guidance(guidance_scale, guide)
         elif guide is None:
             guidance_scale = 1.0  # nothing to guide with: the UNet's own prediction
-        size = unet.config.sample_size
-        shape = (batch_size, unet.config.in_channels, *((size, size) if isinstance(size, int) else size))
+        shape = (batch_size, *sample_shape(unet))
         if latents is not None and tuple(latents.shape) != shape:
             raise ValueError(f"Unexpected latents shape, got {tuple(latents.shape)}, expected {shape}")
         self.scheduler.set_timesteps(num_inference_steps, device=device)  # before init_noise_sigma, as diffusers

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from diffusion_extras.core import stop_flag
 from diffusion_extras.data.batch_order import mix_seed
 from diffusion_extras.evaluation.choices import FLOW_SCHEDULERS, SCHEDULERS, TIMESTEP_SPACINGS
+from diffusion_extras.evaluation.pipeline_backbone import predict, sample_shape
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     guided_step,
     initial_noise_sigma,
@@ -85,10 +86,8 @@ def image_seed(seed: int, index: int) -> int:
 
 
 def _image_shape(unet) -> tuple[int, int, int]:
-    size = unet.config.sample_size
-    height, width = (size, size) if isinstance(size, int) else tuple(size)
     # in_channels, not out_channels: a learned-variance UNet outputs 2*C channels for C image channels.
-    return unet.config.in_channels, height, width
+    return sample_shape(unet)
 
 
 def to_uint8(sample: torch.Tensor) -> np.ndarray:
@@ -118,7 +117,7 @@ def _denoise_batch(unet, scheduler, generators, num_inference_steps, device, dty
             continue
         model_input = scale_model_input(scheduler, sample, t).to(net_dtype)
         with autocast:  # a class-conditional UNet without labels: its "no class" prediction
-            model_output = unet(model_input, t, **unconditional_inputs(unet, len(sample), device)).sample
+            model_output = predict(unet, model_input, t)
         # x_t stays fp32 whatever the network precision: rounding it each step accumulates error.
         model_output = scheduler_model_output(scheduler, model_output.float(), sample)  # 2C: DDPM's variance
         # the guided path's step function: an unguided sample equals one guided by the model itself

@@ -22,8 +22,8 @@ from diffusion_extras.hub.secrets import redact_config  # the project's one secr
 # custom pipelines add their source files (class-conditional, latent: model_index.json names one, the
 # Hub loads it as remote code with its relative imports), a latent pipeline its VAE, and a pipeline
 # with an autoguidance guide its guide/ (model_index.json names that too).
-PIPELINE_PATTERNS = ["model_index.json", "unet/*", "scheduler/*", "vae/*", "guide/*", "README.md", "images/*",
-                     "training_config.yaml", "pipeline_*.py"]
+PIPELINE_PATTERNS = ["model_index.json", "unet/*", "transformer/*", "scheduler/*", "vae/*", "guide/*", "README.md",
+                     "images/*", "training_config.yaml", "pipeline_*.py"]
 # Training state that must never leave the machine even if it lands inside an allowed folder.
 NEVER_PUSH_PATTERNS = ["*.pkl", "*optimizer*.bin", "*random_states*", "*.lock"]
 CARD_IMAGES_DIR = "images"  # card images live here, the only image folder that is pushed

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from diffusion_extras.core import stop_flag
+from diffusion_extras.evaluation.pipeline_backbone import predict
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     initial_noise_sigma,
     is_flow_scheduler,
@@ -57,7 +58,7 @@ def denoising_strip(unet, scheduler, num_seeds: int, num_inference_steps: int, s
         for index, t in enumerate(scheduler.timesteps):
             stop_flag.check()  # a preempted run gives the strip up between denoising steps
             labels = unconditional_inputs(unet, len(sample), device)  # a class-conditional UNet: "no class"
-            model_output = unet(scale_model_input(scheduler, sample, t), t, **labels).sample.float()
+            model_output = predict(unet, scale_model_input(scheduler, sample, t), t, **labels).float()
             model_output = scheduler_model_output(scheduler, model_output, sample)  # 2C: DDIM takes the mean part
             output = scheduler_step_output(scheduler, model_output, t, sample, generators)  # as the grid steps
             if index in keep:

@@ -19,6 +19,7 @@ import torch
 
 from diffusion_extras.core import losses, stop_flag, vlb
 from diffusion_extras.data.batch_order import mix_seed, split_batch, to_model_input
+from diffusion_extras.evaluation.pipeline_backbone import predict
 from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs, with_condition
 from diffusion_extras.monitoring.bins import loss_bin_key, timestep_bin_edges
 from diffusion_extras.monitoring.plots import save_figure
@@ -53,7 +54,7 @@ class GradientMonitor:
         target = objective.target(clean, noise, timesteps)
         labels = unconditional_inputs(unet, len(clean), clean.device)  # a class-conditional UNet: "no class"
         noisy = with_condition(objective.add_noise(clean, noise, timesteps), condition)
-        output = unet(noisy, objective.model_timesteps(timesteps), **labels).sample
+        output = predict(unet, noisy, objective.model_timesteps(timesteps), **labels)
         prediction, _ = vlb.split_output(output, clean.shape[1])  # the simple loss only (no bound term)
         per_sample = losses.per_sample_loss(prediction, target, loss_type, huber_c)
         return (per_sample * objective.loss_weight(timesteps)).mean()

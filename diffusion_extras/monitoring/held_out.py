@@ -24,6 +24,7 @@ from diffusion_extras.data.batch_order import (
     to_model_input,
 )
 from diffusion_extras.data.spec import Resolution
+from diffusion_extras.evaluation.pipeline_backbone import predict
 from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs, with_condition
 from diffusion_extras.monitoring.bins import loss_bin_key, timestep_bin_edges
 from diffusion_extras.monitoring.plots import save_figure
@@ -69,7 +70,7 @@ class HeldOutLoss:
                 target = objective.target(clean, noise, timesteps)
                 # a class-conditional UNet is scored unconditionally ("no class")
                 labels = unconditional_inputs(unet, len(noisy), noisy.device)
-                output = unet(with_condition(noisy, condition), objective.model_timesteps(timesteps), **labels).sample
+                output = predict(unet, with_condition(noisy, condition), objective.model_timesteps(timesteps), **labels)
                 prediction, _ = vlb.split_output(output, clean.shape[1])
                 mse = losses.per_sample_loss(prediction, target)  # the simple loss's part of a 2C output
                 np.add.at(totals, bins.numpy(), mse.double().cpu().numpy())  # a host sync per chunk

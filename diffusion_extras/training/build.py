@@ -21,6 +21,7 @@ from diffusion_extras.monitoring.grad_monitor import GradientMonitor
 from diffusion_extras.training import (
     artifacts,
     autoencoder,
+    backbones,
     checkpointing,
     compat,
     models,
@@ -177,6 +178,7 @@ def build_model(config: TrainConfig, accelerator, data_channels: int, class_name
     space's latents, with a VAE) with its optimization, with a class embedding for `class_names`
     (--class_conditional), or the `base` pipeline's UNet with its weights (fine-tuning; a resume
     takes the checkpoint's instead); announced in one line with its size."""
+    backbone = backbones.for_config(config)  # (validation: fine-tuning starts from a UNet)
     if base is not None:
         choice = base.choice(config, data_channels, class_names, latent)
         resuming = checkpointing.recorded_config(config.output_dir, config.resume_from_checkpoint) is not None
@@ -184,10 +186,11 @@ def build_model(config: TrainConfig, accelerator, data_channels: int, class_name
         if base.widened_input(config):  # an unconditional base fine-tuned with --conditioning
             models.widen_input(unet, base.widened_input(config))
     else:
-        choice = models.follow_data(config, data_channels, class_names, latent)
-        unet = models.build_unet(config, choice.model, latent)
+        choice = backbone.choose(config, data_channels, class_names, latent)
+        unet = backbone.build(config, choice.model, latent)
     for line in models.describe(unet, choice.description, data_channels, choice.optimization, latent,
-                                config.resolution, None if config.conditioning == "none" else config.conditioning):
+                                config.resolution, None if config.conditioning == "none" else config.conditioning,
+                                backbone.architecture(unet.config)):
         accelerator.print(line)
     return choice, unet
 

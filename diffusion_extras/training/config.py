@@ -21,6 +21,7 @@ from diffusion_extras.core.choices import (
     BETA_SCHEDULES,
     LOSS_TYPES,
     LR_SCHEDULERS,
+    MODEL_TYPES,
     OBJECTIVE_NAMES,
     PREDICTION_TYPES,
     TIMESTEP_SAMPLING,
@@ -134,7 +135,9 @@ class TrainConfig:
     conditioning_data_dir: str | None = _f(None, "With --conditioning image and --train_data_dir: a folder of conditioning images, one per training image at the same relative path (any image extension).", resume=APPLY, group="conditioning")
     conditioning_dropout_prob: float = _f(0.0, "With --conditioning: the fraction of conditions replaced by zeros (drawn from the seed and micro-step), which teaches the prediction without the condition that guidance on the image needs (InstructPix2Pix's flag); 0: off.", resume=APPLY, group="conditioning")
     # --- model ------------------------------------------------------------------------
-    model_config_name_or_path: str | None = _f(None, "UNet2DModel config: a folder (with config.json, or a pipeline folder's unet/), a JSON file or a Hub id (read with diffusers' load_config, as diffusers does). Default: the recipe's `model`.", resume=FREE, group="model")
+    model_type: str = _f("unet", "The denoising backbone: unet (diffusers' UNet2DModel) or dit (its DiTTransformer2DModel, Peebles & Xie 2023: square images, pixel space; docs/dit.md).", choices=MODEL_TYPES, resume=REFUSE, group="model")
+    dit_size: str | None = _f(None, "With --model_type dit: the paper's size, S, B, L or XL with patch size 2, 4 or 8 (S/2, ..., XL/8: depth, width, heads, patch). Default: a size that follows the data (docs/dit.md).", resume=REFUSE, group="model")
+    model_config_name_or_path: str | None = _f(None, "UNet2DModel config (a DiTTransformer2DModel config with --model_type dit): a folder (with config.json, or a pipeline folder's unet/), a JSON file or a Hub id (read with diffusers' load_config, as diffusers does). Default: the recipe's `model`.", resume=FREE, group="model")
     pretrained_model_name_or_path: str | None = _f(None, "Fine-tune a DDPMPipeline: a Hub id (e.g. google/ddpm-cifar10-32) or a local folder (diffusers' or this trainer's export, class-conditional included). The run starts from its UNet's weights (the EMA too) and shape and its scheduler's settings (--resolution defaults to its sample_size); where you set none, its loss weighting (--snr_gamma: its training_config.yaml's, else 0, DDPM's unweighted loss) and a fine-tuning recipe for its size N in parameters: --learning_rate a tenth of 2e-4 (N / 35.7M)^(-2/3), --lr_warmup_steps half of 100 (N / 1.1M)^(1/3), --max_train_steps 600 (docs/hub.md: Fine-tuning a pretrained pipeline).", resume=REFUSE, group="model")
     pretrained_vae_model_name_or_path: str | None = _f(None, "Latent diffusion: train the UNet on the latents of this autoencoder (an AutoencoderKL, or a VQModel or AutoencoderTiny as diffusers' LDMPipeline uses them; a Hub id or a folder of one, or a pipeline folder with vae/ or vqvae/), loaded with from_pretrained and frozen. The UNet follows its latents: their channels, sample_size = --resolution / the VAE's downsampling factor; the images are encoded once (cached), or each streamed batch as it comes on the accelerator (--streaming; a VAE config without a scale is normalised by statistics measured on the stream's first 2048 images), and the export decodes (docs/data.md: Latent diffusion).", resume=REFUSE, group="model")
     vae_subfolder: str | None = _f(None, "The VAE's subfolder in --pretrained_vae_model_name_or_path (default: vae/ where the folder has one, else the folder itself).", resume=REFUSE, group="model")

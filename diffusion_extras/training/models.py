@@ -9,6 +9,8 @@ from diffusion_extras.data.spec import Resolution, image_size, resolution_text
 from diffusion_extras.evaluation import pipeline_class_conditional as conditional
 from diffusion_extras.evaluation import pipeline_image_conditioned as image_conditioned
 from diffusion_extras.evaluation import pipeline_latent as latent_pipeline
+from diffusion_extras.evaluation.pipeline_backbone import DiTBackbone, backbone_of
+from diffusion_extras.evaluation.pipeline_dit import DiTClassPipeline
 from diffusion_extras.hub.download import first_line, is_offline_error, local_folder, offline_reason
 from diffusion_extras.training.autoencoder import LatentSpace
 from diffusion_extras.training.config import DIGITS_UNET, ConfigError, TrainConfig
@@ -23,6 +25,7 @@ DIFFUSERS_DEFAULT_UNET = dict(
     up_block_types=["UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D", "UpBlock2D"],
 )
 COLOUR_NAMES = {1: "grayscale", 3: "RGB", 4: "RGBA"}
+TRANSFORMER_CLASSES = ("DiTTransformer2DModel", "Transformer2DModel")  # configs of DiTs: --model_type dit's
 
 
 def unet_config(config: TrainConfig, model: dict | None = None, latent: LatentSpace | None = None) -> dict:
@@ -30,7 +33,11 @@ def unet_config(config: TrainConfig, model: dict | None = None, latent: LatentSp
     recipe's), with sample_size set to the training resolution (the pipeline samples at sample_size),
     or with a `latent` space to the latents' size, whose channels the UNet must have."""
     if config.model_config_name_or_path:
-        values = {k: v for k, v in load_unet_config(config.model_config_name_or_path).items() if not k.startswith("_")}
+        loaded = load_unet_config(config.model_config_name_or_path)
+        if loaded.get("_class_name") in TRANSFORMER_CLASSES:
+            raise ConfigError(f"--model_config_name_or_path {config.model_config_name_or_path}: a "
+                              f"{loaded['_class_name']} config: add --model_type dit, or give a UNet2DModel config")
+        values = {k: v for k, v in loaded.items() if not k.startswith("_")}
     else:
         values = dict(config.model if model is None else model)
     values["sample_size"] = sample_size(latent.size if latent else config.resolution)
@@ -164,18 +171,20 @@ def shown(value) -> str:
 
 
 def describe(unet, chosen: str, data_channels: int, optimization: str = "", latent: LatentSpace | None = None,
-             resolution: Resolution | None = None, condition: str | None = None) -> list[str]:
-    """The model line (shape and size: the images' height x width; the optimization when it followed
-    the data; with a `latent` space, which latents at which `resolution`; an image `condition`'s
-    input channels) and, if the images are converted, the conversion line."""
+             resolution: Resolution | None = None, condition: str | None = None,
+             architecture: str | None = None) -> list[str]:
+    """The model line (shape and size: the images' height x width, the `architecture` (default: the
+    UNet's blocks); the optimization when it followed the data; with a `latent` space, which latents
+    at which `resolution`; an image `condition`'s input channels) and, if the images are converted,
+    the conversion line."""
     channels = image_conditioned.sample_channels(condition or "none", unet.config.in_channels)
     added = unet.config.in_channels - channels
     kind = latent.describe(resolution) if latent else COLOUR_NAMES.get(channels, channels)
     kind += f"; + {added} input channel(s) of the {condition} condition" if added else ""
     height, width = image_size(unet.config.sample_size if resolution is None else resolution)
     at = "" if latent else f" at {height}x{width} px"  # a latent space's line states both sizes
-    lines = [f"model: {chosen}: {channels} channel(s) ({kind}){at}, blocks "
-             f"{list(unet.config.block_out_channels)} x{unet.config.layers_per_block}, "
+    architecture = architecture or f"blocks {list(unet.config.block_out_channels)} x{unet.config.layers_per_block}"
+    lines = [f"model: {chosen}: {channels} channel(s) ({kind}){at}, {architecture}, "
              f"{count_parameters(unet) / 1e6:.1f}M parameters"
              + (f"; optimization: {optimization}" if optimization else "")]
     read = latent.image_channels if latent else channels  # what the images are converted to
@@ -251,8 +260,9 @@ EXPORT_STAGING = ".pipeline.tmp"  # where export_pipeline writes before swapping
 def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | None = None, vae=None,
                     conditioning: dict | None = None, condition_dropout: float | None = None) -> None:
     """Save a DDPMPipeline, or with `class_names` a ClassConditionalPipeline (recording the
-    `condition_dropout` it trained with), or with a `vae` a LatentDiffusionPipeline (vae/ too), or
-    with `conditioning` ({"conditioning": kind, "sr_factor": n, "conditioning_dropout_prob": p}) an
+    `condition_dropout` it trained with), or for a DiT a DiTClassPipeline (with or without classes;
+    the dropout recorded too), or with a `vae` a LatentDiffusionPipeline (vae/ too), or with
+    `conditioning` ({"conditioning": kind, "sr_factor": n, "conditioning_dropout_prob": p}) an
     ImageConditionedPipeline (with vae/ in a latent run), the custom ones with their source
     files (weights only, no optimizer state), into output_dir, swapping each part in by rename so a
     kill mid-save leaves the previous export loadable."""
@@ -260,8 +270,14 @@ def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | 
 
     staging = os.path.join(output_dir, EXPORT_STAGING)
     shutil.rmtree(staging, ignore_errors=True)
-    names = ["unet", "scheduler"]
-    if conditioning is not None:
+    backbone = backbone_of(unet)
+    names = [backbone.component, "scheduler"]
+    if backbone is DiTBackbone:  # (validation refuses a DiT with a VAE or an image condition)
+        pipeline = DiTClassPipeline(transformer=unet, scheduler=noise_scheduler,
+                                    id2label=dict(enumerate(class_names or ())),
+                                    condition_dropout=condition_dropout if class_names else None)
+        names += save_custom_pipeline(pipeline, staging)
+    elif conditioning is not None:
         pipeline = image_conditioned.ImageConditionedPipeline(unet=unet, scheduler=noise_scheduler, vae=vae,
                                                               **conditioning)
         names += ["vae"] * (vae is not None) + save_custom_pipeline(pipeline, staging)

@@ -46,6 +46,10 @@ def fp32_copy(unet, state: dict):
         copy = type(unet).from_config(unet.config)
     copy.load_state_dict({name: value.detach().to(torch.float32, copy=True) for name, value in state.items()},
                          assign=True)
+    for name, buffer in unet.named_buffers():  # those a state dict leaves out (a DiT's position embedding)
+        if name not in state:
+            module, _, attribute = name.rpartition(".")
+            setattr(copy.get_submodule(module), attribute, buffer.detach().to(torch.float32, copy=True))
     return copy
 
 

@@ -9,6 +9,7 @@ from torch._dynamo import compiled_autograd
 from diffusion_extras.core import losses, vlb
 from diffusion_extras.core.optimization import step_unless_nonfinite
 from diffusion_extras.data import batch_order, latents
+from diffusion_extras.evaluation.pipeline_backbone import null_class, predict
 from diffusion_extras.evaluation.pipeline_class_conditional import with_condition
 from diffusion_extras.training.hooks import hook
 from diffusion_extras.training.run_state import Run
@@ -104,8 +105,8 @@ def micro_batch_loss(run: Run, clean, noise, timesteps, importance, class_labels
         clean = clean.contiguous(memory_format=torch.channels_last)
     noisy = objective.add_noise(clean, noise, timesteps)  # fp32, outside autocast
     target = objective.target(clean, noise, timesteps)
-    output = unet(with_condition(noisy, condition), objective.model_timesteps(timesteps),
-                  class_labels=class_labels).sample  # autocast inside
+    output = predict(unet, with_condition(noisy, condition), objective.model_timesteps(timesteps),
+                     class_labels)  # autocast inside
     prediction, variance_values = vlb.split_output(output, clean.shape[1])  # values: learned variance only
     error = losses.per_sample_loss(prediction, target, config.loss_type, config.huber_c)
     per_sample = error * objective.loss_weight(timesteps)  # min-SNR, flow's weighting scheme, or 1
@@ -121,12 +122,12 @@ def micro_batch_loss(run: Run, clean, noise, timesteps, importance, class_labels
 
 
 def conditioning_labels(run: Run, labels, drops):
-    """The class labels the UNet sees: None unconditional; else the batch's labels with the dropped
-    ones replaced by "no class" (the last class embedding), which classifier-free guidance needs."""
+    """The class labels the model sees: None unconditional; else the batch's labels with the dropped
+    ones replaced by its "no class" index, which classifier-free guidance needs."""
     if run.data.class_names is None:
         return None
     labels = labels.to(run.accelerator.device, non_blocking=True)
-    return torch.where(drops, torch.full_like(labels, len(run.data.class_names)), labels)
+    return torch.where(drops, torch.full_like(labels, null_class(run.learner.unet)), labels)
 
 
 def bound_term(run: Run, prediction, variance_values, clean, noisy, timesteps):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 # Only modules that import without torch, diffusers or datasets, as config.py (--help and these
 # errors come back in a fraction of a second).
+from diffusion_extras.core.choices import DIT_SIZES
 from diffusion_extras.data.images import DataError, missing_dataset_folder, parse_background, resolve_data_files
 from diffusion_extras.data.spec import Resolution, image_size
 from diffusion_extras.evaluation.choices import parse_metrics
@@ -41,8 +42,9 @@ def validate(c: TrainConfig) -> None:
     validate_latent(c)
     validate_conditioning(c)
     validate_kind_flags(c)
+    validate_backbone(c)
     if c.model_config_name_or_path is None and c.pretrained_model_name_or_path is None \
-            and c.pretrained_vae_model_name_or_path is None:
+            and c.pretrained_vae_model_name_or_path is None and c.model_type == "unet":
         # a config file's UNet is checked when it is loaded, a pretrained one is what it is, a
         # latent one at the latents' size (training/autoencoder.py, once the VAE's config is read)
         validate_model_shape(c.model, c.resolution)
@@ -288,6 +290,30 @@ def validate_kind_flags(c: TrainConfig) -> None:
         need(c.guidance_scale == 1, f"--guidance_scale {c.guidance_scale:g} guides on the image with the prediction "
                                     "without it, which --conditioning_dropout_prob 0 never trains: add "
                                     "--conditioning_dropout_prob (e.g. 0.1), or drop --guidance_scale")
+
+
+def validate_backbone(c: TrainConfig) -> None:
+    """--dit_size only with --model_type dit; what a DiT is not built for, refused by name."""
+    if c.model_type != "dit":
+        need(c.dit_size is None, f"--dit_size {c.dit_size} sizes a DiT: add --model_type dit (or drop --dit_size)")
+        return
+    from diffusion_extras.training.config import DIGITS_UNET  # (config.py imports this module)
+
+    need(c.dit_size is None or c.dit_size in DIT_SIZES,
+         f"--dit_size {c.dit_size!r} is not one of: {', '.join(DIT_SIZES)} (or leave it out: it follows the data)")
+    need(c.conditioning == "none", f"--conditioning {c.conditioning} with --model_type dit: a DiT has no input "
+                                   "convolution to widen for the condition's channels; use --model_type unet")
+    height, width = image_size(c.resolution)
+    need(height == width, f"--resolution {height}x{width} with --model_type dit: a DiT unpatchifies square images "
+                          "only; use a square --resolution, or --model_type unet")
+    need(c.model == DIGITS_UNET, "a recipe's `model:` mapping (block_out_channels, ...) shapes a UNet: with "
+                                 "--model_type dit drop it and choose --dit_size")
+    need(c.pretrained_model_name_or_path is None,
+         "--pretrained_model_name_or_path with --model_type dit: fine-tuning starts from a DDPMPipeline's UNet; "
+         "train the DiT from scratch (drop the flag), or fine-tune with --model_type unet")
+    need(c.pretrained_vae_model_name_or_path is None,
+         "--pretrained_vae_model_name_or_path with --model_type dit: a DiT trains in pixel space here; drop the "
+         "flag, or use --model_type unet for latent diffusion")
 
 
 def validate_model_shape(model: dict, resolution: Resolution, vae_factor: int = 1) -> None:

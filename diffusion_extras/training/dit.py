@@ -1,0 +1,95 @@
+"""DiT (Peebles & Xie 2023) as the run's model: diffusers' DiTTransformer2DModel by the paper's size
+names (--dit_size), from a config file, or a size that follows the data; its own label dropout off."""
+from __future__ import annotations
+
+from diffusion_extras.core import vlb
+from diffusion_extras.core.choices import DIT_SHAPES
+from diffusion_extras.data.spec import image_size, resolution_text
+from diffusion_extras.training.config import ConfigError, TrainConfig
+from diffusion_extras.training.models import Choice, load_unet_config
+
+# With no --dit_size: images of at most 32 px a side get a DiT that the digits (16 px) train on a
+# 2-core CPU in minutes, the width and depth of a small ViT (depth 6, width 128, 4 heads of 32:
+# ~1.7M parameters with one class); larger ones DiT-S. The patch is the smallest of 2, 4, 8 that
+# leaves at most 16 x 16 tokens (DiT's 256 px ImageNet model sees 32 x 32 latents as 16 x 16
+# patches of 2), so the attention's cost stays that of 256 tokens at any size up to 128 px.
+SMALL_DIT = (6, 128, 4)            # (depth, hidden size, heads)
+SMALL_DIT_MAX_SIDE = 32            # px: the largest side that gets SMALL_DIT
+MAX_TOKENS_A_SIDE = 16
+DIT_CONFIG_CLASSES = ("DiTTransformer2DModel",)
+
+
+def dit_shape(config: TrainConfig, side: int) -> tuple[tuple[int, int, int], int, str]:
+    """((depth, hidden size, heads), patch size, how it was chosen) for images of `side` px."""
+    if config.dit_size:
+        name, patch = config.dit_size.split("/")
+        return DIT_SHAPES[name], int(patch), f"DiT-{config.dit_size}"
+    patch = next((patch for patch in (2, 4, 8) if side // patch <= MAX_TOKENS_A_SIDE), 8)
+    if side <= SMALL_DIT_MAX_SIDE:
+        return SMALL_DIT, patch, f"a small DiT for {side} px images (no --dit_size chosen)"
+    return DIT_SHAPES["S"], patch, f"DiT-S/{patch} for {side} px images (no --dit_size chosen)"
+
+
+def follow_data(config: TrainConfig, data_channels: int, class_names: list | None = None, latent=None) -> Choice:
+    """The DiT for this run: --model_config_name_or_path's, or --dit_size's, or one that follows the
+    data (dit_shape), with the images' channels (2C outputs with a learned variance), their size, and
+    num_embeds_ada_norm = the number of classes (1 unconditional: DiT always takes a label, and an
+    unconditional one is given its "no class" index, num_embeds_ada_norm)."""
+    side = image_size(config.resolution)[0]  # square: validation refused any other
+    classes = len(class_names) if class_names is not None else 1
+    outputs = vlb.output_channels(data_channels, config.variance_type)
+    if config.model_config_name_or_path:
+        values = dit_config_file(config.model_config_name_or_path)
+        description = f"DiT from {config.model_config_name_or_path}"
+    else:
+        (depth, hidden, heads), patch, description = dit_shape(config, side)
+        values = dict(num_layers=depth, num_attention_heads=heads, attention_head_dim=hidden // heads,
+                      patch_size=patch)
+    values.update(in_channels=data_channels, out_channels=outputs, sample_size=side, num_embeds_ada_norm=classes)
+    if side % values["patch_size"]:
+        raise ConfigError(f"--resolution {resolution_text(config.resolution)} is not a multiple of the DiT's patch "
+                          f"size {values['patch_size']}: use a multiple of it, or a smaller patch (--dit_size)")
+    if class_names is not None:
+        description += f", conditioned on {len(class_names)} classes"
+    return Choice(values, {}, description)
+
+
+def dit_config_file(name: str) -> dict:
+    """A DiTTransformer2DModel config from --model_config_name_or_path (as load_unet_config reads it);
+    a UNet's is refused by name."""
+    values = load_unet_config(name)
+    if values.get("_class_name") not in DIT_CONFIG_CLASSES:
+        raise ConfigError(f"--model_config_name_or_path {name}: a {values.get('_class_name')} config, and "
+                          "--model_type dit builds a DiTTransformer2DModel: give a DiT's config, or --model_type unet")
+    return {key: value for key, value in values.items() if not key.startswith("_")}
+
+
+def build_dit(config: TrainConfig, model: dict, latent=None):
+    """The DiTTransformer2DModel of `model` kwargs (follow_data's), with its label dropout off."""
+    from diffusers import DiTTransformer2DModel
+
+    try:
+        return without_label_dropout(DiTTransformer2DModel(**model))
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"the DiT config is invalid: {error}") from None
+
+
+def without_label_dropout(model):
+    """`model` with its class-label dropout off, in place. diffusers builds each block's label
+    embedding with class_dropout_prob 0.1 (CombinedTimestepLabelEmbeddings' default; LabelEmbedding
+    keeps the "no class" row for any dropout_prob > 0 at construction), and drops labels in training
+    mode with torch.rand of the global RNG: a draw per block and step outside the (seed, micro-step)
+    rule, on top of the trainer's own --condition_dropout. The row stays; the drop goes."""
+    from diffusers.models.embeddings import LabelEmbedding
+
+    for module in model.modules():
+        if isinstance(module, LabelEmbedding):
+            module.dropout_prob = 0.0
+    return model
+
+
+def architecture(config) -> str:
+    """The model line's shape: depth, width, heads, patch and tokens."""
+    tokens = config.sample_size // config.patch_size
+    return (f"DiT depth {config.num_layers}, width {config.num_attention_heads * config.attention_head_dim}, "
+            f"{config.num_attention_heads} heads, patch {config.patch_size} ({tokens}x{tokens} tokens)")

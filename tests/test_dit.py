@@ -1,0 +1,228 @@
+"""--model_type dit (training/dit.py, training/backbones.py) and its export (evaluation/pipeline_dit.py):
+sizes by the paper's names, the DiT's quirks behind the backbone seam (evaluation/pipeline_backbone.py),
+training in-process, the export against a hand loop and loaded without the package, exact resume,
+and the refusals."""
+import json
+
+import faults
+import numpy as np
+import pytest
+import torch
+import yaml
+from helpers import TINY_RECIPE, assert_same_state, run_training
+from package_blocker import run_without_the_package
+
+from diffusion_extras.core.choices import DIT_SIZES
+from diffusion_extras.training import dit
+from diffusion_extras.training.config import ConfigError, TrainConfig, parse_config
+
+# A DiT small enough for a CPU step in milliseconds: 2 blocks of width 32 at 8 px, patch 2 (4x4 tokens).
+TINY_DIT = dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, patch_size=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_dit_config(tmp_path_factory):
+    """A DiTTransformer2DModel config.json (TINY_DIT), as --model_config_name_or_path takes it."""
+    from diffusers import DiTTransformer2DModel
+    folder = tmp_path_factory.mktemp("tiny_dit")
+    DiTTransformer2DModel(in_channels=1, sample_size=8, num_embeds_ada_norm=1, **TINY_DIT).save_config(folder)
+    return str(folder)
+
+
+def dit_recipe(folder, config_folder, **overrides) -> str:
+    """The tiny recipe without its UNet (`model:`), with --model_type dit and the tiny DiT's config."""
+    values = {key: value for key, value in TINY_RECIPE.items() if key != "model"}
+    values.update(model_type="dit", model_config_name_or_path=config_folder, **overrides)
+    path = folder / "dit.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- sizes
+# Peebles & Xie 2023, Table 1 (depth, hidden size, heads) and Table 4's parameters of the /2 models
+# (256 px: 32x32x4 latents, 1000 classes, learned sigma), in millions.
+PAPER = {"S": (12, 384, 6, 33), "B": (12, 768, 12, 130), "L": (24, 1024, 16, 458), "XL": (28, 1152, 16, 675)}
+
+
+@pytest.mark.parametrize("size", DIT_SIZES)
+def test_a_size_by_name_is_the_papers_depth_width_heads_and_patch(size):
+    name, patch = size.split("/")
+    config = TrainConfig(model_type="dit", dit_size=size, resolution=32)
+    values = dit.follow_data(config, 3).model
+    depth, width, heads, _ = PAPER[name]
+    assert (values["num_layers"], values["num_attention_heads"] * values["attention_head_dim"],
+            values["num_attention_heads"], values["patch_size"]) == (depth, width, heads, int(patch))
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_the_slash_2_models_have_the_papers_parameters(name):
+    # diffusers gives every block its own copy of DiT's one timestep and label embedder (the weights
+    # converted from the paper's checkpoints are equal copies): counted once, the paper's figure
+    from accelerate import init_empty_weights
+    from diffusers import DiTTransformer2DModel
+    config = TrainConfig(model_type="dit", dit_size=f"{name}/2", resolution=32, variance_type="learned_range")
+    values = dit.follow_data(config, 4, class_names=[str(i) for i in range(1000)]).model
+    assert values["out_channels"] == 8 and values["num_embeds_ada_norm"] == 1000
+    with init_empty_weights():
+        model = DiTTransformer2DModel(**values)
+    embedder = sum(p.numel() for p in model.transformer_blocks[0].norm1.emb.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    assert round((total - (values["num_layers"] - 1) * embedder) / 1e6) == PAPER[name][3]
+
+
+@pytest.mark.parametrize("side,shape,patch", [(16, dit.SMALL_DIT, 2), (32, dit.SMALL_DIT, 2),
+                                              (64, dit.DIT_SHAPES["S"], 4), (256, dit.DIT_SHAPES["S"], 8)])
+def test_with_no_size_the_dit_follows_the_data(side, shape, patch):
+    values = dit.follow_data(TrainConfig(model_type="dit", resolution=side), 1).model
+    assert (values["num_layers"], values["num_attention_heads"] * values["attention_head_dim"],
+            values["num_attention_heads"]) == shape
+    assert values["patch_size"] == patch and values["sample_size"] == side
+    assert values["num_embeds_ada_norm"] == 1  # unconditional: one class, trained as "no class"
+
+
+# ----------------------------------------------------------------------------- the quirks, behind the seam
+def test_the_built_dit_drops_no_labels_and_draws_nothing_from_the_global_rng():
+    from diffusion_extras.evaluation.pipeline_backbone import predict
+    config = TrainConfig(model_type="dit", resolution=8, class_conditional=True)
+    choice = dit.follow_data(config, 1, class_names=["a", "b", "c"])
+    model = dit.build_dit(config, {**choice.model, **TINY_DIT}).train()
+    x, t, labels = torch.randn(64, 1, 8, 8), torch.randint(0, 1000, (64,)), torch.zeros(64, dtype=torch.long)
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        first, second = predict(model, x, t, labels), predict(model, x, t, labels)
+    assert torch.equal(torch.get_rng_state(), state)  # diffusers' default draws torch.rand per block
+    assert torch.equal(first, second)  # (with its 0.1 dropout some of 64 labels would be dropped)
+
+
+def test_predict_gives_a_dit_one_timestep_per_image_and_its_own_no_class():
+    from diffusers import DiTTransformer2DModel
+
+    from diffusion_extras.evaluation.pipeline_backbone import null_class, predict, sample_shape
+    torch.manual_seed(0)
+    model = DiTTransformer2DModel(in_channels=1, sample_size=8, num_embeds_ada_norm=3, **TINY_DIT).eval()
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        expected = model(x, torch.tensor([7, 7]), class_labels=torch.tensor([3, 3])).sample
+        assert torch.equal(predict(model, x, torch.tensor(7)), expected)  # a sampler's 0-d t, no labels
+    assert null_class(model) == 3 and sample_shape(model) == (1, 8, 8)
+
+
+# ----------------------------------------------------------------------------- training and the export
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_dit_config):
+    """{"unconditional" | "classes": the output folder of 3 steps of the tiny DiT on the digits}."""
+    runs = {}
+    for kind, flags in (("unconditional", []), ("classes", ["--class_conditional"])):
+        folder = tmp_path_factory.mktemp(f"dit_{kind}")
+        result = run_training(dit_recipe(folder, tiny_dit_config), folder / "run", "--max_train_steps", 3, *flags)
+        assert "DiT depth 2, width 32, 2 heads, patch 2 (4x4 tokens)" in result.stdout
+        runs[kind] = folder / "run"
+    return runs
+
+
+def test_a_dit_run_exports_a_dit_pipeline_with_its_classes(trained):
+    for kind, classes in (("unconditional", 1), ("classes", 10)):
+        index = json.loads((trained[kind] / "model_index.json").read_text())
+        assert index["_class_name"] == ["pipeline_dit", "DiTClassPipeline"]
+        assert index["transformer"] == ["diffusers", "DiTTransformer2DModel"]
+        config = json.loads((trained[kind] / "transformer" / "config.json").read_text())
+        assert config["num_embeds_ada_norm"] == classes and config["sample_size"] == 8
+        assert len(index["id2label"]) == (10 if kind == "classes" else 0)
+        losses = [json.loads(line)["loss"] for line in (trained[kind] / "logs" / "history.jsonl").read_text().split(
+            "\n") if '"loss"' in line]
+        assert len(losses) == 3 and all(np.isfinite(losses))
+
+
+def hand_loop(transformer, scheduler, labels, guidance_scale: float, steps: int, seed: int) -> torch.Tensor:
+    """DiT sampling written out: x_T from the seed, one call on [labels; "no class"] a step, guided
+    eps = u + s (c - u), the scheduler's step with the same generator."""
+    generator = torch.manual_seed(seed)
+    scheduler.set_timesteps(steps)
+    size = transformer.config.sample_size
+    x = torch.randn((len(labels), transformer.config.in_channels, size, size), generator=generator)
+    x = x * scheduler.init_noise_sigma
+    null = torch.full_like(labels, transformer.config.num_embeds_ada_norm)
+    for t in scheduler.timesteps:
+        with torch.no_grad():
+            out = transformer(torch.cat([x, x]), t.repeat(2 * len(labels)), class_labels=torch.cat([labels, null]))
+        conditional, unconditional = out.sample.chunk(2)
+        x = scheduler.step(unconditional + guidance_scale * (conditional - unconditional), t, x,
+                           generator=generator).prev_sample
+    return (x / 2 + 0.5).clamp(0, 1)
+
+
+def test_the_export_samples_as_the_hand_loop_and_loads_without_the_package(trained, tmp_path):
+    from diffusion_extras.evaluation.pipeline_dit import DiTClassPipeline
+    pipe = DiTClassPipeline.from_pretrained(trained["classes"])
+    labels = pipe.get_label_ids(["3", "7"])
+    images = pipe(class_labels=labels, guidance_scale=3.0, num_inference_steps=4, generator=torch.manual_seed(1),
+                  output_type="pt").images
+    expected = hand_loop(pipe.transformer, type(pipe.scheduler).from_config(pipe.scheduler.config),
+                         torch.tensor(labels), 3.0, 4, 1)
+    torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
+    np.save(tmp_path / "expected.npy", images.permute(0, 2, 3, 1).numpy())
+    run_without_the_package(
+        "import sys, numpy as np, torch\n"
+        "from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler\n"
+        "pipe = DiffusionPipeline.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "images = pipe(class_labels=pipe.get_label_ids(['3', '7']), guidance_scale=3.0, num_inference_steps=4,\n"
+        "              generator=torch.manual_seed(1), output_type='np').images\n"
+        "assert np.abs(images - np.load(sys.argv[2])).max() < 1e-6, 'not the package pipeline samples'\n"
+        "pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)\n"
+        "assert pipe(class_labels=[0], num_inference_steps=3, output_type='np').images.shape == (1, 8, 8, 1)\n",
+        tmp_path, trained["classes"], tmp_path / "expected.npy")
+
+
+def test_an_unconditional_export_samples_its_no_class_model(trained):
+    from diffusion_extras.evaluation.pipeline_dit import DiTClassPipeline
+    pipe = DiTClassPipeline.from_pretrained(trained["unconditional"])
+    images = pipe(batch_size=2, num_inference_steps=3, generator=torch.manual_seed(0), output_type="pt").images
+    expected = hand_loop(pipe.transformer, type(pipe.scheduler).from_config(pipe.scheduler.config),
+                         torch.tensor([1, 1]), 1.0, 3, 0)  # guidance 1: the "no class" branch alone
+    torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="unconditional"):
+        pipe(class_labels=[0])
+
+
+def test_a_dit_run_resumes_bit_for_bit(tmp_path, tiny_dit_config):
+    recipe = dit_recipe(tmp_path, tiny_dit_config, lr_scheduler="cosine", variance_type="learned_range")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    flags = ("--max_train_steps", 4, "--checkpointing_steps", 2, "--class_conditional")
+    run_training(recipe, straight, *flags)
+    with pytest.raises(faults.ProcessDied):
+        run_training(recipe, resumed, *flags, hooks=faults.hooks(stop_after_checkpoint=2))
+    run_training(recipe, resumed, *flags, "--resume_from_checkpoint", "latest")
+    assert_same_state(straight, resumed, 4)
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("flags,message", [
+    (["--conditioning", "super_resolution"], "--conditioning super_resolution with --model_type dit"),
+    (["--resolution", "16,32"], "--resolution 16x32 with --model_type dit: a DiT unpatchifies square images"),
+    (["--dit_size", "M/2"], "--dit_size 'M/2' is not one of: S/2"),
+    (["--pretrained_model_name_or_path", "google/ddpm-cifar10-32"], "--pretrained_model_name_or_path with"),
+])
+def test_what_a_dit_is_not_built_for_is_refused_before_training(flags, message):
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        parse_config(["--model_type", "dit", *flags])
+
+
+def test_a_dit_size_without_a_dit_and_a_unet_shape_with_one_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="^--dit_size S/2 sizes a DiT: add --model_type dit"):
+        parse_config(["--dit_size", "S/2"])
+    recipe = tmp_path / "unet.yaml"
+    recipe.write_text(yaml.safe_dump({"model": TINY_RECIPE["model"]}))
+    with pytest.raises(ConfigError, match=r"^a recipe's `model:` mapping \(block_out_channels, ...\) shapes a UNet"):
+        parse_config(["--config", str(recipe), "--model_type", "dit"])
+
+
+def test_a_config_file_of_the_other_kind_is_refused_in_one_line(tmp_path, tiny_dit_config):
+    from helpers import tiny_unet
+    tiny_unet().save_config(tmp_path / "unet")
+    recipe = dit_recipe(tmp_path, str(tmp_path / "unet"))
+    result = run_training(recipe, tmp_path / "a", check=False)
+    assert result.returncode == 2 and "a UNet2DModel config, and --model_type dit builds a DiTTransformer2DModel" \
+        in result.stderr and "Traceback" not in result.stderr
+    result = run_training(recipe, tmp_path / "b", "--model_type", "unet", "--model_config_name_or_path",
+                          tiny_dit_config, check=False)
+    assert result.returncode == 2 and "a DiTTransformer2DModel config: add --model_type dit" in result.stderr
