@@ -38,8 +38,12 @@ def null_class(unet) -> int:
 def unconditional_inputs(unet, batch_size: int, device) -> dict:
     """{} for an unconditional UNet, else {"class_labels": "no class" for each image}: the extra
     UNet arguments with which the held-out loss, the gradient probe, debug images and unlabelled
-    sampling get a class-conditional UNet's unconditional prediction."""
+    sampling get a class-conditional UNet's unconditional prediction; for a super-resolution UNet
+    that embeds its condition's noise level (--max_noise_level: class_embed_type "timestep"), level
+    0, the condition as given."""
     unet = getattr(unet, "module", unet)  # DDP-wrapped or not
+    if getattr(getattr(unet, "config", None), "class_embed_type", None) == "timestep":
+        return {"class_labels": torch.zeros((batch_size,), dtype=torch.long, device=device)}
     if getattr(getattr(unet, "config", None), "num_class_embeds", None) is None:
         return {}
     return {"class_labels": torch.full((batch_size,), null_class(unet), dtype=torch.long, device=device)}
@@ -78,8 +82,9 @@ def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tenso
             strong = unet(strong_input.to(net_dtype), t, **conditioning).sample.float()
             weak = guide(strong_input.to(next(guide.parameters()).dtype), t, **conditioning).sample.float()
         else:
-            if condition is not None:  # the image condition dropped
-                both, dropped = torch.cat([strong_input, with_condition(sample, torch.zeros_like(condition))]), {}
+            if condition is not None:  # the image condition dropped (a super-resolution noise level kept)
+                both = torch.cat([strong_input, with_condition(sample, torch.zeros_like(condition))])
+                dropped = {} if class_labels is None else {"class_labels": torch.cat([class_labels, class_labels])}
             else:
                 null = torch.full_like(class_labels, null_class(unet))
                 both, dropped = torch.cat([sample, sample]), {"class_labels": torch.cat([class_labels, null])}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, AutoencoderTiny, ImagePipelineOutput, UNet2DModel, VQModel
+from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler, ImagePipelineOutput, UNet2DModel, VQModel
 from diffusers.image_processor import VaeImageProcessor
 
 from .pipeline_class_conditional import PackagePipeline, _randn, guided_step
@@ -33,6 +33,9 @@ CONDITIONING_KINDS = ("super_resolution", "inpainting", "image")
 # No guidance by default: a model trained without --conditioning_dropout_prob has no dropped-condition
 # prediction to guide with. A literal: the commands read it from this file's text (evaluation/choices.py).
 DEFAULT_IMAGE_GUIDANCE_SCALE = 1.0
+# The noise level a super-resolution model trained with conditioning augmentation (max_noise_level > 0)
+# is sampled at unless told: diffusers' StableDiffusionUpscalePipeline's default.
+DEFAULT_NOISE_LEVEL = 20
 
 
 def condition_channels(kind: str, channels: int) -> int:
@@ -71,6 +74,17 @@ def back_project(images: torch.Tensor, low_resolution: torch.Tensor, factor: int
         difference = low_resolution.float() - shrink(images, factor)
         images = images + F.interpolate(difference, size=images.shape[-2:], mode="bicubic", align_corners=False)
     return images.clamp(-1, 1)
+
+
+def noise_low_resolution(images: torch.Tensor, noise: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Conditioning augmentation (Ho et al. 2021, cascaded diffusion; diffusers' Stable Diffusion x4
+    upscaler): low-resolution `images` [B, C, h, w] in [-1, 1] noised with `noise` to `levels` [B]
+    (integers >= 0), the forward process of DDPM's linear schedule (DDPMScheduler's defaults, 1,000
+    steps) after that many of its steps: sqrt(abar) x + sqrt(1 - abar) noise, level 0 the images as
+    given (the upscaler's low_res_scheduler.add_noise counts its timesteps from one step in)."""
+    alphas_cumprod = torch.cat([torch.ones(1), DDPMScheduler().alphas_cumprod]).to(images.device)
+    abar = alphas_cumprod[levels.long().to(images.device)].float().view(-1, 1, 1, 1)
+    return abar.sqrt() * images.float() + (1 - abar).sqrt() * noise.float()
 
 
 def upsample(low_resolution: torch.Tensor, factor: int) -> torch.Tensor:
@@ -136,12 +150,15 @@ class ImageConditionedPipeline(PackagePipeline):
     _optional_components = ["vae"]  # latent models only
 
     def __init__(self, unet: UNet2DModel, scheduler, vae: AutoencoderKL | VQModel | AutoencoderTiny | None = None,
-                 conditioning: str = "super_resolution", sr_factor: int = 4):
+                 conditioning: str = "super_resolution", sr_factor: int = 4, max_noise_level: int = 0):
         super().__init__()
         if conditioning not in CONDITIONING_KINDS:
             raise ValueError(f"conditioning {conditioning!r} is not one of {', '.join(CONDITIONING_KINDS)}")
         self.register_modules(unet=unet, scheduler=scheduler, vae=vae)
-        self.register_to_config(conditioning=conditioning, sr_factor=int(sr_factor))
+        # max_noise_level: the highest noise level of conditioning augmentation in training (0: none),
+        # as diffusers' upscaler records it
+        self.register_to_config(conditioning=conditioning, sr_factor=int(sr_factor),
+                                max_noise_level=int(max_noise_level))
         # pixels per latent, as diffusers' pipelines name it (1: a pixel model)
         self.vae_scale_factor = vae_scale_factor(vae.config) if vae is not None else 1
 
@@ -174,6 +191,21 @@ class ImageConditionedPipeline(PackagePipeline):
                              f"({'a mask: one' if mask else {1: 'grayscale', 3: 'RGB'}.get(channels, channels)})")
         return images.to(self._execution_device)
 
+    def noise_levels(self, noise_level: int | None, count: int) -> torch.Tensor | None:
+        """The UNet's class_labels: `noise_level` (default DEFAULT_NOISE_LEVEL) for each of `count`
+        images of a model trained with conditioning augmentation, None for one trained without (where
+        a noise_level is refused: the model never saw one)."""
+        maximum = self.config.get("max_noise_level", 0)
+        if not maximum:
+            if noise_level:
+                raise ValueError(f"noise_level={noise_level}: this model was trained without conditioning "
+                                 "augmentation (--max_noise_level): leave noise_level out")
+            return None
+        noise_level = DEFAULT_NOISE_LEVEL if noise_level is None else noise_level
+        if not 0 <= noise_level <= maximum:
+            raise ValueError(f"noise_level={noise_level}: it must lie in [0, max_noise_level {maximum}]")
+        return torch.full((count,), int(noise_level), dtype=torch.long, device=self._execution_device)
+
     def check_size(self, height: int, width: int) -> None:
         multiple = self.size_multiple
         if height % multiple or width % multiple:
@@ -187,7 +219,7 @@ class ImageConditionedPipeline(PackagePipeline):
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
                  return_dict: bool = True, guidance_interval: tuple[float, float] | None = None,
                  callback_on_step_end=None, eta: float = 0.0, latents: torch.Tensor | None = None,
-                 back_projection_steps: int = 0):
+                 back_projection_steps: int = 0, noise_level: int | None = None):
         """Images made from `image`: for super_resolution the low-resolution input (the output is
         sr_factor x its size), for inpainting the image whose `mask_image` pixels (white, >= 0.5) are
         filled (the others come back as given), for image-to-image the conditioning image (the output
@@ -202,7 +234,11 @@ class ImageConditionedPipeline(PackagePipeline):
         diffusers' pipelines (a returned "latents" replaces x_t). back_projection_steps (super-resolution
         only; default 0, none): that many steps of iterative back-projection (back_project) of each
         output onto its input, so that the output, shrunk as training degrades images, gives the
-        input back (the analogue of inpainting's kept pixels); docs/conditioning.md has its gains."""
+        input back (the analogue of inpainting's kept pixels); docs/conditioning.md has its gains.
+        noise_level (a super-resolution model trained with --max_noise_level; default 20, diffusers'
+        upscaler's): the input is noised to that level (noise_low_resolution, its noise drawn from
+        `generator` before the initial noise, as diffusers' upscaler draws it) before it conditions
+        the model, which is told the level."""
         kind, device = self.config.conditioning, self._execution_device
         if back_projection_steps and (kind != "super_resolution" or back_projection_steps < 0):
             raise ValueError(f"back_projection_steps={back_projection_steps}: a count of steps >= 0, for "
@@ -210,6 +246,7 @@ class ImageConditionedPipeline(PackagePipeline):
         if back_projection_steps and output_type == "latent" and self.vae is not None:
             raise ValueError("back_projection_steps works on pixels: ask for output_type 'pil', 'np' or 'pt'")
         pixels = self.preprocess(image, self.image_channels)
+        levels = self.noise_levels(noise_level, len(pixels))
         mask = None
         if kind == "inpainting":
             if mask_image is None:
@@ -217,7 +254,7 @@ class ImageConditionedPipeline(PackagePipeline):
             mask = self.preprocess(mask_image, 1, mask=True).expand(len(pixels), 1, *pixels.shape[-2:])
         elif mask_image is not None:
             raise ValueError(f"mask_image is for inpainting; this pipeline's conditioning is {kind}")
-        condition = pixel_condition(kind, pixels, mask, self.config.sr_factor)
+        condition = pixel_condition(kind, self.augmented(pixels, levels, generator), mask, self.config.sr_factor)
         self.check_size(*condition.shape[-2:])
         if self.vae is not None:
             condition = latent_condition(kind, condition, self.vae)
@@ -230,7 +267,7 @@ class ImageConditionedPipeline(PackagePipeline):
         noise = _randn(shape, generator, device) if latents is None else latents.to(device, torch.float32)
         sample = noise * self.scheduler.init_noise_sigma
         for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # x_t stays fp32
-            sample = guided_step(self.scheduler, self.unet, sample, step, None, guidance_scale, generator,
+            sample = guided_step(self.scheduler, self.unet, sample, step, levels, guidance_scale, generator,
                                  guidance_interval=guidance_interval, condition=condition, eta=eta)
             if callback_on_step_end is not None:
                 returned = callback_on_step_end(self, step, self.scheduler.timesteps[step], {"latents": sample})
@@ -247,7 +284,15 @@ class ImageConditionedPipeline(PackagePipeline):
             images = VaeImageProcessor(do_resize=False).postprocess(images, output_type=output_type)
         return ImagePipelineOutput(images=images) if return_dict else (images,)
 
+    def augmented(self, pixels: torch.Tensor, levels: torch.Tensor | None, generator) -> torch.Tensor:
+        """The low-resolution input noised to `levels` (noise_low_resolution), its noise drawn from
+        `generator`; as given, and nothing drawn, at level 0 or without augmentation (so noise_level=0
+        samples as a call that noises nothing)."""
+        if levels is None or not levels.any():
+            return pixels
+        return noise_low_resolution(pixels, _randn(pixels.shape, generator, pixels.device), levels)
 
-__all__ = ["CONDITIONING_KINDS", "DEFAULT_IMAGE_GUIDANCE_SCALE", "ImageConditionedPipeline", "back_project",
-           "condition_channels", "degrade", "encode_normalised", "latent_condition", "pixel_condition", "quantize",
-           "shrink", "upsample"]
+
+__all__ = ["CONDITIONING_KINDS", "DEFAULT_IMAGE_GUIDANCE_SCALE", "DEFAULT_NOISE_LEVEL", "ImageConditionedPipeline",
+           "back_project", "condition_channels", "degrade", "encode_normalised", "latent_condition",
+           "noise_low_resolution", "pixel_condition", "quantize", "shrink", "upsample"]
