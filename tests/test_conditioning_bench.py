@@ -125,6 +125,7 @@ def test_the_degradations_benchmark_scores_each_model_on_each_degradation(tmp_pa
                         "back_projected_minus_back_projected_bicubic_psnr"):
                 assert np.isfinite(rows[name][key]), (degradation, name, key)
         assert "one_sample_psnr" in rows["plain"] and "one_sample_psnr" not in rows["regression"]
-        assert rows["bicubic"]["back_projected_psnr"] > rows["bicubic"]["psnr"] - 1
+    trained = result["scores"]["bicubic"]["bicubic"]
+    assert trained["back_projected_psnr"] > trained["psnr"]  # on training's degradation projection helps bicubic
     # the untrained degradations move bicubic's input away from the truth
-    assert result["scores"]["noise"]["bicubic"]["psnr"] < result["scores"]["bicubic"]["bicubic"]["psnr"]
+    assert result["scores"]["noise"]["bicubic"]["psnr"] < trained["psnr"]
