@@ -143,20 +143,13 @@ def posterior_mean_psnr(pipeline: str, reference: str, samples: int, steps: int,
     steps (keys prefixed back_projected_), against bicubic and against bicubic back-projected alike."""
     import torch
 
-    from diffusion_extras.cli.common import list_images, load_image, load_pipeline
+    from diffusion_extras.cli.common import list_images, load_image
     from diffusion_extras.evaluation import conditioned
     from diffusion_extras.evaluation.pipeline_image_conditioned import back_project, degrade
-    from diffusion_extras.evaluation.sampling import make_scheduler
 
-    pipe = load_pipeline(pipeline)
-    pipe.scheduler = make_scheduler(scheduler, pipe.scheduler.config)
-    pipe.set_progress_bar_config(disable=True)
     tiles = np.stack([load_image(path, PATCH, 3) for path in list_images(reference)])
     low = (degrade(torch.from_numpy(tiles).permute(0, 3, 1, 2).float() / 127.5 - 1, FACTOR) + 1) / 2
-    draws = [np.concatenate([conditioned.sample_conditioned(pipe, {"image": low[first:first + 64]},
-                                                            range(first, min(first + 64, len(tiles))), steps, seed, 1.0)
-                             for first in range(0, len(tiles), 64)]) for seed in range(samples)]
-    mean = np.mean(np.stack(draws).astype(np.float64), axis=0)
+    _, mean = mean_of_samples(sampling_pipeline(pipeline, scheduler), low, samples, steps)
     bicubic = conditioned.bicubic(tiles, FACTOR)
     report = {"samples_per_image": samples, **paired_gain(np.round(mean).astype(np.uint8), tiles, bicubic, "mean_")}
     if back_projection_steps:
@@ -171,6 +164,29 @@ def posterior_mean_psnr(pipeline: str, reference: str, samples: int, steps: int,
     return report
 
 
+def sampling_pipeline(pipeline: str, scheduler: str):
+    """The exported pipeline at `pipeline`, sampling with `scheduler` (the evaluate command's choice)."""
+    from diffusion_extras.cli.common import load_pipeline
+    from diffusion_extras.evaluation.sampling import make_scheduler
+
+    pipe = load_pipeline(pipeline)
+    pipe.scheduler = make_scheduler(scheduler, pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def mean_of_samples(pipe, low, samples: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the first sample, uint8 [N, H, W, C]; the mean of `samples` samples (seeds 0, 1, ...), float64
+    in 0..255) of each low-resolution input in `low` [N, C, h, w] in [0, 1], 64 a batch, `steps`
+    denoising steps, at the pipeline's default noise_level."""
+    from diffusion_extras.evaluation import conditioned
+
+    draws = [np.concatenate([conditioned.sample_conditioned(pipe, {"image": low[first:first + 64]},
+                                                            range(first, min(first + 64, len(low))), steps, seed, 1.0)
+                             for first in range(0, len(low), 64)]) for seed in range(samples)]
+    return draws[0], np.mean(np.stack(draws).astype(np.float64), axis=0)
+
+
 def paired_gain(images: np.ndarray, tiles: np.ndarray, bicubic: np.ndarray, prefix: str) -> dict:
     """PSNR and SSIM of uint8 `images` against `tiles`, and their PSNR's gain over `bicubic`'s tile
     by tile: mean, standard error and the tiles closer (tiles either reproduces exactly left out)."""
@@ -183,17 +199,22 @@ def paired_gain(images: np.ndarray, tiles: np.ndarray, bicubic: np.ndarray, pref
             f"{prefix}tiles_closer_than_bicubic": f"{int((gain > 0).sum())} of {len(gain)}"}
 
 
-def super_resolution(args, out: str) -> dict:
+def super_resolution_flags(args, out: str, training: str) -> list[str]:
+    """The trainer's flags of a super-resolution run on the `training` crops (its recipe written to `out`)."""
     import yaml
 
-    training, held_out = photo_patches(out, args.patches, args.dihedral)
     recipe = os.path.join(out, "sr-recipe.yaml")
     with open(recipe, "w") as fh:
         yaml.safe_dump({"resolution": PATCH, "model": SR_MODEL, "train_batch_size": 32, "save_images_steps":
                         args.max_train_steps, "checkpointing_steps": args.max_train_steps}, fh)
+    return ["--config", recipe, "--dataset_name", training, "--conditioning", "super_resolution",
+            "--sr_factor", str(FACTOR), "--max_train_steps", str(args.max_train_steps), *args.extra]
+
+
+def super_resolution(args, out: str) -> dict:
+    training, held_out = photo_patches(out, args.patches, args.dihedral)
     run = os.path.join(out, f"sr-{args.max_train_steps}")
-    seconds = train(run, ["--config", recipe, "--dataset_name", training, "--conditioning", "super_resolution",
-                          "--sr_factor", str(FACTOR), "--max_train_steps", str(args.max_train_steps), *args.extra])
+    seconds = train(run, super_resolution_flags(args, out, training))
     sampler = ["--scheduler", args.scheduler, "--num_inference_steps", str(args.num_inference_steps)]
     scoring = [*sampler, "--feature_extractor", "tiny", "--eval_metrics", "fid", "--batch_size", "64"]
     report = evaluate(run, held_out, scoring)
@@ -202,6 +223,175 @@ def super_resolution(args, out: str) -> dict:
     seen = evaluate(run, training_band_tiles(out), scoring)
     report.update(training_band_psnr=seen["psnr"], training_band_bicubic_psnr=seen["bicubic_psnr"])
     return {"train_seconds": seconds, "training_patches": args.patches, "dihedral": args.dihedral, **report}
+
+
+# ----------------------------------------------------------------------------- regression baseline
+def train_regression(run: str, training: str, steps: int, batch_size: int = 32, seed: int = 0) -> float:
+    """The regression baseline, saved as `run`/unet (skipped when there): SR_MODEL's UNet with the
+    condition alone as input (the bicubic upsampling of each crop degraded as training degrades it)
+    trained by MSE to give the crop itself, at timestep 0: the posterior mean that a mean of samples
+    approaches, learned directly (SR3's and Saharia et al.'s regression baseline). Optimised as the
+    trainer's recipe is: AdamW at 2e-3, 100 warm-up steps then a cosine decay, gradients clipped at 1,
+    the EMA of the weights (decay capped at 0.999, warm-up power 3/4) saved; `batch_size` crops a
+    step in a seeded order, one epoch after another. By hand: the trainer trains diffusion models
+    only. Returns the wall time in seconds."""
+    import datasets
+    import torch
+    from diffusers import UNet2DModel
+
+    from diffusion_extras.core.ema import ExponentialMovingAverage
+    from diffusion_extras.core.optimization import make_optimizer, training_lr_schedule
+    from diffusion_extras.evaluation.pipeline_image_conditioned import degrade, upsample
+
+    if os.path.isdir(os.path.join(run, "unet")):
+        return float("nan")
+    started = time.perf_counter()
+    crops = np.stack([np.asarray(image.convert("RGB")) for image in datasets.load_from_disk(training)["image"]])
+    pixels = torch.from_numpy(crops).permute(0, 3, 1, 2).float() / 127.5 - 1
+    torch.manual_seed(seed)
+    unet = UNet2DModel(**SR_MODEL, sample_size=PATCH)
+    optimizer = make_optimizer(unet.parameters(), 2e-3)
+    schedule = training_lr_schedule(optimizer, "cosine", 100, steps)
+    ema = ExponentialMovingAverage(unet.parameters(), max_decay=0.999, inv_gamma=1.0, power=0.75)
+    rng, order = np.random.default_rng(seed), np.empty(0, dtype=np.int64)
+    for step in range(steps):
+        if len(order) < batch_size:
+            order = np.concatenate([order, rng.permutation(len(pixels))])
+        targets, order = pixels[order[:batch_size]], order[batch_size:]
+        condition = upsample(degrade(targets, FACTOR), FACTOR)
+        loss = torch.nn.functional.mse_loss(unet(condition, 0).sample, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+        ema.step(unet.parameters())
+        if step % 50 == 0 or step == steps - 1:
+            print(f"regression step {step + 1}/{steps}: loss {loss.item():.5f}", flush=True)
+    ema.copy_to(unet.parameters())
+    unet.save_pretrained(os.path.join(run, "unet"))
+    return time.perf_counter() - started
+
+
+def regression_output(run: str, low):
+    """The regression baseline's output in [-1, 1] [N, C, H, W] for low-resolution inputs in [0, 1]."""
+    import torch
+    from diffusers import UNet2DModel
+
+    from diffusion_extras.evaluation.pipeline_image_conditioned import upsample
+
+    unet = UNet2DModel.from_pretrained(os.path.join(run, "unet")).eval()
+    with torch.no_grad():
+        return torch.cat([unet(upsample(low[first:first + 64] * 2 - 1, FACTOR), 0).sample
+                          for first in range(0, len(low), 64)]).clamp(-1, 1)
+
+
+# ----------------------------------------------------------------------------- untrained degradations
+JPEG_QUALITY = 75  # Pillow's default
+NOISE_SIGMA = 8    # 8-bit levels: sensor noise of a dim photo
+DEGRADATIONS = {
+    "bicubic": "antialiased bicubic, 8-bit (training's degradation)",
+    "box": "Pillow's box filter (the mean of each 4 x 4 block), 8-bit",
+    "jpeg": f"training's, then saved as JPEG at quality {JPEG_QUALITY} (Pillow's default; 4:2:0 chroma)",
+    "noise": f"training's, plus Gaussian noise of sigma {NOISE_SIGMA} 8-bit levels, rounded to 8 bits",
+}
+
+
+def degraded(tiles: np.ndarray, name: str, seed: int = 0):
+    """The low-resolution inputs [N, C, h, w] in [0, 1] (8-bit levels) of uint8 tiles [N, H, W, C]
+    made by the degradation `name` (DEGRADATIONS; the noise drawn from `seed`)."""
+    import torch
+    from PIL import Image
+
+    from diffusion_extras.evaluation.pipeline_image_conditioned import degrade
+
+    if name == "box":
+        size = (tiles.shape[2] // FACTOR, tiles.shape[1] // FACTOR)
+        low = np.stack([np.asarray(Image.fromarray(tile).resize(size, Image.Resampling.BOX)) for tile in tiles])
+    else:
+        trained = degrade(torch.from_numpy(tiles).permute(0, 3, 1, 2).float() / 127.5 - 1, FACTOR)
+        low = ((trained + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        if name == "jpeg":
+            low = np.stack([jpeg(image) for image in low])
+        elif name == "noise":
+            noise = np.random.default_rng(seed).normal(0, NOISE_SIGMA, low.shape)
+            low = np.clip(np.round(low + noise), 0, 255).astype(np.uint8)
+        elif name != "bicubic":
+            raise ValueError(f"no degradation {name!r} (one of {', '.join(DEGRADATIONS)})")
+    return torch.from_numpy(np.ascontiguousarray(low)).permute(0, 3, 1, 2).float() / 255
+
+
+def jpeg(image: np.ndarray) -> np.ndarray:
+    """uint8 [h, w, C] saved as JPEG at JPEG_QUALITY and read back."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, "JPEG", quality=JPEG_QUALITY)
+    return np.asarray(Image.open(buffer).convert(Image.fromarray(image).mode))
+
+
+def degradation_scores(diffusion_runs: dict, regression: str, tiles: np.ndarray, samples: int, steps: int,
+                       scheduler: str, back_projection_steps: int) -> dict:
+    """For each degradation (DEGRADATIONS) of the held-out `tiles`: bicubic's PSNR and SSIM (of the
+    upsampled input, and back-projected onto it), and for each model, the diffusion models of
+    `diffusion_runs` ({name: export}; the mean of `samples` samples, and one sample) and the
+    `regression` baseline (its output), the same alike with their PSNR's paired gain over bicubic's
+    (unprojected: over bicubic; back-projected: over bicubic back-projected alike)."""
+    import torch
+
+    from diffusion_extras.evaluation import conditioned
+    from diffusion_extras.evaluation.pipeline_image_conditioned import back_project, upsample
+
+    pipes = {name: sampling_pipeline(run, scheduler) for name, run in diffusion_runs.items()}
+    unit = (lambda pixels: conditioned.to_uint8((pixels + 1) / 2))  # noqa: E731  [-1, 1] -> uint8 images
+    report = {}
+    for degradation in DEGRADATIONS:
+        low = degraded(tiles, degradation)
+        project = (lambda pixels: back_project(pixels, low * 2 - 1, FACTOR, back_projection_steps))  # noqa: B023,E731
+        bicubic = upsample(low * 2 - 1, FACTOR)
+        baselines = unit(bicubic), unit(project(bicubic))
+        rows = {"bicubic": {**conditioned.closeness(baselines[0], tiles),
+                            **conditioned.closeness(baselines[1], tiles, prefix="back_projected_")}}
+        outputs = {"regression": (regression_output(regression, low), None)}
+        for name, pipe in pipes.items():
+            first, mean = mean_of_samples(pipe, low, samples, steps)
+            outputs[name] = torch.from_numpy(mean).permute(0, 3, 1, 2).float() / 127.5 - 1, first
+        for name, (output, first) in outputs.items():
+            projected = paired_gain(unit(project(output)), tiles, baselines[1], "back_projected_")
+            rows[name] = {**paired_gain(unit(output), tiles, baselines[0], ""),
+                          **{key.replace("minus_bicubic", "minus_back_projected_bicubic")
+                             .replace("closer_than_bicubic", "closer_than_back_projected_bicubic"): value
+                             for key, value in projected.items()}}
+            if first is not None:
+                rows[name]["one_sample_psnr"] = conditioned.closeness(first, tiles)["psnr"]
+        report[degradation] = rows
+    return report
+
+
+def super_resolution_degradations(args, out: str) -> dict:
+    """The plain upscaler and one trained with conditioning augmentation (--max_noise_level), equal in
+    everything else, and the regression baseline, scored on the held-out tiles degraded as training
+    degrades them and by each untrained degradation (DEGRADATIONS)."""
+    from diffusion_extras.cli.common import list_images, load_image
+    from diffusion_extras.evaluation.pipeline_image_conditioned import DEFAULT_NOISE_LEVEL
+
+    training, held_out = photo_patches(out, args.patches, args.dihedral)
+    flags, steps = super_resolution_flags(args, out, training), args.max_train_steps
+    runs = {"plain": os.path.join(out, f"sr-{steps}"),
+            "augmented": os.path.join(out, f"sr-{steps}-noise{args.max_noise_level}")}
+    seconds = {"plain": train(runs["plain"], flags),
+               "augmented": train(runs["augmented"], [*flags, "--max_noise_level", str(args.max_noise_level)])}
+    regression = os.path.join(out, f"regression-{steps}")
+    seconds["regression"] = train_regression(regression, training, steps)
+    tiles = np.stack([load_image(path, PATCH, 3) for path in list_images(held_out)])
+    return {"train_seconds": seconds, "training_patches": args.patches, "dihedral": args.dihedral,
+            "max_noise_level": args.max_noise_level, "noise_level": DEFAULT_NOISE_LEVEL,
+            "samples_per_image": args.samples_per_image, "back_projection_steps": args.back_projection_steps,
+            "num_samples": len(tiles), "degradations": DEGRADATIONS,
+            "scores": degradation_scores(runs, regression, tiles, args.samples_per_image, args.num_inference_steps,
+                                         args.scheduler, args.back_projection_steps)}
 
 
 # ----------------------------------------------------------------------------- inpainting
@@ -263,7 +453,7 @@ def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    parser.add_argument("--task", choices=("super_resolution", "inpainting"), required=True)
+    parser.add_argument("--task", choices=tuple(TASKS), required=True)
     parser.add_argument("--max_train_steps", type=int, required=True)
     parser.add_argument("--scheduler", choices=("ddim", "ddpm", "dpm"), default="ddim",
                         help="the sampler of every sample (the evaluate command's --scheduler; default: ddim)")
@@ -276,17 +466,23 @@ def main(argv=None) -> dict:
     parser.add_argument("--back_projection_steps", type=int, default=10,
                         help="super_resolution: also score the mean back-projected onto the input this many steps, "
                              "beside bicubic back-projected alike (the commands' flag; 0: not; default: 10)")
+    parser.add_argument("--max_noise_level", type=int, default=350,
+                        help="super_resolution_degradations: the augmented run's --max_noise_level (default: 350, "
+                             "diffusers' x4 upscaler's); it samples at the pipeline's default noise_level")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "conditioning"))
     args = parser.parse_args(argv[:split])
     args.extra = argv[split + 1:]  # flags after -- go to both trainings
     os.makedirs(args.out, exist_ok=True)
     result = {"task": args.task, "max_train_steps": args.max_train_steps, "extra_flags": args.extra,
-              **(super_resolution if args.task == "super_resolution" else inpainting)(args, args.out)}
+              **TASKS[args.task](args, args.out)}
     with open(os.path.join(args.out, f"results-{args.task}.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     print(json.dumps(result, indent=1))
     return result
 
+
+TASKS = {"super_resolution": super_resolution, "super_resolution_degradations": super_resolution_degradations,
+         "inpainting": inpainting}
 
 if __name__ == "__main__":
     main()

@@ -92,3 +92,54 @@ def test_the_super_resolution_benchmark_scores_held_out_and_trained_on_tiles_aga
     assert result["back_projection_steps"] == 10
     assert result["back_projected_bicubic_psnr"] > result["bicubic_psnr"] + 0.1
     assert result["back_projected_bicubic_minus_bicubic_psnr"] > 0
+
+
+def test_each_degradation_makes_what_it_names():
+    """Training's degradation is the pipeline's degrade; box is the mean of each 4 x 4 block; JPEG and
+    noise start from training's and change it, the noise by about its sigma."""
+    import numpy as np
+    import torch
+
+    from diffusion_extras.evaluation.pipeline_image_conditioned import degrade
+
+    quality = load_bench_module("conditioning_quality")
+    tiles = np.random.default_rng(0).integers(0, 256, (6, 32, 32, 3), dtype=np.uint8)
+    trained = (degrade(torch.from_numpy(tiles).permute(0, 3, 1, 2).float() / 127.5 - 1, 4) + 1) / 2
+    torch.testing.assert_close(quality.degraded(tiles, "bicubic"), trained, atol=1e-6, rtol=0)
+    blocks = tiles.reshape(6, 8, 4, 8, 4, 3).astype(np.float64).mean((2, 4))
+    box = quality.degraded(tiles, "box").permute(0, 2, 3, 1).numpy() * 255
+    assert np.abs(box - blocks).max() <= 1  # Pillow averages 8-bit images in fixed point
+    for name, low, high in (("jpeg", 1, 40), ("noise", 6, 10)):
+        difference = (quality.degraded(tiles, name) - trained) * 255
+        assert low < difference.std() < high, (name, difference.std())
+    levels = quality.degraded(tiles, "noise") * 255
+    assert (levels - levels.round()).abs().max() < 1e-3  # 8-bit levels
+
+
+def test_the_degradations_benchmark_scores_each_model_on_each_degradation(tmp_path):
+    """Tiny runs (one step each): the plain and augmented upscalers (equal but for --max_noise_level)
+    and the regression baseline, each scored on the held-out tiles under every degradation beside
+    bicubic, unprojected and back-projected, with paired gains."""
+    import numpy as np
+
+    quality = load_bench_module("conditioning_quality")
+    out = tmp_path / "out"
+    result = quality.main(["--task", "super_resolution_degradations", "--max_train_steps", "1",
+                           "--num_inference_steps", "1", "--patches", "8", "--samples_per_image", "2",
+                           "--max_noise_level", "50", "--out", str(out), "--", "--train_batch_size", "4"])
+    assert json.loads((out / "sr-1-noise50" / "model_index.json").read_text())["max_noise_level"] == 50
+    assert json.loads((out / "sr-1" / "model_index.json").read_text())["max_noise_level"] == 0
+    assert (out / "regression-1" / "unet" / "config.json").is_file()
+    assert result["num_samples"] == 104 and result["noise_level"] == 20 and result["max_noise_level"] == 50
+    assert list(result["scores"]) == ["bicubic", "box", "jpeg", "noise"]
+    for degradation, rows in result["scores"].items():
+        assert sorted(rows) == ["augmented", "bicubic", "plain", "regression"], degradation
+        for name in ("augmented", "plain", "regression"):
+            for key in ("psnr", "minus_bicubic_psnr", "minus_bicubic_psnr_standard_error", "back_projected_psnr",
+                        "back_projected_minus_back_projected_bicubic_psnr"):
+                assert np.isfinite(rows[name][key]), (degradation, name, key)
+        assert "one_sample_psnr" in rows["plain"] and "one_sample_psnr" not in rows["regression"]
+    trained = result["scores"]["bicubic"]["bicubic"]
+    assert trained["back_projected_psnr"] > trained["psnr"]  # on training's degradation projection helps bicubic
+    # the untrained degradations move bicubic's input away from the truth
+    assert result["scores"]["noise"]["bicubic"]["psnr"] < trained["psnr"]

@@ -46,8 +46,13 @@ def check_guidance_trained(guidance_scale: float, dropout: float | None, flag: s
 def unconditional_inputs(unet, batch_size: int, device) -> dict:
     """{} for an unconditional UNet, else {"class_labels": "no class" for each image}: the extra
     UNet arguments with which the held-out loss, the gradient probe, debug images and unlabelled
-    sampling get a class-conditional UNet's unconditional prediction."""
-    null = null_class(unet)  # DDP-wrapped or not
+    sampling get a class-conditional UNet's unconditional prediction; for a super-resolution UNet
+    that embeds its condition's noise level (--max_noise_level: class_embed_type "timestep"), level
+    0, the condition as given."""
+    config = getattr(getattr(unet, "module", unet), "config", None)  # DDP-wrapped or not
+    if getattr(config, "class_embed_type", None) == "timestep":
+        return {"class_labels": torch.zeros((batch_size,), dtype=torch.long, device=device)}
+    null = null_class(unet)
     if null is None:
         return {}
     return {"class_labels": torch.full((batch_size,), null, dtype=torch.long, device=device)}
@@ -86,8 +91,9 @@ def guided_model_output(unet, sample: torch.Tensor, t, class_labels: torch.Tenso
             strong = predict(unet, strong_input.to(net_dtype), t, **conditioning).float()
             weak = predict(guide, strong_input.to(next(guide.parameters()).dtype), t, **conditioning).float()
         else:
-            if condition is not None:  # the image condition dropped
-                both, dropped = torch.cat([strong_input, with_condition(sample, torch.zeros_like(condition))]), {}
+            if condition is not None:  # the image condition dropped (a super-resolution noise level kept)
+                both = torch.cat([strong_input, with_condition(sample, torch.zeros_like(condition))])
+                dropped = {} if class_labels is None else {"class_labels": torch.cat([class_labels, class_labels])}
             else:
                 null = torch.full_like(class_labels, null_class(unet))
                 both, dropped = torch.cat([sample, sample]), {"class_labels": torch.cat([class_labels, null])}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from diffusers import AutoencoderKL, AutoencoderTiny, ImagePipelineOutput, UNet2DModel, VQModel
+from diffusers import AutoencoderKL, AutoencoderTiny, DDPMScheduler, ImagePipelineOutput, UNet2DModel, VQModel
 from diffusers.image_processor import VaeImageProcessor
 
 # diffusers copies only the loaded file's own relative imports into its module cache (trust_remote_code):
@@ -39,6 +39,9 @@ CONDITIONING_KINDS = ("super_resolution", "inpainting", "image")
 # No guidance by default: a model trained without --conditioning_dropout_prob has no dropped-condition
 # prediction to guide with. A literal: the commands read it from this file's text (evaluation/choices.py).
 DEFAULT_IMAGE_GUIDANCE_SCALE = 1.0
+# The noise level a super-resolution model trained with conditioning augmentation (max_noise_level > 0)
+# is sampled at unless told: diffusers' StableDiffusionUpscalePipeline's default.
+DEFAULT_NOISE_LEVEL = 20
 
 
 def condition_channels(kind: str, channels: int) -> int:
@@ -84,6 +87,17 @@ def back_project(images: torch.Tensor, low_resolution: torch.Tensor, factor: int
         difference = low_resolution.float() - shrink(images, factor)
         images = images + F.interpolate(difference, size=images.shape[-2:], mode="bicubic", align_corners=False)
     return images.clamp(-1, 1)
+
+
+def noise_low_resolution(images: torch.Tensor, noise: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Conditioning augmentation (Ho et al. 2021, cascaded diffusion; diffusers' Stable Diffusion x4
+    upscaler): low-resolution `images` [B, C, h, w] in [-1, 1] noised with `noise` to `levels` [B]
+    (integers >= 0), the forward process of DDPM's linear schedule (DDPMScheduler's defaults, 1,000
+    steps) after that many of its steps: sqrt(abar) x + sqrt(1 - abar) noise, level 0 the images as
+    given (the upscaler's low_res_scheduler.add_noise counts its timesteps from one step in)."""
+    alphas_cumprod = torch.cat([torch.ones(1), DDPMScheduler().alphas_cumprod]).to(images.device)
+    abar = alphas_cumprod[levels.long().to(images.device)].float().view(-1, 1, 1, 1)
+    return abar.sqrt() * images.float() + (1 - abar).sqrt() * noise.float()
 
 
 def upsample(low_resolution: torch.Tensor, factor: int) -> torch.Tensor:
@@ -228,15 +242,17 @@ class ImageConditionedPipeline(PackagePipeline):
 
     def __init__(self, unet: UNet2DModel, scheduler, vae: AutoencoderKL | VQModel | AutoencoderTiny | None = None,
                  conditioning: str = "super_resolution", sr_factor: int = 4,
-                 conditioning_dropout_prob: float | None = None):
+                 conditioning_dropout_prob: float | None = None, max_noise_level: int = 0):
         super().__init__()
         if conditioning not in CONDITIONING_KINDS:
             raise ValueError(f"conditioning {conditioning!r} is not one of {', '.join(CONDITIONING_KINDS)}")
         self.register_modules(unet=unet, scheduler=scheduler, vae=vae)
         # conditioning_dropout_prob: the trainer's, which taught the prediction without the image that
-        # guidance needs (check_guidance); None: not recorded
+        # guidance needs (check_guidance); None: not recorded. max_noise_level: the highest noise level
+        # of conditioning augmentation in training (0: none), as diffusers' upscaler records it
         self.register_to_config(conditioning=conditioning, sr_factor=int(sr_factor),
-                                conditioning_dropout_prob=conditioning_dropout_prob)
+                                conditioning_dropout_prob=conditioning_dropout_prob,
+                                max_noise_level=int(max_noise_level))
         # pixels per latent, as diffusers' pipelines name it (1: a pixel model)
         self.vae_scale_factor = vae_scale_factor(vae.config) if vae is not None else 1
         # [0, 1] <-> [-1, 1] and the outputs' types, built once (image_batch reads the inputs' layouts)
@@ -290,6 +306,21 @@ class ImageConditionedPipeline(PackagePipeline):
         check_guidance_trained(guidance_scale, self.config.get("conditioning_dropout_prob"),
                                "--conditioning_dropout_prob")
 
+    def noise_levels(self, noise_level: int | None, count: int) -> torch.Tensor | None:
+        """The UNet's class_labels: `noise_level` (default DEFAULT_NOISE_LEVEL) for each of `count`
+        images of a model trained with conditioning augmentation, None for one trained without (where
+        a noise_level is refused: the model never saw one)."""
+        maximum = self.config.get("max_noise_level", 0)
+        if not maximum:
+            if noise_level:
+                raise ValueError(f"noise_level={noise_level}: this model was trained without conditioning "
+                                 "augmentation (--max_noise_level): leave noise_level out")
+            return None
+        noise_level = DEFAULT_NOISE_LEVEL if noise_level is None else noise_level
+        if not 0 <= noise_level <= maximum:
+            raise ValueError(f"noise_level={noise_level}: it must lie in [0, max_noise_level {maximum}]")
+        return torch.full((count,), int(noise_level), dtype=torch.long, device=self._execution_device)
+
     def check_size(self, height: int, width: int) -> None:
         multiple = self.size_multiple
         if height % multiple or width % multiple:
@@ -303,7 +334,7 @@ class ImageConditionedPipeline(PackagePipeline):
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
                  return_dict: bool = True, guidance_interval: tuple[float, float] | None = None,
                  callback_on_step_end=None, eta: float = 0.0, latents: torch.Tensor | None = None,
-                 back_projection_steps: int = 0, num_images_per_prompt: int = 1):
+                 back_projection_steps: int = 0, num_images_per_prompt: int = 1, noise_level: int | None = None):
         """Images made from `image`: for super_resolution the low-resolution input (the output is
         sr_factor x its size), for inpainting the image whose `mask_image` pixels (white, >= 0.5) are
         filled (the others come back as given), for image-to-image the conditioning image (the output
@@ -321,7 +352,11 @@ class ImageConditionedPipeline(PackagePipeline):
         output onto its input, so that the output, shrunk as training degrades images, gives the
         input back (the analogue of inpainting's kept pixels); docs/conditioning.md has its gains.
         num_images_per_prompt: samples of each input image (diffusers' img2img pipelines' name), image
-        i's at outputs i x n ... i x n + n - 1 (a list of generators: one per output)."""
+        i's at outputs i x n ... i x n + n - 1 (a list of generators: one per output).
+        noise_level (a super-resolution model trained with --max_noise_level; default 20, diffusers'
+        upscaler's): the input is noised to that level (noise_low_resolution, its noise drawn from
+        `generator` before the initial noise, as diffusers' upscaler draws it) before it conditions
+        the model, which is told the level."""
         kind, device = self.config.conditioning, self._execution_device
         if back_projection_steps and (kind != "super_resolution" or back_projection_steps < 0):
             raise ValueError(f"back_projection_steps={back_projection_steps}: a count of steps >= 0, for "
@@ -335,7 +370,8 @@ class ImageConditionedPipeline(PackagePipeline):
         mask = self.prepare_mask(mask_image, pixels)
         if num_images_per_prompt > 1:  # each image (and its mask) n times, in turn
             pixels, mask = (x if x is None else x.repeat_interleave(num_images_per_prompt, 0) for x in (pixels, mask))
-        condition = pixel_condition(kind, pixels, mask, self.config.sr_factor)
+        levels = self.noise_levels(noise_level, len(pixels))
+        condition = pixel_condition(kind, self.augmented(pixels, levels, generator), mask, self.config.sr_factor)
         self.check_size(*condition.shape[-2:])
         if self.vae is not None:
             condition = latent_condition(kind, condition, self.vae)
@@ -348,7 +384,7 @@ class ImageConditionedPipeline(PackagePipeline):
         noise = _randn(shape, generator, device) if latents is None else latents.to(device, torch.float32)
         sample = noise * self.scheduler.init_noise_sigma
         for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # x_t stays fp32
-            sample = guided_step(self.scheduler, self.unet, sample, step, None, guidance_scale, generator,
+            sample = guided_step(self.scheduler, self.unet, sample, step, levels, guidance_scale, generator,
                                  guidance_interval=guidance_interval, condition=condition, eta=eta)
             if callback_on_step_end is not None:
                 returned = callback_on_step_end(self, step, self.scheduler.timesteps[step], {"latents": sample})
@@ -365,7 +401,15 @@ class ImageConditionedPipeline(PackagePipeline):
         self.maybe_free_model_hooks()  # after the VAE's decode, as diffusers' pipelines free them
         return ImagePipelineOutput(images=images) if return_dict else (images,)
 
+    def augmented(self, pixels: torch.Tensor, levels: torch.Tensor | None, generator) -> torch.Tensor:
+        """The low-resolution input noised to `levels` (noise_low_resolution), its noise drawn from
+        `generator`; as given, and nothing drawn, at level 0 or without augmentation (so noise_level=0
+        samples as a call that noises nothing)."""
+        if levels is None or not levels.any():
+            return pixels
+        return noise_low_resolution(pixels, _randn(pixels.shape, generator, pixels.device), levels)
 
-__all__ = ["CONDITIONING_KINDS", "DEFAULT_IMAGE_GUIDANCE_SCALE", "ImageConditionedPipeline", "back_project",
-           "condition_channels", "degrade", "encode_normalised", "image_batch", "latent_condition", "pixel_condition",
-           "quantize", "sample_channels", "shrink", "upsample"]
+
+__all__ = ["CONDITIONING_KINDS", "DEFAULT_IMAGE_GUIDANCE_SCALE", "DEFAULT_NOISE_LEVEL", "ImageConditionedPipeline",
+           "back_project", "condition_channels", "degrade", "encode_normalised", "image_batch", "latent_condition",
+           "noise_low_resolution", "pixel_condition", "quantize", "sample_channels", "shrink", "upsample"]

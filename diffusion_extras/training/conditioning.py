@@ -10,12 +10,15 @@ training and sampling condition alike:
 In a latent run the target is the image's latent (the posterior drawn with the step's eps) and the
 condition is encoded by the same VAE (its mean, normalised as the latents; a mask pooled to their
 size); the images are encoded in the step, as a streamed latent run's are. --conditioning_dropout_prob
-replaces a drawn share of the conditions by zeros. Every random choice is a function of (seed,
-micro-step, image): a resume and any number of ranks condition alike.
+replaces a drawn share of the conditions by zeros; --max_noise_level noises super-resolution's
+low-resolution inputs to a drawn level that the UNet is told (conditioning augmentation). Every
+random choice is a function of (seed, micro-step, image): a resume and any number of ranks
+condition alike.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,9 +26,21 @@ import torch
 from diffusion_extras.data import batch_order
 from diffusion_extras.data.conditioning import random_masks
 from diffusion_extras.data.latents import Posterior
-from diffusion_extras.evaluation.pipeline_image_conditioned import degrade, latent_condition, pixel_condition
+from diffusion_extras.evaluation.pipeline_image_conditioned import (
+    degrade,
+    latent_condition,
+    noise_low_resolution,
+    pixel_condition,
+)
 
 MASK_STREAM = 0x4D41534B  # seed stream of the random inpainting masks
+
+
+class ConditionNoise(NamedTuple):
+    """Super-resolution's conditioning augmentation of a batch (--max_noise_level): each low-resolution
+    input's noise level (the UNet's class_labels) and its noise, drawn from (seed, micro-step)."""
+    levels: torch.Tensor  # long [B], 0 to max_noise_level
+    noise: torch.Tensor   # [B, C, H / sr_factor, W / sr_factor]
 
 
 @dataclass(frozen=True)
@@ -38,21 +53,36 @@ class ImageCondition:
     seed: int                  # the run's seed: random masks are drawn from (seed, micro-step, image)
     vae: object | None = None  # latent diffusion: the frozen VAE that encodes the condition (on the device)
     dropout: float | None = None  # --conditioning_dropout_prob: guidance on the image needs it > 0 (None: not known)
+    max_noise_level: int = 0   # super_resolution's conditioning augmentation: levels 0..this (0: none)
 
     def pipeline_config(self) -> dict:
         """What the exported ImageConditionedPipeline records of it."""
-        return {"conditioning": self.kind, "sr_factor": self.sr_factor, "conditioning_dropout_prob": self.dropout}
+        return {"conditioning": self.kind, "sr_factor": self.sr_factor, "conditioning_dropout_prob": self.dropout,
+                "max_noise_level": self.max_noise_level}
+
+    def low_resolution_shape(self, batch_shape) -> tuple | None:
+        """(C, h, w) of the low-resolution inputs of a batch of `batch_shape` [B, C + S, H, W] that
+        conditioning augmentation noises; None without it."""
+        if not self.max_noise_level:
+            return None
+        height, width = batch_shape[-2:]
+        return (self.image_channels, height // self.sr_factor, width // self.sr_factor)
 
     def mask_seeds(self, micro_step: int, first: int, count: int) -> list[int]:
         """The random masks' seeds of images first..first+count-1 of a global micro-batch."""
         return [batch_order.mix_seed(self.seed, micro_step, MASK_STREAM, index)
                 for index in range(first, first + count)]
 
-    def split(self, pixels: torch.Tensor, mask_seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the images, their condition in pixels) of a batch in [-1, 1] [B, C + S, H, W]."""
+    def split(self, pixels: torch.Tensor, mask_seeds: list[int],
+              augmentation: ConditionNoise | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the images, their condition in pixels) of a batch in [-1, 1] [B, C + S, H, W];
+        super-resolution's low-resolution inputs noised by `augmentation` where given."""
         images, stored = pixels[:, :self.image_channels], pixels[:, self.image_channels:]
         if self.kind == "super_resolution":
-            return images, pixel_condition(self.kind, degrade(images, self.sr_factor), factor=self.sr_factor)
+            low_resolution = degrade(images, self.sr_factor)
+            if augmentation is not None:
+                low_resolution = noise_low_resolution(low_resolution, augmentation.noise, augmentation.levels)
+            return images, pixel_condition(self.kind, low_resolution, factor=self.sr_factor)
         if self.kind == "inpainting":
             if self.stored_channels:
                 mask = (stored > 0).float()  # a stored mask, binarised at half its range
@@ -70,11 +100,13 @@ class ImageCondition:
 
     def inputs(self, batch: torch.Tensor, device, mask_seeds: list[int], flip: torch.Tensor | None = None,
                posterior: Posterior | None = None, noise: torch.Tensor | None = None,
-               drops: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               drops: torch.Tensor | None = None,
+               augmentation: ConditionNoise | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the UNet's clean input, its condition) of a data source's batch: pixels in [-1, 1], flipped
         where `flip` (image and stored condition together); with a `posterior` the images' latents
-        (drawn with `noise`; the means without). `drops`: conditions replaced by zeros."""
-        images, condition = self.split(batch_order.to_model_input(batch, device, flip), mask_seeds)
+        (drawn with `noise`; the means without). `drops`: conditions replaced by zeros;
+        `augmentation`: super-resolution's inputs noised (conditioning augmentation)."""
+        images, condition = self.split(batch_order.to_model_input(batch, device, flip), mask_seeds, augmentation)
         clean = images if posterior is None else posterior.draw(*posterior.encode_pixels(images, device), device, noise)
         condition = self.in_model_space(condition)
         if drops is not None:
@@ -83,17 +115,18 @@ class ImageCondition:
 
     def fixed_inputs(self, batch: torch.Tensor, device, posterior: Posterior | None = None) -> tuple:
         """`inputs` with fixed masks (the same at every call: the held-out loss, the gradient probe)
-        and the latents' means: what clean_input gives the monitors of a conditional run."""
+        and the latents' means: what clean_input gives the monitors of a conditional run (with
+        conditioning augmentation, at level 0: pipeline_class_conditional.unconditional_inputs)."""
         return self.inputs(batch, device, self.mask_seeds(batch_order.VALIDATION_STREAM, 0, len(batch)),
                            posterior=posterior)
 
 
 def for_run(kind: str, image_channels: int, stored_channels: int, sr_factor: int, seed: int,
-            vae=None, dropout: float | None = None) -> ImageCondition | None:
+            vae=None, dropout: float | None = None, max_noise_level: int = 0) -> ImageCondition | None:
     """The run's ImageCondition, or None for --conditioning none."""
     if kind == "none":
         return None
-    return ImageCondition(kind, image_channels, stored_channels, sr_factor, seed, vae, dropout)
+    return ImageCondition(kind, image_channels, stored_channels, sr_factor, seed, vae, dropout, max_noise_level)
 
 
 def conditions_of(spec: ImageCondition, images: np.ndarray, seed: int) -> dict:

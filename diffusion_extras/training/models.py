@@ -206,6 +206,13 @@ def build_unet(config: TrainConfig, model: dict | None = None, latent: LatentSpa
     if model is not None and "num_class_embeds" in model:
         values["num_class_embeds"] = model["num_class_embeds"]
     values["in_channels"] += image_conditioned.condition_channels(config.conditioning, values["in_channels"])
+    if config.max_noise_level:  # the noise level of the low-resolution input, embedded as a timestep is
+        taken = {key: values[key] for key in ("class_embed_type", "num_class_embeds") if values.get(key) is not None}
+        if taken:
+            raise ConfigError(f"--max_noise_level gives the UNet its input's noise level through the class "
+                              f"embedding (class_embed_type timestep), which the model config takes for "
+                              f"{', '.join(f'{k} {v}' for k, v in taken.items())}: drop those from it")
+        values["class_embed_type"] = "timestep"
     try:
         return UNet2DModel(**values)
     except (TypeError, ValueError) as error:

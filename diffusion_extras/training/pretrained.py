@@ -72,7 +72,7 @@ class Pretrained(NamedTuple):
     trained_snr_gamma: float | None = None  # its min-SNR gamma (0: unweighted) if its training_config.yaml says
     vae_factor: int | None = None  # a latent pipeline (vae/): the VAE's downsampling factor; None: pixels
     unet_subfolder: str | None = "unet"  # where its UNet is: unet/, or None for the root (google/ddpm-*)
-    conditioning: dict | None = None  # an image-conditioned pipeline's {"conditioning": kind, "sr_factor": n}
+    conditioning: dict | None = None  # an image-conditioned pipeline's {"conditioning", "sr_factor", "max_noise_level"}
 
     def load_unet(self, with_weights: bool):
         """The pipeline's UNet with its weights (from_pretrained), or its shape only (a resume:
@@ -126,6 +126,11 @@ class Pretrained(NamedTuple):
         if base_kind not in ("none", config.conditioning):
             raise ConfigError(f"{flag}: its UNet is conditioned for {base_kind}: fine-tune it with --conditioning "
                               f"{base_kind} (or leave --conditioning out)")
+        trained_level = (self.conditioning or {}).get("max_noise_level", 0)
+        if bool(trained_level) != bool(config.max_noise_level):
+            raise ConfigError(f"{flag}: its UNet was trained {'with' if trained_level else 'without'} conditioning "
+                              f"augmentation (max_noise_level {trained_level}), which shapes its class embedding: "
+                              f"leave --max_noise_level out (its value is taken)")
         channels, size = sample_channels(base_kind, unet.get("in_channels", 3)), unet_size(unet)
         if (latent is None) != (self.vae_factor is None):
             raise ConfigError(f"{flag}: its UNet was trained on {'pixels' if latent else 'latents'}: "
@@ -260,8 +265,8 @@ def load(name: str) -> Pretrained:
 
 
 def image_conditioning(source: str) -> dict | None:
-    """{"conditioning": kind, "sr_factor": n} of the image-conditioned pipeline at `source` (its
-    model_index.json names ImageConditionedPipeline), else None."""
+    """{"conditioning": kind, "sr_factor": n, "max_noise_level": m} of the image-conditioned pipeline
+    at `source` (its model_index.json names ImageConditionedPipeline), else None."""
     from diffusers import DiffusionPipeline
 
     try:
@@ -271,7 +276,8 @@ def image_conditioning(source: str) -> dict | None:
     name = index.get("_class_name")
     if not (isinstance(name, list) and name[-1] == IMAGE_PIPELINE_CLASS):
         return None
-    return {"conditioning": index["conditioning"], "sr_factor": int(index.get("sr_factor", 4))}
+    return {"conditioning": index["conditioning"], "sr_factor": int(index.get("sr_factor", 4)),
+            "max_noise_level": int(index.get("max_noise_level", 0))}
 
 
 def trained_snr_gamma(source: str) -> float | None:

@@ -62,7 +62,7 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
             autoencoder.offload_encoder(latent.vae)
     condition = conditioning.for_run(config.conditioning, channels, stored_channels(config.data_spec(), channels),
                                      config.sr_factor, config.seed, latent.vae if latent else None,
-                                     config.conditioning_dropout_prob)
+                                     config.conditioning_dropout_prob, config.max_noise_level)
     sample = torch.from_numpy(source.reference_sample(2048))
     if condition is not None:  # pixels: a stored condition's channels off
         sample = sample[:, :channels]

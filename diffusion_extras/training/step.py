@@ -11,17 +11,20 @@ from diffusion_extras.core.optimization import step_unless_nonfinite
 from diffusion_extras.data import batch_order, latents
 from diffusion_extras.evaluation.pipeline_backbone import null_class, predict
 from diffusion_extras.evaluation.pipeline_class_conditional import with_condition
+from diffusion_extras.training.conditioning import ConditionNoise
 from diffusion_extras.training.hooks import hook
 from diffusion_extras.training.run_state import Run
 
 
-def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
+def micro_step_randomness(run: Run, micro_step: int, shape, low_resolution_shape=None) -> tuple:
     """Noise (with --offset_noise's offsets), timesteps (with their importance weights), flips and
     label or image-condition drops (--condition_dropout, --conditioning_dropout_prob; None
     unconditional) for the whole global micro-batch, from
     (seed, micro-step): every rank draws the same and keeps its slice, so results do not depend on
     the number of ranks. Returns the global timesteps too (a loss-aware sampler learns from them),
-    and last, for latent diffusion, the eps of each latent's draw from its posterior (else None)."""
+    then, for latent diffusion, the eps of each latent's draw from its posterior (else None), and
+    last, with `low_resolution_shape` (super-resolution's conditioning augmentation, --max_noise_level),
+    the ConditionNoise of each low-resolution input (else None)."""
     device, global_batch = run.accelerator.device, run.data.global_micro_batch_size
     generator = torch.Generator(device).manual_seed(batch_order.mix_seed(run.config.seed, micro_step, 1))
     noise = torch.randn((global_batch, *shape), generator=generator, device=device)
@@ -40,9 +43,14 @@ def micro_step_randomness(run: Run, micro_step: int, shape) -> tuple:
                     if run.data.posterior is not None else None)
     rank, batch = run.accelerator.process_index, run.config.train_batch_size
     part = slice(rank * batch, (rank + 1) * batch)
+    augmentation = None
+    if low_resolution_shape is not None:  # drawn after every other draw: a run without it keeps its draws
+        levels = torch.randint(0, run.config.max_noise_level + 1, (global_batch,), generator=generator, device=device)
+        low_noise = torch.randn((global_batch, *low_resolution_shape), generator=generator, device=device)
+        augmentation = ConditionNoise(levels[part], low_noise[part])
     return (noise[part], timesteps[part], importance[part] if importance is not None else None,
             flips[part] if run.config.random_flip else None, drops[part] if drops is not None else None, timesteps,
-            latent_noise[part] if latent_noise is not None else None)
+            latent_noise[part] if latent_noise is not None else None, augmentation)
 
 
 def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool) -> torch.Tensor:
@@ -53,8 +61,9 @@ def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool)
     batch, labels = batch_order.split_batch(batch)
     posterior = run.data.posterior  # latent diffusion: the batch holds posteriors, the UNet sees latents
     shape = model_shape(run, batch.shape)
-    noise, timesteps, importance, flips, drops, global_timesteps, latent_noise = micro_step_randomness(
-        run, micro_step, shape)
+    augmented = run.data.condition.low_resolution_shape(batch.shape) if run.data.condition is not None else None
+    noise, timesteps, importance, flips, drops, global_timesteps, latent_noise, augmentation = micro_step_randomness(
+        run, micro_step, shape, augmented)
     condition = None
     if run.data.condition is None:
         clean = latents.model_input(batch, accelerator.device, flips, posterior, latent_noise)
@@ -62,8 +71,9 @@ def forward_backward(run: Run, batch: torch.Tensor, micro_step: int, sync: bool)
         first = accelerator.process_index * config.train_batch_size  # this rank's images of the global batch
         clean, condition = run.data.condition.inputs(
             batch, accelerator.device, run.data.condition.mask_seeds(micro_step, first, len(batch)), flips,
-            posterior, latent_noise, drops)
-    class_labels = conditioning_labels(run, labels, drops)
+            posterior, latent_noise, drops, augmentation)
+    # the class labels, or with conditioning augmentation the UNet's input's noise levels
+    class_labels = conditioning_labels(run, labels, drops) if augmentation is None else augmentation.levels
     if hook(run, "model_input") is not None:
         clean = run.hooks.model_input(run, clean, micro_step)
     with accelerator.no_sync(run.learner.unet) if not sync else contextlib.nullcontext():

@@ -246,6 +246,11 @@ def validate_conditioning(c: TrainConfig) -> None:
              f"--{name} is read with --conditioning {kind}: add it, or drop --{name}")
     need(0 <= c.conditioning_dropout_prob < 1,
          f"--conditioning_dropout_prob must lie in [0, 1) (got {c.conditioning_dropout_prob})")
+    need(c.max_noise_level >= 0, f"--max_noise_level must be >= 0 (got {c.max_noise_level})")
+    need(not c.max_noise_level or c.conditioning == "super_resolution",
+         "--max_noise_level noises a low-resolution input: it is for --conditioning super_resolution")
+    need(c.max_noise_level < 1000, f"--max_noise_level {c.max_noise_level}: a level of the 1,000-step schedule the "
+                                   "low-resolution input is noised with; use at most 999 (diffusers' upscaler: 350)")
     if c.conditioning == "none":
         need(not c.conditioning_dropout_prob,
              "--conditioning_dropout_prob drops an image condition: add --conditioning")
