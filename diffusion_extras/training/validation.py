@@ -96,12 +96,20 @@ def validate_ranges(c: TrainConfig) -> None:
 FLOW_SETTINGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "flow_shift")
 
 
+def given_off_default(c: TrainConfig, name: str) -> bool:
+    """Whether setting `name` was given with a value other than its default. A recipe, and a run's
+    saved training_config.yaml, hold every setting, those its kind of run does not read at their
+    defaults: such a file must read back, so only a value that would change something is refused."""
+    default = next(f.default for f in fields(c) if f.name == name)
+    return name in c.given and getattr(c, name) != default
+
+
 def validate_objective(c: TrainConfig) -> None:
     """--objective's own flags, and the other objective's refused by name where they were given."""
     need(c.logit_std > 0, f"--logit_std must be positive (got {c.logit_std})")
     need(c.flow_shift > 0, f"--flow_shift must be positive (1: no shift; got {c.flow_shift})")
     if c.objective != "flow_matching":
-        given = [name for name in FLOW_SETTINGS if name in c.given]
+        given = [name for name in FLOW_SETTINGS if given_off_default(c, name)]
         need(not given, f"--{given[0] if given else ''} is a flow-matching setting: add --objective flow_matching "
                         "or drop it")
         return
@@ -286,7 +294,7 @@ def validate_kind_flags(c: TrainConfig) -> None:
              "guidance_scale": ("--class_conditional or --conditioning",
                                 c.class_conditional or c.conditioning != "none" or inherited)}
     for name, (kind, applies) in kinds.items():
-        need(name not in c.given or applies, f"--{name} is read with {kind}: add it, or drop --{name}")
+        need(not given_off_default(c, name) or applies, f"--{name} is read with {kind}: add it, or drop --{name}")
     if c.class_conditional and c.condition_dropout == 0:
         need(c.guidance_scale == 1, f"--guidance_scale {c.guidance_scale:g} guides with the 'no class' prediction, "
                                     "which --condition_dropout 0 never trains: give --guidance_scale 1 (no guidance) "
