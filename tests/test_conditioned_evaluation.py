@@ -13,14 +13,15 @@ from diffusion_extras.evaluation import conditioned, digits
 from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline, condition_channels
 
 
-def save_pipeline(folder, kind: str, sr_factor: int = 2, sample_size: int = 8) -> str:
-    """A tiny ImageConditionedPipeline (random weights, the trainer's scheduler) saved as the trainer exports."""
+def save_pipeline(folder, kind: str, sr_factor: int = 2, sample_size: int = 8, **recorded) -> str:
+    """A tiny ImageConditionedPipeline (random weights, the trainer's scheduler) saved as the trainer
+    exports; `recorded`: what the export records of training (conditioning_dropout_prob, max_noise_level)."""
     from diffusion_extras.training.config import TrainConfig
     from diffusion_extras.training.models import build_noise_scheduler
 
     unet = tiny_unet(1, sample_size=sample_size, in_channels=1 + condition_channels(kind, 1))
     ImageConditionedPipeline(unet, build_noise_scheduler(TrainConfig(ddpm_num_steps=100)), conditioning=kind,
-                             sr_factor=sr_factor).save_pretrained(folder)
+                             sr_factor=sr_factor, **recorded).save_pretrained(folder)
     return str(folder)
 
 
@@ -180,6 +181,25 @@ def test_what_the_sample_command_refuses(tmp_path, flags, message):
     assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("kind, level, message", [
+    ("super_resolution", 5, "--noise_level 5: this pipeline was trained without conditioning augmentation "
+                            "(--max_noise_level): drop it"),
+    ("inpainting", 5, "--noise_level is for super-resolution pipelines; this pipeline's conditioning is inpainting: "
+                   "drop it"),
+    ("augmented", 101, "--noise_level 101: this pipeline takes levels 0 to 100 (its --max_noise_level)"),
+])
+def test_noise_level_is_refused_before_loading_where_the_pipeline_takes_no_such_level(tmp_path, kind, level,
+                                                                                      message):
+    """--noise_level is a super-resolution pipeline's trained with conditioning augmentation, within
+    the levels it saw; elsewhere one line from the folder's model_index.json, before the UNet loads."""
+    pipeline = (save_pipeline(tmp_path / kind, "super_resolution", max_noise_level=100) if kind == "augmented"
+                else save_pipeline(tmp_path / kind, kind))
+    (tmp_path / kind / "unet" / "diffusion_pytorch_model.safetensors").unlink()  # never read
+    result = run_cli(["-m", "diffusion_extras.sample", pipeline, "--conditioning_images", ".", "--noise_level", level,
+                      "--output", tmp_path / "out"], check=False)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == f"error: {message}"
+
+
 @pytest.mark.parametrize("command", ["sample", "evaluate"])
 def test_both_commands_refuse_back_projection_for_a_pipeline_that_is_not_super_resolution(tmp_path, command):
     """An unconditional pipeline given --back_projection_steps: one line naming the flag, before any sampling."""
@@ -219,11 +239,20 @@ def test_a_hub_id_is_refused_the_flags_that_mean_nothing_for_its_kind_as_a_folde
          "--baseline is for inpainting pipelines; this pipeline's conditioning is super_resolution"),
         ("evaluate", "someone/inpainting", ["--mask", "left", "--masks", reference],
          "--mask draws masks where no --masks are given: give one of them"),
+        ("sample", "someone/sr", ["--conditioning_images", reference, "--noise_level", "20"],
+         "--noise_level 20: this pipeline was trained without conditioning augmentation (--max_noise_level)"),
+        ("evaluate", "someone/inpainting", ["--noise_level", "20"], "--noise_level is for super-resolution pipelines"),
+        ("sample", "someone/sr_undropped", ["--conditioning_images", reference, "--guidance_scale", "3"],
+         "guidance_scale=3: this model was trained with --conditioning_dropout_prob 0"),
+        ("evaluate", "someone/sr_undropped", ["--guidance_scale", "3"],
+         "guidance_scale=3: this model was trained with --conditioning_dropout_prob 0"),
     ]
     with HubServer() as server:
         server.add_repo("someone/unconditional", save_tiny_pipeline(tmp_path / "unconditional"))
         server.add_repo("someone/sr", save_pipeline(tmp_path / "sr", "super_resolution"))
         server.add_repo("someone/inpainting", save_pipeline(tmp_path / "inpainting", "inpainting"))
+        server.add_repo("someone/sr_undropped", save_pipeline(tmp_path / "sr_undropped", "super_resolution",
+                                                              conditioning_dropout_prob=0.0))
         serve_in_process(monkeypatch, server, tmp_path / "hub_cache")
         for command, repo, flags, message in refused:
             extra = ["--reference", reference, "--feature_extractor", "tiny"] if command == "evaluate" else []

@@ -215,3 +215,54 @@ def test_a_resumed_augmented_run_is_bit_exact(tiny_recipe, tmp_path):
     changed = run_training(recipe, tmp_path / "resumed", *flags[:-1], 8, "--max_noise_level", 100,
                            "--resume_from_checkpoint", "latest", check=False)  # its resume policy: refuse
     assert changed.returncode != 0 and "max_noise_level" in changed.stderr, changed.stderr[-2000:]
+
+
+@pytest.mark.xdist_group("test_conditioning_augmentation.augmented_run")
+def test_the_commands_take_noise_level(augmented_run, tmp_path):
+    """`sample --noise_level N` gives the inputs at level N (the default is the pipeline's, 20; another
+    level samples other images); `evaluate` reports the level it scored at."""
+    import numpy as np
+    from helpers import run_cli
+    from PIL import Image
+
+    low = tmp_path / "low"
+    low.mkdir()
+    for index in range(2):
+        pixels = np.random.default_rng(index).integers(0, 256, (4, 4), dtype=np.uint8)
+        Image.fromarray(pixels).save(low / f"{index}.png")
+    made = {}
+    for level in (None, 20, 80):
+        out = tmp_path / f"out-{level}"
+        run_cli(["-m", "diffusion_extras.sample", augmented_run, "--conditioning_images", low, "--output", out,
+                 "--num_inference_steps", 2, *(["--noise_level", level] if level is not None else [])])
+        made[level] = [np.asarray(Image.open(out / f"{index:06d}.png")) for index in range(2)]
+    assert all(np.array_equal(a, b) for a, b in zip(made[None], made[20]))
+    assert not all(np.array_equal(a, b) for a, b in zip(made[20], made[80]))
+    for level, flags in ((80, ["--noise_level", 80]), (20, [])):
+        run_cli(["-m", "diffusion_extras.evaluate", augmented_run, "--reference", tmp_path / "out-80",
+                 "--feature_extractor", "tiny", "--eval_metrics", "fid", "--num_inference_steps", 2, *flags,
+                 "--output", tmp_path / "report.json"])
+        assert json.loads((tmp_path / "report.json").read_text())["noise_level"] == level
+
+
+@pytest.mark.xdist_group("test_conditioning_augmentation.augmented_run")
+def test_the_model_card_gives_the_noise_level_and_its_call_runs(augmented_run, tmp_path, monkeypatch):
+    """The card of an augmented export says what noise_level is and calls the pipeline with it; the
+    call runs as written against the folder."""
+    import numpy as np
+    from PIL import Image
+
+    from diffusion_extras.hub.push import write_model_card
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    index = json.loads((augmented_run / "model_index.json").read_text())
+    card = write_model_card(str(augmented_run), {"repo_id": str(augmented_run), "conditioning": {
+        key: index[key] for key in ("conditioning", "sr_factor", "conditioning_dropout_prob", "max_noise_level")}})
+    text = open(card).read()
+    assert "inputs were noised to levels 0 to 100" in text
+    code = text.split("## Usage")[1].split("```python\n")[1].split("```")[0]
+    assert "noise_level=20" in code
+    monkeypatch.chdir(tmp_path)
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(tmp_path / "low_resolution.png")
+    exec(compile(code.replace("num_inference_steps=50", "num_inference_steps=2"), "model card", "exec"), {})
+    assert Image.open(tmp_path / "result.png").size == (8, 8)

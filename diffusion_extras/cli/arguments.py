@@ -72,7 +72,8 @@ MASK_KINDS = ("random", "top", "bottom", "left", "right")  # --mask: data/condit
 
 
 def add_condition_arguments(parser: argparse.ArgumentParser, images_help: str) -> None:
-    """--conditioning_images, --masks and --mask of the sample and evaluate commands (image-conditioned pipelines)."""
+    """--conditioning_images, --masks, --back_projection_steps, --noise_level and --mask of the sample and
+    evaluate commands (image-conditioned pipelines)."""
     parser.add_argument("--conditioning_images", default=None, metavar="DIR", help=images_help)
     parser.add_argument("--masks", default=None, metavar="DIR",
                         help="inpainting: the masks (white = to fill), the files at the same relative paths as the "
@@ -81,6 +82,10 @@ def add_condition_arguments(parser: argparse.ArgumentParser, images_help: str) -
                         help="super-resolution: N steps of iterative back-projection of each output onto its input, "
                              "so that the output, downsampled again, gives the input back (docs/conditioning.md; "
                              "default: %(default)s, none)")
+    parser.add_argument("--noise_level", type=non_negative_int, default=None, metavar="N",
+                        help="super-resolution trained with --max_noise_level: the noise level its inputs are given "
+                             "at (0 to that maximum; higher for noisier or otherwise degraded inputs; default: the "
+                             "pipeline's, 20)")
     parser.add_argument("--mask", choices=MASK_KINDS, default=None,
                         help="inpainting without --masks: random masks as training draws them (from --seed), or one "
                              "half of each image (default: random)")

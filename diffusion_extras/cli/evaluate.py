@@ -189,6 +189,7 @@ def conditioned_metrics(args, pipeline, groups: dict, resolution: Resolution, de
     module docstring); every rank samples its batches, rank 0 scores (the others get {})."""
     from diffusion_extras.cli.common import load_reference
     from diffusion_extras.evaluation import conditioned
+    from diffusion_extras.evaluation.choices import DEFAULT_NOISE_LEVEL
     from diffusion_extras.evaluation.metrics import build_feature_extractor, check_suites, extract_all, score
     from diffusion_extras.evaluation.sampling import make_scheduler
 
@@ -198,7 +199,8 @@ def conditioned_metrics(args, pipeline, groups: dict, resolution: Resolution, de
     pipeline.set_progress_bar_config(disable=True)
     samples = conditioned.conditioned_samples(pipeline, inputs, args.num_inference_steps, args.seed,
                                               guidance["guidance_scale"], args.batch_size, rank, num_ranks,
-                                              guidance["guidance_interval"], args.back_projection_steps)
+                                              guidance["guidance_interval"], args.back_projection_steps,
+                                              args.noise_level)
     if samples is None:  # not rank 0
         return {}
     targets = conditioned.to_uint8(inputs["images"])
@@ -206,6 +208,8 @@ def conditioned_metrics(args, pipeline, groups: dict, resolution: Resolution, de
                                                          args.back_projection_steps)}
     if kind == "super_resolution":
         report["back_projection_steps"] = args.back_projection_steps
+        if pipeline.config.get("max_noise_level"):  # the level the inputs were given at
+            report["noise_level"] = DEFAULT_NOISE_LEVEL if args.noise_level is None else args.noise_level
     for features, wanted in groups.items():
         extractor = build_feature_extractor(features, args.inception_weights, device,
                                             model={"dinov2": args.dinov2_model, "clip": args.clip_model}.get(features))

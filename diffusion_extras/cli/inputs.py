@@ -47,33 +47,44 @@ def saved_id2label(path: str) -> dict[int, str]:
     return {int(index): str(name) for index, name in (read_model_index(path).get("id2label") or {}).items()}
 
 
-def saved_conditioning(path: str) -> str | None:
-    """The kind of condition of a checked pipeline folder's image-conditioned pipeline
-    (super_resolution, inpainting, image), or None for any other."""
+def saved_conditioning(path: str) -> dict | None:
+    """{"conditioning": kind (super_resolution, inpainting, image), "max_noise_level": n} of a
+    checked pipeline folder's image-conditioned pipeline, or None for any other."""
     if package_pipeline_class(path) != IMAGE_PIPELINE_CLASS:
         return None
-    return read_model_index(path).get("conditioning")
+    return _conditioning(read_model_index(path))
 
 
-def check_conditioning_flags(conditioning: str | None, args,
+def _conditioning(config) -> dict:
+    return {"conditioning": config.get("conditioning"), "max_noise_level": int(config.get("max_noise_level") or 0)}
+
+
+def check_conditioning_flags(saved: dict | None, args,
                              needs_images: tuple = ("super_resolution", "inpainting", "image")) -> None:
     """The sample and evaluate commands' condition flags (`args`: --conditioning_images, --masks,
-    --mask, --back_projection_steps, evaluate's --baseline) against the pipeline's kind of condition
-    (None: not image-conditioned; a folder's saved_conditioning, or a loaded pipeline's
+    --mask, --back_projection_steps, --noise_level, evaluate's --baseline) against the pipeline's
+    condition (None: not image-conditioned; a folder's saved_conditioning, or a loaded pipeline's
     pipeline_conditioning): a one-line ValueError for a flag that means nothing for it, or for
     --conditioning_images missing where the kinds of `needs_images` take it (and given where they
     do not: evaluate makes the other kinds' conditions from --reference)."""
+    conditioning = saved and saved["conditioning"]
     given = {flag: value for flag, value in (
         ("--conditioning_images", args.conditioning_images), ("--masks", args.masks), ("--mask", args.mask),
-        ("--back_projection_steps", args.back_projection_steps), ("--baseline", getattr(args, "baseline", None)))
+        ("--back_projection_steps", args.back_projection_steps), ("--baseline", getattr(args, "baseline", None)),
+        ("--noise_level", args.noise_level is not None))
         if value}
     kinds = {"--masks": "inpainting", "--mask": "inpainting", "--baseline": "inpainting",
-             "--back_projection_steps": "super_resolution"}
+             "--back_projection_steps": "super_resolution", "--noise_level": "super_resolution"}
     names = {"inpainting": "inpainting", "super_resolution": "super-resolution"}
     for flag in given:
         if flag in kinds and conditioning != kinds[flag]:
             raise ValueError(f"{flag} is for {names[kinds[flag]]} pipelines; this pipeline's conditioning is "
                              f"{conditioning or 'none'}: drop it")
+    if "--noise_level" in given and not 0 <= args.noise_level <= saved["max_noise_level"]:
+        raise ValueError(f"--noise_level {args.noise_level}: " + (
+            f"this pipeline takes levels 0 to {saved['max_noise_level']} (its --max_noise_level)"
+            if saved["max_noise_level"] else
+            "this pipeline was trained without conditioning augmentation (--max_noise_level): drop it"))
     if conditioning is None:
         if "--conditioning_images" in given:
             raise ValueError("--conditioning_images is for image-conditioned pipelines (super-resolution, inpainting, "
@@ -91,10 +102,11 @@ def check_conditioning_flags(conditioning: str | None, args,
             raise ValueError(f"{flag} {given[flag]}: no such folder")
 
 
-def pipeline_conditioning(pipeline) -> str | None:
-    """The kind of condition of a loaded pipeline (an ImageConditionedPipeline's config records it), or
-    None for any other: what saved_conditioning reads of a folder, for a Hub id once it is loaded."""
-    return dict(pipeline.config).get("conditioning")
+def pipeline_conditioning(pipeline) -> dict | None:
+    """The condition of a loaded pipeline (an ImageConditionedPipeline's config records it), or None
+    for any other: what saved_conditioning reads of a folder, for a Hub id once it is loaded."""
+    config = dict(pipeline.config)
+    return _conditioning(config) if config.get("conditioning") else None
 
 
 def package_pipeline_class(path: str) -> str | None:

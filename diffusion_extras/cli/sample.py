@@ -110,7 +110,8 @@ def sample_conditions(args, pipeline, scheduler, guidance: dict):
     return np.concatenate([sample_conditioned(pipeline, batch(inputs, first, args.batch_size),
                                               range(first, min(first + args.batch_size, len(paths))),
                                               args.num_inference_steps, args.seed, guidance["guidance_scale"],
-                                              guidance["guidance_interval"], args.back_projection_steps)
+                                              guidance["guidance_interval"], args.back_projection_steps,
+                                              args.noise_level)
                            for first in range(0, len(paths), args.batch_size)])
 
 

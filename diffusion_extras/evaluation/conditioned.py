@@ -37,15 +37,18 @@ def stop_between_steps(pipeline, step, timestep, callback_kwargs) -> dict:
 
 def sample_conditioned(pipeline: ImageConditionedPipeline, inputs: dict, indices: range, num_inference_steps: int,
                        seed: int, guidance_scale: float, guidance_interval: tuple[float, float] | None = None,
-                       back_projection_steps: int = 0) -> np.ndarray:
+                       back_projection_steps: int = 0, noise_level: int | None = None) -> np.ndarray:
     """uint8 [N, H, W, C]: the samples of `inputs` ({"image": ..., "mask_image": ... for inpainting},
     N tensors in [0, 1] as the pipeline takes them), the images numbered `indices` (image i with
     noise from image_seed(seed, i)), so an image is the same in any chunk of any batch size (to the
-    UNet's float rounding across batch sizes). back_projection_steps: the pipeline's (super-resolution)."""
+    UNet's float rounding across batch sizes). back_projection_steps, noise_level (None: the
+    pipeline's default): the pipeline's (super-resolution)."""
     generators = [torch.Generator().manual_seed(image_seed(seed, index)) for index in indices]
     arguments = {name: value for name, value in inputs.items() if name in ("image", "mask_image")}
     if back_projection_steps:
         arguments["back_projection_steps"] = back_projection_steps
+    if noise_level is not None:
+        arguments["noise_level"] = noise_level
     images = pipeline(**arguments, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                       generator=generators, output_type="np", guidance_interval=guidance_interval,
                       callback_on_step_end=stop_between_steps).images
@@ -60,7 +63,7 @@ def batch(inputs: dict, first: int, count: int) -> dict:
 def conditioned_samples(pipeline: ImageConditionedPipeline, inputs: dict, num_inference_steps: int, seed: int,
                         guidance_scale: float, batch_size: int, rank: int = 0, num_ranks: int = 1,
                         guidance_interval: tuple[float, float] | None = None,
-                        back_projection_steps: int = 0) -> np.ndarray | None:
+                        back_projection_steps: int = 0, noise_level: int | None = None) -> np.ndarray | None:
     """The samples of all of `inputs` (sample_conditioned), on rank 0 (None elsewhere): over the
     ranks of a launch a collective, batch k (images k x batch_size on) made by rank k mod num_ranks,
     as metrics.sample_features shares its images."""
@@ -68,7 +71,7 @@ def conditioned_samples(pipeline: ImageConditionedPipeline, inputs: dict, num_in
     with stop_flag.interruptible():  # a stop gives up on every rank before the gather (core/stop_flag.py)
         made = {first: sample_conditioned(pipeline, batch(inputs, first, batch_size),
                                           range(first, min(first + batch_size, count)), num_inference_steps, seed,
-                                          guidance_scale, guidance_interval, back_projection_steps)
+                                          guidance_scale, guidance_interval, back_projection_steps, noise_level)
                 for first in range(rank * batch_size, count, num_ranks * batch_size)}
     if num_ranks > 1:
         made = distributed.gather_to_main(made, rank, num_ranks)

@@ -15,7 +15,12 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, constants, get_toke
 from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
 
 # torch-free: the pipeline module itself would import torch and diffusers (seconds) for two constants
-from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, IMAGE_PIPELINE_MODULE, PIPELINE_MODULE
+from diffusion_extras.evaluation.choices import (
+    DEFAULT_GUIDANCE_SCALE,
+    DEFAULT_NOISE_LEVEL,
+    IMAGE_PIPELINE_MODULE,
+    PIPELINE_MODULE,
+)
 from diffusion_extras.hub.secrets import redact_config  # the project's one secret-dropping rule
 
 # What a DDPMPipeline needs, plus its card; everything else in the output dir stays local. The
@@ -223,7 +228,7 @@ def _card_body(folder: str, info: dict, config: dict, repo_id: str, dataset: str
         if info.get(key):
             lines += [f"## {heading}", "", f"![{heading}]({_card_image(folder, info[key], key)})", ""]
     if conditioning:
-        lines += _image_usage(repo_id, conditioning["conditioning"], info.get("vae") is not None)
+        lines += _image_usage(repo_id, conditioning, info.get("vae") is not None)
     else:
         # a run trained with --condition_dropout 0 has no no-class prediction: its pipeline refuses guidance
         guided = config.get("condition_dropout") != 0
@@ -246,12 +251,21 @@ IMAGE_CALLS = {"super_resolution": ('low_resolution = Image.open("low_resolution
                "image": ('condition = Image.open("condition.png")', "image=condition")}
 
 
-def _image_usage(repo_id: str, kind: str, latent: bool) -> list[str]:
-    """An image-conditioned pipeline's usage: its call with PIL images (numpy arrays and tensors work too)."""
-    opened, arguments = IMAGE_CALLS[kind]
+def _image_usage(repo_id: str, conditioning: dict, latent: bool) -> list[str]:
+    """An image-conditioned pipeline's usage (`conditioning`: its pipeline_config): its call with PIL
+    images (numpy arrays and tensors work too), and the noise level of one trained with conditioning
+    augmentation."""
+    opened, arguments = IMAGE_CALLS[conditioning["conditioning"]]
+    augmented = conditioning.get("max_noise_level") or 0
+    if augmented:
+        arguments += f", noise_level={DEFAULT_NOISE_LEVEL}"
     return ["## Usage", "",
             f"The pipeline's code is `{IMAGE_PIPELINE_MODULE}.py` in this repository, with the files it imports "
             "(hence `trust_remote_code=True`)" + ("; its VAE is in `vae/`" if latent else "") + ".", "",
+            *([f"Trained with conditioning augmentation: its inputs were noised to levels 0 to {augmented} and the "
+               f"model told the level. `noise_level` (0 to {augmented}, default {DEFAULT_NOISE_LEVEL}) is the level "
+               "an input is given at: raise it for noisy, compressed or otherwise degraded inputs.", ""]
+              if augmented else []),
             "```python", "import torch", "from diffusers import DiffusionPipeline", "from PIL import Image", "",
             f'pipeline = DiffusionPipeline.from_pretrained("{repo_id}", trust_remote_code=True)', opened,
             f"images = pipeline({arguments}, num_inference_steps=50, generator=torch.manual_seed(0)).images",
