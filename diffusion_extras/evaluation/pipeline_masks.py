@@ -1,7 +1,7 @@
 """How an inpainting mask is read, in every form users store one: the rule the exported inpainting
 pipeline applies to its `mask_image` and the trainer to its stored masks (data/conditioning.py),
 written once. It is copied into exported folders with pipeline_image_conditioned.py, which imports
-it: numpy, torch, Pillow and diffusers only.
+it (and pipeline_images.py, whose RGB -> L it uses): numpy, torch, Pillow and diffusers only.
 
 White (1) is to fill, black (0) to keep. Each mask's values are put on their scale, then binarised
 at half of it by diffusers' mask processor (VaeImageProcessor(do_normalize=False, do_binarize=True,
@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
+
+from .pipeline_images import LUMA  # the images' RGB -> L, written once
 
 GREY_TOLERANCE = 1 / 8  # of the range: how far the channels of a grey mask may differ (compression noise)
 
@@ -174,7 +176,7 @@ def _grey(values: np.ndarray, full_scale: float, name: str) -> np.ndarray:
         raise ValueError(f"{name} is in colour (its channels differ by up to {spread.max():g} of {full_scale:g}); "
                          "a mask is grey, white (or 1) = to fill: a label map's colours? save the pixels to fill as "
                          "white and the rest black")
-    return values @ np.array([0.299, 0.587, 0.114])
+    return values @ np.array(LUMA)
 
 
 __all__ = ["binary_masks", "check_mask_size", "read_masks"]
