@@ -107,6 +107,10 @@ def test_the_step_feeds_the_unet_the_flow_path_at_sigma_times_1000(tmp_path, fre
     torch.testing.assert_close(timesteps.double(), sigma.view(-1) * T, rtol=1e-6, atol=1e-4)
 
 
+# the tests of flow_run on one xdist worker (--dist loadgroup), so that the run is made once
+FLOW_RUN = pytest.mark.xdist_group("test_flow_matching.flow_run")
+
+
 @pytest.fixture(scope="module")
 def flow_run(tmp_path_factory):
     """The tiny recipe trained 4 steps as a flow model with shift 2, grids and debug images on."""
@@ -117,6 +121,7 @@ def flow_run(tmp_path_factory):
     return folder / "run"
 
 
+@FLOW_RUN
 def test_the_export_is_a_ddpm_pipeline_that_samples_with_the_euler_flow(flow_run):
     from diffusers import DDPMPipeline
 
@@ -138,6 +143,7 @@ def test_the_export_is_a_ddpm_pipeline_that_samples_with_the_euler_flow(flow_run
     assert (flow_run / "images" / "samples.png").exists()  # the grid and debug images sampled with Euler
 
 
+@FLOW_RUN
 def test_the_run_samples_with_a_flow_scheduler_and_refuses_ddpm_ones(flow_run):
     config = FlowMatchEulerDiscreteScheduler.load_config(flow_run / "scheduler")
     assert isinstance(sampling.training_sampler(config), FlowMatchEulerDiscreteScheduler)
@@ -257,6 +263,7 @@ def test_a_latent_flow_export_samples_its_latents_with_the_euler_flow(tiny_recip
     assert (out / "images" / "samples.png").exists()  # the training grid, decoded
 
 
+@FLOW_RUN
 def test_the_sample_command_takes_euler_for_a_flow_model_and_refuses_ddim_in_one_line(flow_run, tmp_path):
     from helpers import run_cli
 
@@ -267,6 +274,22 @@ def test_the_sample_command_takes_euler_for_a_flow_model_and_refuses_ddim_in_one
                        "--output", tmp_path / "ddim"], check=False)
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert "scheduler 'ddim' cannot sample a flow-matching model; choose one of euler" in refused.stderr
+
+
+@FLOW_RUN
+def test_the_evaluate_command_refuses_the_ddpm_bound_for_a_flow_model(flow_run, tmp_path):
+    """--eval_metrics nll is DDPM's variational bound (evaluation/likelihood.py): on a flow export one
+    line, not a traceback from a scheduler without alphas_cumprod."""
+    from helpers import run_cli
+    from PIL import Image
+
+    (tmp_path / "ref").mkdir()
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "ref" / "0.png")
+    refused = run_cli(["-m", "diffusion_extras.evaluate", flow_run, "--reference", tmp_path / "ref",
+                       "--eval_metrics", "nll", "--output", tmp_path / "report.json"], check=False)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        "error: --eval_metrics nll is DDPM's variational bound; a flow-matching model "
+        "(FlowMatchEulerDiscreteScheduler) has no such bound here: drop nll")
 
 
 def test_the_guidance_interval_reads_a_flow_sigma_as_edms():

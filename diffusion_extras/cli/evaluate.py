@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     with importing_the_stack():
         from diffusion_extras.cli.common import guidance_for, load_images, load_pipeline, pipeline_resolution
         from diffusion_extras.evaluation import likelihood
+        from diffusion_extras.evaluation.pipeline_class_conditional import is_flow_scheduler
         from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline
 
     rank, num_ranks = distributed.launched_ranks()
@@ -120,6 +121,9 @@ def main(argv=None) -> int:
         if "nll" in names and getattr(pipeline, "vae", None) is not None:
             raise ValueError("--eval_metrics nll scores pixel pipelines (the bound of a latent one is in latents, "
                              "not image bits); drop nll for this latent one")
+        if "nll" in names and is_flow_scheduler(pipeline.scheduler):
+            raise ValueError("--eval_metrics nll is DDPM's variational bound; a flow-matching model "
+                             f"({type(pipeline.scheduler).__name__}) has no such bound here: drop nll")
         report = {"reference": args.reference, "pipeline": args.pipeline, "seed": args.seed}
         if "nll" in names and rank == 0:
             images = load_images(args.reference, resolution, pipeline.unet.config.in_channels)
