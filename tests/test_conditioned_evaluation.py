@@ -43,15 +43,22 @@ def test_psnr_and_ssim_as_defined():
     c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
     flat = np.full((1, 16, 16, 1), 100, np.uint8), np.full((1, 16, 16, 1), 140, np.uint8)
     assert conditioned.ssim(*flat)[0] == pytest.approx((2 * 100 * 140 + c1) / (100 ** 2 + 140 ** 2 + c1))
-    x, y = (rng.integers(0, 256, (11, 11)).astype(np.float64) for _ in range(2))
     taps = np.exp(-((np.arange(11) - 5) ** 2) / (2 * 1.5 ** 2))
     weights = np.outer(taps, taps) / taps.sum() ** 2
-    mx, my = (weights * x).sum(), (weights * y).sum()
-    vx, vy = (weights * x * x).sum() - mx ** 2, (weights * y * y).sum() - my ** 2
-    cxy = (weights * x * y).sum() - mx * my
-    expected = (2 * mx * my + c1) * (2 * cxy + c2) / ((mx ** 2 + my ** 2 + c1) * (vx + vy + c2))
+
+    def window_index(a, b):  # one 11 x 11 window's index from its Gaussian-weighted statistics
+        ma, mb = (weights * a).sum(), (weights * b).sum()
+        va, vb = (weights * a * a).sum() - ma ** 2, (weights * b * b).sum() - mb ** 2
+        cab = (weights * a * b).sum() - ma * mb
+        return (2 * ma * mb + c1) * (2 * cab + c2) / ((ma ** 2 + mb ** 2 + c1) * (va + vb + c2))
+    x, y = (rng.integers(0, 256, (11, 11)) for _ in range(2))
     pair = [a.astype(np.uint8)[None, :, :, None] for a in (x, y)]
-    assert conditioned.ssim(*pair)[0] == pytest.approx(expected)
+    assert conditioned.ssim(*pair)[0] == pytest.approx(window_index(x.astype(float), y.astype(float)))
+    # several windows of a wider than tall image, two channels: the mean of every window's index
+    a, b = (rng.integers(0, 256, (13, 17, 2)) for _ in range(2))
+    by_hand = np.mean([window_index(a[i:i + 11, j:j + 11, c].astype(float), b[i:i + 11, j:j + 11, c].astype(float))
+                       for i in range(3) for j in range(7) for c in range(2)])
+    assert conditioned.ssim(a[None].astype(np.uint8), b[None].astype(np.uint8))[0] == pytest.approx(by_hand)
 
 
 def test_the_digit_classifier_labels_digits_and_never_saw_them():

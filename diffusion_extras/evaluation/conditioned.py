@@ -100,16 +100,15 @@ def ssim(images: np.ndarray, references: np.ndarray, window: int = 11, sigma: fl
     ones), K1 0.01, K2 0.03, L 255, averaged over the valid windows and the channels, as
     scikit-image's structural_similarity(gaussian_weights=True) computes it. By hand: neither
     torch nor diffusers has it, and scikit-image is not a dependency."""
-    import torch.nn.functional as F
-
     x, y = (torch.from_numpy(np.ascontiguousarray(a)).double().permute(0, 3, 1, 2) for a in (images, references))
     size = min(window, *x.shape[-2:])
     size -= 1 - size % 2  # odd
     taps = torch.exp(-((torch.arange(size, dtype=torch.float64) - size // 2) ** 2) / (2 * sigma ** 2))
-    kernel = (taps[:, None] * taps[None, :] / taps.sum() ** 2).expand(x.shape[1], 1, size, size)
+    taps /= taps.sum()
 
-    def blur(values):  # the valid windows only, per channel
-        return F.conv2d(values, kernel, groups=x.shape[1])
+    def blur(values):  # the valid windows only, per channel: the Gaussian is separable, rows then columns
+        # (in float64 a grouped conv2d of the 2-D window took 5x longer on a CPU)
+        return (values.unfold(2, size, 1) @ taps).unfold(3, size, 1) @ taps
     mu_x, mu_y = blur(x), blur(y)
     var_x, var_y, cov = blur(x * x) - mu_x ** 2, blur(y * y) - mu_y ** 2, blur(x * y) - mu_x * mu_y
     c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
