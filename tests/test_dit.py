@@ -108,6 +108,10 @@ def test_predict_gives_a_dit_one_timestep_per_image_and_its_own_no_class():
 
 
 # ----------------------------------------------------------------------------- training and the export
+# the tests of `trained` on one xdist worker (--dist loadgroup), so that its two runs are made once
+TRAINED = pytest.mark.xdist_group("test_dit.trained")
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_dit_config):
     """{"unconditional" | "classes": the output folder of 3 steps of the tiny DiT on the digits}."""
@@ -120,6 +124,7 @@ def trained(tmp_path_factory, tiny_dit_config):
     return runs
 
 
+@TRAINED
 def test_a_dit_run_exports_a_dit_pipeline_with_its_classes(trained):
     for kind, classes in (("unconditional", 1), ("classes", 10)):
         index = json.loads((trained[kind] / "model_index.json").read_text())
@@ -151,6 +156,7 @@ def hand_loop(transformer, scheduler, labels, guidance_scale: float, steps: int,
     return (x / 2 + 0.5).clamp(0, 1)
 
 
+@TRAINED
 def test_the_export_samples_as_the_hand_loop_and_loads_without_the_package(trained, tmp_path):
     from diffusion_extras.evaluation.pipeline_dit import DiTClassPipeline
     pipe = DiTClassPipeline.from_pretrained(trained["classes"])
@@ -173,6 +179,7 @@ def test_the_export_samples_as_the_hand_loop_and_loads_without_the_package(train
         tmp_path, trained["classes"], tmp_path / "expected.npy")
 
 
+@TRAINED
 def test_an_unconditional_export_samples_its_no_class_model(trained):
     from diffusion_extras.evaluation.pipeline_dit import DiTClassPipeline
     pipe = DiTClassPipeline.from_pretrained(trained["unconditional"])
