@@ -47,11 +47,13 @@ print(type(pipe).__name__, pipe.config.conditioning, pipe.config.sr_factor)
 @pytest.fixture(scope="module")
 def super_resolution_run(tmp_path_factory):
     """3 steps of 2x super-resolution on the digits (tiny recipe), a held-out tenth, the gradient
-    probe, a grid of 4 conditions and the export at the end."""
+    probe, a grid of 4 conditions and the export at the end; --background black (the digits are
+    opaque: only the export's record of it changes)."""
     folder = tmp_path_factory.mktemp("super_resolution")
     recipe = write_tiny_recipe(folder, save_images_steps=3, eval_batch_size=4, validation_split=0.1,
                                grad_diagnostics_steps=3, validation_steps=3)
-    run_training(recipe, folder / "run", "--conditioning", "super_resolution", "--sr_factor", 2, "--max_train_steps", 3)
+    run_training(recipe, folder / "run", "--conditioning", "super_resolution", "--sr_factor", 2, "--max_train_steps", 3,
+                 "--background", "black")
     return folder / "run"
 
 
@@ -63,6 +65,7 @@ def test_the_export_is_an_image_conditioned_pipeline_with_its_files(super_resolu
     index = json.loads((super_resolution_run / "model_index.json").read_text())
     assert index["_class_name"] == ["pipeline_image_conditioned", "ImageConditionedPipeline"]
     assert (index["conditioning"], index["sr_factor"], index["vae"]) == ("super_resolution", 2, [None, None])
+    assert index["background"] == [0, 0, 0]  # transparent inputs are composited on it, as training's were
     for name in ("pipeline_image_conditioned.py", "pipeline_class_conditional.py", "pipeline_latent.py"):
         assert (super_resolution_run / name).is_file(), name
     unet = json.loads((super_resolution_run / "unet" / "config.json").read_text())

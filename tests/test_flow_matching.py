@@ -182,7 +182,6 @@ def test_a_resume_that_changes_the_objective_is_refused(tiny_recipe, tmp_path):
     (("--ddpm_beta_schedule", "squaredcos_cap_v2"), "--ddpm_beta_schedule"),
     (("--rescale_betas_zero_snr",), "--rescale_betas_zero_snr"),
     (("--timestep_sampling", "loss_aware"), "--timestep_sampling"),
-    (("--conditioning", "super_resolution"), "--conditioning"),
     (("--flow_shift", "0"), "--flow_shift"),
     (("--logit_std", "0"), "--logit_std"),
 ])
@@ -317,3 +316,37 @@ def test_a_flow_run_stays_compiled_with_every_extra(tmp_path):
     counts = counted_run(tmp_path, *CHEAP_COMPILE, *FLOW, *flags, "--max_train_steps", 6, **EXTRAS)
     assert_stays_compiled(counts)
     assert counts[1]["graphs"] == STEP_GRAPHS, counts
+
+
+def test_an_inpainting_flow_export_samples_the_euler_flow_beside_its_condition(tiny_recipe, tmp_path):
+    """An image-conditioned flow run (inpainting): its export (the folder's own pipeline copy) starts
+    from unit noise and steps x by Euler on the velocity the UNet gives for x_t beside the condition,
+    at timestep sigma x 1000; the pixels outside the mask come back as given. Super-resolution under
+    flow keeps the velocity target (its DDPM default, v-prediction, is not applied)."""
+    from diffusers import DiffusionPipeline
+
+    assert parse_config([*FLOW, "--conditioning", "super_resolution"]).prediction_type == "epsilon"
+    out = tmp_path / "run"
+    run_training(tiny_recipe(save_images_steps=2), out, *FLOW, "--conditioning", "inpainting",
+                 "--max_train_steps", 2)
+    pipeline = DiffusionPipeline.from_pretrained(out, trust_remote_code=True)
+    assert isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler)
+    calls = []
+    pipeline.unet.register_forward_hook(lambda module, args, output: calls.append(
+        (args[0].clone(), float(args[1]), output.sample.clone())))
+    image = np.random.default_rng(0).integers(0, 256, (8, 8), dtype=np.uint8)
+    mask = np.zeros((8, 8), np.uint8)
+    mask[:, 4:] = 255
+    steps = 3
+    out_image = pipeline(image=image, mask_image=mask, num_inference_steps=steps, output_type="np",
+                         generator=torch.Generator().manual_seed(2)).images[0, :, :, 0]
+    sigmas = torch.linspace(1.0, 1 / T, steps, dtype=torch.float64).tolist() + [0.0]
+    x = torch.randn((1, 1, 8, 8), generator=torch.Generator().manual_seed(2))
+    assert len(calls) == steps
+    for (given, timestep, velocity), sigma, following in zip(calls, sigmas[:-1], sigmas[1:]):
+        torch.testing.assert_close(given[:, :1], x, rtol=0, atol=1e-6)  # x_t first, the condition after it
+        assert given.shape[1] == 3 and timestep == pytest.approx(sigma * T, rel=1e-6)
+        x = x + (following - sigma) * velocity
+    np.testing.assert_allclose(out_image[:, 4:], (x[0, 0, :, 4:] / 2 + 0.5).clamp(0, 1).numpy(), atol=1e-5)
+    assert np.array_equal(np.round(out_image[:, :4] * 255), image[:, :4].astype(np.float32))
+    assert (out / "images" / "samples.png").exists()  # the training grid sampled it too

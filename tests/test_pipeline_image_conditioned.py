@@ -320,6 +320,32 @@ print("kept", int((np.round(out * 255) == 100)[mask == 0].sum()), "of", int((mas
     assert "kept 32 of 32" in result.stdout
 
 
+def test_transparent_inputs_are_composited_on_the_runs_background(tmp_path):
+    """A transparent input is composited as the trainer composited its images: on the background the
+    export records (--background), white for an export that records none; in the pipeline and in
+    the commands' reading of image files alike."""
+    from diffusion_extras.cli.common import load_image, read_images
+    from diffusion_extras.training.config import TrainConfig
+    from diffusion_extras.training.models import build_noise_scheduler
+
+    rgba = np.zeros((4, 6, 4), np.uint8)
+    rgba[..., :3] = 200
+    rgba[:, :3, 3] = 255  # the left half opaque grey 200, the right half transparent
+    Image.fromarray(rgba).save(tmp_path / "input.png")
+    unet = tiny_unet(1, in_channels=2)
+    for background, behind in ((None, 255), ([0, 0, 0], 0), ([255, 0, 0], round(0.299 * 255))):
+        pipe = ImageConditionedPipeline(unet, build_noise_scheduler(TrainConfig(ddpm_num_steps=100)), sr_factor=2,
+                                        background=background)
+        for form in (Image.fromarray(rgba), rgba, torch.from_numpy(rgba).permute(2, 0, 1)):
+            read = (pipe.preprocess_image(form)[0, 0] + 1) / 2 * 255
+            torch.testing.assert_close(read[:, :3], torch.full((4, 3), 200.0), atol=1e-3, rtol=0)
+            torch.testing.assert_close(read[:, 3:], torch.full((4, 3), float(behind)), atol=0.6, rtol=0)
+        stored = pipe.background
+        for read in (read_images([str(tmp_path / "input.png")], 1, stored)[0, :, :, 0],
+                     load_image(str(tmp_path / "input.png"), (4, 6), 1, stored)[:, :, 0]):
+            assert (read[:, :3] == 200).all() and (np.abs(read[:, 3:].astype(int) - behind) <= 1).all(), background
+
+
 def test_every_form_of_an_image_is_read_as_meant_for_the_pipelines_channels():
     """One RGBA picture given as every form users hold images in (PIL in any mode, numpy [H, W, C] /
     [N, H, W, C] / [H, W], torch [C, H, W] / [N, C, H, W] / [H, W], uint8, uint16 or float, lists of

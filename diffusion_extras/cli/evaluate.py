@@ -239,13 +239,14 @@ def reference_conditions(args, pipeline, resolution: Resolution) -> dict:
 
     kind, channels = pipeline.config.conditioning, pipeline.image_channels
     paths = list_images(args.reference)[:args.num_samples]
-    stored = [np.stack([load_image(path, resolution, channels) for path in paths])]
+    background = pipeline.background  # the run's --background, as the trainer read its images
+    stored = [np.stack([load_image(path, resolution, channels, background) for path in paths])]
     if kind == "inpainting":
         masks = condition_masks(args, paths, args.reference, stored[0].shape[1:3])
         stored.append((masks.permute(0, 2, 3, 1).numpy() * 255).astype(np.uint8))
     elif kind == "image":
         pairs = paired_paths(paths, args.reference, args.conditioning_images, "--conditioning_images")
-        stored.append(np.stack([load_image(path, resolution, channels) for path in pairs]))
+        stored.append(np.stack([load_image(path, resolution, channels, background) for path in pairs]))
     stored = np.concatenate(stored, axis=-1).transpose(0, 3, 1, 2)
     condition = ImageCondition(kind, channels, stored.shape[1] - channels, pipeline.config.sr_factor, args.seed)
     return {name: value for name, value in conditions_of(condition, stored, args.seed).items() if name != "shown"}

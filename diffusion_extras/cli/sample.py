@@ -102,7 +102,7 @@ def sample_conditions(args, pipeline, scheduler, guidance: dict):
 
     kind = pipeline.config.conditioning
     paths = list_images(args.conditioning_images)[:args.num_images]
-    inputs = {"image": unit_tensor(read_images(paths, pipeline.image_channels))}
+    inputs = {"image": unit_tensor(read_images(paths, pipeline.image_channels, pipeline.background))}
     if kind == "inpainting":
         inputs["mask_image"] = condition_masks(args, paths, args.conditioning_images, inputs["image"].shape[-2:])
     pipeline.scheduler = scheduler

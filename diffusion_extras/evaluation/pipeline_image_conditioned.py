@@ -29,8 +29,14 @@ from diffusers.image_processor import VaeImageProcessor
 # diffusers copies only the loaded file's own relative imports into its module cache (trust_remote_code):
 # each file the pipeline needs is imported here directly, pipeline_class_conditional's pipeline_backbone too
 from .pipeline_backbone import sample_shape  # noqa: F401
-from .pipeline_class_conditional import PackagePipeline, _randn, check_guidance_trained, guided_step
-from .pipeline_images import image_batch
+from .pipeline_class_conditional import (
+    PackagePipeline,
+    _randn,
+    check_guidance_trained,
+    guided_step,
+    initial_noise_sigma,
+)
+from .pipeline_images import WHITE, image_batch
 from .pipeline_latent import decode_latents, encode_posterior, latent_normalization, vae_scale_factor
 from .pipeline_masks import binary_masks, mask_processor
 
@@ -151,17 +157,21 @@ class ImageConditionedPipeline(PackagePipeline):
 
     def __init__(self, unet: UNet2DModel, scheduler, vae: AutoencoderKL | VQModel | AutoencoderTiny | None = None,
                  conditioning: str = "super_resolution", sr_factor: int = 4,
-                 conditioning_dropout_prob: float | None = None, max_noise_level: int = 0):
+                 conditioning_dropout_prob: float | None = None, max_noise_level: int = 0,
+                 background: list[int] | None = None):
         super().__init__()
         if conditioning not in CONDITIONING_KINDS:
             raise ValueError(f"conditioning {conditioning!r} is not one of {', '.join(CONDITIONING_KINDS)}")
         self.register_modules(unet=unet, scheduler=scheduler, vae=vae)
         # conditioning_dropout_prob: the trainer's, which taught the prediction without the image that
         # guidance needs (check_guidance); None: not recorded. max_noise_level: the highest noise level
-        # of conditioning augmentation in training (0: none), as diffusers' upscaler records it
+        # of conditioning augmentation in training (0: none), as diffusers' upscaler records it.
+        # background: the RGB (0..255) the trainer composited transparent images on (--background),
+        # on which transparent inputs are composited alike; None (an older export): white
         self.register_to_config(conditioning=conditioning, sr_factor=int(sr_factor),
                                 conditioning_dropout_prob=conditioning_dropout_prob,
-                                max_noise_level=int(max_noise_level))
+                                max_noise_level=int(max_noise_level),
+                                background=None if background is None else [int(v) for v in background])
         # pixels per latent, as diffusers' pipelines name it (1: a pixel model)
         self.vae_scale_factor = vae_scale_factor(vae.config) if vae is not None else 1
         # [0, 1] <-> [-1, 1] and the outputs' types, built once (image_batch reads the inputs' layouts)
@@ -179,6 +189,11 @@ class ImageConditionedPipeline(PackagePipeline):
         return self.vae.config.in_channels if self.vae is not None else self.sample_channels
 
     @property
+    def background(self) -> tuple:
+        """The RGB (0..255) transparent inputs are composited on: the run's --background."""
+        return tuple(self.config.get("background") or WHITE)
+
+    @property
     def size_multiple(self) -> int:
         """What each side of an output image must be a multiple of: the UNet halves it once per
         block but the last, after the VAE's downsampling."""
@@ -187,7 +202,7 @@ class ImageConditionedPipeline(PackagePipeline):
     def preprocess_image(self, image) -> torch.Tensor:
         """The `image` argument (image_batch: any PIL mode, numpy, torch, lists) -> fp32 [B, C, H, W] in
         [-1, 1] on the execution device, C the pipeline's image channels."""
-        images = image_batch(image, self.image_channels)
+        images = image_batch(image, self.image_channels, background=self.background)
         return self.image_processor.preprocess(images).float().to(self._execution_device)
 
     def prepare_mask(self, mask_image, pixels: torch.Tensor) -> torch.Tensor | None:
@@ -254,7 +269,8 @@ class ImageConditionedPipeline(PackagePipeline):
         guidance). A list of generators gives image i its own noise. output_type: "pil", "np" (float
         [N, H, W, C] in [0, 1]), "pt" ([N, C, H, W] in [0, 1]) or, with a VAE, "latent". eta: DDIM's
         (schedulers without one ignore it); latents: the starting noise [B, C, h, w] (unit Gaussian,
-        scaled here by init_noise_sigma) instead of drawing it from `generator` (LatentDiffusionPipeline's).
+        scaled here by the scheduler's initial sigma) instead of drawing it from `generator`
+        (LatentDiffusionPipeline's).
         callback_on_step_end(pipe, step, t, {"latents": x_t}) -> dict runs after each step, as in
         diffusers' pipelines (a returned "latents" replaces x_t). back_projection_steps (super-resolution
         only; default 0, none): that many steps of iterative back-projection (back_project) of each
@@ -285,13 +301,13 @@ class ImageConditionedPipeline(PackagePipeline):
         if self.vae is not None:
             condition = latent_condition(kind, condition, self.vae)
         # diffusers' order: the schedule first, then the initial noise at its sigma (init_noise_sigma
-        # is the first step's for Euler-type schedulers, which set_timesteps computes)
+        # is the first step's for Euler-type schedulers, which set_timesteps computes; 1 for flow ones)
         self.scheduler.set_timesteps(num_inference_steps, device=device)
         shape = (len(condition), self.sample_channels, *condition.shape[-2:])
         if latents is not None and tuple(latents.shape) != shape:
             raise ValueError(f"Unexpected latents shape, got {tuple(latents.shape)}, expected {shape}")
         noise = _randn(shape, generator, device) if latents is None else latents.to(device, torch.float32)
-        sample = noise * self.scheduler.init_noise_sigma
+        sample = noise * initial_noise_sigma(self.scheduler)
         for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # x_t stays fp32
             sample = guided_step(self.scheduler, self.unet, sample, step, levels, guidance_scale, generator,
                                  guidance_interval=guidance_interval, condition=condition, eta=eta)

@@ -2,7 +2,8 @@
 (PIL images of any mode, numpy arrays, torch tensors, uint8, uint16 or float, one, a batch or a
 list), laid out as diffusers' VaeImageProcessor reads them and converted to the model's channels as
 the trainer converts images (data/images.py, which an exported folder cannot import: transparency
-composited on white, RGB -> L by Pillow's weights). Copied into exported folders with
+composited on the run's --background, white unless the export records another, RGB -> L by Pillow's
+weights). Copied into exported folders with
 pipeline_image_conditioned.py, which imports it relatively; pipeline_masks.py reads its LUMA.
 numpy, torch and Pillow only."""
 from __future__ import annotations
@@ -12,17 +13,17 @@ import torch
 
 COLOUR_CHANNELS = (1, 3, 4)  # grayscale, RGB, RGBA: what a channel axis of an image holds
 LUMA = (0.299, 0.587, 0.114)  # RGB -> L as Pillow's convert("L") weighs it (ITU-R 601-2), the trainer's conversion
-WHITE = 1.0  # what transparency is composited on: the trainer's default --background
+WHITE = (255, 255, 255)  # what transparency is composited on: the trainer's default --background
 
 
-def _pil_image(image, channels: int) -> np.ndarray:
+def _pil_image(image, channels: int, background: tuple = WHITE) -> np.ndarray:
     """A PIL image of any mode as float [H, W, channels] in [0, 1], as the trainer reads one
-    (data/images.py, which this file cannot import): transparency composited on white, then Pillow's
-    convert to L or RGB."""
+    (data/images.py, which this file cannot import): transparency composited on `background` (RGB
+    0..255), then Pillow's convert to L or RGB."""
     from PIL import Image
 
     if image.mode in ("RGBA", "LA", "La", "RGBa", "PA") or "transparency" in image.info:
-        image = Image.alpha_composite(Image.new("RGBA", image.size, (255, 255, 255, 255)), image.convert("RGBA"))
+        image = Image.alpha_composite(Image.new("RGBA", image.size, (*background, 255)), image.convert("RGBA"))
     array = np.asarray(image.convert("L" if channels == 1 else "RGB"), dtype=np.float32) / 255
     return array[:, :, None] if array.ndim == 2 else array
 
@@ -63,12 +64,12 @@ def _as_nchw(image, what: str) -> torch.Tensor:
                      "1, 3 or 4; a batch of grayscale images needs its channel axis of 1")
 
 
-def _convert_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
+def _convert_channels(images: torch.Tensor, channels: int, background: tuple = WHITE) -> torch.Tensor:
     """[N, C, H, W] in [0, 1] as `channels` (1 or 3), as the trainer converts images: alpha composited
-    on white, RGB -> L by Pillow's weights, L -> RGB by copies."""
+    on `background` (RGB 0..255), RGB -> L by Pillow's weights, L -> RGB by copies."""
     if images.shape[1] == 4:
         alpha = images[:, 3:]
-        images = images[:, :3] * alpha + WHITE * (1 - alpha)
+        images = images[:, :3] * alpha + torch.tensor(background).view(1, 3, 1, 1) / 255 * (1 - alpha)
     if images.shape[1] == 3 and channels == 1:
         images = (images * torch.tensor(LUMA).view(1, 3, 1, 1)).sum(1, keepdim=True)
     elif images.shape[1] == 1 and channels == 3:
@@ -76,11 +77,12 @@ def _convert_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
     return images
 
 
-def image_batch(image, channels: int, what: str = "image") -> torch.Tensor:
+def image_batch(image, channels: int, what: str = "image", background: tuple = WHITE) -> torch.Tensor:
     """What a pipeline's image argument holds, as float [N, channels, H, W] in [0, 1] on the CPU:
     a PIL image of any mode, a numpy array or a torch tensor (uint8, uint16 or float in [0, 1]; the
     layouts of _as_nchw), or a list of them; each read as meant and converted to the pipeline's
-    channels as the trainer converts images. One size for all, or a one-line ValueError."""
+    channels as the trainer converts images (transparency on `background`, RGB 0..255). One size for
+    all, or a one-line ValueError."""
     from PIL import Image
 
     items = image if isinstance(image, (list, tuple)) else [image]
@@ -89,9 +91,9 @@ def image_batch(image, channels: int, what: str = "image") -> torch.Tensor:
     batches = []
     for item in items:
         if isinstance(item, Image.Image):
-            batches.append(torch.from_numpy(_pil_image(item, channels)).permute(2, 0, 1)[None])
+            batches.append(torch.from_numpy(_pil_image(item, channels, background)).permute(2, 0, 1)[None])
         elif isinstance(item, (np.ndarray, torch.Tensor)):
-            batches.append(_convert_channels(_as_nchw(item, what), channels))
+            batches.append(_convert_channels(_as_nchw(item, what), channels, background))
         else:
             raise ValueError(f"{what}: a {type(item).__name__}; give PIL images, numpy arrays or torch tensors")
     sizes = sorted({tuple(batch.shape[-2:]) for batch in batches})

@@ -54,11 +54,12 @@ class ImageCondition:
     vae: object | None = None  # latent diffusion: the frozen VAE that encodes the condition (on the device)
     dropout: float | None = None  # --conditioning_dropout_prob: guidance on the image needs it > 0 (None: not known)
     max_noise_level: int = 0   # super_resolution's conditioning augmentation: levels 0..this (0: none)
+    background: tuple = (255, 255, 255)  # --background: the RGB transparent images were composited on
 
     def pipeline_config(self) -> dict:
         """What the exported ImageConditionedPipeline records of it."""
         return {"conditioning": self.kind, "sr_factor": self.sr_factor, "conditioning_dropout_prob": self.dropout,
-                "max_noise_level": self.max_noise_level}
+                "max_noise_level": self.max_noise_level, "background": list(self.background)}
 
     def low_resolution_shape(self, batch_shape) -> tuple | None:
         """(C, h, w) of the low-resolution inputs of a batch of `batch_shape` [B, C + S, H, W] that
@@ -122,11 +123,13 @@ class ImageCondition:
 
 
 def for_run(kind: str, image_channels: int, stored_channels: int, sr_factor: int, seed: int,
-            vae=None, dropout: float | None = None, max_noise_level: int = 0) -> ImageCondition | None:
+            vae=None, dropout: float | None = None, max_noise_level: int = 0,
+            background: tuple = (255, 255, 255)) -> ImageCondition | None:
     """The run's ImageCondition, or None for --conditioning none."""
     if kind == "none":
         return None
-    return ImageCondition(kind, image_channels, stored_channels, sr_factor, seed, vae, dropout, max_noise_level)
+    return ImageCondition(kind, image_channels, stored_channels, sr_factor, seed, vae, dropout, max_noise_level,
+                          tuple(background))
 
 
 def conditions_of(spec: ImageCondition, images: np.ndarray, seed: int) -> dict:

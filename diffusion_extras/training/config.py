@@ -360,7 +360,8 @@ def from_sources(yaml_values: dict, cli_values: dict) -> TrainConfig:
     for name, value in values.items():
         values[name] = _coerce(known[name], value)
     given = frozenset(values)
-    if predicts_by_super_resolution_default(values.get("conditioning", "none"), given):
+    if values.get("objective", "ddpm") == "ddpm" and predicts_by_super_resolution_default(
+            values.get("conditioning", "none"), given):  # flow matching predicts the velocity, always
         values["prediction_type"] = SUPER_RESOLUTION_PREDICTION
     config = TrainConfig(**values)
     config._given = given  # recorded once, read through TrainConfig.given; not a setting

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from diffusion_extras.data import batch_order, latents, sources
+from diffusion_extras.data import batch_order, images, latents, sources
 from diffusion_extras.data.conditioning import stored_channels
 from diffusion_extras.monitoring import diagnostics
 from diffusion_extras.training import autoencoder, conditioning
@@ -62,7 +62,8 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
             autoencoder.offload_encoder(latent.vae)
     condition = conditioning.for_run(config.conditioning, channels, stored_channels(config.data_spec(), channels),
                                      config.sr_factor, config.seed, latent.vae if latent else None,
-                                     config.conditioning_dropout_prob, config.max_noise_level)
+                                     config.conditioning_dropout_prob, config.max_noise_level,
+                                     images.parse_background(config.background))
     sample = torch.from_numpy(source.reference_sample(2048))
     if condition is not None:  # pixels: a stored condition's channels off
         sample = sample[:, :channels]

@@ -131,9 +131,6 @@ def validate_objective(c: TrainConfig) -> None:
          f"--timestep_sampling {c.timestep_sampling} is DDPM's; {flow} draws sigma by --weighting_scheme: drop it")
     need(c.pretrained_model_name_or_path is None,
          f"{flow} trains from scratch: fine-tuning (--pretrained_model_name_or_path) is DDPM-only for now")
-    need(c.conditioning == "none",
-         f"--conditioning {c.conditioning} is DDPM-only for now: the image-conditioned pipeline does not sample "
-         f"flow models yet; drop --conditioning or {flow}")
 
 
 def validate_choices_and_combinations(c: TrainConfig) -> None:
