@@ -350,3 +350,30 @@ def test_an_inpainting_flow_export_samples_the_euler_flow_beside_its_condition(t
     np.testing.assert_allclose(out_image[:, 4:], (x[0, 0, :, 4:] / 2 + 0.5).clamp(0, 1).numpy(), atol=1e-5)
     assert np.array_equal(np.round(out_image[:, :4] * 255), image[:, :4].astype(np.float32))
     assert (out / "images" / "samples.png").exists()  # the training grid sampled it too
+
+
+@FLOW_RUN
+def test_a_flow_export_fine_tunes_as_a_flow_model_and_a_ddpm_base_refuses_flow(flow_run, tmp_path, tiny_recipe):
+    """--pretrained_model_name_or_path of a flow export: the fine-tune takes its base's objective and
+    shift (its scheduler says which), trains the velocity and exports a flow model again; another
+    objective given against the base's is one line, either way round."""
+    from diffusers import DDPMPipeline
+    from helpers import save_tiny_pipeline
+
+    from diffusion_extras.training import pretrained
+
+    resolved, base = pretrained.resolve(parse_config(["--pretrained_model_name_or_path", str(flow_run)]))
+    assert (resolved.objective, resolved.flow_shift, base.scheduler_config["_class_name"]) == (
+        "flow_matching", 2.0, "FlowMatchEulerDiscreteScheduler")
+    with pytest.raises(ConfigError, match=r"^--objective ddpm: .* is a flow matching model .*: drop --objective"):
+        pretrained.resolve(parse_config(["--pretrained_model_name_or_path", str(flow_run), "--objective", "ddpm"]))
+    ddpm_base = save_tiny_pipeline(tmp_path / "ddpm")
+    with pytest.raises(ConfigError, match=r"^--objective flow_matching: .* is a ddpm model .*: drop --objective"):
+        pretrained.resolve(parse_config(["--pretrained_model_name_or_path", str(ddpm_base), *FLOW]))
+    run_training(tiny_recipe(), tmp_path / "tuned", "--pretrained_model_name_or_path", flow_run,
+                 "--max_train_steps", 2)
+    pipeline = DDPMPipeline.from_pretrained(tmp_path / "tuned")
+    assert isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler) and pipeline.scheduler.config.shift == 2
+    tuned = pipeline.unet.state_dict()
+    assert any(not torch.equal(tuned[name], weight) for name, weight in
+               DDPMPipeline.from_pretrained(flow_run).unet.state_dict().items())  # it trained

@@ -68,7 +68,7 @@ class Pretrained(NamedTuple):
     name: str              # --pretrained_model_name_or_path as given
     source: str            # what from_pretrained reads: the folder (`~` expanded) or the Hub id
     unet_config: dict      # UNet2DModel config (diffusers' private keys dropped)
-    scheduler_config: dict  # its scheduler's config
+    scheduler_config: dict  # its scheduler's config (with its _class_name: a flow base's is FlowMatch*)
     trained_snr_gamma: float | None = None  # its min-SNR gamma (0: unweighted) if its training_config.yaml says
     vae_factor: int | None = None  # a latent pipeline (vae/): the VAE's downsampling factor; None: pixels
     unet_subfolder: str | None = "unet"  # where its UNet is: unet/, or None for the root (google/ddpm-*)
@@ -259,9 +259,16 @@ def load(name: str) -> Pretrained:
     if unet_config.get("_class_name") != "UNet2DModel":
         raise ConfigError(f"{flag}: its unet is a {unet_config.get('_class_name')}, not a UNet2DModel")
     return Pretrained(name, source, {k: v for k, v in unet_config.items() if not k.startswith("_")},
-                      {k: v for k, v in scheduler_config.items() if not k.startswith("_")},
+                      {k: v for k, v in scheduler_config.items() if not k.startswith("_") or k == "_class_name"},
                       trained_snr_gamma(source), latent_vae_factor(source), unet_subfolder,
                       image_conditioning(source))
+
+
+def base_objective(scheduler_config: dict) -> str:
+    """The objective a pipeline was trained with, read from its scheduler: flow_matching for
+    diffusers' FlowMatch* schedulers (this trainer's flow exports), else ddpm. A resume's recorded
+    configs from before flow fine-tuning lack the class name: they are DDPM's."""
+    return "flow_matching" if str(scheduler_config.get("_class_name", "")).startswith("FlowMatch") else "ddpm"
 
 
 def image_conditioning(source: str) -> dict | None:
@@ -317,6 +324,15 @@ def resolve(config: TrainConfig) -> tuple[TrainConfig, Pretrained | None]:
     given = config.given
     values = {field: base.scheduler_config[key] for key, field in SCHEDULER_FIELDS.items()
               if key in base.scheduler_config and field not in given}
+    objective = base_objective(base.scheduler_config)
+    if "objective" in given and config.objective != objective:
+        raise ConfigError(f"--objective {config.objective}: --pretrained_model_name_or_path {name} is a "
+                          f"{objective.replace('_', ' ')} model (its scheduler: "
+                          f"{base.scheduler_config.get('_class_name', 'DDPMScheduler')}); a fine-tune keeps its "
+                          "base's objective: drop --objective")
+    values["objective"] = objective
+    if objective == "flow_matching" and "flow_shift" not in given:  # its sampling shift, as exported
+        values["flow_shift"] = float(base.scheduler_config.get("shift", 1.0))
     if "snr_gamma" not in given:  # the base's loss weighting: its objective is what was pretrained
         values["snr_gamma"] = base.trained_snr_gamma or 0.0
     size = unet_size(base.unet_config)

@@ -129,8 +129,6 @@ def validate_objective(c: TrainConfig) -> None:
          f"--rescale_betas_zero_snr rescales DDPM's betas; {flow} already reaches pure noise (sigma = 1): drop it")
     need(c.timestep_sampling == "uniform",
          f"--timestep_sampling {c.timestep_sampling} is DDPM's; {flow} draws sigma by --weighting_scheme: drop it")
-    need(c.pretrained_model_name_or_path is None,
-         f"{flow} trains from scratch: fine-tuning (--pretrained_model_name_or_path) is DDPM-only for now")
 
 
 def validate_choices_and_combinations(c: TrainConfig) -> None:
