@@ -233,3 +233,23 @@ def test_a_config_file_of_the_other_kind_is_refused_in_one_line(tmp_path, tiny_d
     result = run_training(recipe, tmp_path / "b", "--model_type", "unet", "--model_config_name_or_path",
                           tiny_dit_config, check=False)
     assert result.returncode == 2 and "a DiTTransformer2DModel config: add --model_type dit" in result.stderr
+
+
+@TRAINED
+def test_the_model_card_names_the_transformer_and_its_call_runs_as_written(trained, tmp_path, monkeypatch):
+    """A DiT export's card says what the model is (a diffusion transformer, not a UNet), names its
+    pipeline file, and its usage block runs against the folder: with classes (by name, guided) and
+    without."""
+    from diffusion_extras.hub.push import write_model_card
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.chdir(tmp_path)
+    for kind, class_names in (("classes", [str(k) for k in range(10)]), ("unconditional", None)):
+        text = open(write_model_card(str(trained[kind]), {"repo_id": str(trained[kind]), "class_names": class_names,
+                                                           "config": {"model_type": "dit"}})).read()
+        assert "a diffusion transformer (DiT" in text and "a UNet" not in text, kind
+        assert "`pipeline_dit.py` in this repository" in text and "pipeline.guide" not in text, kind
+        code = text.split("## Usage")[1].split("```python\n")[1].split("```")[0]
+        exec(compile(code.replace("num_inference_steps=50", "num_inference_steps=2"), "model card", "exec"), {})
+        assert (tmp_path / "sample.png").is_file(), kind
+        (tmp_path / "sample.png").unlink()

@@ -377,3 +377,20 @@ def test_a_flow_export_fine_tunes_as_a_flow_model_and_a_ddpm_base_refuses_flow(f
     tuned = pipeline.unet.state_dict()
     assert any(not torch.equal(tuned[name], weight) for name, weight in
                DDPMPipeline.from_pretrained(flow_run).unet.state_dict().items())  # it trained
+
+
+@FLOW_RUN
+def test_the_model_card_says_flow_matching_and_its_call_samples_the_flow(flow_run, tmp_path, monkeypatch):
+    """A flow export's card says it was trained by flow matching (not as a DDPM) and how it samples
+    (FlowMatchEulerDiscreteScheduler, its shift); its DDPMPipeline call runs as written."""
+    from diffusion_extras.hub.push import write_model_card
+
+    text = open(write_model_card(str(flow_run), {"repo_id": str(flow_run), "config": {
+        "objective": "flow_matching", "flow_shift": 2.0}})).read()
+    assert text.split("\n")[0] != "# DDPM" and "# Flow matching: run" in text
+    assert "trained by flow matching" in text and "denoising diffusion probabilistic" not in text
+    assert "`FlowMatchEulerDiscreteScheduler` (shift 2)" in text
+    code = text.split("## Usage")[1].split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "model card", "exec"), {})
+    assert (tmp_path / "sample.png").is_file()

@@ -18,6 +18,7 @@ from huggingface_hub.utils import HFValidationError, filter_repo_objects, valida
 from diffusion_extras.evaluation.choices import (
     DEFAULT_GUIDANCE_SCALE,
     DEFAULT_NOISE_LEVEL,
+    DIT_PIPELINE_MODULE,
     IMAGE_PIPELINE_MODULE,
     PIPELINE_MODULE,
 )
@@ -199,15 +200,17 @@ def _is_hub_id(name: str | None) -> bool:
 
 
 def _card_body(folder: str, info: dict, config: dict, repo_id: str, dataset: str | None) -> str:
-    title = info.get("title") or f"DDPM: {repo_id.split('/')[-1]}"
+    flow = config.get("objective") == "flow_matching"
+    title = info.get("title") or f"{'Flow matching' if flow else 'DDPM'}: {repo_id.split('/')[-1]}"
     trained_on = f" on `{dataset}`" if dataset else ""
     conditioning = info.get("conditioning")
     kind = (IMAGE_MODEL_KINDS[conditioning["conditioning"]].format(**conditioning) if conditioning
             else "An unconditional image-generation model")
+    backbone = BACKBONES[config.get("model_type") or "unet"]
     lines = [
         f"# {title}", "",
-        f"{kind}: a UNet trained as a denoising diffusion probabilistic "
-        f"model ([Ho et al., 2020](https://arxiv.org/abs/2006.11239)){trained_on} with `train_ddpm.py`.", "",
+        f"{kind}: {backbone} trained {FLOW_TEXT.format(shift=config.get('flow_shift', 1.0)) if flow else DDPM_TEXT}"
+        f"{trained_on} with `train_ddpm.py`.", "",
         "## Training recipe", "",
     ]
     if info.get("base_model"):
@@ -233,8 +236,18 @@ def _card_body(folder: str, info: dict, config: dict, repo_id: str, dataset: str
         # a run trained with --condition_dropout 0 has no no-class prediction: its pipeline refuses guidance
         guided = config.get("condition_dropout") != 0
         lines += (_latent_usage(repo_id, info.get("class_names")) if info.get("vae")
-                  else _usage(repo_id, info.get("class_names"), guided))
+                  else _usage(repo_id, info.get("class_names"), guided, config.get("model_type") == "dit"))
     return "\n".join(lines)
+
+
+# The card's first sentence: the backbone (--model_type) and how it was trained (--objective)
+BACKBONES = {"unet": "a UNet",
+             "dit": "a diffusion transformer (DiT, [Peebles & Xie, 2023](https://arxiv.org/abs/2212.09748))"}
+DDPM_TEXT = "as a denoising diffusion probabilistic model ([Ho et al., 2020](https://arxiv.org/abs/2006.11239))"
+FLOW_TEXT = ("by flow matching ([Lipman et al., 2023](https://arxiv.org/abs/2210.02747); rectified flow, "
+             "[Liu et al., 2023](https://arxiv.org/abs/2209.03003)): it predicts the velocity noise - x_0 and "
+             "samples with diffusers' `FlowMatchEulerDiscreteScheduler` (shift {shift:g}), or a flow-capable "
+             "scheduler swapped in")
 
 
 # What an image-conditioned model does, by --conditioning (the card's first sentence)
@@ -287,9 +300,18 @@ def _latent_usage(repo_id: str, class_names: list | None) -> list[str]:
             "```", ""]
 
 
-def _usage(repo_id: str, class_names: list | None, guided: bool = True) -> list[str]:
+def _usage(repo_id: str, class_names: list | None, guided: bool = True, dit: bool = False) -> list[str]:
     """A DDPMPipeline's usage, or a class-conditional one's: with guidance where the run trained the
-    no-class prediction (`guided`), else without (the pipeline refuses guidance_scale != 1 then)."""
+    no-class prediction (`guided`), else without (the pipeline refuses guidance_scale != 1 then); a
+    DiT's (`dit`) through its own pipeline file, with classes or without."""
+    module = DIT_PIPELINE_MODULE if dit else PIPELINE_MODULE
+    if dit and not class_names:
+        return ["## Usage", "",
+                f"The pipeline's code is `{module}.py` in this repository (hence `trust_remote_code=True`).", "",
+                "```python", "import torch", "from diffusers import DiffusionPipeline", "",
+                f'pipeline = DiffusionPipeline.from_pretrained("{repo_id}", trust_remote_code=True)',
+                "image = pipeline(num_inference_steps=50, generator=torch.manual_seed(0)).images[0]",
+                'image.save("sample.png")', "```", ""]
     if not class_names:
         return ["## Usage", "", "```python", "from diffusers import DDPMPipeline", "",
                 f'pipeline = DDPMPipeline.from_pretrained("{repo_id}")',
@@ -298,7 +320,7 @@ def _usage(repo_id: str, class_names: list | None, guided: bool = True) -> list[
     return ["## Usage", "",
             f"Class-conditional: {len(class_names)} classes ({', '.join(map(str, class_names[:10]))}"
             f"{', ...' if len(class_names) > 10 else ''}), sampled with classifier-free guidance. The pipeline's code "
-            f"is `{PIPELINE_MODULE}.py` in this repository (hence `trust_remote_code=True`).", "",
+            f"is `{module}.py` in this repository (hence `trust_remote_code=True`).", "",
             "```python", "import torch", "from diffusers import DiffusionPipeline", "",
             f'pipeline = DiffusionPipeline.from_pretrained("{repo_id}", trust_remote_code=True)',
             f"class_ids = pipeline.get_label_ids([{names}])  # pipeline.id2label lists the classes",
@@ -306,8 +328,9 @@ def _usage(repo_id: str, class_names: list | None, guided: bool = True) -> list[
             "                  num_inference_steps=50, generator=torch.manual_seed(0)).images",
             'images[0].save("sample.png")', "```", "",
             "`guidance_interval=(low, high)` guides only at noise levels sigma in (low, high] (Kynkäänniemi et al. "
-            "2024; one UNet call elsewhere), and a weaker UNet set as `pipeline.guide` guides in place of the "
-            "no-class branch (autoguidance, Karras et al. 2024; saved in `guide/`, off with `autoguidance=False`)."
+            "2024; one model call elsewhere)" + (
+                "." if dit else ", and a weaker UNet set as `pipeline.guide` guides in place of the no-class branch "
+                "(autoguidance, Karras et al. 2024; saved in `guide/`, off with `autoguidance=False`).")
             if guided else "Trained with `--condition_dropout 0`: there is no no-class prediction to guide with, so "
             "the pipeline samples without classifier-free guidance (it refuses `guidance_scale` other than 1).",
             ""]
