@@ -294,9 +294,10 @@ def test_a_mask_of_another_size_is_resized_and_one_that_cannot_be_read_as_meant_
 
 def test_an_exported_inpainting_pipeline_reads_masks_by_the_rule_without_the_package(tmp_path):
     """save_pretrained writes pipeline_masks.py and pipeline_images.py beside the pipeline's file; a
-    process without the package loads the folder (trust_remote_code), gives the UNet a 0/1 mask as the mask it is and
-    keeps the pixels it does not mark. (The filled pixels are sampled: any one of them may come out
-    100 by chance, so the UNet's mask channel is what is compared, not a count of changed pixels.)"""
+    process without the package loads the folder (trust_remote_code), gives the UNet a 0/1 mask as
+    the mask it is and keeps the pixels it does not mark. (The filled pixels are sampled: any one of
+    them may come out 100 by chance, so the UNet's mask channel is what is compared, not a count of
+    changed pixels.)"""
     from package_blocker import run_without_the_package
 
     pipeline("inpainting").save_pretrained(tmp_path / "export")

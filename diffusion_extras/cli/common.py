@@ -21,7 +21,7 @@ from diffusion_extras.cli.inputs import (
     package_pipeline_class,
     refuse_guidance_flags,
 )
-from diffusion_extras.data.images import PixelFormat, preprocess_image
+from diffusion_extras.data.images import BACKGROUNDS, PixelFormat, preprocess_image
 from diffusion_extras.data.spec import Resolution, as_resolution, image_size
 from diffusion_extras.evaluation.choices import (
     DEFAULT_IMAGE_GUIDANCE_SCALE,
@@ -187,7 +187,7 @@ def pipeline_resolution(pipeline) -> Resolution:
 
 
 # ----------------------------------------------------------------------------- condition images
-def read_images(paths: list[str], channels: int, background: tuple = (255, 255, 255)) -> np.ndarray:
+def read_images(paths: list[str], channels: int, background: tuple = BACKGROUNDS["white"]) -> np.ndarray:
     """uint8 [N, H, W, channels] of image files as they are (no resizing: a super-resolution input
     keeps its size), converted to grayscale or RGB as the trainer converts (transparency composited
     on `background`, the run's --background); one size for all, or a one-line ValueError."""
@@ -197,7 +197,7 @@ def read_images(paths: list[str], channels: int, background: tuple = (255, 255, 
     for path in paths:
         with Image.open(path) as image:
             images.append(decode_image({"path": path, "bytes": None}, (image.height, image.width), True, channels,
-                                       PixelFormat("uint8", tuple(background))))
+                                       PixelFormat("uint8", background)))
     sizes = sorted({image.shape[:2] for image in images})
     if len(sizes) > 1:
         raise ValueError(f"the images ({paths[0]}, ...) are of {len(sizes)} sizes ({sizes[0]}, {sizes[1]}, ...; "
@@ -267,12 +267,12 @@ def list_images(folder: str) -> list[str]:
 
 
 def load_image(path: str, resolution: Resolution, channels: int = 3,
-               background: tuple = (255, 255, 255)) -> np.ndarray:
+               background: tuple = BACKGROUNDS["white"]) -> np.ndarray:
     """uint8 [H, W, channels] (RGB by default), preprocessed exactly as training images are
     (resized to cover `resolution` keeping the aspect, centre crop; transparency on `background`)."""
     with Image.open(path) as image:
         return preprocess_image(image, resolution, center_crop=True, channels=channels,
-                                pixels=PixelFormat("uint8", tuple(background)))
+                                pixels=PixelFormat("uint8", background))
 
 
 def load_images(folder: str, resolution: Resolution, channels: int) -> np.ndarray:

@@ -16,8 +16,8 @@ reads them and converted to the model's channels as the trainer converts (pipeli
 size whose sides the UNet (and the VAE) can halve, square or not; an inpainting mask in any common
 form (pipeline_masks.py). The trainer saves a copy of this file beside model_index.json with
 pipeline_class_conditional.py, pipeline_latent.py, pipeline_images.py and pipeline_masks.py (its
-relative imports), so
-diffusers loads the folder without the training package. torch and diffusers only.
+relative imports), so diffusers loads the folder without the training package. torch and diffusers
+only.
 """
 from __future__ import annotations
 

@@ -3,9 +3,8 @@
 list), laid out as diffusers' VaeImageProcessor reads them and converted to the model's channels as
 the trainer converts images (data/images.py, which an exported folder cannot import: transparency
 composited on the run's --background, white unless the export records another, RGB -> L by Pillow's
-weights). Copied into exported folders with
-pipeline_image_conditioned.py, which imports it relatively; pipeline_masks.py reads its LUMA.
-numpy, torch and Pillow only."""
+weights). Copied into exported folders with pipeline_image_conditioned.py, which imports it
+relatively; pipeline_masks.py reads its LUMA. numpy, torch and Pillow only."""
 from __future__ import annotations
 
 import numpy as np

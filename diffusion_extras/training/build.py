@@ -127,8 +127,7 @@ def build_run(config: TrainConfig, accelerator, lr_schedule=None, max_train_step
     extension points (hooks.py), defaults when None."""
     hooks = hooks or Hooks()
     config, base = pretrained.resolve(config)  # None unless fine-tuning
-    if base is None and config.objective == "ddpm" and predicts_by_super_resolution_default(config.conditioning,
-                                                                                            config.given):
+    if base is None and predicts_by_super_resolution_default(config.conditioning, config.given, config.objective):
         accelerator.print(f"objective: super-resolution predicts {config.prediction_type} (its default: DDIM samples "
                           "of an epsilon upscaler drift in colour); --prediction_type sets another")
     noise_scheduler = models.build_noise_scheduler(config, base.scheduler_config if base else None)

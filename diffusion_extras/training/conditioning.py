@@ -25,6 +25,7 @@ import torch
 
 from diffusion_extras.data import batch_order
 from diffusion_extras.data.conditioning import random_masks
+from diffusion_extras.data.images import BACKGROUNDS
 from diffusion_extras.data.latents import Posterior
 from diffusion_extras.evaluation.pipeline_image_conditioned import (
     degrade,
@@ -54,7 +55,7 @@ class ImageCondition:
     vae: object | None = None  # latent diffusion: the frozen VAE that encodes the condition (on the device)
     dropout: float | None = None  # --conditioning_dropout_prob: guidance on the image needs it > 0 (None: not known)
     max_noise_level: int = 0   # super_resolution's conditioning augmentation: levels 0..this (0: none)
-    background: tuple = (255, 255, 255)  # --background: the RGB transparent images were composited on
+    background: tuple = BACKGROUNDS["white"]  # --background: the RGB transparent images were composited on
 
     def pipeline_config(self) -> dict:
         """What the exported ImageConditionedPipeline records of it."""
@@ -124,12 +125,12 @@ class ImageCondition:
 
 def for_run(kind: str, image_channels: int, stored_channels: int, sr_factor: int, seed: int,
             vae=None, dropout: float | None = None, max_noise_level: int = 0,
-            background: tuple = (255, 255, 255)) -> ImageCondition | None:
+            background: tuple = BACKGROUNDS["white"]) -> ImageCondition | None:
     """The run's ImageCondition, or None for --conditioning none."""
     if kind == "none":
         return None
     return ImageCondition(kind, image_channels, stored_channels, sr_factor, seed, vae, dropout, max_noise_level,
-                          tuple(background))
+                          background)
 
 
 def conditions_of(spec: ImageCondition, images: np.ndarray, seed: int) -> dict:

@@ -47,10 +47,11 @@ CONDITIONING = ("none", *CONDITIONING_KINDS)
 SUPER_RESOLUTION_PREDICTION = "v_prediction"
 
 
-def predicts_by_super_resolution_default(conditioning: str, given) -> bool:
+def predicts_by_super_resolution_default(conditioning: str, given, objective: str) -> bool:
     """Whether --prediction_type is SUPER_RESOLUTION_PREDICTION because it was not given (`given`:
-    the names of the settings given) to a --conditioning super_resolution run."""
-    return conditioning == "super_resolution" and "prediction_type" not in given
+    the names of the settings given) to a --conditioning super_resolution run of the DDPM objective
+    (flow matching predicts the velocity, always)."""
+    return objective == "ddpm" and conditioning == "super_resolution" and "prediction_type" not in given
 
 # Resume policy: what `--resume_from_checkpoint` does when a setting differs from the checkpoint's.
 REFUSE = "refuse"  # the saved state cannot serve the new value (model shape, schedule, batch layout, ...)
@@ -360,8 +361,8 @@ def from_sources(yaml_values: dict, cli_values: dict) -> TrainConfig:
     for name, value in values.items():
         values[name] = _coerce(known[name], value)
     given = frozenset(values)
-    if values.get("objective", "ddpm") == "ddpm" and predicts_by_super_resolution_default(
-            values.get("conditioning", "none"), given):  # flow matching predicts the velocity, always
+    if predicts_by_super_resolution_default(values.get("conditioning", "none"), given,
+                                            values.get("objective", "ddpm")):
         values["prediction_type"] = SUPER_RESOLUTION_PREDICTION
     config = TrainConfig(**values)
     config._given = given  # recorded once, read through TrainConfig.given; not a setting
