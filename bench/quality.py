@@ -4,9 +4,11 @@
     python bench/quality.py --max_train_steps 1200                # the default recipe
     python bench/quality.py --time_budget 300 -- --snr_gamma 0    # 5 minutes; flags after -- go to training
     python bench/quality.py --max_train_steps 1200 --config configs/digits-conditional.yaml   # class-conditional
+    python bench/quality.py --max_train_steps 1200 --samplers euler:10,euler:20 -- --objective flow_matching
 
 Trains the recipe with --validation_split 0.2 (a seeded fifth of the digits never trained on),
-samples --num_samples EMA images (DDIM, 50 steps, seed 1) and scores them with a digit classifier:
+samples --num_samples EMA images (DDIM, 50 steps, seed 1; Euler for a flow-matching run; --samplers
+scores several from the same noise) and scores them with a digit classifier:
 logistic regression fitted on the TRAINING split, every image taken through the training
 preprocessing and shrunk to 8x8 (snr_experiment.classifier_input). Reported:
   fid_classifier: Frechet distance of the classifier's 10 logits, samples vs the held-out digits;
@@ -129,6 +131,14 @@ class DigitScorer:
         return classifier_fid(self.classifier, images, self.held_out)
 
 
+def default_sampler(run_dir: str) -> str:
+    """The export's default sampler: DDIM, Euler for a flow-matching model."""
+    from diffusers import DDPMScheduler
+
+    from diffusion_extras.evaluation.sampling import default_scheduler
+    return default_scheduler(DDPMScheduler.load_config(os.path.join(run_dir, "scheduler")))
+
+
 def is_class_conditional(run_dir: str) -> bool:
     """The folder's model_index.json names ClassConditionalPipeline (a custom pipeline's [module, class])."""
     from diffusion_extras.evaluation.pipeline_class_conditional import PIPELINE_CLASS
@@ -137,21 +147,44 @@ def is_class_conditional(run_dir: str) -> bool:
     return isinstance(name, list) and name[-1] == PIPELINE_CLASS
 
 
-def evaluate(run_dir: str, scorer: DigitScorer, num_samples: int) -> dict:
-    """A pixel or latent export (a latent one samples its latents and decodes them with its VAE)."""
+def evaluate(run_dir: str, scorer: DigitScorer, num_samples: int, samplers: list[tuple[str, int]]) -> dict:
+    """A pixel or latent export (a latent one samples its latents and decodes them with its VAE),
+    sampled by each (scheduler, steps) of `samplers` from the same noise (seed 1); the first one's
+    scores are the report's top level, every one's under "samplers" ("ddim:50": {...})."""
     from diffusion_extras.cli.common import load_pipeline
     from diffusion_extras.evaluation import sampling
     pipeline = load_pipeline(run_dir)
-    scheduler = sampling.make_scheduler("ddim", pipeline.scheduler.config)
-    samples = sampling.generate(pipeline.unet, scheduler, num_samples, 50, seed=1, batch_size=128,
-                                vae=getattr(pipeline, "vae", None))
-    sampling.image_grid(samples[:64]).save(os.path.join(run_dir, "quality_samples_grid.png"))
-    report = {"fid_classifier": scorer.fid(samples), **score_digits(scorer.classifier, samples),
+    by_sampler = {}
+    for name, steps in samplers:
+        scheduler = sampling.make_scheduler(name, pipeline.scheduler.config)
+        started = time.perf_counter()
+        samples = sampling.generate(pipeline.unet, scheduler, num_samples, steps, seed=1, batch_size=128,
+                                    vae=getattr(pipeline, "vae", None))
+        seconds = time.perf_counter() - started
+        if not by_sampler:
+            sampling.image_grid(samples[:64]).save(os.path.join(run_dir, "quality_samples_grid.png"))
+        fid = scorer.fid(samples)
+        by_sampler[f"{name}:{steps}"] = {"fid_classifier": fid, "fid_ratio": fid / scorer.floor,
+                                         "sampling_seconds": seconds, **score_digits(scorer.classifier, samples)}
+    report = {**next(iter(by_sampler.values())), "samplers": by_sampler,
               "real_confident_coverage": score_digits(scorer.classifier, scorer.held_out)}
     # the best its latents allow: the floor's digits through the VAE
     if getattr(pipeline, "vae", None) is not None and scorer.real is not None:
         report["vae_floor"] = scorer.fid(reconstructed(pipeline.vae, scorer.real))
     return report
+
+
+def parse_samplers(text: str) -> list[tuple[str, int]]:
+    """'ddim:10,ddim:50,euler:20' -> [('ddim', 10), ('ddim', 50), ('euler', 20)]."""
+    from diffusion_extras.evaluation.choices import ALL_SCHEDULERS
+    samplers = []
+    for part in text.split(","):
+        name, _, steps = part.strip().partition(":")
+        if name not in ALL_SCHEDULERS or not steps.isdigit() or int(steps) < 1:
+            raise SystemExit(f"--samplers {text!r}: give SCHEDULER:STEPS pairs, SCHEDULER one of "
+                             f"{', '.join(ALL_SCHEDULERS)}")
+        samplers.append((name, int(steps)))
+    return samplers
 
 
 def reconstructed(vae, images: np.ndarray) -> np.ndarray:
@@ -302,6 +335,9 @@ def main(argv=None) -> None:
     parser.add_argument("--num_samples", type=int, default=1000, help="generated images scored")
     parser.add_argument("--guidance_scales", default="1,2,4",
                         help="comma-separated classifier-free guidance scales (class-conditional runs)")
+    parser.add_argument("--samplers", default=None, metavar="SCHEDULER:STEPS,...",
+                        help="unconditional and latent runs: the samplers scored, each from the same noise "
+                             "(default ddim:50, euler:50 for a flow-matching run), e.g. euler:10,euler:20,euler:50")
     parser.add_argument("--schedulers", default="ddim",
                         help="class-conditional: comma list of ddim, ddpm, dpm, pipeline (its own), swapped in from "
                              "the pipeline's config")
@@ -337,7 +373,8 @@ def main(argv=None) -> None:
                                                            grid_dir=run_dir)
         result["variants"] = guidance_variants(args, extra, run_dir, scorer, scales)
     else:
-        result.update(evaluate(run_dir, scorer, args.num_samples))
+        result.update(evaluate(run_dir, scorer, args.num_samples, parse_samplers(args.samplers) if args.samplers
+                               else [(default_sampler(run_dir), 50)]))
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     print(json.dumps(result, indent=1))
@@ -347,6 +384,8 @@ def main(argv=None) -> None:
             print(f"\n{name}\n" + conditional_table(report, result["floor"]))
         print(f"real-data floor {result['floor']:.3f} after {steps} steps")
     else:
+        for name, row in result["samplers"].items():
+            print(f"{name}: classifier FID {row['fid_classifier']:.3f}, {row['fid_ratio']:.3f} x the floor")
         print(f"classifier FID {result['fid_classifier']:.3f} after {steps} steps; "
               f"real-data floor {result['floor']:.3f}"
               + (f"; the VAE's reconstructions {result['vae_floor']:.3f}" if "vae_floor" in result else ""))

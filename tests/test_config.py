@@ -27,6 +27,15 @@ def test_digits_recipe_equals_defaults():
     assert recipe("digits.yaml") == TrainConfig()
 
 
+def test_the_flow_recipe_is_the_digits_recipe_with_flow_matching():
+    """configs/digits-flow.yaml changes the objective (and the output folder) only: the comparison
+    with the DDPM default in docs/BENCHMARKS.md is of the objective alone."""
+    config = parse_config(["--config", os.path.join(ROOT, "configs", "digits-flow.yaml")])
+    differences = {f.name for f in dataclasses.fields(TrainConfig)
+                   if getattr(config, f.name) != getattr(TrainConfig(), f.name)}
+    assert differences == {"objective", "output_dir"} and config.objective == "flow_matching"
+
+
 def test_cifar10_recipe_builds_the_papers_35_7m_unet():
     config = recipe("cifar10-ddpm.yaml")
     unet = models.build_unet(config)

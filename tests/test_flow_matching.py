@@ -82,15 +82,17 @@ def test_sigmas_are_drawn_as_the_sd3_script_draws_them_from_the_step_generator_o
     assert not torch.equal(objective.timestep_sampler.sample(4096, torch.Generator().manual_seed(8))[0], index)
 
 
-def test_the_step_feeds_the_unet_the_flow_path_at_sigma_times_1000(tmp_path, fresh_accelerate):
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_the_step_feeds_the_unet_the_flow_path_at_sigma_times_1000(tmp_path, fresh_accelerate, precision):
     """The trainer's own step: the UNet's x_t and timestep are (1 - sigma) x_0 + sigma noise and sigma
-    T for the noise and indices that (seed, micro-step) give (micro_step_randomness, drawn again)."""
+    T for the noise and indices that (seed, micro-step) give (micro_step_randomness, drawn again);
+    under bf16 autocast too, where the path is still computed in fp32."""
     from diffusion_extras.training import loop, step
     from diffusion_extras.training.hooks import Hooks
 
     cleans, calls = [], []
     hooks = Hooks(model_input=lambda run, clean, micro_step: cleans.append(clean.clone()) or clean)
-    run = tiny_run(tmp_path, *FLOW, "--flow_shift", 3, hooks=hooks)
+    run = tiny_run(tmp_path, *FLOW, "--flow_shift", 3, "--mixed_precision", precision, hooks=hooks)
     try:
         run.learner.unet.register_forward_pre_hook(lambda module, args: calls.append([a.detach().clone()
                                                                                        for a in args[:2]]))
@@ -102,6 +104,7 @@ def test_the_step_feeds_the_unet_the_flow_path_at_sigma_times_1000(tmp_path, fre
     assert torch.equal(noise, again) and torch.equal(index, index_again)
     sigma = shifted((index.double() + 1) / T, 3.0).view(-1, 1, 1, 1)
     [(noisy, timesteps)] = calls
+    assert noisy.dtype == timesteps.dtype == torch.float32
     torch.testing.assert_close(noisy.double(), (1 - sigma) * cleans[0].double() + sigma * noise.double(),
                                rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(timesteps.double(), sigma.view(-1) * T, rtol=1e-6, atol=1e-4)
@@ -144,10 +147,42 @@ def test_the_export_is_a_ddpm_pipeline_that_samples_with_the_euler_flow(flow_run
 
 
 @FLOW_RUN
+def test_dpm_solver_samples_a_flow_export_on_its_shifted_flow_sigmas(flow_run):
+    """--scheduler dpm on a flow export: DPM-Solver++ (2M) with diffusers' flow sigmas, the export's
+    shift, and x_0 = x_t - sigma v as its data prediction. Two steps written out: a first-order
+    step from the first sigma to the second, then (the last step of a short run is first order) to
+    sigma 0, which lands on the data prediction."""
+    from diffusers import DDPMPipeline, DPMSolverMultistepScheduler
+
+    pipeline = DDPMPipeline.from_pretrained(flow_run)
+    pipeline.scheduler = sampling.make_scheduler("dpm", pipeline.scheduler.config)
+    assert isinstance(pipeline.scheduler, DPMSolverMultistepScheduler)
+    images = pipeline(batch_size=2, num_inference_steps=2, generator=torch.Generator().manual_seed(3),
+                      output_type="np").images
+    # diffusers' flow sigmas: 1 - linspace(1, 1/T, N + 1), reversed, shifted, the last (0) dropped
+    sigmas = shifted(1 - np.linspace(1, 1 / T, 3)[::-1][:-1], 2.0).tolist() + [0.0]
+    unet = pipeline.unet
+    x = torch.randn((2, 1, 8, 8), generator=torch.Generator().manual_seed(3)).double()
+
+    def data_prediction(x, sigma):  # the UNet's timestep: sigma x T truncated, as the scheduler gives it
+        with torch.no_grad():
+            v = unet(x.float(), torch.tensor(int(sigma * T))).sample.double()
+        return x - sigma * v
+
+    (s0, s1), a0, a1 = sigmas[:2], 1 - sigmas[0], 1 - sigmas[1]
+    h = math.log(a1 / s1) - math.log(a0 / s0)
+    x = (s1 / s0) * x - a1 * (math.exp(-h) - 1) * data_prediction(x, s0)
+    x = data_prediction(x, s1)
+    np.testing.assert_allclose(images, (x / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy(), atol=1e-5)
+
+
+@FLOW_RUN
 def test_the_run_samples_with_a_flow_scheduler_and_refuses_ddpm_ones(flow_run):
     config = FlowMatchEulerDiscreteScheduler.load_config(flow_run / "scheduler")
     assert isinstance(sampling.training_sampler(config), FlowMatchEulerDiscreteScheduler)
-    for name in sampling.SCHEDULERS:  # DDIM's from_config would take default betas and sample noise
+    assert isinstance(sampling.make_scheduler(None, config), FlowMatchEulerDiscreteScheduler)  # the default
+    for name in set(sampling.SCHEDULERS) - set(sampling.FLOW_SCHEDULERS):  # DDIM's from_config would take
+        # default betas and sample noise
         with pytest.raises(ValueError, match=f"scheduler '{name}' cannot sample a flow-matching model"):
             sampling.make_scheduler(name, config)
     with pytest.raises(ValueError, match="scheduler 'euler' cannot sample a DDPM model"):
@@ -217,7 +252,8 @@ def test_a_checkpoint_older_than_the_objective_setting_counts_as_ddpm():
 def test_a_class_conditional_flow_export_samples_guided_euler_without_the_package(tiny_recipe, tmp_path):
     """The ClassConditionalPipeline (loaded from the folder's own copy) with the exported flow
     scheduler: no init_noise_sigma or scale_model_input to call, classifier-free guidance on the
-    velocity, stepped by Euler: equal to the guided Euler loop written out."""
+    velocity, stepped by Euler: equal to the guided Euler loop written out; and so is autoguidance
+    with a weaker guide UNet."""
     from diffusers import DiffusionPipeline
 
     out = tmp_path / "run"
@@ -238,6 +274,70 @@ def test_a_class_conditional_flow_export_samples_guided_euler_without_the_packag
             x = x + (following - sigma) * (weak + scale * (strong - weak))
     np.testing.assert_allclose(images, (x / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy(), atol=1e-5)
     assert (out / "images" / "samples.png").exists()  # the training grid sampled it (guided Euler) too
+    # autoguidance on the velocity: the weak prediction is a weaker model's for the same labels
+    import copy
+    guide = copy.deepcopy(unet)
+    with torch.no_grad():
+        for parameter in guide.parameters():
+            parameter.mul_(0.9)
+    pipeline.guide = guide
+    images = pipeline(class_labels=labels, guidance_scale=scale, num_inference_steps=steps,
+                      generator=torch.Generator().manual_seed(5), output_type="np").images
+    x = torch.randn((2, 1, 8, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for sigma, following in zip(sigmas[:-1], sigmas[1:]):
+            t = torch.tensor(sigma * T, dtype=torch.float32)
+            strong = unet(x, t, class_labels=torch.tensor(labels)).sample
+            weak = guide(x, t, class_labels=torch.tensor(labels)).sample
+            x = x + (following - sigma) * (weak + scale * (strong - weak))
+    np.testing.assert_allclose(images, (x / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy(), atol=1e-5)
+
+
+def test_post_hoc_ema_of_a_class_conditional_flow_run_exports_its_own_pipeline(tiny_recipe, tmp_path):
+    """--posthoc_ema under flow matching: the snapshots reconstruct a width, and the export is the
+    run's ClassConditionalPipeline with its flow scheduler and class names (loaded without the
+    package) around the reconstructed UNet, which samples guided."""
+    from diffusers import DiffusionPipeline
+
+    from diffusion_extras.cli import posthoc_ema
+    from diffusion_extras.core.phema import reconstruct
+
+    out = tmp_path / "run"
+    run_training(tiny_recipe(class_conditional=True, posthoc_ema=True, posthoc_ema_snapshot_steps=2), out,
+                 *FLOW, "--max_train_steps", 4)
+    posthoc_ema.main([str(out), "--sigma_rels", "0.08", "--export", str(tmp_path / "best")])
+    pipeline = DiffusionPipeline.from_pretrained(tmp_path / "best", trust_remote_code=True)
+    trained = DiffusionPipeline.from_pretrained(out, trust_remote_code=True)
+    assert type(pipeline).__name__ == type(trained).__name__ == "ClassConditionalPipeline"
+    assert isinstance(pipeline.scheduler, FlowMatchEulerDiscreteScheduler) and pipeline.id2label == trained.id2label
+    state = reconstruct(str(out / "posthoc_ema"), 0.08, step=4)
+    for name, parameter in pipeline.unet.named_parameters():
+        assert torch.equal(parameter, state[name].to(parameter.dtype)), name
+    assert not torch.equal(pipeline.unet.conv_in.weight, trained.unet.conv_in.weight)  # not the run's EMA
+    images = pipeline(class_labels=[1, 2], guidance_scale=2.0, num_inference_steps=2, output_type="np").images
+    assert images.shape == (2, 8, 8, 1) and np.isfinite(images).all()
+
+
+def test_two_streaming_ranks_of_a_class_conditional_flow_run_with_accumulation_equal_one(tiny_recipe, tmp_path,
+                                                                                        parquet_images):
+    """Flow matching on the trainer's rails: 2 gloo ranks x 10 images x 2 accumulated micro-steps,
+    streamed from 4 parquet shards of 10 (rank r reads shards r and r + 2) with a label column and
+    flips, train as 1 rank x 20 x 2 reading the shards in turn: the same sigmas, noise, label drops
+    and flips, image by image."""
+    from helpers import load_unet_weights, read_history
+    from processes import launch_training
+
+    flags = (*FLOW, "--dataset_name", parquet_images, "--image_column", "img", "--streaming",
+             "--shuffle_buffer_size", 0, "--class_conditional", "--label_column", "n", "--random_flip",
+             "--gradient_accumulation_steps", 2, "--max_train_steps", 3)
+    two = launch_training(tiny_recipe(train_batch_size=10, max_train_samples=None), tmp_path / "two", *flags,
+                          ranks=2, env={"ACCELERATE_USE_CPU": "1"})
+    assert "replicas identical on 2 processes" in two.stdout
+    run_training(tiny_recipe(train_batch_size=20, max_train_samples=None), tmp_path / "one", *flags)
+    w2, w1 = load_unet_weights(tmp_path / "two"), load_unet_weights(tmp_path / "one")
+    assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
+    losses = [[row["loss"] for row in read_history(run)] for run in (tmp_path / "two", tmp_path / "one")]
+    assert len(losses[1]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
 def test_a_latent_flow_export_samples_its_latents_with_the_euler_flow(tiny_recipe, tmp_path):
@@ -266,13 +366,13 @@ def test_a_latent_flow_export_samples_its_latents_with_the_euler_flow(tiny_recip
 def test_the_sample_command_takes_euler_for_a_flow_model_and_refuses_ddim_in_one_line(flow_run, tmp_path):
     from helpers import run_cli
 
-    result = run_cli(["-m", "diffusion_extras.sample", flow_run, "--scheduler", "euler", "--num_images", 2,
+    result = run_cli(["-m", "diffusion_extras.sample", flow_run, "--num_images", 2,  # Euler: its default
                       "--num_inference_steps", 3, "--output", tmp_path / "euler"])
     assert len(list((tmp_path / "euler").glob("0*.png"))) == 2, result.stdout
     refused = run_cli(["-m", "diffusion_extras.sample", flow_run, "--scheduler", "ddim", "--num_images", 2,
                        "--output", tmp_path / "ddim"], check=False)
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
-    assert "scheduler 'ddim' cannot sample a flow-matching model; choose one of euler" in refused.stderr
+    assert "scheduler 'ddim' cannot sample a flow-matching model; choose one of euler, dpm" in refused.stderr
 
 
 @FLOW_RUN

@@ -1,6 +1,7 @@
 """Grids, FID and the exported pipeline sample the EMA weights in fp32 whatever --mixed_precision
-says, while training keeps its autocast (bf16 on CPU here)."""
+says, while training keeps its autocast (bf16 on CPU here); for both objectives."""
 import numpy as np
+import pytest
 import torch
 from helpers import load_unet_weights, tiny_run
 from PIL import Image
@@ -11,16 +12,17 @@ from diffusion_extras.training import artifacts, loop, models
 
 def fp32_grid(run, unet, dtype=torch.float32) -> np.ndarray:
     config = run.config
-    scheduler = sampling.make_scheduler("ddim", run.objective.noise_scheduler.config)
+    scheduler = sampling.training_sampler(run.objective.noise_scheduler.config)  # DDIM, or Euler for flow
     images = sampling.generate(unet, scheduler, config.eval_batch_size, config.ddpm_num_inference_steps,
                                seed=config.seed, device="cpu", dtype=dtype)
     return np.asarray(sampling.image_grid(images))
 
 
-def test_bf16_run_samples_its_grid_in_fp32(tmp_path, fresh_accelerate):
+@pytest.mark.parametrize("objective", ["ddpm", "flow_matching"])
+def test_bf16_run_samples_its_grid_in_fp32(tmp_path, fresh_accelerate, objective):
     steps = 4
     run = tiny_run(tmp_path, "--mixed_precision", "bf16", "--use_ema", "--max_train_steps", steps,
-                   ddpm_num_inference_steps=10, save_images_steps=1000)
+                   "--objective", objective, ddpm_num_inference_steps=10, save_images_steps=1000)
     loop.train(run)
     saved = np.asarray(Image.open(tmp_path / "run" / "samples" / f"step_{steps:06d}.png"))
 

@@ -205,14 +205,15 @@ def test_cli_evaluates_each_width_and_exports_the_lowest_fid(tmp_path, monkeypat
     fids, calls = iter([3.0, 1.5, 2.0]), []
     fake_metrics = types.SimpleNamespace(
         build_feature_extractor=lambda name, weights, device: ("extractor", name),
-        evaluate_unet=lambda *args, **kwargs: calls.append(kwargs) or {"fid": next(fids), "kid": 0.1})
+        evaluate_unet_metrics=lambda unet, scheduler, suites, num_samples, *args, **kwargs:
+        calls.append(num_samples) or {"fid": next(fids), "kid": 0.1})
     # the command imports these when it runs
     monkeypatch.setattr(metrics, "build_feature_extractor", fake_metrics.build_feature_extractor)
-    monkeypatch.setattr(metrics, "evaluate_unet", fake_metrics.evaluate_unet)
+    monkeypatch.setattr(metrics, "evaluate_unet_metrics", fake_metrics.evaluate_unet_metrics)
     monkeypatch.setattr(common, "load_reference", lambda *args: "reference")
     result = run_cli(["-m", "diffusion_extras.posthoc_ema", output, "--sigma_rels", "0.05,0.1,0.15", "--evaluate",
                       "--num_samples", "16", "--reference", "ref.npz", "--device", "cpu", "--export", tmp_path / "x"])
-    assert [c["num_samples"] for c in calls] == [16, 16, 16]
+    assert calls == [16, 16, 16]
     assert_exported_unet_equals(tmp_path / "x", reconstruct(str(output / "posthoc_ema"), 0.1))
     summary = json.loads((tmp_path / "x.json").read_text())
     assert summary["sigma_rel"] == 0.1 and [r["fid"] for r in summary["scores"]] == [3, 1.5, 2]

@@ -8,7 +8,7 @@ import sys
 from contextlib import contextmanager
 
 from diffusion_extras.core.commands import prog_name
-from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE, FLOW_SCHEDULERS, SCHEDULERS, TIMESTEP_SPACINGS
+from diffusion_extras.evaluation.choices import ALL_SCHEDULERS, DEFAULT_GUIDANCE_SCALE, TIMESTEP_SPACINGS
 
 
 def positive_int(text: str) -> int:
@@ -35,9 +35,10 @@ def pipeline_parser(command: str, description: str) -> argparse.ArgumentParser:
 
 def add_sampler_arguments(parser: argparse.ArgumentParser) -> None:
     """--scheduler, --timestep_spacing, --num_inference_steps and --seed of the sample and evaluate commands."""
-    parser.add_argument("--scheduler", choices=SCHEDULERS + FLOW_SCHEDULERS, default="ddim",
+    parser.add_argument("--scheduler", choices=ALL_SCHEDULERS, default=None,
                         help="the sampler, on the pipeline's noise schedule: ddpm (ancestral), ddim (eta=0) or dpm "
-                             "(DPM-Solver++ (2M)); a flow-matching model's: euler (default: %(default)s)")
+                             "(DPM-Solver++ (2M)); a flow-matching model's: euler or dpm (on the flow sigmas). "
+                             "Default: ddim, euler for a flow-matching model")
     parser.add_argument("--timestep_spacing", choices=TIMESTEP_SPACINGS, default=None,
                         help="where the steps fall on the training schedule (diffusers' scheduler setting): trailing "
                              "starts at its last step, as a zero-terminal-SNR schedule needs. Default: the pipeline's "

@@ -161,7 +161,7 @@ def sample_metrics(args, pipeline, groups: dict, resolution: Resolution, device,
     sampled; every rank samples its share, rank 0 scores (the others get {})."""
     from diffusion_extras.cli.common import load_reference
     from diffusion_extras.evaluation.metrics import build_feature_extractor, evaluate_unet_metrics
-    from diffusion_extras.evaluation.sampling import make_scheduler
+    from diffusion_extras.evaluation.sampling import default_scheduler, make_scheduler
 
     suites = []
     for kind, wanted in groups.items():
@@ -170,7 +170,8 @@ def sample_metrics(args, pipeline, groups: dict, resolution: Resolution, device,
         reference = (load_reference(args.reference, extractor, resolution, args.cache_dir, args.batch_size)
                      if rank == 0 else None)  # the other ranks only extract features
         suites.append((extractor, reference, wanted))
-    scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config, args.timestep_spacing)
+    sampler = args.scheduler or default_scheduler(pipeline.scheduler.config)
+    scheduler = make_scheduler(sampler, pipeline.scheduler.config, args.timestep_spacing)
     metrics = evaluate_unet_metrics(pipeline.unet, scheduler, suites, args.num_samples, args.num_inference_steps,
                                     args.seed, args.batch_size, device, num_classes, guidance["guidance_scale"],
                                     rank, num_ranks, guide=guidance["guide"],
@@ -182,7 +183,7 @@ def sample_metrics(args, pipeline, groups: dict, resolution: Resolution, device,
         balance.update(guidance_scale=guidance["guidance_scale"], guidance_interval=guidance["guidance_interval"],
                        autoguidance=guidance["guide"] is not None)
     return {**metrics, **balance, "feature_extractors": {m: e.name for e, _, group in suites for m in group},
-            "reference_images": suites[0][1].num_images, "scheduler": args.scheduler,
+            "reference_images": suites[0][1].num_images, "scheduler": sampler,
             "timestep_spacing": scheduler.config.get("timestep_spacing"),  # a flow scheduler has none
             "num_inference_steps": args.num_inference_steps}
 
@@ -195,11 +196,12 @@ def conditioned_metrics(args, pipeline, groups: dict, resolution: Resolution, de
     from diffusion_extras.evaluation import conditioned
     from diffusion_extras.evaluation.choices import DEFAULT_NOISE_LEVEL
     from diffusion_extras.evaluation.metrics import build_feature_extractor, check_suites, extract_all, score
-    from diffusion_extras.evaluation.sampling import make_scheduler
+    from diffusion_extras.evaluation.sampling import default_scheduler, make_scheduler
 
     kind = pipeline.config.conditioning
     inputs = reference_conditions(args, pipeline, resolution)
-    pipeline.scheduler = make_scheduler(args.scheduler, pipeline.scheduler.config, args.timestep_spacing)
+    sampler = args.scheduler or default_scheduler(pipeline.scheduler.config)
+    pipeline.scheduler = make_scheduler(sampler, pipeline.scheduler.config, args.timestep_spacing)
     pipeline.set_progress_bar_config(disable=True)
     samples = conditioned.conditioned_samples(pipeline, inputs, args.num_inference_steps, args.seed,
                                               guidance["guidance_scale"], args.batch_size, rank, num_ranks,
@@ -224,7 +226,7 @@ def conditioned_metrics(args, pipeline, groups: dict, resolution: Resolution, de
     if args.baseline is not None and kind == "inpainting":
         report.update(baseline_scores(args, device, inputs, targets))
     return {**report, "num_samples": len(samples), "guidance_scale": guidance["guidance_scale"],
-            "scheduler": args.scheduler, "timestep_spacing": pipeline.scheduler.config.timestep_spacing,
+            "scheduler": sampler, "timestep_spacing": pipeline.scheduler.config.get("timestep_spacing"),
             "num_inference_steps": args.num_inference_steps}
 
 

@@ -1,5 +1,7 @@
 """Command line: reconstruct post-hoc EMA weights of a training run (`phema.py`), optionally score
-each width with FID/KID, and export the best as a DDPMPipeline.
+each width with FID/KID, and export the best: the run's own pipeline (DDPMPipeline, or the
+class-conditional, latent or image-conditioned one, with its scheduler, VAE and pipeline files) with
+the reconstructed UNet in place of the run's.
 
     python -m diffusion_extras.posthoc_ema OUTPUT_DIR --sigma_rels 0.05,0.1,0.15 --evaluate \\
         --reference DIR_OR_STATS.npz
@@ -23,8 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog_name("posthoc_ema"),
         description="Reconstruct post-hoc EMA weights of a training run, optionally score each "
-                    "width with FID/KID, and export the best as a DDPMPipeline.")
-    parser.add_argument("output_dir", help="training output dir: a saved DDPMPipeline plus the "
+                    "width with FID/KID, and export the best: the run's own pipeline with the reconstructed "
+                    "UNet.")
+    parser.add_argument("output_dir", help="training output dir: its exported pipeline plus the "
                                            "snapshots in OUTPUT_DIR/posthoc_ema/")
     parser.add_argument("--sigma_rels", required=True, help="comma-separated relative EMA "
                                                             "widths, e.g. 0.05,0.1,0.15")
@@ -78,14 +81,34 @@ def _with_parameters(unet, state: dict[str, torch.Tensor]):
     return unet
 
 
+def export_with_unet(source: str, unet, export: str) -> None:
+    """The pipeline folder `source` copied to `export` with `unet` in place of its unet/: the
+    model_index.json, the exported pipeline files, the scheduler, VAE and guide as the run saved
+    them, so the export keeps the run's pipeline kind (a DDPMPipeline around the averaged UNet lost
+    a class-conditional, latent or image-conditioned run's)."""
+    import shutil
+
+    with open(os.path.join(source, "model_index.json")) as fh:
+        components = [name for name, value in json.load(fh).items()
+                      if isinstance(value, list) and not name.startswith("_")]
+    os.makedirs(export, exist_ok=True)
+    for name in sorted(os.listdir(source)):
+        path = os.path.join(source, name)
+        if name == "model_index.json" or (name.endswith(".py") and os.path.isfile(path)):
+            shutil.copy2(path, os.path.join(export, name))
+        elif name in components and name != "unet" and os.path.isdir(path):
+            shutil.copytree(path, os.path.join(export, name), dirs_exist_ok=True)
+    unet.save_pretrained(os.path.join(export, "unet"))
+
+
 def _run(args) -> None:
     with importing_the_stack():
-        from diffusers import DDPMPipeline
-
         from diffusion_extras.cli.common import load_pipeline, load_reference, pipeline_resolution, resolve_device
         from diffusion_extras.cli.inputs import check_pipeline_folder
         from diffusion_extras.core.phema import reconstruct, require_snapshots, sigma_rel_to_gamma, solve_weights
         from diffusion_extras.evaluation import metrics as evaluation
+        from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE
+        from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline
 
     check_pipeline_folder(args.output_dir)
     snapshot_dir = os.path.join(args.output_dir, "posthoc_ema")
@@ -94,6 +117,11 @@ def _run(args) -> None:
     for sigma_rel in args.sigma_rels:  # reject a bad --step before the slow loads
         solve_weights([s.step for s in snapshots], [s.gamma for s in snapshots], step, sigma_rel)
     pipeline = load_pipeline(args.output_dir)
+    if args.evaluate and isinstance(pipeline, ImageConditionedPipeline):
+        raise ValueError("--evaluate scores unconditional samples; an image-conditioned run is scored on its "
+                         "conditions: export one width and run `python -m diffusion_extras.evaluate` on it")
+    # a class-conditional run is scored on class-balanced samples at the default guidance
+    num_classes = len(pipeline.id2label) if getattr(pipeline, "id2label", None) else None
     if args.evaluate:  # only scoring loads the feature extractors
         args.device = resolve_device(args.device)
         extractor = evaluation.build_feature_extractor(
@@ -101,15 +129,17 @@ def _run(args) -> None:
         # A folder of images is resized like the training data and its statistics cached.
         reference = load_reference(args.reference, extractor, pipeline_resolution(pipeline),
                                    args.output_dir, args.batch_size)
+        vae = getattr(pipeline, "vae", None)
+        vae = vae.to(args.device) if vae is not None else None
     results, best, best_unet = [], None, None
     for sigma_rel in args.sigma_rels:
         unet = _with_parameters(pipeline.unet, reconstruct(snapshot_dir, sigma_rel, step))
         row = {"sigma_rel": sigma_rel}
         if args.evaluate:
-            scores = evaluation.evaluate_unet(
-                unet.to(args.device), pipeline.scheduler, reference, extractor,
-                num_samples=args.num_samples, num_inference_steps=args.num_inference_steps,
-                seed=args.seed, batch_size=args.batch_size, device=args.device)
+            scores = evaluation.evaluate_unet_metrics(
+                unet.to(args.device), pipeline.scheduler, [(extractor, reference, ["fid", "kid"])],
+                args.num_samples, args.num_inference_steps, args.seed, args.batch_size, args.device,
+                num_classes, DEFAULT_GUIDANCE_SCALE if num_classes else 1.0, vae=vae)
             row.update({k: float(v) for k, v in scores.items() if isinstance(v, (int, float))})
         results.append(row)
         if best_unet is None or (args.evaluate and row["fid"] < best["fid"]):
@@ -118,7 +148,7 @@ def _run(args) -> None:
     for row in results:
         fid, kid = (f"{row[k]:10.4f}" if k in row else f"{'-':>10}" for k in ("fid", "kid"))
         print(f"{row['sigma_rel']:9.4f}  {fid}  {kid}")
-    DDPMPipeline(unet=best_unet, scheduler=pipeline.scheduler).save_pretrained(args.export)
+    export_with_unet(args.output_dir, best_unet, args.export)
     summary = {"sigma_rel": best["sigma_rel"], "gamma": sigma_rel_to_gamma(best["sigma_rel"]),
                "step": step, "chosen_by": "lowest fid" if args.evaluate else "requested",
                "scores": results}

@@ -15,7 +15,10 @@ METRIC_EXTRACTORS = {"fid": None, "kid": None, "fd_dinov2": "dinov2", "cmmd": "c
 DINOV2_DEFAULT = "facebook/dinov2-large"  # fd_dinov2's backbone (Stein et al. 2023)
 CLIP_DEFAULT = "openai/clip-vit-large-patch14-336"  # cmmd's backbone (Jayasumana et al. 2024)
 SCHEDULERS = ("ddpm", "ddim", "dpm")  # sampling.make_scheduler's: ancestral, DDIM (eta 0), DPM-Solver++ (2M)
-FLOW_SCHEDULERS = ("euler",)  # sampling.make_scheduler's for flow-matching models: FlowMatchEulerDiscreteScheduler
+# sampling.make_scheduler's for flow-matching models: FlowMatchEulerDiscreteScheduler, and DPM-Solver++ (2M)
+# on the flow sigmas (diffusers' use_flow_sigmas, prediction_type "flow_prediction")
+FLOW_SCHEDULERS = ("euler", "dpm")
+ALL_SCHEDULERS = tuple(dict.fromkeys(SCHEDULERS + FLOW_SCHEDULERS))  # the commands' --scheduler choices
 # diffusers' timestep_spacing values: where a sampler's steps fall on the training schedule
 TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
 SAMPLING_DTYPES = ("fp32", "fp16", "bf16")  # sampling.DTYPES: the UNet's precision while sampling

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from diffusion_extras.core import stop_flag
 from diffusion_extras.data.batch_order import mix_seed
-from diffusion_extras.evaluation.choices import FLOW_SCHEDULERS, SCHEDULERS, TIMESTEP_SPACINGS
+from diffusion_extras.evaluation.choices import ALL_SCHEDULERS, FLOW_SCHEDULERS, SCHEDULERS, TIMESTEP_SPACINGS
 from diffusion_extras.evaluation.pipeline_backbone import predict, sample_shape
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     guided_step,
@@ -33,22 +33,23 @@ from diffusion_extras.evaluation.pipeline_latent import decode_latents
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # by choices.SAMPLING_DTYPES
 
 
-def make_scheduler(name: str, config, timestep_spacing: str | None = None):
+def make_scheduler(name: str | None, config, timestep_spacing: str | None = None):
     """A sampling scheduler built from the training scheduler's config (betas, prediction type; a
-    flow model's shift). `timestep_spacing` (diffusers': leading, linspace, trailing) places its steps;
-    by default the config's, except that a zero-terminal-SNR schedule is sampled with "trailing"
-    timesteps, which start at the zero-SNR step (Lin et al. 2024, Sec. 3.3), also for pipelines whose
-    config predates that setting. A DDPM scheduler on a flow model's config (or the reverse) is refused:
-    from_config would fill the missing betas with defaults and sample wrong without an error."""
+    flow model's shift). `name` None: the model's default (default_scheduler). `timestep_spacing`
+    (diffusers': leading, linspace, trailing) places its steps; by default the config's, except that a
+    zero-terminal-SNR schedule is sampled with "trailing" timesteps, which start at the zero-SNR step
+    (Lin et al. 2024, Sec. 3.3), also for pipelines whose config predates that setting. A DDPM scheduler
+    on a flow model's config (or the reverse) is refused: from_config would fill the missing betas with
+    defaults and sample wrong without an error."""
     from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
 
-    classes = {"ddpm": DDPMScheduler, "ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler,
-               "euler": FlowMatchEulerDiscreteScheduler}
-    if name not in classes:
-        raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS + FLOW_SCHEDULERS)}")
+    name = default_scheduler(config) if name is None else name
+    if name not in ALL_SCHEDULERS:
+        raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(ALL_SCHEDULERS)}")
     flow_model = is_flow_config(config)
-    if flow_model != (name in FLOW_SCHEDULERS):
-        model, offered = ("a flow-matching", FLOW_SCHEDULERS) if flow_model else ("a DDPM", SCHEDULERS)
+    offered = FLOW_SCHEDULERS if flow_model else SCHEDULERS
+    if name not in offered:
+        model = "a flow-matching" if flow_model else "a DDPM"
         raise ValueError(f"scheduler {name!r} cannot sample {model} model; choose one of {', '.join(offered)}")
     if timestep_spacing is not None and timestep_spacing not in TIMESTEP_SPACINGS:
         raise ValueError(f"unknown timestep spacing {timestep_spacing!r}; choose one of {', '.join(TIMESTEP_SPACINGS)}")
@@ -56,11 +57,27 @@ def make_scheduler(name: str, config, timestep_spacing: str | None = None):
         if timestep_spacing is not None:
             raise ValueError("a flow-matching model's steps are placed by its scheduler's shift: drop the timestep "
                              "spacing")
-        return classes[name].from_config(config)
+        if name == "dpm":  # DPM-Solver++ on the flow sigmas, shifted as the model was trained
+            return DPMSolverMultistepScheduler(num_train_timesteps=config["num_train_timesteps"],
+                                               use_flow_sigmas=True, prediction_type="flow_prediction",
+                                               flow_shift=flow_shift(config))
+        return FlowMatchEulerDiscreteScheduler.from_config(config, shift=flow_shift(config))
+    classes = {"ddpm": DDPMScheduler, "ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}
     if timestep_spacing is None and config.get("rescale_betas_zero_snr"):
         timestep_spacing = "trailing"
     overrides = {"timestep_spacing": timestep_spacing} if timestep_spacing else {}
     return classes[name].from_config(config, **overrides)
+
+
+def default_scheduler(config) -> str:
+    """The sampler a model gets unless one is named: DDIM for DDPM, Euler for a flow-matching model."""
+    return FLOW_SCHEDULERS[0] if is_flow_config(config) else "ddim"
+
+
+def flow_shift(config) -> float:
+    """A flow model's sigma shift from its scheduler config: FlowMatchEulerDiscreteScheduler's `shift`,
+    or DPM-Solver's `flow_shift` where a DPM-Solver on the flow sigmas was saved in its place."""
+    return float(config.get("shift", config.get("flow_shift", 1.0)))
 
 
 def is_flow_config(config) -> bool:
@@ -72,7 +89,7 @@ def is_flow_config(config) -> bool:
 def training_sampler(config):
     """The sampler of a run's grids, debug images and FID, from its scheduler's config: DDIM for
     DDPM, Euler for a flow-matching model."""
-    return make_scheduler(FLOW_SCHEDULERS[0] if is_flow_config(config) else "ddim", config)
+    return make_scheduler(None, config)
 
 
 def class_rows(class_names: list, per_class: int, max_classes: int = 10) -> list[int]:
