@@ -20,10 +20,14 @@ def run_quality(*args):
 def test_step_budget_reports_classifier_fid_and_the_real_data_floor(tmp_path, tiny_recipe):
     out = tmp_path / "quality"
     result = run_quality("--max_train_steps", "3", "--num_samples", "24", "--config", tiny_recipe(),
-                         "--out", str(out), "--", "--learning_rate", "2e-3")
+                         "--samplers", "ddim:3,ddpm:2", "--out", str(out), "--", "--learning_rate", "2e-3")
     report = json.loads((out / "results.json").read_text())
     assert report["steps"] == 3 and report["extra_flags"] == ["--learning_rate", "2e-3"]
     assert all(math.isfinite(report[k]) and report[k] > 0 for k in ("fid_classifier", "floor", "train_seconds"))
+    samplers = report["samplers"]  # each sampler scored, the first one's at the top level too
+    assert list(samplers) == ["ddim:3", "ddpm:2"] and samplers["ddim:3"]["fid_classifier"] == report["fid_classifier"]
+    assert samplers["ddpm:2"]["fid_classifier"] != report["fid_classifier"]
+    assert samplers["ddpm:2"]["fid_ratio"] == samplers["ddpm:2"]["fid_classifier"] / report["floor"]
     assert report["held_out_images"] == 13  # round(0.2 x 64): the run's own held-out split
     history = [json.loads(line) for line in open(out / "run-3" / "logs" / "history.jsonl")]
     assert any("validation/raw_loss" in row for row in history)  # trained with the split held out
