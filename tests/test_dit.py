@@ -114,9 +114,11 @@ TRAINED = pytest.mark.xdist_group("test_dit.trained")
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_dit_config):
-    """{"unconditional" | "classes": the output folder of 3 steps of the tiny DiT on the digits}."""
+    """{"unconditional" | "classes": the output folder of 3 steps of the tiny DiT on the digits (the
+    class-conditional one with post-hoc EMA snapshots)}."""
     runs = {}
-    for kind, flags in (("unconditional", []), ("classes", ["--class_conditional"])):
+    for kind, flags in (("unconditional", []),
+                        ("classes", ["--class_conditional", "--posthoc_ema", "--posthoc_ema_snapshot_steps", 1])):
         folder = tmp_path_factory.mktemp(f"dit_{kind}")
         result = run_training(dit_recipe(folder, tiny_dit_config), folder / "run", "--max_train_steps", 3, *flags)
         assert "DiT depth 2, width 32, 2 heads, patch 2 (4x4 tokens)" in result.stdout
@@ -189,6 +191,49 @@ def test_an_unconditional_export_samples_its_no_class_model(trained):
     torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="unconditional"):
         pipe(class_labels=[0])
+
+
+@TRAINED
+def test_sample_evaluate_and_posthoc_ema_take_a_dit_export(trained, tmp_path):
+    """The commands load a DiT export as its DiTClassPipeline: `sample` writes the images the
+    pipeline makes for those classes and seeds (guided with the model's own "no class"), `evaluate`
+    scores class-balanced samples, `posthoc_ema` exports a DiT pipeline around the reconstructed
+    transformer; --guide (autoguidance, built for the UNet) is one line."""
+    from helpers import run_cli
+    from PIL import Image
+
+    from diffusion_extras.core.phema import reconstruct
+    from diffusion_extras.evaluation.pipeline_dit import DiTClassPipeline
+    from diffusion_extras.evaluation.sampling import image_seed, make_scheduler
+
+    run = trained["classes"]
+    run_cli(["-m", "diffusion_extras.sample", run, "--class_labels", "3,7", "--num_images", 2,
+             "--num_inference_steps", 3, "--seed", 4, "--output", tmp_path / "samples"])
+    written = np.stack([np.asarray(Image.open(path)) for path in sorted((tmp_path / "samples").glob("0*.png"))])
+    pipe = DiTClassPipeline.from_pretrained(run)
+    pipe.scheduler = make_scheduler(None, pipe.scheduler.config)  # the command's default: DDIM
+    expected = pipe(class_labels=[3, 7], num_inference_steps=3, output_type="np",
+                    generator=[torch.Generator().manual_seed(image_seed(4, i)) for i in range(2)]).images
+    assert written.shape == (2, 8, 8)
+    assert np.abs(written.astype(int) - (expected[..., 0] * 255).round().astype(int)).max() <= 1
+    (tmp_path / "reference").mkdir()
+    for index in range(10):
+        Image.fromarray(np.random.default_rng(index).integers(0, 256, (8, 8), dtype=np.uint8)).save(
+            tmp_path / "reference" / f"{index}.png")
+    run_cli(["-m", "diffusion_extras.evaluate", run, "--reference", tmp_path / "reference", "--feature_extractor",
+             "tiny", "--num_samples", 10, "--num_inference_steps", 2, "--output", tmp_path / "report.json"])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["num_classes"] == 10 and np.isfinite(report["fid"])
+    run_cli(["-m", "diffusion_extras.posthoc_ema", run, "--sigma_rels", "0.1", "--export", tmp_path / "best"])
+    best = DiTClassPipeline.from_pretrained(tmp_path / "best")
+    assert best.id2label == pipe.id2label
+    state = reconstruct(str(run / "posthoc_ema"), 0.1)
+    for name, parameter in best.transformer.named_parameters():
+        assert torch.equal(parameter, state[name].to(parameter.dtype)), name
+    refused = run_cli(["-m", "diffusion_extras.sample", run, "--guide", run, "--output", tmp_path / "x"], check=False)
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        "error: --guide: autoguidance is built for the UNet pipelines, not a DiTTransformer2DModel; guide with "
+        "--guidance_scale alone")
 
 
 def test_a_dit_run_resumes_bit_for_bit(tmp_path, tiny_dit_config):

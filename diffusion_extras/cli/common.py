@@ -25,16 +25,20 @@ from diffusion_extras.data.images import BACKGROUNDS, PixelFormat, preprocess_im
 from diffusion_extras.data.spec import Resolution, as_resolution, image_size
 from diffusion_extras.evaluation.choices import (
     DEFAULT_IMAGE_GUIDANCE_SCALE,
+    DIT_PIPELINE_CLASS,
     IMAGE_PIPELINE_CLASS,
     LATENT_PIPELINE_CLASS,
     PIPELINE_CLASS,
 )
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
+from diffusion_extras.evaluation.pipeline_backbone import BACKBONES, backbone_of, pipeline_model
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     DEFAULT_GUIDANCE_SCALE,
     ClassConditionalPipeline,
+    LabelledPipeline,
     check_guide,
 )
+from diffusion_extras.evaluation.pipeline_dit import DiTClassPipeline
 from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline
 from diffusion_extras.evaluation.pipeline_latent import LatentDiffusionPipeline, vae_scale_factor
 from diffusion_extras.hub.download import first_line, is_offline_error, offline_reason
@@ -55,14 +59,15 @@ def resolve_device(name: str) -> torch.device:
 
 # ----------------------------------------------------------------------------- pipelines
 def _pipeline_class(folder: str):
-    """The class a checked pipeline folder loads as: the package's own LatentDiffusionPipeline or
-    ClassConditionalPipeline for the trainer's latent or class-conditional export (its
-    model_index.json names the saved copy of that file, which diffusers would refuse to run without
-    trust_remote_code; the class is already at hand here), else DDPMPipeline."""
+    """The class a checked pipeline folder loads as: the package's own pipeline class for the
+    trainer's class-conditional, latent, image-conditioned or DiT export (its model_index.json names
+    the saved copy of that file, which diffusers would refuse to run without trust_remote_code; the
+    class is already at hand here), else DDPMPipeline."""
     from diffusers import DDPMPipeline
 
     return {PIPELINE_CLASS: ClassConditionalPipeline, LATENT_PIPELINE_CLASS: LatentDiffusionPipeline,
-            IMAGE_PIPELINE_CLASS: ImageConditionedPipeline}.get(package_pipeline_class(folder), DDPMPipeline)
+            IMAGE_PIPELINE_CLASS: ImageConditionedPipeline,
+            DIT_PIPELINE_CLASS: DiTClassPipeline}.get(package_pipeline_class(folder), DDPMPipeline)
 
 
 def _load_from_hub(repo_id: str, dtype):
@@ -98,10 +103,8 @@ def _hub_errors(repo_id: str):
 
 
 def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
-    """A DDPMPipeline, or one of the trainer's custom pipelines (class-conditional, latent), from a
-    local save_pretrained folder or a Hub id, moved to `device`."""
-    from diffusers import UNet2DModel
-
+    """A DDPMPipeline, or one of the trainer's custom pipelines (class-conditional, latent,
+    image-conditioned, DiT), from a local save_pretrained folder or a Hub id, moved to `device`."""
     path = local_pipeline_folder(name_or_path)
     if path is not None:
         try:
@@ -111,8 +114,10 @@ def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
                              f"{str(error).strip().splitlines()[0]}") from None
     else:
         pipeline = _load_from_hub(name_or_path, dtype)
-        if not isinstance(pipeline.unet, UNet2DModel):
-            raise ValueError(f"{name_or_path} has a {type(pipeline.unet).__name__}; expected a UNet2DModel")
+        model = pipeline_model(pipeline)
+        if not isinstance(model, tuple(backbone.model_class for backbone in BACKBONES)):
+            raise ValueError(f"{name_or_path} has a {type(model).__name__}; expected a "
+                             f"{' or '.join(backbone.model_class.__name__ for backbone in BACKBONES)}")
     return pipeline.to(device)
 
 
@@ -165,12 +170,15 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
         pipeline.check_guidance(scale)  # refused where the export records no condition dropout
         return {"guidance_scale": scale, "guide": None, "guidance_interval": args.guidance_interval}
     guide = getattr(pipeline, "guide", None)
+    if args.guide not in (None, "none") and not backbone_of(pipeline_model(pipeline)).autoguidance:
+        raise ValueError(f"--guide: autoguidance is built for the UNet pipelines, not a "
+                         f"{type(pipeline_model(pipeline)).__name__}; guide with --guidance_scale alone")
     if args.guide is not None:
         guide = (None if args.guide == "none" else
                  load_guide(args.guide, pipeline.unet, device, pipeline.scheduler.config.get("prediction_type")))
     if getattr(pipeline, "id2label", None) or guide is not None:
         scale = DEFAULT_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
-        if isinstance(pipeline, ClassConditionalPipeline):  # the latent one too
+        if isinstance(pipeline, LabelledPipeline):  # the latent and DiT ones too
             pipeline.check_guidance(scale, guide)
         return {"guidance_scale": scale, "guide": guide, "guidance_interval": args.guidance_interval}
     refuse_guidance_flags(type(pipeline).__name__, args, **class_flags)
@@ -183,7 +191,7 @@ def pipeline_resolution(pipeline) -> Resolution:
     VAE's factor)."""
     vae = getattr(pipeline, "vae", None)
     factor = 1 if vae is None else vae_scale_factor(vae.config)
-    return as_resolution([side * factor for side in image_size(pipeline.unet.config.sample_size)])
+    return as_resolution([side * factor for side in image_size(pipeline_model(pipeline).config.sample_size)])
 
 
 # ----------------------------------------------------------------------------- condition images

@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     with importing_the_stack():
         from diffusion_extras.cli.common import guidance_for, load_images, load_pipeline, pipeline_resolution
         from diffusion_extras.evaluation import likelihood
+        from diffusion_extras.evaluation.pipeline_backbone import pipeline_model
         from diffusion_extras.evaluation.pipeline_class_conditional import is_flow_scheduler
         from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline
 
@@ -126,8 +127,8 @@ def main(argv=None) -> int:
                              f"({type(pipeline.scheduler).__name__}) has no such bound here: drop nll")
         report = {"reference": args.reference, "pipeline": args.pipeline, "seed": args.seed}
         if "nll" in names and rank == 0:
-            images = load_images(args.reference, resolution, pipeline.unet.config.in_channels)
-            report.update(likelihood.bits_per_dim(pipeline.unet, pipeline.scheduler, images, args.batch_size,
+            images = load_images(args.reference, resolution, pipeline_model(pipeline).config.in_channels)
+            report.update(likelihood.bits_per_dim(pipeline_model(pipeline), pipeline.scheduler, images, args.batch_size,
                                                   device, args.seed, args.nll_timestep_stride))
         if conditioned:
             report.update(conditioned_metrics(args, pipeline, groups, resolution, device, rank, num_ranks, guidance))
@@ -161,6 +162,7 @@ def sample_metrics(args, pipeline, groups: dict, resolution: Resolution, device,
     sampled; every rank samples its share, rank 0 scores (the others get {})."""
     from diffusion_extras.cli.common import load_reference
     from diffusion_extras.evaluation.metrics import build_feature_extractor, evaluate_unet_metrics
+    from diffusion_extras.evaluation.pipeline_backbone import pipeline_model
     from diffusion_extras.evaluation.sampling import default_scheduler, make_scheduler
 
     suites = []
@@ -172,7 +174,7 @@ def sample_metrics(args, pipeline, groups: dict, resolution: Resolution, device,
         suites.append((extractor, reference, wanted))
     sampler = args.scheduler or default_scheduler(pipeline.scheduler.config)
     scheduler = make_scheduler(sampler, pipeline.scheduler.config, args.timestep_spacing)
-    metrics = evaluate_unet_metrics(pipeline.unet, scheduler, suites, args.num_samples, args.num_inference_steps,
+    metrics = evaluate_unet_metrics(pipeline_model(pipeline), scheduler, suites, args.num_samples, args.num_inference_steps,
                                     args.seed, args.batch_size, device, num_classes, guidance["guidance_scale"],
                                     rank, num_ranks, guide=guidance["guide"],
                                     guidance_interval=guidance["guidance_interval"], vae=getattr(pipeline, "vae", None))

@@ -9,10 +9,18 @@ from __future__ import annotations
 import json
 import os
 
-from diffusion_extras.evaluation.choices import IMAGE_PIPELINE_CLASS, LATENT_PIPELINE_CLASS, PIPELINE_CLASS
+from diffusion_extras.evaluation.choices import (
+    DIT_PIPELINE_CLASS,
+    IMAGE_PIPELINE_CLASS,
+    LATENT_PIPELINE_CLASS,
+    PIPELINE_CLASS,
+)
 from diffusion_extras.hub.download import local_folder
 
-PACKAGE_PIPELINES = (PIPELINE_CLASS, LATENT_PIPELINE_CLASS, IMAGE_PIPELINE_CLASS)  # the trainer's custom pipelines
+# the trainer's custom pipelines
+PACKAGE_PIPELINES = (PIPELINE_CLASS, LATENT_PIPELINE_CLASS, IMAGE_PIPELINE_CLASS, DIT_PIPELINE_CLASS)
+# the denoising model's component in model_index.json: a DiT pipeline's transformer, every other one's unet
+MODEL_COMPONENTS = {"transformer": "DiTTransformer2DModel", "unet": "UNet2DModel"}
 UNCONDITIONAL = "DDPMPipeline"  # the class an unconditional folder loads as (load_pipeline)
 
 
@@ -22,8 +30,8 @@ def read_model_index(path: str) -> dict:
 
 
 def check_pipeline_folder(path: str) -> None:
-    """A one-line ValueError unless `path` holds an unconditional DDPMPipeline or a
-    ClassConditionalPipeline (read from model_index.json, without loading any weights)."""
+    """A one-line ValueError unless `path` holds an unconditional DDPMPipeline or one of the trainer's
+    pipelines around its model (read from model_index.json, without loading any weights)."""
     index_path = os.path.join(path, "model_index.json")
     if not os.path.isfile(index_path):
         raise ValueError(f"{path} is not a diffusers pipeline folder (no model_index.json); pass the "
@@ -32,13 +40,14 @@ def check_pipeline_folder(path: str) -> None:
         index = read_model_index(path)
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"{index_path} is not readable JSON ({error})") from None
-    unet_class = (index.get("unet") or [None, None])[-1]
     if isinstance(index.get("_class_name"), list) and index["_class_name"][-1] not in PACKAGE_PIPELINES:
         raise ValueError(f"{path} holds a custom pipeline {index['_class_name']}; "
                          f"expected a DDPMPipeline, {', '.join(PACKAGE_PIPELINES)}")
-    if unet_class != "UNet2DModel" or "scheduler" not in index:
-        raise ValueError(f"{path} holds a {index.get('_class_name', 'unknown')} with unet {unet_class}; "
-                         "expected an unconditional DDPMPipeline (UNet2DModel + scheduler)")
+    component = "transformer" if package_pipeline_class(path) == DIT_PIPELINE_CLASS else "unet"
+    model_class = (index.get(component) or [None, None])[-1]
+    if model_class != MODEL_COMPONENTS[component] or "scheduler" not in index:
+        raise ValueError(f"{path} holds a {index.get('_class_name', 'unknown')} with {component} {model_class}; "
+                         f"expected an unconditional DDPMPipeline (UNet2DModel + scheduler)")
 
 
 def saved_id2label(path: str) -> dict[int, str]:

@@ -65,29 +65,32 @@ def _parse_args(argv):
     return args
 
 
-def _with_parameters(unet, state: dict[str, torch.Tensor]):
-    """A copy of `unet` whose parameters are `state`; buffers and config stay the pipeline's."""
+def _with_parameters(model, state: dict[str, torch.Tensor]):
+    """A copy of `model` whose parameters are `state`; buffers and config stay the pipeline's."""
     import torch
 
-    unet = copy.deepcopy(unet)
-    parameters = dict(unet.named_parameters())
+    model = copy.deepcopy(model)
+    parameters = dict(model.named_parameters())
     missing, unknown = parameters.keys() - state.keys(), state.keys() - parameters.keys()
     if missing or unknown:
-        raise ValueError(f"snapshots do not match the saved UNet: {len(missing)} parameters "
+        raise ValueError(f"snapshots do not match the saved model: {len(missing)} parameters "
                          f"missing, {len(unknown)} unknown (e.g. {sorted(missing | unknown)[0]})")
     with torch.no_grad():
         for name, parameter in parameters.items():
             parameter.copy_(state[name])
-    return unet
+    return model
 
 
-def export_with_unet(source: str, unet, export: str) -> None:
-    """The pipeline folder `source` copied to `export` with `unet` in place of its unet/: the
-    model_index.json, the exported pipeline files, the scheduler, VAE and guide as the run saved
-    them, so the export keeps the run's pipeline kind (a DDPMPipeline around the averaged UNet lost
-    a class-conditional, latent or image-conditioned run's)."""
+def export_with_model(source: str, model, export: str) -> None:
+    """The pipeline folder `source` copied to `export` with `model` in place of its unet/ (a DiT's
+    transformer/): the model_index.json, the exported pipeline files, the scheduler, VAE and guide
+    as the run saved them, so the export keeps the run's pipeline kind (a DDPMPipeline around the
+    averaged UNet lost a class-conditional, latent, image-conditioned or DiT run's)."""
     import shutil
 
+    from diffusion_extras.evaluation.pipeline_backbone import backbone_of
+
+    component = backbone_of(model).component
     with open(os.path.join(source, "model_index.json")) as fh:
         components = [name for name, value in json.load(fh).items()
                       if isinstance(value, list) and not name.startswith("_")]
@@ -96,9 +99,9 @@ def export_with_unet(source: str, unet, export: str) -> None:
         path = os.path.join(source, name)
         if name == "model_index.json" or (name.endswith(".py") and os.path.isfile(path)):
             shutil.copy2(path, os.path.join(export, name))
-        elif name in components and name != "unet" and os.path.isdir(path):
+        elif name in components and name != component and os.path.isdir(path):
             shutil.copytree(path, os.path.join(export, name), dirs_exist_ok=True)
-    unet.save_pretrained(os.path.join(export, "unet"))
+    model.save_pretrained(os.path.join(export, component))
 
 
 def _run(args) -> None:
@@ -108,6 +111,7 @@ def _run(args) -> None:
         from diffusion_extras.core.phema import reconstruct, require_snapshots, sigma_rel_to_gamma, solve_weights
         from diffusion_extras.evaluation import metrics as evaluation
         from diffusion_extras.evaluation.choices import DEFAULT_GUIDANCE_SCALE
+        from diffusion_extras.evaluation.pipeline_backbone import pipeline_model
         from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline
 
     check_pipeline_folder(args.output_dir)
@@ -131,24 +135,24 @@ def _run(args) -> None:
                                    args.output_dir, args.batch_size)
         vae = getattr(pipeline, "vae", None)
         vae = vae.to(args.device) if vae is not None else None
-    results, best, best_unet = [], None, None
+    results, best, best_model = [], None, None
     for sigma_rel in args.sigma_rels:
-        unet = _with_parameters(pipeline.unet, reconstruct(snapshot_dir, sigma_rel, step))
+        model = _with_parameters(pipeline_model(pipeline), reconstruct(snapshot_dir, sigma_rel, step))
         row = {"sigma_rel": sigma_rel}
         if args.evaluate:
             scores = evaluation.evaluate_unet_metrics(
-                unet.to(args.device), pipeline.scheduler, [(extractor, reference, ["fid", "kid"])],
+                model.to(args.device), pipeline.scheduler, [(extractor, reference, ["fid", "kid"])],
                 args.num_samples, args.num_inference_steps, args.seed, args.batch_size, args.device,
                 num_classes, DEFAULT_GUIDANCE_SCALE if num_classes else 1.0, vae=vae)
             row.update({k: float(v) for k, v in scores.items() if isinstance(v, (int, float))})
         results.append(row)
-        if best_unet is None or (args.evaluate and row["fid"] < best["fid"]):
-            best, best_unet = row, unet.to("cpu")
+        if best_model is None or (args.evaluate and row["fid"] < best["fid"]):
+            best, best_model = row, model.to("cpu")
     print(f"{'sigma_rel':>9}  {'fid':>10}  {'kid':>10}")
     for row in results:
         fid, kid = (f"{row[k]:10.4f}" if k in row else f"{'-':>10}" for k in ("fid", "kid"))
         print(f"{row['sigma_rel']:9.4f}  {fid}  {kid}")
-    export_with_unet(args.output_dir, best_unet, args.export)
+    export_with_model(args.output_dir, best_model, args.export)
     summary = {"sigma_rel": best["sigma_rel"], "gamma": sigma_rel_to_gamma(best["sigma_rel"]),
                "step": step, "chosen_by": "lowest fid" if args.evaluate else "requested",
                "scores": results}

@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     # torch and diffusers (seconds) once the flags and the folder are good
     with importing_the_stack():
         from diffusion_extras.cli.common import guidance_for, load_pipeline, resolve_device
+        from diffusion_extras.evaluation.pipeline_backbone import pipeline_model
         from diffusion_extras.evaluation.pipeline_image_conditioned import ImageConditionedPipeline
         from diffusion_extras.evaluation.sampling import DTYPES, generate, make_scheduler, save_images
 
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
         else:
             num_images = args.num_images or 16
             labels = requested_classes(getattr(pipeline, "id2label", None), args.class_labels, num_images)
-            images = generate(pipeline.unet, scheduler, num_images, args.num_inference_steps,
+            images = generate(pipeline_model(pipeline), scheduler, num_images, args.num_inference_steps,
                               seed=args.seed, batch_size=args.batch_size, device=device,
                               dtype=dtype, progress=True, class_labels=labels, vae=getattr(pipeline, "vae", None),
                               **guidance)

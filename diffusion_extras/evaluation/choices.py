@@ -61,6 +61,7 @@ LATENT_PIPELINE_CLASS = _pipeline_constant("PIPELINE_CLASS", "pipeline_latent.py
 IMAGE_PIPELINE_CLASS = _pipeline_constant("PIPELINE_CLASS", "pipeline_image_conditioned.py")
 IMAGE_PIPELINE_MODULE = _pipeline_constant("PIPELINE_MODULE", "pipeline_image_conditioned.py")
 CONDITIONING_KINDS = _pipeline_constant("CONDITIONING_KINDS", "pipeline_image_conditioned.py")
+DIT_PIPELINE_CLASS = _pipeline_constant("PIPELINE_CLASS", "pipeline_dit.py")  # a DiT export's (cli/inputs.py)
 DIT_PIPELINE_MODULE = _pipeline_constant("PIPELINE_MODULE", "pipeline_dit.py")  # a DiT export's file (hub/push.py)
 # the level a super-resolution export trained with conditioning augmentation gives its inputs by default
 DEFAULT_NOISE_LEVEL = _pipeline_constant("DEFAULT_NOISE_LEVEL", "pipeline_image_conditioned.py")

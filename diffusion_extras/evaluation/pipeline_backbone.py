@@ -22,6 +22,7 @@ class UNetBackbone:
     component = "unet"            # its folder in an export and its pipeline argument
     image_conditioning = True     # an image condition's channels follow x_t in its input
     non_square = True
+    autoguidance = True           # the pipelines take a guide UNet (Karras et al. 2024)
 
     @staticmethod
     def null_class(config) -> int | None:
@@ -44,6 +45,7 @@ class DiTBackbone:
     component = "transformer"     # DiTPipeline's name for it
     image_conditioning = False
     non_square = False
+    autoguidance = False
 
     @staticmethod
     def null_class(config) -> int:
@@ -92,6 +94,15 @@ def null_class(model) -> int | None:
     return backbone_of(model).null_class(config_of(model))
 
 
+def pipeline_model(pipeline):
+    """The denoising model of a pipeline: its `transformer` (a DiT pipeline's) or its `unet`."""
+    for backbone in BACKBONES:
+        model = getattr(pipeline, backbone.component, None)
+        if model is not None:
+            return model
+    raise ValueError(f"{type(pipeline).__name__} has no {' or '.join(b.component for b in BACKBONES)}")
+
+
 def sample_shape(model) -> tuple[int, int, int]:
     """(C, H, W) of the samples `model` denoises: in_channels (a learned-variance model outputs 2C), its
     sample_size an int (square) or [height, width]."""
@@ -101,5 +112,5 @@ def sample_shape(model) -> tuple[int, int, int]:
     return config.in_channels, height, width
 
 
-__all__ = ["BACKBONES", "DiTBackbone", "UNetBackbone", "backbone_of", "config_of", "null_class", "predict",
-           "sample_shape", "unwrapped"]
+__all__ = ["BACKBONES", "DiTBackbone", "UNetBackbone", "backbone_of", "config_of", "null_class", "pipeline_model",
+           "predict", "sample_shape", "unwrapped"]
