@@ -174,9 +174,9 @@ def sample_metrics(args, pipeline, groups: dict, resolution: Resolution, device,
         suites.append((extractor, reference, wanted))
     sampler = args.scheduler or default_scheduler(pipeline.scheduler.config)
     scheduler = make_scheduler(sampler, pipeline.scheduler.config, args.timestep_spacing)
-    metrics = evaluate_unet_metrics(pipeline_model(pipeline), scheduler, suites, args.num_samples, args.num_inference_steps,
-                                    args.seed, args.batch_size, device, num_classes, guidance["guidance_scale"],
-                                    rank, num_ranks, guide=guidance["guide"],
+    metrics = evaluate_unet_metrics(pipeline_model(pipeline), scheduler, suites, args.num_samples,
+                                    args.num_inference_steps, args.seed, args.batch_size, device, num_classes,
+                                    guidance["guidance_scale"], rank, num_ranks, guide=guidance["guide"],
                                     guidance_interval=guidance["guidance_interval"], vae=getattr(pipeline, "vae", None))
     if metrics is None:  # not rank 0
         return {}
