@@ -83,5 +83,9 @@ def test_report_warns_when_one_bin_dominates_the_gradient(tmp_path):
     printed = run_cli(["-m", "diffusion_extras.report", tmp_path]).stdout
     assert "gradient_dominated_by_one_bin" in printed and "Timesteps 0-99 carry 70%" in printed
     assert "--snr_gamma 5" in printed
+    (tmp_path / "training_config.yaml").write_text("objective: flow_matching\nflow_shift: 1.0\nlogit_mean: 0.0\n")
+    printed = run_cli(["-m", "diffusion_extras.report", tmp_path]).stdout  # a flow run: its levels, its flags
+    assert "Sigma 0.00-0.10 carry 70%" in printed and "higher --logit_mean (now 0)" in printed
+    assert "--snr_gamma" not in printed
     assert not check_gradient_dominance(RunLog(probes([[0.1] * 10] * 8), {}))
     assert not check_gradient_dominance(RunLog(probes([dominated] * 3 + [[0.1] * 10] * 5), {}))  # early only

@@ -155,6 +155,37 @@ def test_timestep_imbalance_low_noise_bins_and_v_prediction_peers():
     assert _serious(report.analyze(make_history(reference=v_reference), v_config)) == set()
 
 
+FLOW_CONFIG = {**CONFIG, "objective": "flow_matching", "flow_shift": 3.0, "weighting_scheme": "logit_normal",
+               "logit_mean": 0.0, "logit_std": 1.0, "snr_gamma": 5.0,  # the DDPM default, saved but unused
+               "sigma_data": SIGMA_DATA}
+
+
+def test_a_flow_run_is_reported_in_sigma_against_its_own_optimum_with_flow_flags():
+    """A flow-matching run's bins are noise levels sigma (index i: the shifted (i + 1) / T), judged
+    against the velocity's Bayes-optimal loss, weighted as its --weighting_scheme weights them (1),
+    and the advice names the flow flags: --snr_gamma, refused under flow matching, is never offered."""
+    from diffusion_extras.core.objectives import FlowMatching, flow_scheduler
+
+    optimum = FlowMatching(flow_scheduler(1000, shift=3.0)).bayes_optimal_loss(SIGMA_DATA).numpy()
+    reference = TimestepDiagnostics(1000, NUM_BINS).reference_bins(optimum)
+    noisy = make_history(reference=reference, **{loss_bin_key(9, NUM_BINS): lambda s, rng, v: 3.0})
+    [finding] = [f for f in report.analyze(noisy, FLOW_CONFIG) if f.code == "timestep_imbalance"]
+    # bin 9: indices 900-999, sigma 3 x 0.901 / (1 + 2 x 0.901) = 0.965 up to 1
+    ratio = 3.0 / reference["loss_bin/09"]
+    assert "Loss in sigma 0.96-1.00 is" in finding.message and f"{ratio:.1f}x" in finding.message
+    assert "larger --flow_shift (now 3;" in finding.recommendation and "--snr_gamma" not in finding.recommendation
+    low = make_history(reference=reference, **{loss_bin_key(0, NUM_BINS): lambda s, rng, v: 3.0})
+    [finding] = [f for f in report.analyze(low, FLOW_CONFIG) if f.code == "timestep_imbalance"]
+    assert "Loss in sigma 0.00-0.25 is" in finding.message and "lower --logit_mean" in finding.recommendation
+    [noisy_log] = [f for f in report.analyze(make_history(reference=reference, loss_noise=0.4), FLOW_CONFIG)
+                   if f.code == "loss_noisy"]
+    assert "--snr_gamma" not in noisy_log.recommendation
+    # a DDPM run with the same logs is judged on its own schedule (where these losses are far above
+    # its optimum in most bins) and named in timesteps, with its own flags
+    [ddpm] = [f for f in report.analyze(noisy, {**FLOW_CONFIG, "objective": "ddpm"}) if f.code == "timestep_imbalance"]
+    assert ddpm.message.startswith("Loss in timesteps 200-299, ") and "--snr_gamma" in ddpm.recommendation
+
+
 def test_ema_not_warmed_up():
     constant = make_history(ema_decay=lambda s, rng, v: 0.9999)  # no warm-up: 10k-step horizon
     findings = report.analyze(constant, CONFIG, REFERENCE)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from diffusion_extras.report.objective_terms import terms_for
+
 # --- thresholds (history records are logging windows; "last half" = the later half of them).
 # Changes between medians must also exceed 4 standard errors of the window noise (RunLog.significant).
 MIN_RECORDS = 8                  # fewer logged windows cannot show a trend
@@ -162,8 +164,7 @@ def check_loss_noise(run: RunLog) -> list[Finding]:
         f"{spikes} of {len(residual)} windows spike above {SPIKE_RATIO:g}x it.",
         _stability_fix(run.config, "Reduce the gradient noise: raise --train_batch_size or "
                        "--gradient_accumulation_steps in a new run (a resume refuses them)"
-                       + ("" if run.config.get("snr_gamma") else
-                       ", and consider --snr_gamma 5 (Min-SNR, Hang et al. 2023, tames the large low-noise losses)")
+                       + terms_for(run.config).noisy_loss_fix(run.config)
                        + f"; each logged value averages ~{samples} "
                        "samples per process, so a larger --diagnostics_steps smooths the log itself"),
         {"log_spread": spread, "spikes": spikes, "windows": len(residual),

@@ -7,6 +7,7 @@ import numpy as np
 
 from diffusion_extras.monitoring.bins import timestep_bin_edges
 from diffusion_extras.report.checks import Finding, RunLog
+from diffusion_extras.report.objective_terms import bin_ranges, terms_for, train_timesteps
 
 HELD_OUT_RISE = 1.05       # held-out loss 5 % above its best: the fixed noise and timesteps make
                            # successive values differ only through the weights, so 5 % is no noise
@@ -71,15 +72,12 @@ def check_gradient_dominance(run: RunLog) -> list[Finding]:
     top = int(np.nanargmax(median_share))
     if median_share[top] <= GRAD_DOMINANT_SHARE:
         return []
-    num_bins, gamma = len(keys), run.config.get("snr_gamma")
-    steps = int(run.config.get("ddpm_num_steps") or 1000)
-    edges = timestep_bin_edges(steps, num_bins)[top:top + 2]
-    fix = ("turn on min-SNR weighting, --snr_gamma 5" if not gamma else
-           f"lower --snr_gamma (now {gamma})" if top < num_bins // 2 else
-           "check --prediction_type (v_prediction balances the noisy end) and --rescale_betas_zero_snr")
+    num_bins, terms = len(keys), terms_for(run.config)
+    [where] = bin_ranges(run.config, timestep_bin_edges(train_timesteps(run.config), num_bins), [top])
+    fix = terms.gradient_fix(run.config, top, num_bins)
     return [Finding(
         "gradient_dominated_by_one_bin", "warning",
-        f"Timesteps {edges[0]}-{edges[1] - 1} carry {median_share[top]:.0%} of the total gradient (median over the "
+        f"{terms.unit.capitalize()} {where} carry {median_share[top]:.0%} of the total gradient (median over the "
         f"last {len(later)} probes; an even split is {1 / num_bins:.0%}): the update mostly serves that range "
         "and the others learn slowly.",
         f"Rebalance the loss over timesteps: {fix}; images/grad_per_timestep.png shows every bin.",

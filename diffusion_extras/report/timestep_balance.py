@@ -11,6 +11,7 @@ import numpy as np
 # it, so `python -m diffusion_extras.report --help` answers at once (tests/test_first_contact.py).
 from diffusion_extras.monitoring.bins import loss_bin_key, timestep_bin_edges
 from diffusion_extras.report.checks import Finding, RunLog, median
+from diffusion_extras.report.objective_terms import bin_ranges, run_objective, terms_for, train_timesteps
 
 IMBALANCE_BAYES_RATIO = 2.0      # bin loss over twice a per-pixel linear denoiser's (diagnostics.py)
 IMBALANCE_PEER_RATIO = 10.0      # no reference, v-prediction only (its optimum spans < 1/sigma^2 ~ 4x)
@@ -28,36 +29,25 @@ def _recent_bins(run: RunLog) -> dict[int, float]:
     return {index: float(np.mean(v)) for index, v in sorted(values.items())}
 
 
-def _run_alphas_cumprod(config: dict, num_train_timesteps: int):
-    """The run's own noise schedule, rebuilt from its saved config."""
-    from diffusion_extras.core import losses
-
-    return losses.ddpm_scheduler(num_train_timesteps, config.get("ddpm_beta_schedule", "linear"),
-                                 config.get("prediction_type", "epsilon"),
-                                 config.get("rescale_betas_zero_snr", False)).alphas_cumprod
-
-
 def _reference_from_config(config: dict, num_bins: int, num_train_timesteps: int):
-    """Bayes-optimal bin means when the config records sigma_data (the data's standard deviation)."""
+    """Bayes-optimal bin means when the config records sigma_data (the data's standard deviation), from
+    the run's objective rebuilt from its config."""
     if config.get("sigma_data") is None:
         return None
     from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 
-    return TimestepDiagnostics(num_train_timesteps, num_bins).bayes_optimal_bins(
-        _run_alphas_cumprod(config, num_train_timesteps), float(config["sigma_data"]),
-        config.get("prediction_type", "epsilon"))
+    objective = run_objective(config, num_train_timesteps)
+    return TimestepDiagnostics(num_train_timesteps, num_bins).reference_bins(
+        objective.bayes_optimal_loss(float(config["sigma_data"])).numpy())
 
 
 def _objective_weights(config: dict, num_bins: int, num_train_timesteps: int) -> np.ndarray:
-    """Mean loss weight of each bin in the run's objective (min-SNR when on, else 1), uniform t."""
+    """Mean loss weight of each bin in the run's objective (DDPM's min-SNR when on, a flow weighting
+    scheme's), over the bin's indices."""
+    import torch
 
-    if not config.get("snr_gamma"):
-        return np.ones(num_bins)
-    from diffusion_extras.core.losses import min_snr_weight
-
-    abar = _run_alphas_cumprod(config, num_train_timesteps).double()
-    weights = min_snr_weight(abar / (1 - abar).clamp_min(1e-20), float(config["snr_gamma"]),
-                             config.get("prediction_type", "epsilon")).double().numpy()
+    weights = run_objective(config, num_train_timesteps).loss_weight(torch.arange(num_train_timesteps))
+    weights = weights.double().cpu().numpy()
     edges = timestep_bin_edges(num_train_timesteps, num_bins)
     return np.array([weights[lo:hi].mean() for lo, hi in zip(edges[:-1], edges[1:])])
 
@@ -78,13 +68,13 @@ def _material(run: RunLog, bins: dict[int, float], reference: dict[str, float], 
             {i: shares[i] for i in flagged if shares[i] < IMBALANCE_MIN_SHARE})
 
 
-def _floor_finding(bins, ratios, shares, num_bins, timesteps) -> list[Finding]:
+def _floor_finding(run: RunLog, bins, ratios, shares, num_bins, timesteps) -> list[Finding]:
 
-    edges = timestep_bin_edges(timesteps, num_bins)
-    ranges = [f"{edges[i]}-{edges[i + 1] - 1}" for i in shares]
+    ranges = bin_ranges(run.config, timestep_bin_edges(timesteps, num_bins), shares)
     return [Finding(
         "timestep_error_floor", "info",
-        f"Loss in timesteps {', '.join(ranges)} is {', '.join(f'{ratios[i]:.1f}x' for i in shares)} the "
+        f"Loss in {terms_for(run.config).unit} {', '.join(ranges)} is "
+        f"{', '.join(f'{ratios[i]:.1f}x' for i in shares)} the "
         f"Bayes-optimal reference there, but only {', '.join(f'{100 * s:.2g}%' for s in shares.values())} of "
         "the loss being minimised: the network's error floor, not an imbalance.",
         "Nothing to change.", {"bins": {loss_bin_key(i, num_bins): bins[i] for i in shares},
@@ -98,7 +88,7 @@ def check_timestep_balance(run: RunLog, reference: dict[str, float] | None) -> l
     if not bins:
         return []
     num_bins = max(max(bins) + 1, len(reference or {}))
-    timesteps = int(run.config.get("ddpm_num_steps") or run.config.get("num_train_timesteps") or 1000)
+    timesteps = train_timesteps(run.config)
     reference = reference or _reference_from_config(run.config, num_bins, timesteps)
     prediction_type = run.config.get("prediction_type", "epsilon")
     if reference:
@@ -111,7 +101,7 @@ def check_timestep_balance(run: RunLog, reference: dict[str, float] | None) -> l
         flagged, floor = _material(run, bins, reference, num_bins, timesteps,
                                    {i: r for i, r in ratios.items() if r > IMBALANCE_BAYES_RATIO})
         if floor and not flagged:
-            return _floor_finding(bins, ratios, floor, num_bins, timesteps)
+            return _floor_finding(run, bins, ratios, floor, num_bins, timesteps)
         against = "the Bayes-optimal reference (the best per-pixel linear denoiser's loss)"
     elif prediction_type == "v_prediction":
         typical = median(list(bins.values()))
@@ -122,24 +112,13 @@ def check_timestep_balance(run: RunLog, reference: dict[str, float] | None) -> l
     if not flagged:
         return []
     edges = timestep_bin_edges(timesteps, num_bins)
-    ranges = [f"{edges[i]}-{edges[i + 1] - 1}" for i in flagged]
+    ranges = bin_ranges(run.config, edges, flagged)
     noisy = sum(edges[i] >= timesteps / 2 for i in flagged) > len(flagged) / 2
-    if noisy:
-        gamma = run.config.get("snr_gamma")
-        shift = (f"Min-SNR is on (--snr_gamma {gamma}); a lower --snr_gamma (e.g. 2) moves more weight to them"
-                 if gamma else "Shift the loss weight toward them with --snr_gamma 5 (Min-SNR, Hang et al. "
-                 "2023, caps the weight of low-noise timesteps)")
-        fix = ("These noisy timesteps set the samples' global layout. " + shift
-               + (", or switch to --prediction_type v_prediction (an "
-               "epsilon error there is amplified sqrt((1-abar)/abar) times in the image estimate)"
-               if prediction_type == "epsilon" else "") + "; and train longer (--max_train_steps).")
-    else:
-        gamma = run.config.get("snr_gamma")
-        fix = ("These low-noise timesteps carry fine detail: train longer (--max_train_steps)" +
-               (f"; --snr_gamma {gamma} down-weights them, so raise it or drop it" if gamma else "") + ".")
+    terms = terms_for(run.config)
+    fix = terms.noisy_fix(run.config) if noisy else terms.clean_fix(run.config)
     return [Finding(
         "timestep_imbalance", "warning",
-        f"Loss in timesteps {', '.join(ranges)} is "
+        f"Loss in {terms.unit} {', '.join(ranges)} is "
         f"{', '.join(f'{r:.1f}x' for r in flagged.values())} {against}.",
         fix, {"bins": {loss_bin_key(i, num_bins): bins[i] for i in flagged},
               "ratios": {loss_bin_key(i, num_bins): r for i, r in flagged.items()},
