@@ -221,10 +221,11 @@ def export_checkpoint(recipe: str | None, extra: list[str], checkpoint: str, fol
 def pipeline_sampler(run_dir: str, seed: int = 1, num_inference_steps: int = 50, batch_size: int = 100,
                      scheduler: str | None = None, guide: str | None = None):
     """(sample, number of classes) for the exported ClassConditionalPipeline with `scheduler`
-    ("pipeline": its own; None: DDIM, Euler for a flow model) swapped in from its config as users do: sample(class_labels,
-    guidance_scale, **call) -> uint8 [N, H, W, C], `call` going to the pipeline (guidance_interval,
-    autoguidance). `guide`: a pipeline folder whose UNet becomes pipeline.guide. Image i has its own
-    generator (seeded from (seed, i)), so its noise is the same at every guidance scale and batch size."""
+    ("pipeline": its own; None: DDIM, Euler for a flow model) swapped in from its config as users
+    do: sample(class_labels, guidance_scale, **call) -> uint8 [N, H, W, C], `call` going to the
+    pipeline (guidance_interval, autoguidance). `guide`: a pipeline folder whose UNet becomes
+    pipeline.guide. Image i has its own generator (seeded from (seed, i)), so its noise is the same at
+    every guidance scale and batch size."""
     import torch
 
     from diffusion_extras.evaluation import sampling

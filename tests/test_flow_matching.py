@@ -8,7 +8,7 @@ import faults
 import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.training_utils import compute_density_for_timestep_sampling
 from helpers import TINY_RECIPE, assert_same_state, run_training, tiny_run
 
@@ -46,6 +46,48 @@ def test_noising_target_weight_and_timestep_match_a_hand_computation(scheme):
     s = 0.5  # the MMSE of the velocity for N(0, s^2) data: s^2 / ((1 - sigma)^2 s^2 + sigma^2)
     mmse = s ** 2 / ((1 - sigma) ** 2 * s ** 2 + sigma ** 2)
     torch.testing.assert_close(objective.bayes_optimal_loss(s)[index], mmse, rtol=1e-6, atol=0)
+
+
+def test_the_diagnostics_plot_a_flow_run_against_its_noise_levels(monkeypatch, tmp_path):
+    """The loss and gradient plots place a flow run's training indices at their sigma (shifted as
+    trained), where a DDPM run's stay at their timestep: the objective's noise_axis."""
+    from diffusion_extras.core.objectives import DDPM
+    from diffusion_extras.monitoring import grad_monitor, plots
+    from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
+
+    drawn = []
+
+    def record(fig, axes, path):
+        legend = axes[-1].get_legend()
+        drawn.append((axes[0].get_xlabel(), [line.get_xdata() for line in axes[0].lines],
+                      [text.get_text() for text in legend.get_texts()] if legend else []))
+        return path
+    for module in (plots, grad_monitor):
+        monkeypatch.setattr(module, "save_figure", record)
+    flow, diagnostics = FlowMatching(flow_scheduler(T, shift=3.0)), TimestepDiagnostics(T, 10)
+    sigmas = shifted(np.arange(1, T + 1) / T, 3.0)
+    plots.plot_loss_per_timestep(diagnostics, flow.bayes_optimal_loss(0.5).numpy(), 0.5, "velocity",
+                                 str(tmp_path / "loss.png"), axis=flow.noise_axis())
+    label, (curve, bin_means, *_), _ = drawn[-1]  # then the bins' edges
+    assert label == "noise level sigma"
+    from types import SimpleNamespace
+
+    from diffusion_extras.training import artifacts
+    target = SimpleNamespace(path=lambda name: str(tmp_path / name), step=1, log_image=lambda *args: None)
+    artifacts.save_loss_plot(diagnostics, flow, 0.5, target)  # the run's plot asks its objective
+    assert drawn[-1][0] == "noise level sigma"
+    np.testing.assert_allclose(curve, sigmas, rtol=1e-6)
+    np.testing.assert_allclose(bin_means, np.interp(diagnostics.bin_centers(), np.arange(T), sigmas), rtol=1e-6)
+    history = [{"step": 1, "grad_probe/total_norm": 1.0, **{f"grad_probe/share_bin/{i:02d}": 0.1 for i in range(10)},
+                **{f"grad_probe/norm_bin/{i:02d}": 1.0 for i in range(10)}}]
+    grad_monitor.plot_gradients(history, diagnostics.bin_centers(), str(tmp_path / "grad.png"), axis=flow.noise_axis())
+    label, _, legend = drawn[-1]
+    assert label == "noise level sigma" and legend[-1] == f"sigma~{np.interp(949.5, np.arange(T), sigmas):.3g}"
+    ddpm = DDPM(DDPMScheduler(num_train_timesteps=T))
+    plots.plot_loss_per_timestep(diagnostics, ddpm.bayes_optimal_loss(0.5).numpy(), 0.5, "epsilon",
+                                 str(tmp_path / "ddpm.png"), axis=ddpm.noise_axis())
+    label, (curve, *_), _ = drawn[-1]
+    assert label == "timestep t" and np.array_equal(curve, np.arange(T))
 
 
 def test_the_bayes_optimal_loss_is_what_a_monte_carlo_linear_denoiser_reaches():

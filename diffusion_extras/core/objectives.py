@@ -16,6 +16,7 @@ OBJECTIVES and core/choices.py, and those settings' flags in training/config.py.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from diffusers import DDPMScheduler
 
@@ -54,6 +55,11 @@ class Objective:
     def model_timesteps(self, timesteps: torch.Tensor) -> torch.Tensor:
         """What the UNet is given as its timestep for these training indices."""
         return timesteps
+
+    def noise_axis(self) -> tuple[str, str, np.ndarray]:
+        """How the diagnostics' plots place the training indices: (axis label, short symbol, the value
+        of each index, float64 [T]); DDPM's timestep t itself."""
+        return "timestep t", "t", np.arange(self.num_train_timesteps, dtype=np.float64)
 
     def snr(self) -> torch.Tensor:
         """a^2 / b^2 per training index, float64 [T] (inf where b = 0)."""
@@ -180,6 +186,10 @@ class FlowMatching(Objective):
 
     def model_timesteps(self, timesteps):
         return self.timestep_table[timesteps]
+
+    def noise_axis(self):
+        """The noise level sigma of each index (shifted as trained), the practitioner's axis for a flow."""
+        return "noise level sigma", "sigma", self.sigmas.double().cpu().numpy()
 
 
 def flow_scheduler(num_train_timesteps: int = 1000, shift: float = 1.0):

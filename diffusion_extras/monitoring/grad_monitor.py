@@ -22,7 +22,7 @@ from diffusion_extras.data.batch_order import mix_seed, split_batch, to_model_in
 from diffusion_extras.evaluation.pipeline_backbone import predict
 from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs, with_condition
 from diffusion_extras.monitoring.bins import loss_bin_key, timestep_bin_edges
-from diffusion_extras.monitoring.plots import save_figure
+from diffusion_extras.monitoring.plots import axis_label, on_axis, save_figure
 
 PROBE_STREAM = 0x67AD  # seed stream of the probe batch's timesteps and noise
 
@@ -100,13 +100,15 @@ def log_values(measured: dict) -> dict[str, float]:
     return values
 
 
-def plot_gradients(history: list[dict], bin_centers: np.ndarray, path: str, title: str = "") -> str:
-    """Left: each bin's share of the total gradient at the last probe; right: per-bin norms over steps."""
+def plot_gradients(history: list[dict], bin_centers: np.ndarray, path: str, title: str = "", axis=None) -> str:
+    """Left: each bin's share of the total gradient at the last probe, on the objective's noise axis
+    (`axis`, plots.on_axis); right: per-bin norms over steps."""
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    count = len(bin_centers)
+    count, symbol = len(bin_centers), "t" if axis is None else axis[1]
+    bin_centers = on_axis(axis, bin_centers)
     rows = [r for r in history if "grad_probe/total_norm" in r]
     fig = Figure(figsize=(11.0, 4.5), dpi=100)
     FigureCanvasAgg(fig)
@@ -121,9 +123,9 @@ def plot_gradients(history: list[dict], bin_centers: np.ndarray, path: str, titl
         for i in range(count):
             key = loss_bin_key(i, count, "grad_probe/norm_bin")
             norms_axis.plot([r["step"] for r in rows], [r[key] for r in rows], "o-", ms=3, color=colors[i],
-                            label=f"t~{bin_centers[i]:.0f}")
+                            label=f"{symbol}~{bin_centers[i]:.3g}")
         norms_axis.set_yscale("log")
         norms_axis.legend(fontsize=7, ncol=2)
-    shares_axis.set(xlabel="timestep t", ylabel="share of the total gradient", title=title or "gradient per bin")
+    shares_axis.set(xlabel=axis_label(axis), ylabel="share of the total gradient", title=title or "gradient per bin")
     norms_axis.set(xlabel="optimizer step", ylabel="gradient norm of the bin's loss", title="over training")
     return save_figure(fig, (shares_axis, norms_axis), path)

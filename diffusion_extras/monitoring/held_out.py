@@ -27,7 +27,7 @@ from diffusion_extras.data.spec import Resolution
 from diffusion_extras.evaluation.pipeline_backbone import predict
 from diffusion_extras.evaluation.pipeline_class_conditional import unconditional_inputs, with_condition
 from diffusion_extras.monitoring.bins import loss_bin_key, timestep_bin_edges
-from diffusion_extras.monitoring.plots import save_figure
+from diffusion_extras.monitoring.plots import axis_label, on_axis, save_figure
 
 
 class HeldOutLoss:
@@ -92,15 +92,18 @@ def log_values(raw: np.ndarray, ema: np.ndarray | None) -> dict[str, float]:
 
 
 def plot_held_out(history: list[dict], training_bins: np.ndarray, raw: np.ndarray, ema: np.ndarray | None,
-                  reference_bins: np.ndarray, bin_centers: np.ndarray, path: str, title: str = "") -> str:
+                  reference_bins: np.ndarray, bin_centers: np.ndarray, path: str, title: str = "",
+                  axis=None) -> str:
     """Left: per bin, the held-out loss (raw, EMA) against the training loss and the Bayes-optimal
-    reference. Right: over steps, the held-out mean against the training loss."""
+    reference, on the objective's noise axis (`axis`, plots.on_axis). Right: over steps, the held-out
+    mean against the training loss."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11.0, 4.5), dpi=100)
     FigureCanvasAgg(fig)
     per_bin, over_steps = fig.subplots(1, 2)
+    bin_centers = on_axis(axis, bin_centers)
     curves = (("Bayes-optimal, bin mean", reference_bins, "s", "0.3"),
               ("training, running mean", training_bins, "o", "tab:red"),
               ("held-out, raw weights", raw, "^", "tab:blue"), ("held-out, EMA weights", ema, "v", "tab:green"))
@@ -109,7 +112,7 @@ def plot_held_out(history: list[dict], training_bins: np.ndarray, raw: np.ndarra
             shown = np.isfinite(values) & (values > 0)
             per_bin.plot(bin_centers[shown], values[shown], marker, color=color, label=label,
                          mfc="none" if marker == "s" else color)
-    per_bin.set(yscale="log", xlabel="timestep t", ylabel="per-dimension MSE", title=title or "loss per timestep")
+    per_bin.set(yscale="log", xlabel=axis_label(axis), ylabel="per-dimension MSE", title=title or "loss per timestep")
     num_bins = len(raw)
     training = [(r["step"], np.mean(bins)) for r in history
                 if len(bins := [v for k, v in r.items() if k.startswith("loss_bin/")]) == num_bins]

@@ -9,11 +9,26 @@ import numpy as np
 from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 
 
+def on_axis(axis, positions) -> np.ndarray:
+    """The x of (fractional) training indices `positions` on `axis`, an objective's noise_axis()
+    (label, symbol, the value of each index): the indices themselves without one (timesteps)."""
+    positions = np.asarray(positions, dtype=np.float64)
+    if axis is None:
+        return positions
+    values = np.asarray(axis[2], dtype=np.float64)
+    return np.interp(positions, np.arange(len(values)), values)
+
+
+def axis_label(axis) -> str:
+    return "timestep t" if axis is None else axis[0]
+
+
 def plot_loss_per_timestep(diag: TimestepDiagnostics, reference, sigma_data, target_name: str,
-                           path: str, title: str = "") -> str:
+                           path: str, title: str = "", axis=None) -> str:
     """PNG of the running per-bin loss against the Bayes-optimal curve `reference` (per timestep:
     the objective's bayes_optimal_loss, or diagnostics.bayes_optimal_curve), log y; returns path.
-    `target_name`: what the network predicts, for the axis label."""
+    `target_name`: what the network predicts, for the axis label; `axis`: the objective's
+    noise_axis() (a flow model's sigma), else timesteps."""
     # Figure + Agg canvas instead of pyplot: no global backend switch, nothing left open.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -25,6 +40,7 @@ def plot_loss_per_timestep(diag: TimestepDiagnostics, reference, sigma_data, tar
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     positive = reference > 0  # log axis: zero-terminal-SNR ends give an exact 0
+    timesteps, centers = on_axis(axis, timesteps), on_axis(axis, centers)
     ax.plot(timesteps[positive], reference[positive], color="0.45", lw=1.2,
             label="Bayes-optimal, Gaussian data (per t)")
     shown = reference_bins > 0
@@ -36,10 +52,10 @@ def plot_loss_per_timestep(diag: TimestepDiagnostics, reference, sigma_data, tar
                 label="training loss, running mean per bin")
     else:
         ax.text(0.5, 0.5, "no loss recorded yet", transform=ax.transAxes, ha="center", va="center")
-    for edge in diag.bin_edges()[1:-1]:
-        ax.axvline(edge - 0.5, color="0.9", lw=0.8, zorder=0)
+    for edge in on_axis(axis, np.asarray(diag.bin_edges()[1:-1]) - 0.5):
+        ax.axvline(edge, color="0.9", lw=0.8, zorder=0)
     ax.set_yscale("log")
-    ax.set_xlabel("timestep t")
+    ax.set_xlabel(axis_label(axis))
     ax.set_ylabel(f"per-dimension MSE ({target_name} target)")
     ax.set_title(title or f"Loss per timestep (sigma_data={float(sigma_data):.3g})")
     return save_figure(fig, [ax], path)

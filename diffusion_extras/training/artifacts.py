@@ -182,7 +182,7 @@ def save_loss_plot(timestep_diagnostics, objective, sigma_data: float, target: T
     """Loss per timestep bin against the `objective`'s Bayes-optimal reference curve."""
     path = target.path(CARD_PLOT)
     plots.plot_loss_per_timestep(timestep_diagnostics, objective.bayes_optimal_loss(sigma_data).numpy(), sigma_data,
-                                 objective.target_name, path, title=f"step {target.step}")
+                                 objective.target_name, path, title=f"step {target.step}", axis=objective.noise_axis())
     target.log_image("loss_per_timestep", path)
     return path
 
@@ -205,7 +205,8 @@ def held_out_loss(unet, ema, held_out, timestep_diagnostics, objective, sigma_da
     reference = timestep_diagnostics.reference_bins(objective.bayes_optimal_loss(sigma_data).numpy())
     path = validation.plot_held_out(target.history.read(), timestep_diagnostics.running_bin_loss, raw, ema_bins,
                                     np.array(list(reference.values())), timestep_diagnostics.bin_centers(),
-                                    target.path(HELD_OUT_PLOT), title=f"held-out loss, step {target.step}")
+                                    target.path(HELD_OUT_PLOT), title=f"held-out loss, step {target.step}",
+                                    axis=objective.noise_axis())
     target.log_image("held_out_loss", path)
     return values
 
@@ -217,7 +218,8 @@ def gradient_diagnostics(grad_monitor, unet, objective, loss_type: str, huber_c:
     values = monitor.log_values(measured)
     target.log_values(values)
     path = monitor.plot_gradients(target.history.read(), bin_centers, target.path(GRAD_PLOT),
-                                  title=f"gradient share per timestep bin, step {target.step}")
+                                  title=f"gradient share per noise-level bin, step {target.step}",
+                                  axis=objective.noise_axis())
     target.log_image("grad_per_timestep", path)
     return values
 
