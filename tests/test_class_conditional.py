@@ -3,23 +3,13 @@ ClassConditionalPipeline (loaded with and without the package), guidance, sampli
 exact resume."""
 import json
 import os
-import sys
 
 import faults
 import numpy as np
 import pytest
 import torch
-from helpers import (
-    assert_same_state,
-    load_unet_weights,
-    read_history,
-    run_cli,
-    run_training,
-    save_random_images,
-    tiny_unet,
-)
+from helpers import assert_same_state, load_unet_weights, run_cli, run_training, save_random_images, tiny_unet
 from package_blocker import run_without_the_package
-from processes import launch_training
 
 from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, guided_model_output
 
@@ -198,22 +188,6 @@ def test_class_conditional_and_the_number_of_classes_are_refused_on_resume(tiny_
     # (named as the refusal names them: the test's folder holds "class_conditional" too)
     assert result.returncode == 2 and "class_conditional: True -> False" in result.stderr
     assert "num_class_embeds: 11 -> None" in result.stderr
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="gloo ranks on linux")
-def test_two_ranks_with_labels_equal_one_rank(tiny_recipe, tmp_path):
-    """Two ranks (processes of one gloo group) against one rank in this process."""
-    two, single = tmp_path / "two", tmp_path / "single"
-    launch_training(tiny_recipe(train_batch_size=4, class_conditional=True), two, "--max_train_steps", 3,
-                    ranks=2, env={"ACCELERATE_USE_CPU": "1"})
-    run_training(tiny_recipe(train_batch_size=8, class_conditional=True), single, "--max_train_steps", 3)
-    w2, w1 = load_unet_weights(two), load_unet_weights(single)
-    assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
-    assert np.isfinite([v.abs().max().item() for v in w1.values()]).all()
-    # the loss per class sums the (class, timestep bin) cells of both ranks: one rank's values
-    per_class = [{f"{h['step']}:{k}": v for h in read_history(run) for k, v in h.items() if k.startswith("loss_class/")}
-                 for run in (two, single)]
-    assert per_class[0] == pytest.approx(per_class[1], rel=1e-4) and len(per_class[1]) >= 10
 
 
 @pytest.mark.parametrize("column,message", [

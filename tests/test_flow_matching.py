@@ -365,7 +365,8 @@ def test_two_streaming_ranks_of_a_class_conditional_flow_run_with_accumulation_e
     """Flow matching on the trainer's rails: 2 gloo ranks x 10 images x 2 accumulated micro-steps,
     streamed from 4 parquet shards of 10 (rank r reads shards r and r + 2) with a label column and
     flips, train as 1 rank x 20 x 2 reading the shards in turn: the same sigmas, noise, label drops
-    and flips, image by image."""
+    and flips, image by image, and the same loss per class (each rank's cells summed). The 2-rank
+    test of class-conditional training for both objectives."""
     from helpers import load_unet_weights, read_history
     from processes import launch_training
 
@@ -380,6 +381,10 @@ def test_two_streaming_ranks_of_a_class_conditional_flow_run_with_accumulation_e
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
     losses = [[row["loss"] for row in read_history(run)] for run in (tmp_path / "two", tmp_path / "one")]
     assert len(losses[1]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    # the loss per class sums the (class, noise level bin) cells of both ranks: one rank's values
+    per_class = [{f"{h['step']}:{k}": v for h in read_history(run) for k, v in h.items() if k.startswith("loss_class/")}
+                 for run in (tmp_path / "two", tmp_path / "one")]
+    assert per_class[0] == pytest.approx(per_class[1], rel=1e-4) and len(per_class[1]) >= 10
 
 
 def test_a_latent_flow_export_samples_its_latents_with_the_euler_flow(tiny_recipe, tmp_path):

@@ -128,9 +128,11 @@ def option_help(help_text: str, flag: str) -> str:
 
 
 @pytest.mark.parametrize("command, defaults", [
-    ("diffusion_extras.sample", {"--num_images": 16, "--scheduler": "ddim", "--num_inference_steps": 50, "--seed": 0,
-                                 "--batch_size": 16, "--dtype": "fp32", "--device": "auto"}),
-    ("diffusion_extras.evaluate", {"--scheduler": "ddim", "--num_inference_steps": 50, "--seed": 0})])
+    ("diffusion_extras.sample", {"--num_images": 16, "--scheduler": "ddim, euler for a flow-matching model",
+                                 "--num_inference_steps": 50, "--seed": 0, "--batch_size": 16, "--dtype": "fp32",
+                                 "--device": "auto"}),
+    ("diffusion_extras.evaluate", {"--scheduler": "ddim, euler for a flow-matching model", "--num_inference_steps": 50,
+                                   "--seed": 0})])
 def test_cli_help_says_what_each_sampling_flag_does_and_its_default(command, defaults):
     result = run_cli(["-m", command, "--help"])
     assert result.returncode == 0

@@ -38,7 +38,7 @@ def add_sampler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", choices=ALL_SCHEDULERS, default=None,
                         help="the sampler, on the pipeline's noise schedule: ddpm (ancestral), ddim (eta=0) or dpm "
                              "(DPM-Solver++ (2M)); a flow-matching model's: euler or dpm (on the flow sigmas). "
-                             "Default: ddim, euler for a flow-matching model")
+                             "(default: ddim, euler for a flow-matching model)")
     parser.add_argument("--timestep_spacing", choices=TIMESTEP_SPACINGS, default=None,
                         help="where the steps fall on the training schedule (diffusers' scheduler setting): trailing "
                              "starts at its last step, as a zero-terminal-SNR schedule needs. Default: the pipeline's "
