@@ -43,7 +43,8 @@ def check_pipeline_folder(path: str) -> None:
     if isinstance(index.get("_class_name"), list) and index["_class_name"][-1] not in PACKAGE_PIPELINES:
         raise ValueError(f"{path} holds a custom pipeline {index['_class_name']}; "
                          f"expected a DDPMPipeline, {', '.join(PACKAGE_PIPELINES)}")
-    component = "transformer" if package_pipeline_class(path) == DIT_PIPELINE_CLASS else "unet"
+    name = index.get("_class_name")
+    component = "transformer" if isinstance(name, list) and name[-1] == DIT_PIPELINE_CLASS else "unet"
     model_class = (index.get(component) or [None, None])[-1]
     if model_class != MODEL_COMPONENTS[component] or "scheduler" not in index:
         raise ValueError(f"{path} holds a {index.get('_class_name', 'unknown')} with {component} {model_class}; "

@@ -7,7 +7,7 @@ import numpy as np
 
 from diffusion_extras.monitoring.bins import timestep_bin_edges
 from diffusion_extras.report.checks import Finding, RunLog
-from diffusion_extras.report.objective_terms import bin_ranges, terms_for, train_timesteps
+from diffusion_extras.report.objective_terms import bin_ranges, run_objective, terms_for, train_timesteps
 
 HELD_OUT_RISE = 1.05       # held-out loss 5 % above its best: the fixed noise and timesteps make
                            # successive values differ only through the weights, so 5 % is no noise
@@ -73,7 +73,8 @@ def check_gradient_dominance(run: RunLog) -> list[Finding]:
     if median_share[top] <= GRAD_DOMINANT_SHARE:
         return []
     num_bins, terms = len(keys), terms_for(run.config)
-    [where] = bin_ranges(run.config, timestep_bin_edges(train_timesteps(run.config), num_bins), [top])
+    steps = train_timesteps(run.config)
+    [where] = bin_ranges(run.config, run_objective(run.config, steps), timestep_bin_edges(steps, num_bins), [top])
     fix = terms.gradient_fix(run.config, top, num_bins)
     return [Finding(
         "gradient_dominated_by_one_bin", "warning",

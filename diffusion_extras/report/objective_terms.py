@@ -126,8 +126,7 @@ def run_objective(config: dict, num_train_timesteps: int):
     return objectives.make_objective(terms.name, terms.scheduler(config, num_train_timesteps), "cpu", **settings)
 
 
-def bin_ranges(config: dict, edges, bins) -> list[str]:
-    """The report's name of each bin in `bins` (indices into `edges`, the bins' index edges)."""
-    terms = terms_for(config)
-    objective = run_objective(config, int(edges[-1])) if terms.unit != DDPMTerms.unit else None
-    return [terms.bin_range(objective, int(edges[i]), int(edges[i + 1])) for i in bins]
+def bin_ranges(config: dict, objective, edges, bins) -> list[str]:
+    """The report's name of each bin in `bins` (indices into `edges`, the bins' index edges) of the
+    run's `objective` (run_objective)."""
+    return [terms_for(config).bin_range(objective, int(edges[i]), int(edges[i + 1])) for i in bins]

@@ -29,30 +29,29 @@ def _recent_bins(run: RunLog) -> dict[int, float]:
     return {index: float(np.mean(v)) for index, v in sorted(values.items())}
 
 
-def _reference_from_config(config: dict, num_bins: int, num_train_timesteps: int):
+def _reference_from_config(config: dict, objective, num_bins: int, num_train_timesteps: int):
     """Bayes-optimal bin means when the config records sigma_data (the data's standard deviation), from
     the run's objective rebuilt from its config."""
     if config.get("sigma_data") is None:
         return None
     from diffusion_extras.monitoring.diagnostics import TimestepDiagnostics
 
-    objective = run_objective(config, num_train_timesteps)
     return TimestepDiagnostics(num_train_timesteps, num_bins).reference_bins(
         objective.bayes_optimal_loss(float(config["sigma_data"])).numpy())
 
 
-def _objective_weights(config: dict, num_bins: int, num_train_timesteps: int) -> np.ndarray:
+def _objective_weights(objective, num_bins: int, num_train_timesteps: int) -> np.ndarray:
     """Mean loss weight of each bin in the run's objective (DDPM's min-SNR when on, a flow weighting
     scheme's), over the bin's indices."""
     import torch
 
-    weights = run_objective(config, num_train_timesteps).loss_weight(torch.arange(num_train_timesteps))
+    weights = objective.loss_weight(torch.arange(num_train_timesteps))
     weights = weights.double().cpu().numpy()
     edges = timestep_bin_edges(num_train_timesteps, num_bins)
     return np.array([weights[lo:hi].mean() for lo, hi in zip(edges[:-1], edges[1:])])
 
 
-def _material(run: RunLog, bins: dict[int, float], reference: dict[str, float], num_bins: int, timesteps: int,
+def _material(objective, bins: dict[int, float], reference: dict[str, float], num_bins: int, timesteps: int,
               flagged: dict[int, float]) -> tuple[dict[int, float], dict[int, float]]:
     """Split the bins above the reference by their share of the objective. The ratio alone is not
     enough: with the linear schedule the noisiest bins' optimum falls to ~1e-5 (eps MSE) while a
@@ -60,17 +59,17 @@ def _material(run: RunLog, bins: dict[int, float], reference: dict[str, float], 
     measures that floor. What training can act on is the bin's excess in the weighted loss it
     minimises; below IMBALANCE_MIN_SHARE of that loss it is noise to the optimizer, and costs the
     sampler next to nothing (an eps error moves a DDPM step by beta_t * error, ~2 % of it)."""
-    weights = _objective_weights(run.config, num_bins, timesteps)
-    objective = sum(weights[i] * loss for i, loss in bins.items())
-    shares = {i: weights[i] * (bins[i] - reference[loss_bin_key(i, num_bins)]) / max(objective, 1e-30)
+    weights = _objective_weights(objective, num_bins, timesteps)
+    total = sum(weights[i] * loss for i, loss in bins.items())
+    shares = {i: weights[i] * (bins[i] - reference[loss_bin_key(i, num_bins)]) / max(total, 1e-30)
               for i in flagged}
     return ({i: r for i, r in flagged.items() if shares[i] >= IMBALANCE_MIN_SHARE},
             {i: shares[i] for i in flagged if shares[i] < IMBALANCE_MIN_SHARE})
 
 
-def _floor_finding(run: RunLog, bins, ratios, shares, num_bins, timesteps) -> list[Finding]:
+def _floor_finding(run: RunLog, objective, bins, ratios, shares, num_bins, timesteps) -> list[Finding]:
 
-    ranges = bin_ranges(run.config, timestep_bin_edges(timesteps, num_bins), shares)
+    ranges = bin_ranges(run.config, objective, timestep_bin_edges(timesteps, num_bins), shares)
     return [Finding(
         "timestep_error_floor", "info",
         f"Loss in {terms_for(run.config).unit} {', '.join(ranges)} is "
@@ -89,7 +88,8 @@ def check_timestep_balance(run: RunLog, reference: dict[str, float] | None) -> l
         return []
     num_bins = max(max(bins) + 1, len(reference or {}))
     timesteps = train_timesteps(run.config)
-    reference = reference or _reference_from_config(run.config, num_bins, timesteps)
+    objective = run_objective(run.config, timesteps)  # its weights, optimum and noise levels
+    reference = reference or _reference_from_config(run.config, objective, num_bins, timesteps)
     prediction_type = run.config.get("prediction_type", "epsilon")
     if reference:
         # loss / reference does not depend on the parametrization: at a given t the eps, x0 and v
@@ -98,10 +98,10 @@ def check_timestep_balance(run: RunLog, reference: dict[str, float] | None) -> l
                   if reference.get(loss_bin_key(i, num_bins), 0.0) > 1e-12}
         # Absolute only: ratios legitimately differ between bins (near t=0 and t=T the true optimum
         # approaches the linear one, mid-t it can lie far below), so no comparison among bins.
-        flagged, floor = _material(run, bins, reference, num_bins, timesteps,
+        flagged, floor = _material(objective, bins, reference, num_bins, timesteps,
                                    {i: r for i, r in ratios.items() if r > IMBALANCE_BAYES_RATIO})
         if floor and not flagged:
-            return _floor_finding(run, bins, ratios, floor, num_bins, timesteps)
+            return _floor_finding(run, objective, bins, ratios, floor, num_bins, timesteps)
         against = "the Bayes-optimal reference (the best per-pixel linear denoiser's loss)"
     elif prediction_type == "v_prediction":
         typical = median(list(bins.values()))
@@ -112,7 +112,7 @@ def check_timestep_balance(run: RunLog, reference: dict[str, float] | None) -> l
     if not flagged:
         return []
     edges = timestep_bin_edges(timesteps, num_bins)
-    ranges = bin_ranges(run.config, edges, flagged)
+    ranges = bin_ranges(run.config, objective, edges, flagged)
     noisy = sum(edges[i] >= timesteps / 2 for i in flagged) > len(flagged) / 2
     terms = terms_for(run.config)
     fix = terms.noisy_fix(run.config) if noisy else terms.clean_fix(run.config)
