@@ -231,15 +231,23 @@ def test_the_run_samples_with_a_flow_scheduler_and_refuses_ddpm_ones(flow_run):
         sampling.make_scheduler("euler", flow_scheduler().config | {"beta_start": 1e-4, "shift": None})
 
 
-def test_resume_is_bitwise_identical_to_a_straight_flow_run(tiny_recipe, tmp_path):
+def test_a_killed_or_preempted_flow_run_resumes_bitwise_identical_to_a_straight_one(tiny_recipe, tmp_path):
+    """Killed just after checkpoint-3, or preempted by a SIGTERM after step 2 (off the checkpoint grid:
+    the stop saves checkpoint-2 and exits 4): each resumed run is the straight run, bit for bit."""
+    from test_preemption import assert_preempted_at
     recipe = tiny_recipe(checkpointing_steps=3)
     flags = (*FLOW, "--weighting_scheme", "cosmap", "--flow_shift", 2, "--max_train_steps", 6)
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight, resumed, preempted = tmp_path / "straight", tmp_path / "resumed", tmp_path / "preempted"
     run_training(recipe, straight, *flags)
     with pytest.raises(faults.ProcessDied):
         run_training(recipe, resumed, *flags, hooks=faults.hooks(stop_after_checkpoint=3))
     run_training(recipe, resumed, *flags, "--resume_from_checkpoint", "latest")
     assert_same_state(straight, resumed, 6)
+    result = run_training(recipe, preempted, *flags, hooks=faults.hooks(signal_at_step=2), check=False)
+    result.returncodes = [result.returncode]
+    assert_preempted_at(result, preempted, 2)
+    run_training(recipe, preempted, *flags, "--resume_from_checkpoint", "latest")
+    assert_same_state(straight, preempted, 6)
 
 
 def test_a_resume_that_changes_the_objective_is_refused(tiny_recipe, tmp_path):
@@ -455,12 +463,14 @@ def test_the_guidance_interval_reads_a_flow_sigma_as_edms():
 def test_a_flow_run_stays_compiled_with_every_extra(tmp_path):
     """As test_compile's runs: the whole step compiled (eager backend: the same graphs), with
     accumulation, EMA, held-out loss, gradient monitor, grids and FID, and no break or graph after
-    warm-up: the flow objective's gathers and weights trace like DDPM's."""
-    from test_compile import CHEAP_COMPILE, EXTRAS, STEP_GRAPHS, assert_stays_compiled, counted_run
+    warm-up: the flow objective's gathers and weights trace like DDPM's. The objective acts outside
+    the UNet, so the UNet is test_compile's one-level one (half the tracing)."""
+    from test_compile import CHEAP_COMPILE, EXTRAS, ONE_LEVEL, STEP_GRAPHS, assert_stays_compiled, counted_run
 
     flags = ("--use_ema", "--gradient_accumulation_steps", 2, "--eval_steps", 2, "--feature_extractor", "tiny",
              "--eval_num_samples", 4, "--weighting_scheme", "cosmap", "--flow_shift", 2)
-    counts = counted_run(tmp_path, *CHEAP_COMPILE, *FLOW, *flags, "--max_train_steps", 6, **EXTRAS)
+    counts = counted_run(tmp_path, *CHEAP_COMPILE, *FLOW, *flags, "--max_train_steps", 6,
+                         **{**EXTRAS, "model": ONE_LEVEL})
     assert_stays_compiled(counts)
     assert counts[1]["graphs"] == STEP_GRAPHS, counts
 

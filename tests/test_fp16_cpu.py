@@ -48,11 +48,15 @@ def same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_overflow_skips_the_step_and_the_scale_halves_then_grows(tmp_path, fresh_accelerate, fp16_on_cpu, compiled):
+@pytest.mark.parametrize("compiled, objective", [(False, "ddpm"), (True, "ddpm"), (False, "flow_matching")],
+                         ids=["eager", "compiled", "flow"])
+def test_overflow_skips_the_step_and_the_scale_halves_then_grows(tmp_path, fresh_accelerate, fp16_on_cpu, compiled,
+                                                                 objective):
     """Also with the step compiled (the eager backend: the same graphs as inductor): the scaler's
-    unscale and step stay eager between the compiled regions, which read its scale as a tensor."""
-    run = tiny_run(tmp_path, *FLAGS, *(("--torch_compile", "--torch_compile_backend", "eager") if compiled else ()))
+    unscale and step stay eager between the compiled regions, which read its scale as a tensor.
+    And under flow matching, whose velocity loss the scaler scales alike."""
+    run = tiny_run(tmp_path, *FLAGS, "--objective", objective,
+                   *(("--torch_compile", "--torch_compile_backend", "eager") if compiled else ()))
     scaler = run.accelerator.scaler
     assert run.learner.optimizer.scaler is scaler and next(run.learner.unet.parameters()).dtype == torch.float32
     batches = loop.make_batches(run)
@@ -81,11 +85,13 @@ def test_overflow_skips_the_step_and_the_scale_halves_then_grows(tmp_path, fresh
     assert read_history(run.config.output_dir)[-1]["loss_scale"] == scaler.get_scale()
 
 
-def test_scaler_state_is_checkpointed_and_restored_bit_exactly(tmp_path, fresh_accelerate, fp16_on_cpu):
-    run = tiny_run(tmp_path, *FLAGS)
+@pytest.mark.parametrize("objective", ["ddpm", "flow_matching"])
+def test_scaler_state_is_checkpointed_and_restored_bit_exactly(tmp_path, fresh_accelerate, fp16_on_cpu, objective):
+    run = tiny_run(tmp_path, *FLAGS, "--objective", objective)
     batches = loop.make_batches(run)
-    for _ in range(26):  # past the overflowing start (23 steps here) and a growth
+    for _ in range(26):  # past the overflowing start (23 steps for DDPM here) and a growth
         step.optimizer_step(run, batches)
+    assert run.accelerator.scaler.get_scale() < INIT_SCALE / 2 ** 20  # it did overflow, many times
     saved_scaler = run.accelerator.scaler.state_dict()
     loop.save_checkpoint(run)
     assert (tmp_path / "run" / "checkpoint-26" / "scaler.pt").is_file()
@@ -95,7 +101,7 @@ def test_scaler_state_is_checkpointed_and_restored_bit_exactly(tmp_path, fresh_a
 
     from accelerate.state import AcceleratorState, GradientState
     AcceleratorState._reset_state(True), GradientState._reset_state()
-    resumed = tiny_run(tmp_path, *FLAGS, "--resume_from_checkpoint", "latest")
+    resumed = tiny_run(tmp_path, *FLAGS, "--objective", objective, "--resume_from_checkpoint", "latest")
     assert resumed.progress.global_step == 26 and resumed.accelerator.scaler.state_dict() == saved_scaler
     batches = loop.make_batches(resumed)
     for _ in range(4):
