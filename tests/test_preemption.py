@@ -107,10 +107,11 @@ def test_the_stop_agreement_waits_at_its_collective_as_long_as_the_process_group
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_streamed_data_preempted_and_resumed_exactly(tiny_recipe, tmp_path, parquet_images, ranks):
-    """Each rank's stream position is saved at the stop step; the resumed run equals an
-    uninterrupted streamed run with the same number of ranks, bit for bit. Of 2 ranks only rank 1
-    receives the signal: rank 0 learns it through the per-step flag all-reduce, both stop after the
-    same step and exit 4, and rank 0 says why."""
+    """Each rank's stream position is saved at the stop step; resumed, the run dies right after
+    checkpoint-3 (tests/faults.py) and is resumed again: it equals an uninterrupted streamed run with
+    the same number of ranks, bit for bit. Of 2 ranks only rank 1 receives the signal: rank 0 learns
+    it through the per-step flag all-reduce, both stop after the same step and exit 4, and rank 0
+    says why."""
     recipe = tiny_recipe(train_batch_size=4, checkpointing_steps=EVERY, max_train_samples=None)
     flags = ["--streaming", "--dataset_name", parquet_images, "--shuffle_buffer_size", 0, "--max_train_steps", STEPS]
     reference, out = tmp_path / "straight", tmp_path / "run"
@@ -119,7 +120,14 @@ def test_streamed_data_preempted_and_resumed_exactly(tiny_recipe, tmp_path, parq
     result = train_ranks(recipe, out, *flags, ranks=ranks, check=False, signal_at_step=2, **one_rank_signalled)
     assert_preempted_at(result, out, 2, "a stop signal (on another rank)" if ranks == 2 else "SIGTERM", ranks=ranks)
     assert {f"rank_state_{rank}.json" for rank in range(ranks)} <= set(os.listdir(out / "checkpoint-2"))
-    train_ranks(recipe, out, *flags, "--resume_from_checkpoint", "latest", ranks=ranks)
+    resume = (*flags, "--resume_from_checkpoint", "latest")
+    if ranks == 1:  # the resumed run dies right after checkpoint-3: in this process, an exception
+        with pytest.raises(faults.ProcessDied):
+            train_ranks(recipe, out, *resume, stop_after_checkpoint=EVERY)
+    else:
+        train_ranks(recipe, out, *resume, ranks=ranks, stop_after_checkpoint=EVERY)
+    assert os.path.isdir(out / f"checkpoint-{EVERY}") and not os.path.exists(out / f"checkpoint-{STEPS}")
+    train_ranks(recipe, out, *resume, ranks=ranks)
     assert_same_state(reference, out, STEPS)
 
 

@@ -1,11 +1,10 @@
-"""Streaming data (local parquet in streaming mode), 1 and 2 ranks, with exact resume."""
-import os
-
+"""Streaming data (local parquet in streaming mode), 1 and 2 ranks, with exact resume. A streamed
+run stopped and resumed on 2 ranks, killed and preempted: tests/test_preemption.py and
+tests/test_stream_workers.py."""
 import numpy as np
 import pytest
-from helpers import assert_same_state, run_training
+from helpers import run_training
 from PIL import Image
-from processes import launch_training
 
 from diffusion_extras.data import streaming
 from diffusion_extras.training.config import TrainConfig
@@ -79,21 +78,6 @@ def test_corrupt_streamed_image_is_skipped_and_named(tmp_path):
     with pytest.warns(UserWarning, match="00-bad.png"):
         batch = next(batches)
     assert batch.shape == (6, 3, 8, 8)
-
-
-def test_streaming_two_ranks_train_checkpoint_and_resume_exactly(tiny_recipe, tmp_path, parquet_images):
-    """Two ranks (processes), the first run dying right after checkpoint-3 (tests/faults.py)."""
-    recipe = tiny_recipe(train_batch_size=4, checkpointing_steps=3, max_train_samples=None)
-    env = {"ACCELERATE_USE_CPU": "1"}
-    # exact resume needs the buffer off (datasets does not save its content); shards still interleave
-    flags = ["--streaming", "--dataset_name", parquet_images, "--shuffle_buffer_size", 0, "--max_train_steps", 6]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    launch_training(recipe, straight, *flags, ranks=2, env=env)
-    launch_training(recipe, resumed, *flags, ranks=2, env=env, faults=("--stop_after_checkpoint", 3))
-    assert {"rank_state_0.json", "rank_state_1.json"} <= set(os.listdir(resumed / "checkpoint-3"))
-    assert not os.path.exists(resumed / "checkpoint-6")  # it died at 3
-    launch_training(recipe, resumed, *flags, "--resume_from_checkpoint", "latest", ranks=2, env=env)
-    assert_same_state(straight, resumed, 6)
 
 
 def test_streaming_without_data_flag_is_refused(tiny_recipe, tmp_path):
