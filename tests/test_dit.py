@@ -236,6 +236,54 @@ def test_sample_evaluate_and_posthoc_ema_take_a_dit_export(trained, tmp_path):
         "--guidance_scale alone")
 
 
+def test_a_latent_dit_exports_its_vae_and_samples_decoded_images_without_the_package(tmp_path):
+    """A class-conditional DiT on a VAE's latents (2 x 4 x 4 from 8 px): the DiT follows the latents
+    (their channels and side), the export is a DiTClassPipeline with vae/, whose images are its
+    latents decoded (decode_latents, as the latent UNet pipeline), guided, loaded without the
+    package and with another scheduler; `sample` writes decoded 8 px images and `posthoc_ema` keeps
+    the VAE beside the averaged transformer."""
+    from helpers import run_cli, save_tiny_vae
+    from PIL import Image
+
+    from diffusion_extras.evaluation.pipeline_dit import DiTClassPipeline
+    from diffusion_extras.evaluation.pipeline_latent import decode_latents
+    values = {key: value for key, value in TINY_RECIPE.items() if key != "model"}
+    recipe = tmp_path / "dit.yaml"
+    recipe.write_text(yaml.safe_dump({**values, "model_type": "dit"}))
+    vae = save_tiny_vae(tmp_path / "vae", in_channels=1, out_channels=1)
+    run = tmp_path / "run"
+    result = run_training(str(recipe), run, "--class_conditional", "--pretrained_vae_model_name_or_path", vae,
+                          "--max_train_steps", 2, "--posthoc_ema", "--posthoc_ema_snapshot_steps", 1)
+    assert "2 channel(s) (latents of the VAE" in result.stdout and "(2x2 tokens)" in result.stdout
+    index = json.loads((run / "model_index.json").read_text())
+    assert index["vae"] == ["diffusers", "AutoencoderKL"]
+    assert index["_class_name"] == ["pipeline_dit", "DiTClassPipeline"]
+    pipe = DiTClassPipeline.from_pretrained(run)
+    assert (pipe.transformer.config.in_channels, pipe.transformer.config.sample_size) == (2, 4)
+    call = dict(class_labels=[3, 7], guidance_scale=3.0, num_inference_steps=3)
+    latents = pipe(**call, generator=torch.manual_seed(1), output_type="latent").images
+    images = pipe(**call, generator=torch.manual_seed(1), output_type="np").images
+    assert latents.shape == (2, 2, 4, 4) and images.shape == (2, 8, 8, 1)
+    decoded = (decode_latents(pipe.vae, latents) / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    np.testing.assert_allclose(images, decoded, rtol=0, atol=1e-6)
+    np.save(tmp_path / "expected.npy", images)
+    run_without_the_package(
+        "import sys, numpy as np, torch\n"
+        "from diffusers import DiffusionPipeline, DDIMScheduler\n"
+        "pipe = DiffusionPipeline.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
+        "images = pipe(class_labels=[3, 7], guidance_scale=3.0, num_inference_steps=3,\n"
+        "              generator=torch.manual_seed(1), output_type='np').images\n"
+        "assert np.abs(images - np.load(sys.argv[2])).max() < 1e-6, 'not the package pipeline samples'\n"
+        "pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)\n"
+        "assert pipe(class_labels=[0], num_inference_steps=2, output_type='np').images.shape == (1, 8, 8, 1)\n",
+        tmp_path, run, tmp_path / "expected.npy")
+    run_cli(["-m", "diffusion_extras.sample", run, "--class_labels", "3", "--num_images", 1,
+             "--num_inference_steps", 2, "--output", tmp_path / "samples"])
+    assert [np.asarray(Image.open(path)).shape for path in sorted((tmp_path / "samples").glob("0*.png"))] == [(8, 8)]
+    run_cli(["-m", "diffusion_extras.posthoc_ema", run, "--sigma_rels", "0.1", "--export", tmp_path / "best"])
+    assert type(DiTClassPipeline.from_pretrained(tmp_path / "best").vae).__name__ == "AutoencoderKL"
+
+
 def test_a_dit_run_resumes_bit_for_bit(tmp_path, tiny_dit_config):
     recipe = dit_recipe(tmp_path, tiny_dit_config, lr_scheduler="cosine", variance_type="learned_range")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

@@ -6,6 +6,7 @@ called as diffusers' DiTPipeline is:
     images = pipe(class_labels=pipe.get_label_ids(["3", "7"]), guidance_scale=2.0,
                   num_inference_steps=50, generator=torch.manual_seed(0)).images
     images = unconditional_pipe(batch_size=4, generator=torch.manual_seed(0)).images
+    latents = latent_pipe(class_labels=[3], output_type="latent").images  # a latent DiT's, not decoded
 
 Why not DiTPipeline itself: it takes ImageNet's "no class" (1000) whatever the model's number of
 classes, always guides (an unconditional model has nothing to guide with), and reads a DDPM-type
@@ -13,14 +14,20 @@ scheduler's step (its learned sigma split assumes latents). Here the sampling lo
 class-conditional pipeline's (guided_step): the same guidance, learned-variance handling and
 scheduler order.
 
+A DiT trained on a VAE's latents has the VAE as `vae` (DiTPipeline's name too), which decodes its
+samples as the latent pipeline does (decode_latents: the latents un-normalised by the VAE config's
+scaling, then decoded); a pixel-space DiT has none.
+
 Self-contained (torch and diffusers only): the trainer saves a copy beside model_index.json, whose
 `_class_name` is ["pipeline_dit", "DiTClassPipeline"], with the files it imports relatively.
 """
 from __future__ import annotations
 
 import torch
-from diffusers import DiTTransformer2DModel
+from diffusers import DiTTransformer2DModel, ImagePipelineOutput
 
+# diffusers copies only the loaded file's own relative imports into its module cache (trust_remote_code):
+# each file the pipeline needs is imported here directly
 from .pipeline_backbone import null_class, sample_shape
 from .pipeline_class_conditional import (
     DEFAULT_GUIDANCE_SCALE,
@@ -29,6 +36,7 @@ from .pipeline_class_conditional import (
     guided_step,
     initial_noise_sigma,
 )
+from .pipeline_latent import decode_latents
 
 PIPELINE_MODULE = "pipeline_dit"  # this file's name in an exported folder, without .py
 PIPELINE_CLASS = "DiTClassPipeline"
@@ -39,12 +47,13 @@ class DiTClassPipeline(LabelledPipeline):
     class-conditional with classifier-free guidance when `id2label` names its classes, else
     unconditional."""
 
-    model_cpu_offload_seq = "transformer"
+    model_cpu_offload_seq = "transformer->vae"
+    _optional_components = ["vae"]
 
-    def __init__(self, transformer: DiTTransformer2DModel, scheduler, id2label: dict | None = None,
+    def __init__(self, transformer: DiTTransformer2DModel, scheduler, vae=None, id2label: dict | None = None,
                  condition_dropout: float | None = None):
         super().__init__()
-        self.register_modules(transformer=transformer, scheduler=scheduler)
+        self.register_modules(transformer=transformer, scheduler=scheduler, vae=vae)
         self.register_labels(id2label, condition_dropout)
 
     @torch.no_grad()
@@ -56,7 +65,8 @@ class DiTClassPipeline(LabelledPipeline):
         `guidance_scale` (1: none; the "no class" prediction is the model's own entry,
         num_embeds_ada_norm), only where the noise level is in `guidance_interval` (low, high] when
         given (ClassConditionalPipeline.__call__). An unconditional model (no id2label) takes no
-        class_labels and makes `batch_size` images, unguided. output_type: "pil", "np" or "pt"."""
+        class_labels and makes `batch_size` images, unguided. output_type: "pil", "np" or "pt", and
+        for a latent DiT "latent" (its normalised latents, not decoded)."""
         transformer, device = self.transformer, self._execution_device
         if self.id2label:
             if class_labels is None:
@@ -78,6 +88,13 @@ class DiTClassPipeline(LabelledPipeline):
         for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # x_t stays fp32
             sample = guided_step(self.scheduler, transformer, sample, step, labels, guidance_scale, generator,
                                  guidance_interval=guidance_interval)
+        if getattr(self, "vae", None) is not None:
+            if output_type == "latent":
+                self.maybe_free_model_hooks()
+                return ImagePipelineOutput(images=sample) if return_dict else (sample,)
+            sample = decode_latents(self.vae, sample)
+        elif output_type == "latent":
+            raise ValueError('output_type "latent" is for a DiT trained on a VAE\'s latents; this one is in pixels')
         return self.images_output(sample, output_type, return_dict)
 
 

@@ -34,8 +34,12 @@ def follow_data(config: TrainConfig, data_channels: int, class_names: list | Non
     """The DiT for this run: --model_config_name_or_path's, or --dit_size's, or one that follows the
     data (dit_shape), with the images' channels (2C outputs with a learned variance), their size, and
     num_embeds_ada_norm = the number of classes (1 unconditional: DiT always takes a label, and an
-    unconditional one is given its "no class" index, num_embeds_ada_norm)."""
+    unconditional one is given its "no class" index, num_embeds_ada_norm). In a `latent` space (a
+    LatentSpace) the data are the latents: their channels and side, as DiT's own 256 px models see
+    32 x 32 x 4 latents."""
     side = image_size(config.resolution)[0]  # square: validation refused any other
+    if latent is not None:
+        data_channels, side = latent.channels, image_size(latent.size)[0]
     classes = len(class_names) if class_names is not None else 1
     outputs = vlb.output_channels(data_channels, config.variance_type)
     if config.model_config_name_or_path:
@@ -47,8 +51,9 @@ def follow_data(config: TrainConfig, data_channels: int, class_names: list | Non
                       patch_size=patch)
     values.update(in_channels=data_channels, out_channels=outputs, sample_size=side, num_embeds_ada_norm=classes)
     if side % values["patch_size"]:
-        raise ConfigError(f"--resolution {resolution_text(config.resolution)} is not a multiple of the DiT's patch "
-                          f"size {values['patch_size']}: use a multiple of it, or a smaller patch (--dit_size)")
+        what = f"its {side}x{side} latents are" if latent is not None else "it is"
+        raise ConfigError(f"--resolution {resolution_text(config.resolution)}: {what} not a multiple of the DiT's "
+                          f"patch size {values['patch_size']}: use a multiple of it, or a smaller patch (--dit_size)")
     if class_names is not None:
         description += f", conditioned on {len(class_names)} classes"
     return Choice(values, {}, description)

@@ -268,7 +268,7 @@ def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | 
                     conditioning: dict | None = None, condition_dropout: float | None = None) -> None:
     """Save a DDPMPipeline, or with `class_names` a ClassConditionalPipeline (recording the
     `condition_dropout` it trained with), or for a DiT a DiTClassPipeline (with or without classes;
-    the dropout recorded too), or with a `vae` a LatentDiffusionPipeline (vae/ too), or with
+    the dropout recorded too; vae/ too in a latent run), or with a `vae` a LatentDiffusionPipeline (vae/ too), or with
     `conditioning` ({"conditioning": kind, "sr_factor": n, "conditioning_dropout_prob": p}) an
     ImageConditionedPipeline (with vae/ in a latent run), the custom ones with their source
     files (weights only, no optimizer state), into output_dir, swapping each part in by rename so a
@@ -279,11 +279,11 @@ def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | 
     shutil.rmtree(staging, ignore_errors=True)
     backbone = backbone_of(unet)
     names = [backbone.component, "scheduler"]
-    if backbone is DiTBackbone:  # (validation refuses a DiT with a VAE or an image condition)
-        pipeline = DiTClassPipeline(transformer=unet, scheduler=noise_scheduler,
+    if backbone is DiTBackbone:  # (validation refuses a DiT with an image condition)
+        pipeline = DiTClassPipeline(transformer=unet, scheduler=noise_scheduler, vae=vae,
                                     id2label=dict(enumerate(class_names or ())),
                                     condition_dropout=condition_dropout if class_names else None)
-        names += save_custom_pipeline(pipeline, staging)
+        names += ["vae"] * (vae is not None) + save_custom_pipeline(pipeline, staging)
     elif conditioning is not None:
         pipeline = image_conditioned.ImageConditionedPipeline(unet=unet, scheduler=noise_scheduler, vae=vae,
                                                               **conditioning)

@@ -319,9 +319,6 @@ def validate_backbone(c: TrainConfig) -> None:
     need(c.pretrained_model_name_or_path is None,
          "--pretrained_model_name_or_path with --model_type dit: fine-tuning starts from a DDPMPipeline's UNet; "
          "train the DiT from scratch (drop the flag), or fine-tune with --model_type unet")
-    need(c.pretrained_vae_model_name_or_path is None,
-         "--pretrained_vae_model_name_or_path with --model_type dit: a DiT trains in pixel space here; drop the "
-         "flag, or use --model_type unet for latent diffusion")
 
 
 def validate_model_shape(model: dict, resolution: Resolution, vae_factor: int = 1) -> None:
