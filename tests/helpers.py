@@ -320,6 +320,15 @@ def cosine_lr(peak, step, warmup, total):
     return peak * max(0.0, 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
 
 
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A floating tensor's bit patterns (as integers of its width), anything else as it is: equal bits
+    are bitwise equality, under which a NaN equals the same NaN (a diagnostics bin never visited) and
+    0.0 differs from -0.0, where torch.equal says the opposite of both."""
+    if not tensor.is_floating_point():
+        return tensor
+    return tensor.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[tensor.element_size()])
+
+
 def assert_same_tree(x, y, where: str) -> None:
     """x and y equal all the way down (dicts: same keys; lists: same length; tensors: bitwise)."""
     assert type(x) is type(y), f"{where}: {type(x).__name__} vs {type(y).__name__}"
@@ -332,7 +341,7 @@ def assert_same_tree(x, y, where: str) -> None:
         for index, (item_x, item_y) in enumerate(zip(x, y)):
             assert_same_tree(item_x, item_y, f"{where}[{index}]")
     elif isinstance(x, torch.Tensor):
-        assert x.dtype == y.dtype and torch.equal(x, y), f"{where}: tensors differ"
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y)), f"{where}: tensors differ"
     else:
         assert x == y or (x != x and y != y), f"{where}: {x!r} vs {y!r}"  # (nan == nan here)
 

@@ -32,6 +32,14 @@ def test_assert_same_tree_sees_an_optimizer_moment_and_a_missing_item():
         assert_same_tree(optimizer, moved, "optimizer")
     with pytest.raises(AssertionError, match="2 vs 1 items"):
         assert_same_tree({"shadow_params": [torch.zeros(1), torch.ones(1)]}, {"shadow_params": [torch.zeros(1)]}, "ema")
+    # bitwise: a bin never visited (NaN) in both is the same state; NaN against a number, or -0.0
+    # against 0.0, is not
+    bins = torch.tensor([float("nan"), 1.5, 0.0], dtype=torch.float64)
+    assert_same_tree({"running_bin_loss": bins}, {"running_bin_loss": bins.clone()}, "diagnostics")
+    for other in (torch.tensor([1.0, 1.5, 0.0], dtype=torch.float64), torch.tensor([float("nan"), 1.5, -0.0],
+                                                                                     dtype=torch.float64)):
+        with pytest.raises(AssertionError, match="tensors differ"):
+            assert_same_tree({"running_bin_loss": bins}, {"running_bin_loss": other}, "diagnostics")
 
 
 # 64 images, 8 per micro-batch: 8 micro-batches an epoch, so step 5 (accumulation 1) and step 3
