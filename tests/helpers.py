@@ -52,11 +52,13 @@ def write_tiny_recipe(folder, **overrides) -> str:
 def tiny_run(tmp_path, *flags, hooks=None, output_dir=None, **recipe):
     """An in-process run set up (training.build.setup) from TINY_RECIPE with `recipe` overrides and
     `flags`, in `output_dir` (default tmp_path/run), with `hooks` (training.hooks.Hooks); use with
-    the fresh_accelerate fixture."""
+    the fresh_accelerate fixture. An override None leaves the key out (model=None: no UNet mapping,
+    as a DiT run's recipe)."""
     from diffusion_extras.training import build
     from diffusion_extras.training.config import parse_config
     path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump({**TINY_RECIPE, **recipe}))
+    values = {key: value for key, value in {**TINY_RECIPE, **recipe}.items() if value is not None}
+    path.write_text(yaml.safe_dump(values))
     return build.setup(parse_config(["--config", str(path), "--output_dir", str(output_dir or tmp_path / "run"),
                                      *map(str, flags)]), hooks)
 
