@@ -348,6 +348,20 @@ def test_gradient_checkpointing_on_a_dit_recomputes_and_trains_as_without(tmp_pa
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_compiled_dit_step_stays_compiled(tmp_path, tiny_dit_config):
+    """The whole step compiled on a class-conditional DiT (eager backend: the graphs inductor would
+    get), with accumulation 2, EMA and FID at steps 2 and 6: the step's five graphs, no break, and no
+    graph after warm-up but the final grid's capture of the sampling copy (as test_compile's runs)."""
+    from test_compile import CHEAP_COMPILE, STEP_GRAPHS, assert_stays_compiled, counted_run
+    counts = counted_run(tmp_path, *CHEAP_COMPILE, "--use_ema", "--gradient_accumulation_steps", 2, "--eval_steps", 2,
+                         "--feature_extractor", "tiny", "--eval_num_samples", 4, "--class_conditional",
+                         "--max_train_steps", 6, model=None, model_type="dit",
+                         model_config_name_or_path=tiny_dit_config, save_images_steps=1000,
+                         lr_scheduler="constant_with_warmup")
+    assert_stays_compiled(counts, until=6)
+    assert counts[1]["graphs"] == STEP_GRAPHS and counts["end"]["graphs"] == STEP_GRAPHS + 2, counts
+
+
 # ----------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("flags,message", [
     (["--conditioning", "super_resolution"], "--conditioning super_resolution with --model_type dit"),
