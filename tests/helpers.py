@@ -39,9 +39,28 @@ TINY_RECIPE = {
 }
 
 
+# A DiT small enough for a CPU step in milliseconds: 2 blocks of width 32 at 8 px, patch 2 (4x4 tokens).
+TINY_DIT = dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, patch_size=2)
+
+
+def save_tiny_dit_config(folder) -> str:
+    """A DiTTransformer2DModel config.json of TINY_DIT in `folder`, as --model_config_name_or_path
+    takes it (the trainer sets its channels, size and classes from the data)."""
+    from diffusers import DiTTransformer2DModel
+    DiTTransformer2DModel(in_channels=1, sample_size=8, num_embeds_ada_norm=1, **TINY_DIT).save_config(folder)
+    return str(folder)
+
+
+def tiny_dit_recipe(folder) -> dict:
+    """Recipe overrides that make the tiny recipe a tiny DiT's (no UNet mapping; write_tiny_recipe,
+    tiny_run and the tiny_recipe fixture leave out a key overridden with None)."""
+    return {"model": None, "model_type": "dit", "model_config_name_or_path": save_tiny_dit_config(folder / "tiny_dit")}
+
+
 def write_tiny_recipe(folder, **overrides) -> str:
-    """TINY_RECIPE with `overrides` as a YAML file in `folder` (named by its content); returns its path."""
-    values = {**TINY_RECIPE, **overrides}
+    """TINY_RECIPE with `overrides` as a YAML file in `folder` (named by its content); returns its
+    path. An override None leaves the key out."""
+    values = {key: value for key, value in {**TINY_RECIPE, **overrides}.items() if value is not None}
     path = os.path.join(folder, f"tiny-{abs(hash(json.dumps(values, sort_keys=True)))}.yaml")
     with open(path, "w") as fh:
         yaml.safe_dump(values, fh)
@@ -52,8 +71,7 @@ def write_tiny_recipe(folder, **overrides) -> str:
 def tiny_run(tmp_path, *flags, hooks=None, output_dir=None, **recipe):
     """An in-process run set up (training.build.setup) from TINY_RECIPE with `recipe` overrides and
     `flags`, in `output_dir` (default tmp_path/run), with `hooks` (training.hooks.Hooks); use with
-    the fresh_accelerate fixture. An override None leaves the key out (model=None: no UNet mapping,
-    as a DiT run's recipe)."""
+    the fresh_accelerate fixture. An override None leaves the key out (tiny_dit_recipe)."""
     from diffusion_extras.training import build
     from diffusion_extras.training.config import parse_config
     path = tmp_path / "recipe.yaml"

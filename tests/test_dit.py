@@ -9,24 +9,18 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import TINY_RECIPE, assert_same_state, run_training
+from helpers import TINY_DIT, TINY_RECIPE, assert_same_state, run_training, save_tiny_dit_config
 from package_blocker import run_without_the_package
 
 from diffusion_extras.core.choices import DIT_SIZES
 from diffusion_extras.training import dit
 from diffusion_extras.training.config import ConfigError, TrainConfig, parse_config
 
-# A DiT small enough for a CPU step in milliseconds: 2 blocks of width 32 at 8 px, patch 2 (4x4 tokens).
-TINY_DIT = dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, patch_size=2)
-
 
 @pytest.fixture(scope="module")
 def tiny_dit_config(tmp_path_factory):
     """A DiTTransformer2DModel config.json (TINY_DIT), as --model_config_name_or_path takes it."""
-    from diffusers import DiTTransformer2DModel
-    folder = tmp_path_factory.mktemp("tiny_dit")
-    DiTTransformer2DModel(in_channels=1, sample_size=8, num_embeds_ada_norm=1, **TINY_DIT).save_config(folder)
-    return str(folder)
+    return save_tiny_dit_config(tmp_path_factory.mktemp("tiny_dit"))
 
 
 def dit_recipe(folder, config_folder, **overrides) -> str:

@@ -370,21 +370,23 @@ def test_post_hoc_ema_of_a_class_conditional_flow_run_exports_its_own_pipeline(t
 
 def test_two_streaming_ranks_of_a_class_conditional_flow_run_with_accumulation_equal_one(tiny_recipe, tmp_path,
                                                                                         parquet_images):
-    """Flow matching on the trainer's rails: 2 gloo ranks x 10 images x 2 accumulated micro-steps,
-    streamed from 4 parquet shards of 10 (rank r reads shards r and r + 2) with a label column and
-    flips, train as 1 rank x 20 x 2 reading the shards in turn: the same sigmas, noise, label drops
-    and flips, image by image, and the same loss per class (each rank's cells summed). The 2-rank
-    test of class-conditional training for both objectives."""
-    from helpers import load_unet_weights, read_history
+    """Flow matching on the trainer's rails, on a DiT (SiT): 2 gloo ranks x 10 images x 2 accumulated
+    micro-steps, streamed from 4 parquet shards of 10 (rank r reads shards r and r + 2) with a label
+    column and flips, train as 1 rank x 20 x 2 reading the shards in turn: the same sigmas, noise,
+    label drops and flips, image by image, and the same loss per class (each rank's cells summed).
+    The 2-rank test of class-conditional training for both objectives (DDPM's on the UNet:
+    test_resume) and of the DiT."""
+    from helpers import load_unet_weights, read_history, tiny_dit_recipe
     from processes import launch_training
 
     flags = (*FLOW, "--dataset_name", parquet_images, "--image_column", "img", "--streaming",
              "--shuffle_buffer_size", 0, "--class_conditional", "--label_column", "n", "--random_flip",
              "--gradient_accumulation_steps", 2, "--max_train_steps", 3)
-    two = launch_training(tiny_recipe(train_batch_size=10, max_train_samples=None), tmp_path / "two", *flags,
+    dit = tiny_dit_recipe(tmp_path)
+    two = launch_training(tiny_recipe(train_batch_size=10, max_train_samples=None, **dit), tmp_path / "two", *flags,
                           ranks=2, env={"ACCELERATE_USE_CPU": "1"})
-    assert "replicas identical on 2 processes" in two.stdout
-    run_training(tiny_recipe(train_batch_size=20, max_train_samples=None), tmp_path / "one", *flags)
+    assert "replicas identical on 2 processes" in two.stdout and "DiT depth 2" in two.stdout
+    run_training(tiny_recipe(train_batch_size=20, max_train_samples=None, **dit), tmp_path / "one", *flags)
     w2, w1 = load_unet_weights(tmp_path / "two"), load_unet_weights(tmp_path / "one")
     assert max((w2[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
     losses = [[row["loss"] for row in read_history(run)] for run in (tmp_path / "two", tmp_path / "one")]

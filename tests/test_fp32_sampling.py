@@ -3,19 +3,11 @@ says, while training keeps its autocast (bf16 on CPU here); for both objectives 
 import numpy as np
 import pytest
 import torch
-from helpers import load_unet_weights, tiny_run
+from helpers import load_unet_weights, tiny_dit_recipe, tiny_run
 from PIL import Image
 
 from diffusion_extras.evaluation import sampling
 from diffusion_extras.training import artifacts, backbones, loop
-
-
-def tiny_dit_config(folder) -> str:
-    """test_dit's tiny DiT as a config folder (--model_config_name_or_path)."""
-    from diffusers import DiTTransformer2DModel
-    from test_dit import TINY_DIT
-    DiTTransformer2DModel(in_channels=1, sample_size=8, num_embeds_ada_norm=1, **TINY_DIT).save_config(folder / "dit")
-    return folder / "dit"
 
 
 def fp32_grid(run, unet, dtype=torch.float32) -> np.ndarray:
@@ -29,11 +21,9 @@ def fp32_grid(run, unet, dtype=torch.float32) -> np.ndarray:
 @pytest.mark.parametrize("objective, model_type", [("ddpm", "unet"), ("flow_matching", "unet"), ("ddpm", "dit")])
 def test_bf16_run_samples_its_grid_in_fp32(tmp_path, fresh_accelerate, objective, model_type):
     steps = 4
-    # a DiT: test_dit's tiny one, sized by the trainer (the recipe's UNet mapping left out)
-    dit = {"model": None, "model_type": "dit", "model_config_name_or_path": str(tiny_dit_config(tmp_path))}
     run = tiny_run(tmp_path, "--mixed_precision", "bf16", "--use_ema", "--max_train_steps", steps,
                    "--objective", objective, ddpm_num_inference_steps=10, save_images_steps=1000,
-                   **(dit if model_type == "dit" else {}))
+                   **(tiny_dit_recipe(tmp_path) if model_type == "dit" else {}))
     loop.train(run)
     saved = np.asarray(Image.open(tmp_path / "run" / "samples" / f"step_{steps:06d}.png"))
 
