@@ -192,7 +192,7 @@ def test_sample_evaluate_and_posthoc_ema_take_a_dit_export(trained, tmp_path):
     """The commands load a DiT export as its DiTClassPipeline: `sample` writes the images the
     pipeline makes for those classes and seeds (guided with the model's own "no class"), `evaluate`
     scores class-balanced samples, `posthoc_ema` exports a DiT pipeline around the reconstructed
-    transformer; --guide (autoguidance, built for the UNet) is one line."""
+    transformer."""
     from helpers import run_cli
     from PIL import Image
 
@@ -224,10 +224,49 @@ def test_sample_evaluate_and_posthoc_ema_take_a_dit_export(trained, tmp_path):
     state = reconstruct(str(run / "posthoc_ema"), 0.1)
     for name, parameter in best.transformer.named_parameters():
         assert torch.equal(parameter, state[name].to(parameter.dtype)), name
-    refused = run_cli(["-m", "diffusion_extras.sample", run, "--guide", run, "--output", tmp_path / "x"], check=False)
-    assert refused.returncode == 2 and refused.stderr.strip() == (
-        "error: --guide: autoguidance is built for the UNet pipelines, not a DiTTransformer2DModel; guide with "
-        "--guidance_scale alone")
+
+
+@TRAINED
+def test_autoguidance_with_a_weaker_dit_guides_against_its_class_prediction(trained, tmp_path):
+    """pipe.guide = a weaker DiT (here one of the same shape with other weights): each step guides the
+    model's class prediction against the guide's for the same class, g + s (c - g), as the loop
+    written out; saved, the guide comes back with the folder; `sample --guide` with the guide's
+    folder makes the pipeline's images; a guide with another number of classes is one line."""
+    from diffusers import DiTTransformer2DModel
+    from helpers import run_cli
+    from PIL import Image
+
+    from diffusion_extras.evaluation.pipeline_dit import DiTClassPipeline
+    from diffusion_extras.evaluation.sampling import image_seed, make_scheduler
+    pipe = DiTClassPipeline.from_pretrained(trained["classes"])
+    torch.manual_seed(5)
+    guide = DiTTransformer2DModel.from_config(pipe.transformer.config).eval()
+    pipe.guide = guide
+    labels, scale = torch.tensor([3, 7]), 2.0
+    images = pipe(class_labels=labels.tolist(), guidance_scale=scale, num_inference_steps=3,
+                  generator=torch.manual_seed(1), output_type="pt").images
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(3)
+    generator = torch.manual_seed(1)
+    x = torch.randn((2, 1, 8, 8), generator=generator) * scheduler.init_noise_sigma
+    for t in scheduler.timesteps:
+        with torch.no_grad():
+            strong = pipe.transformer(x, t.repeat(2), class_labels=labels).sample
+            weak = guide(x, t.repeat(2), class_labels=labels).sample
+        x = scheduler.step(weak + scale * (strong - weak), t, x, generator=generator).prev_sample
+    torch.testing.assert_close(images, (x / 2 + 0.5).clamp(0, 1), rtol=0, atol=1e-6)
+    pipe.save_pretrained(tmp_path / "guided")
+    assert isinstance(DiTClassPipeline.from_pretrained(tmp_path / "guided").guide, DiTTransformer2DModel)
+    guide.save_pretrained(tmp_path / "guide")
+    run_cli(["-m", "diffusion_extras.sample", trained["classes"], "--class_labels", "3", "--num_images", 2,
+             "--guide", tmp_path / "guide", "--num_inference_steps", 3, "--seed", 4, "--output", tmp_path / "samples"])
+    written = np.stack([np.asarray(Image.open(path)) for path in sorted((tmp_path / "samples").glob("0*.png"))])
+    pipe.scheduler = make_scheduler(None, pipe.scheduler.config)  # the command's default: DDIM
+    expected = pipe(class_labels=[3, 3], guidance_scale=2.0, num_inference_steps=3, output_type="np",
+                    generator=[torch.Generator().manual_seed(image_seed(4, i)) for i in range(2)]).images
+    assert np.abs(written.astype(int) - (expected[..., 0] * 255).round().astype(int)).max() <= 1
+    with pytest.raises(ValueError, match=r"^the guide does not fit the model: its classes 1 \(the model's: 10\)"):
+        pipe.guide = DiTClassPipeline.from_pretrained(trained["unconditional"]).transformer
 
 
 def test_a_latent_dit_exports_its_vae_and_samples_decoded_images_without_the_package(tmp_path):
@@ -294,7 +333,8 @@ def test_sit_a_dit_on_flow_matching_resumes_bit_for_bit_and_samples_the_guided_e
     """SiT (Ma et al. 2024: DiT with flow matching): a killed class-conditional DiT flow run resumes
     bit for bit; its export steps with FlowMatchEulerDiscreteScheduler, and its images are the Euler
     loop written out: x from unit noise, the velocity guided against the "no class" index at
-    timestep sigma x 1000, x += (sigma_next - sigma) v, down to sigma 0."""
+    timestep sigma x 1000, x += (sigma_next - sigma) v, down to sigma 0. Its checkpoint loads as a
+    guide (a DiT with that step's EMA weights)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from diffusion_extras.evaluation.pipeline_dit import DiTClassPipeline
@@ -321,6 +361,12 @@ def test_sit_a_dit_on_flow_matching_resumes_bit_for_bit_and_samples_the_guided_e
         conditional, unconditional = out.sample.chunk(2)
         x = x + (following - sigma) * (unconditional + scale * (conditional - unconditional))
     torch.testing.assert_close(images, (x / 2 + 0.5).clamp(0, 1), rtol=0, atol=1e-5)
+    # a checkpoint of the run guides it (--guide run/checkpoint-N): a DiT with that step's EMA weights
+    from diffusion_extras.cli.common import load_guide
+    from diffusion_extras.training.checkpointing import EMA_STATE
+    guide = load_guide(str(straight / "checkpoint-2"), pipe.transformer, "cpu")
+    shadow = torch.load(straight / "checkpoint-2" / EMA_STATE, weights_only=True)["shadow_params"]
+    assert all(torch.equal(parameter, value) for parameter, value in zip(guide.parameters(), shadow, strict=True))
 
 
 def test_gradient_checkpointing_on_a_dit_recomputes_and_trains_as_without(tmp_path, tiny_dit_config):

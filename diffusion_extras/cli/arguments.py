@@ -63,8 +63,9 @@ def add_guidance_arguments(parser: argparse.ArgumentParser) -> None:
                         help="guide only at noise levels sigma = sqrt((1 - alpha_bar) / alpha_bar) in (LOW, HIGH], "
                              "one unguided UNet call elsewhere (Kynkaanniemi et al. 2024); default: every step")
     parser.add_argument("--guide", default=None,
-                        help="autoguidance (Karras et al. 2024): a weaker UNet of the same kind (a UNet folder, a "
-                             "pipeline folder with unet/, or a training checkpoint run/checkpoint-N: its EMA weights) "
+                        help="autoguidance (Karras et al. 2024): a weaker model of the same resolution, channels "
+                             "and classes (a UNet or DiT folder, a pipeline folder with unet/ or transformer/, or a "
+                             "training checkpoint run/checkpoint-N: its EMA weights) "
                              "replaces the 'no class' branch; works for unconditional pipelines too. Default: the "
                              "pipeline's saved guide/ if it has one; 'none': never")
 

@@ -122,12 +122,13 @@ def load_pipeline(name_or_path: str, device="cpu", dtype=torch.float32):
 
 
 def load_guide(path: str, unet, device, prediction_type: str | None = None):
-    """The guide UNet of --guide, in `unet`'s dtype, checked against `unet` (check_guide) and, where its
-    folder records one, against the model's `prediction_type`: a pipeline folder (its unet/, its
-    scheduler's prediction type), a UNet folder (the prediction type of the pipeline around it, if
-    any) or a training checkpoint (its EMA weights where the run kept an EMA, as the exported
-    pipeline and Karras et al.'s guides; else the raw weights of that step; stderr says which)."""
-    from diffusers import UNet2DModel
+    """The guide model of --guide (a UNet2DModel or a DiT), in `unet`'s dtype, checked against `unet`
+    (the pipeline's model; check_guide) and, where its folder records one, against the model's
+    `prediction_type`: a pipeline folder (its unet/ or transformer/, its scheduler's prediction
+    type), a model folder (the prediction type of the pipeline around it, if any) or a training
+    checkpoint (its EMA weights where the run kept an EMA, as the exported pipeline and Karras et
+    al.'s guides; else the raw weights of that step; stderr says which)."""
+    import diffusers
 
     from diffusion_extras.training.checkpointing import TRAIN_STATE, checkpoint_unet, read_train_state
     folder = os.path.expanduser(path)
@@ -137,12 +138,16 @@ def load_guide(path: str, unet, device, prediction_type: str | None = None):
               + ("" if weights == "EMA" else " (the run kept no EMA)"), file=sys.stderr)
         guide_prediction_type = read_train_state(folder)["config"].get("prediction_type")
     else:
-        if os.path.isdir(os.path.join(folder, "unet")):
-            folder = os.path.join(folder, "unet")
+        folder = next((os.path.join(folder, backbone.component) for backbone in BACKBONES
+                       if os.path.isdir(os.path.join(folder, backbone.component))), folder)
         if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise ValueError(f"--guide {path}: no UNet there; give a UNet folder, a pipeline folder with unet/ or a "
-                             "training checkpoint folder (checkpoint-N)")
-        guide = UNet2DModel.from_pretrained(folder)
+            raise ValueError(f"--guide {path}: no model there; give a UNet or DiT folder, a pipeline folder with "
+                             "unet/ or transformer/, or a training checkpoint folder (checkpoint-N)")
+        with open(os.path.join(folder, "config.json")) as fh:
+            kind = json.load(fh).get("_class_name")
+        model_class = next((backbone.model_class for backbone in BACKBONES if backbone.model_class.__name__ == kind),
+                           diffusers.UNet2DModel)  # a config without _class_name: a UNet's, as before
+        guide = model_class.from_pretrained(folder)
         scheduler_config = os.path.join(os.path.dirname(os.path.normpath(folder)), "scheduler", "scheduler_config.json")
         guide_prediction_type = None
         if os.path.isfile(scheduler_config):
@@ -175,7 +180,8 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
                          f"{type(pipeline_model(pipeline)).__name__}; guide with --guidance_scale alone")
     if args.guide is not None:
         guide = (None if args.guide == "none" else
-                 load_guide(args.guide, pipeline.unet, device, pipeline.scheduler.config.get("prediction_type")))
+                 load_guide(args.guide, pipeline_model(pipeline), device,
+                            pipeline.scheduler.config.get("prediction_type")))
     if getattr(pipeline, "id2label", None) or guide is not None:
         scale = DEFAULT_GUIDANCE_SCALE if args.guidance_scale is None else args.guidance_scale
         if isinstance(pipeline, LabelledPipeline):  # the latent and DiT ones too

@@ -45,7 +45,7 @@ class DiTBackbone:
     component = "transformer"     # DiTPipeline's name for it
     image_conditioning = False
     non_square = False
-    autoguidance = False
+    autoguidance = True
 
     @staticmethod
     def null_class(config) -> int:

@@ -222,16 +222,20 @@ def scheduler_step_output(scheduler, model_output: torch.Tensor, t, sample: torc
 
 
 def check_guide(unet, guide) -> None:
-    """A one-line ValueError unless `guide` can guide `unet` (autoguidance): the same sample size,
-    channels in and out (a learned-variance model outputs 2C and so must its guide) and classes. Its
-    width and depth are free (a smaller UNet is a weaker guide). The prediction type is the
-    scheduler's, not the UNet's: the commands check it where the guide's folder records it."""
-    fields = ("sample_size", "in_channels", "out_channels", "num_class_embeds")
-    mismatches = [f"{field} {guide.config.get(field)} (the model's: {unet.config.get(field)})"
-                  for field in fields if guide.config.get(field) != unet.config.get(field)]
+    """A one-line ValueError unless `guide` can guide `unet` (a UNet2DModel or a DiT; autoguidance):
+    the same sample size, channels in and out (a learned-variance model outputs 2C and so must its
+    guide) and classes (the "no class" index of each backbone: a UNet's num_class_embeds - 1, a DiT's
+    num_embeds_ada_norm). Its width, depth or patch are free (a smaller model is a weaker guide), and
+    each is called as its backbone is. The prediction type is the scheduler's, not the model's: the
+    commands check it where the guide's folder records it."""
+    fields = {field: (guide.config.get(field), unet.config.get(field))
+              for field in ("sample_size", "in_channels", "out_channels")}
+    fields["classes"] = (null_class(guide), null_class(unet))
+    mismatches = [f"{field} {theirs} (the model's: {ours})"
+                  for field, (theirs, ours) in fields.items() if theirs != ours]
     if mismatches:
         raise ValueError(f"the guide does not fit the model: its {', '.join(mismatches)}; a guide must be a "
-                         "UNet of the same kind (same resolution, channels, classes and variance output)")
+                         "model of the same kind (same resolution, channels, classes and variance output)")
 
 
 class PackagePipeline(DiffusionPipeline):
@@ -335,6 +339,27 @@ class LabelledPipeline(PackagePipeline):
         self.id2label = id2label
         self.labels = {name: index for index, name in sorted(id2label.items())}  # DiTPipeline's name -> id
 
+    def __setattr__(self, name, value):
+        """`pipe.guide = weaker_model` checks the guide against the model (check_guide; so does loading
+        a folder with a guide/) and registers it for save_pretrained: diffusers' own __setattr__ keeps
+        a component that was None at (None, None) in the config, and save_pretrained then skips it."""
+        model = self.__dict__.get("unet", self.__dict__.get("transformer"))
+        if name == "guide" and value is not None and model is not None:
+            check_guide(model, value)
+        super().__setattr__(name, value)
+        if name == "guide" and "_internal_dict" in self.__dict__:
+            library = type(value).__module__.split(".")[0]  # "diffusers" for a UNet2DModel or a DiT
+            self.register_to_config(guide=(None, None) if value is None else (library, type(value).__name__))
+
+    def guide_for(self, autoguidance: bool | None):
+        """The model that autoguidance guides with: the saved guide unless autoguidance is False; a
+        ValueError for autoguidance=True without one."""
+        guide = getattr(self, "guide", None) if autoguidance is not False else None
+        if autoguidance and guide is None:
+            raise ValueError("autoguidance=True needs a guide: set pipe.guide to a weaker model of the same kind "
+                             "(and save it)")
+        return guide
+
     def check_guidance(self, guidance_scale: float, guide=None) -> None:
         """Classifier-free guidance (no `guide`) on a model trained without label dropout refused
         (check_guidance_trained): its "no class" embedding was never trained."""
@@ -371,25 +396,6 @@ class ClassConditionalPipeline(LabelledPipeline):
         super().__init__()
         self.register_modules(unet=unet, scheduler=scheduler, guide=guide)
         self.register_labels(id2label, condition_dropout)
-
-    def __setattr__(self, name, value):
-        """`pipe.guide = weaker_unet` checks the guide against the model (check_guide; so does loading
-        a folder with a guide/) and registers it for save_pretrained: diffusers' own __setattr__ keeps
-        a component that was None at (None, None) in the config, and save_pretrained then skips it."""
-        if name == "guide" and value is not None and "unet" in self.__dict__:
-            check_guide(self.unet, value)
-        super().__setattr__(name, value)
-        if name == "guide" and "_internal_dict" in self.__dict__:
-            library = type(value).__module__.split(".")[0]  # "diffusers" for a UNet2DModel
-            self.register_to_config(guide=(None, None) if value is None else (library, type(value).__name__))
-
-    def guide_for(self, autoguidance: bool | None):
-        """The UNet that autoguidance guides with: the saved guide unless autoguidance is False; a
-        ValueError for autoguidance=True without one."""
-        guide = getattr(self, "guide", None) if autoguidance is not False else None
-        if autoguidance and guide is None:
-            raise ValueError("autoguidance=True needs a guide: set pipe.guide to a weaker UNet2DModel (and save it)")
-        return guide
 
     @torch.no_grad()
     def __call__(self, class_labels: list[int], guidance_scale: float = DEFAULT_GUIDANCE_SCALE,

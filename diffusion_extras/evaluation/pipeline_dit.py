@@ -48,26 +48,32 @@ class DiTClassPipeline(LabelledPipeline):
     unconditional."""
 
     model_cpu_offload_seq = "transformer->vae"
-    _optional_components = ["vae"]
+    # vae: a latent DiT's; guide: autoguidance's weaker model (a DiT or a UNet2DModel of the same
+    # resolution, channels and classes), saved in guide/ when there is one
+    _optional_components = ["vae", "guide"]
 
     def __init__(self, transformer: DiTTransformer2DModel, scheduler, vae=None, id2label: dict | None = None,
-                 condition_dropout: float | None = None):
+                 condition_dropout: float | None = None, guide=None):
         super().__init__()
-        self.register_modules(transformer=transformer, scheduler=scheduler, vae=vae)
+        self.register_modules(transformer=transformer, scheduler=scheduler, vae=vae, guide=guide)
         self.register_labels(id2label, condition_dropout)
 
     @torch.no_grad()
     def __call__(self, class_labels: list[int] | None = None, guidance_scale: float = DEFAULT_GUIDANCE_SCALE,
                  generator: torch.Generator | list[torch.Generator] | None = None, num_inference_steps: int = 50,
                  output_type: str = "pil", return_dict: bool = True,
-                 guidance_interval: tuple[float, float] | None = None, batch_size: int = 1):
+                 guidance_interval: tuple[float, float] | None = None, batch_size: int = 1,
+                 autoguidance: bool | None = None):
         """Images of `class_labels` (ids; see get_label_ids) with classifier-free guidance at
         `guidance_scale` (1: none; the "no class" prediction is the model's own entry,
         num_embeds_ada_norm), only where the noise level is in `guidance_interval` (low, high] when
-        given (ClassConditionalPipeline.__call__). An unconditional model (no id2label) takes no
-        class_labels and makes `batch_size` images, unguided. output_type: "pil", "np" or "pt", and
+        given (ClassConditionalPipeline.__call__). autoguidance: guide with the saved weaker model
+        `self.guide` instead of the "no class" prediction (Karras et al. 2024); None: when the
+        pipeline has one. An unconditional model (no id2label) takes no class_labels and makes
+        `batch_size` images, unguided unless it has a guide. output_type: "pil", "np" or "pt", and
         for a latent DiT "latent" (its normalised latents, not decoded)."""
         transformer, device = self.transformer, self._execution_device
+        guide = self.guide_for(autoguidance)
         if self.id2label:
             if class_labels is None:
                 raise ValueError(f"a class-conditional DiT needs class_labels (ids in [0, {len(self.id2label)}), "
@@ -76,18 +82,20 @@ class DiTClassPipeline(LabelledPipeline):
             classes = null_class(transformer)  # the ids below "no class"
             if len(labels) == 0 or labels.min() < 0 or labels.max() >= classes:
                 raise ValueError(f"class_labels must be ids in [0, {classes}); got {list(class_labels)}")
-            self.check_guidance(guidance_scale)
+            self.check_guidance(guidance_scale, guide)
         elif class_labels is not None:
             raise ValueError("this DiT is unconditional: leave class_labels out and give batch_size")
         else:
-            labels, guidance_scale = None, 1.0  # nothing to guide with: the "no class" model alone
+            labels = None
+            if guide is None:
+                guidance_scale = 1.0  # nothing to guide with: the "no class" model alone
         shape = (len(labels) if labels is not None else batch_size, *sample_shape(transformer))
         # timesteps first (diffusers' order): a sigma scheduler's init_noise_sigma follows them
         self.scheduler.set_timesteps(num_inference_steps, device=device)
         sample = _randn(shape, generator, device) * initial_noise_sigma(self.scheduler)
         for step in self.progress_bar(range(len(self.scheduler.timesteps))):  # x_t stays fp32
             sample = guided_step(self.scheduler, transformer, sample, step, labels, guidance_scale, generator,
-                                 guidance_interval=guidance_interval)
+                                 guide=guide, guidance_interval=guidance_interval)
         if getattr(self, "vae", None) is not None:
             if output_type == "latent":
                 self.maybe_free_model_hooks()
