@@ -1,6 +1,8 @@
 """Conditioning on images, exactly: the random masks and condition drops are functions of (seed,
 micro-step, image), so a stopped and resumed run ends bit for bit where a straight one does, and
 2 ranks train as 1 rank of their global batch; cached and streamed."""
+import json
+
 import faults
 import numpy as np
 import pytest
@@ -37,15 +39,19 @@ def kind_flags(kind: str, folder) -> tuple:
             "--conditioning_dropout_prob", 0.3, "--random_flip")
 
 
-@pytest.mark.parametrize("kind", ["inpainting", "super_resolution", "image"])
-def test_a_resumed_run_of_each_kind_is_bit_exact(tiny_recipe, tmp_path, kind):
+@pytest.mark.parametrize("kind, objective", [("inpainting", "ddpm"), ("super_resolution", "ddpm"), ("image", "ddpm"),
+                                             ("super_resolution", "flow_matching"), ("image", "flow_matching")])
+def test_a_resumed_run_of_each_kind_is_bit_exact(tiny_recipe, tmp_path, kind, objective):
     """32 images, 4 micro-batches an epoch, random masks, drops and flips: stopped after step 3,
-    resumed to 6 (an epoch boundary crossed), against a straight run to 6."""
+    resumed to 6 (an epoch boundary crossed), against a straight run to 6. Under flow matching too
+    (inpainting's flow export: test_flow_matching), whose export then steps with the flow's Euler."""
     recipe = tiny_recipe(checkpointing_steps=3, max_train_samples=32)
-    flags = (*kind_flags(kind, tmp_path), "--max_train_steps", 6)
+    flags = (*kind_flags(kind, tmp_path), "--objective", objective, "--max_train_steps", 6)
     run_training(recipe, tmp_path / "straight", *flags)
     stop_and_resume(recipe, tmp_path / "resumed", *flags)
     assert_same_state(tmp_path / "straight", tmp_path / "resumed", 6)
+    scheduler = json.loads((tmp_path / "straight" / "scheduler" / "scheduler_config.json").read_text())["_class_name"]
+    assert scheduler == {"ddpm": "DDPMScheduler", "flow_matching": "FlowMatchEulerDiscreteScheduler"}[objective]
 
 
 def test_a_resumed_streamed_inpainting_run_is_bit_exact(tiny_recipe, tmp_path):
