@@ -148,17 +148,18 @@ def is_class_conditional(run_dir: str) -> bool:
 
 
 def evaluate(run_dir: str, scorer: DigitScorer, num_samples: int, samplers: list[tuple[str, int]]) -> dict:
-    """A pixel or latent export (a latent one samples its latents and decodes them with its VAE),
+    """A pixel or latent export, of a UNet or a DiT (a latent one samples its latents and decodes them with its VAE),
     sampled by each (scheduler, steps) of `samplers` from the same noise (seed 1); the first one's
     scores are the report's top level, every one's under "samplers" ("ddim:50": {...})."""
     from diffusion_extras.cli.common import load_pipeline
     from diffusion_extras.evaluation import sampling
+    from diffusion_extras.evaluation.pipeline_backbone import pipeline_model
     pipeline = load_pipeline(run_dir)
     by_sampler = {}
     for name, steps in samplers:
         scheduler = sampling.make_scheduler(name, pipeline.scheduler.config)
         started = time.perf_counter()
-        samples = sampling.generate(pipeline.unet, scheduler, num_samples, steps, seed=1, batch_size=128,
+        samples = sampling.generate(pipeline_model(pipeline), scheduler, num_samples, steps, seed=1, batch_size=128,
                                     vae=getattr(pipeline, "vae", None))
         seconds = time.perf_counter() - started
         if not by_sampler:

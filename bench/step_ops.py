@@ -8,6 +8,8 @@ to guard (tests/test_step_ops.py); the time a launch costs is the GPU's to measu
 
     python bench/step_ops.py --recipe digits                      # eager, then --torch_compile
     python bench/step_ops.py --recipe digits --backend aot_eager  # same graphs, no code generation
+    python bench/step_ops.py --recipe digits --backend aot_eager --json dit.json -- --model_type dit
+                                                                  # trainer flags after --
 
 Both trainers are built from the recipe (EMA, min-SNR 5, diagnostics, clipping, AdamW) and run
 the real `optimizer_step` on micro-batches made beforehand: --warmup steps first (steps 1-5:
@@ -68,7 +70,11 @@ def profile_steps(step, steps: int) -> dict:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """(the bench's arguments, the trainer flags given after --)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     usage="%(prog)s [options] [-- TRAINER FLAGS]")
     parser.add_argument("--recipe", choices=("digits", "cifar10"), default="digits")
     parser.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager", "eager"),
                         help="--torch_compile_backend of the compiled trainer")
@@ -76,10 +82,10 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=6, help="profiled optimizer steps")
     parser.add_argument("--json", help="results file (default: bench/results/step-ops-RECIPE.json)")
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv[:split])
     if args.steps < 1 or args.warmup < 2:
         parser.error("--steps must be at least 1 and --warmup at least 2 (the first compiled steps compile)")
-    return args
+    return args, argv[split + 1:]
 
 
 def main(argv=None) -> int:
@@ -87,10 +93,10 @@ def main(argv=None) -> int:
 
     from diffusion_extras.training import build
 
-    args = parse_args(argv)
+    args, trainer_flags = parse_args(argv)
     results = {"recipe": "tiny" if args.tiny else args.recipe, "backend": args.backend,
                "command": " ".join(["python", "bench/step_ops.py", *(argv if argv is not None else sys.argv[1:])]),
-               "torch": torch.__version__}
+               "trainer_flags": trainer_flags, "torch": torch.__version__}
     with tempfile.TemporaryDirectory(prefix="step_ops-") as workdir:
         bench_args = argparse.Namespace(tiny=args.tiny, recipe=args.recipe, mixed_precision=None, batch_size=None,
                                         snr_gamma=5.0)
@@ -98,7 +104,7 @@ def main(argv=None) -> int:
                     "compiled": ["--torch_compile", "--torch_compile_backend", args.backend]}
         accelerator = None
         for name, flags in variants.items():
-            config = make_config(bench_args, ["--use_ema", *flags], workdir)
+            config = make_config(bench_args, ["--use_ema", *flags, *trainer_flags], workdir)
             if args.recipe == "cifar10" and not args.tiny and name == "eager":
                 write_synthetic_images(os.path.join(workdir, "images"), 4 * config.train_batch_size,
                                        config.resolution, 3)

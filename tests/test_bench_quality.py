@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import TINY_RECIPE, load_bench_module, run_main
+from helpers import TINY_RECIPE, load_bench_module, run_main, tiny_dit_recipe
 from PIL import Image
 from processes import run_command
 
@@ -18,8 +18,10 @@ def run_quality(*args):
 
 
 def test_step_budget_reports_classifier_fid_and_the_real_data_floor(tmp_path, tiny_recipe):
+    """On a DiT (the tiny one): the bench samples the export's own model, transformer or UNet."""
     out = tmp_path / "quality"
-    result = run_quality("--max_train_steps", "3", "--num_samples", "24", "--config", tiny_recipe(),
+    result = run_quality("--max_train_steps", "3", "--num_samples", "24",
+                         "--config", tiny_recipe(**tiny_dit_recipe(tmp_path)),
                          "--samplers", "ddim:3,ddpm:2", "--out", str(out), "--", "--learning_rate", "2e-3")
     report = json.loads((out / "results.json").read_text())
     assert report["steps"] == 3 and report["extra_flags"] == ["--learning_rate", "2e-3"]
@@ -29,6 +31,7 @@ def test_step_budget_reports_classifier_fid_and_the_real_data_floor(tmp_path, ti
     assert samplers["ddpm:2"]["fid_classifier"] != report["fid_classifier"]
     assert samplers["ddpm:2"]["fid_ratio"] == samplers["ddpm:2"]["fid_classifier"] / report["floor"]
     assert report["held_out_images"] == 13  # round(0.2 x 64): the run's own held-out split
+    assert (out / "run-3" / "transformer" / "config.json").is_file()
     history = [json.loads(line) for line in open(out / "run-3" / "logs" / "history.jsonl")]
     assert any("validation/raw_loss" in row for row in history)  # trained with the split held out
     assert "real-data floor" in result.stdout

@@ -330,11 +330,11 @@ def test_a_dit_run_resumes_bit_for_bit(tmp_path, tiny_dit_config):
 
 def test_sit_a_dit_on_flow_matching_resumes_bit_for_bit_and_samples_the_guided_euler_flow(tmp_path,
                                                                                           tiny_dit_config):
-    """SiT (Ma et al. 2024: DiT with flow matching): a killed class-conditional DiT flow run resumes
-    bit for bit; its export steps with FlowMatchEulerDiscreteScheduler, and its images are the Euler
-    loop written out: x from unit noise, the velocity guided against the "no class" index at
-    timestep sigma x 1000, x += (sigma_next - sigma) v, down to sigma 0. Its checkpoint loads as a
-    guide (a DiT with that step's EMA weights)."""
+    """SiT (Ma et al. 2024: DiT with flow matching): a killed class-conditional DiT flow run, and one
+    preempted by a SIGTERM, resume bit for bit; its export steps with FlowMatchEulerDiscreteScheduler,
+    and its images are the Euler loop written out: x from unit noise, the velocity guided against
+    the "no class" index at timestep sigma x 1000, x += (sigma_next - sigma) v, down to sigma 0. Its
+    checkpoint loads as a guide (a DiT with that step's EMA weights)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from diffusion_extras.evaluation.pipeline_dit import DiTClassPipeline
@@ -346,6 +346,11 @@ def test_sit_a_dit_on_flow_matching_resumes_bit_for_bit_and_samples_the_guided_e
         run_training(recipe, resumed, *flags, hooks=faults.hooks(stop_after_checkpoint=2))
     run_training(recipe, resumed, *flags, "--resume_from_checkpoint", "latest")
     assert_same_state(straight, resumed, 4)
+    preempted = tmp_path / "preempted"  # a SIGTERM after step 1: checkpoint-1 saved, exit 4
+    result = run_training(recipe, preempted, *flags, hooks=faults.hooks(signal_at_step=1), check=False)
+    assert result.returncode == 4 and (preempted / "checkpoint-1").is_dir()
+    run_training(recipe, preempted, *flags, "--resume_from_checkpoint", "latest")
+    assert_same_state(straight, preempted, 4)
     pipe = DiTClassPipeline.from_pretrained(straight)
     assert isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler)
     labels, scale, steps = torch.tensor([3, 7]), 2.0, 3

@@ -8,7 +8,7 @@ code is unchanged and keeps refusing fp16 on CPU.
 """
 import pytest
 import torch
-from helpers import read_history, tiny_run
+from helpers import read_history, tiny_dit_recipe, tiny_run
 from tqdm import tqdm
 
 from diffusion_extras.training import build, loop, step
@@ -85,9 +85,11 @@ def test_overflow_skips_the_step_and_the_scale_halves_then_grows(tmp_path, fresh
     assert read_history(run.config.output_dir)[-1]["loss_scale"] == scaler.get_scale()
 
 
-@pytest.mark.parametrize("objective", ["ddpm", "flow_matching"])
-def test_scaler_state_is_checkpointed_and_restored_bit_exactly(tmp_path, fresh_accelerate, fp16_on_cpu, objective):
-    run = tiny_run(tmp_path, *FLAGS, "--objective", objective)
+@pytest.mark.parametrize("objective, model_type", [("ddpm", "unet"), ("flow_matching", "unet"), ("ddpm", "dit")])
+def test_scaler_state_is_checkpointed_and_restored_bit_exactly(tmp_path, fresh_accelerate, fp16_on_cpu, objective,
+                                                               model_type):
+    model = tiny_dit_recipe(tmp_path) if model_type == "dit" else {}
+    run = tiny_run(tmp_path, *FLAGS, "--objective", objective, **model)
     batches = loop.make_batches(run)
     for _ in range(26):  # past the overflowing start (23 steps for DDPM here) and a growth
         step.optimizer_step(run, batches)
@@ -101,7 +103,7 @@ def test_scaler_state_is_checkpointed_and_restored_bit_exactly(tmp_path, fresh_a
 
     from accelerate.state import AcceleratorState, GradientState
     AcceleratorState._reset_state(True), GradientState._reset_state()
-    resumed = tiny_run(tmp_path, *FLAGS, "--objective", objective, "--resume_from_checkpoint", "latest")
+    resumed = tiny_run(tmp_path, *FLAGS, "--objective", objective, "--resume_from_checkpoint", "latest", **model)
     assert resumed.progress.global_step == 26 and resumed.accelerator.scaler.state_dict() == saved_scaler
     batches = loop.make_batches(resumed)
     for _ in range(4):
