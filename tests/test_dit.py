@@ -185,6 +185,8 @@ def test_an_unconditional_export_samples_its_no_class_model(trained):
     torch.testing.assert_close(images, expected, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="unconditional"):
         pipe(class_labels=[0])
+    with pytest.raises(ValueError, match='^output_type "latent" is for a DiT trained on a VAE'):
+        pipe(batch_size=1, output_type="latent")
 
 
 @TRAINED

@@ -48,8 +48,7 @@ class DiTClassPipeline(LabelledPipeline):
     unconditional."""
 
     model_cpu_offload_seq = "transformer->vae"
-    # vae: a latent DiT's; guide: autoguidance's weaker model (a DiT or a UNet2DModel of the same
-    # resolution, channels and classes), saved in guide/ when there is one
+    # vae: a latent DiT's; guide: autoguidance's weaker DiT (check_guide), saved in guide/ when there is one
     _optional_components = ["vae", "guide"]
 
     def __init__(self, transformer: DiTTransformer2DModel, scheduler, vae=None, id2label: dict | None = None,

@@ -268,11 +268,11 @@ def export_pipeline(unet, noise_scheduler, output_dir: str, class_names: list | 
                     conditioning: dict | None = None, condition_dropout: float | None = None) -> None:
     """Save a DDPMPipeline, or with `class_names` a ClassConditionalPipeline (recording the
     `condition_dropout` it trained with), or for a DiT a DiTClassPipeline (with or without classes;
-    the dropout recorded too; vae/ too in a latent run), or with a `vae` a LatentDiffusionPipeline (vae/ too), or with
-    `conditioning` ({"conditioning": kind, "sr_factor": n, "conditioning_dropout_prob": p}) an
-    ImageConditionedPipeline (with vae/ in a latent run), the custom ones with their source
-    files (weights only, no optimizer state), into output_dir, swapping each part in by rename so a
-    kill mid-save leaves the previous export loadable."""
+    the dropout recorded too; vae/ too in a latent run), or with a `vae` a LatentDiffusionPipeline
+    (vae/ too), or with `conditioning` ({"conditioning": kind, "sr_factor": n,
+    "conditioning_dropout_prob": p}) an ImageConditionedPipeline (with vae/ in a latent run), the
+    custom ones with their source files (weights only, no optimizer state), into output_dir,
+    swapping each part in by rename so a kill mid-save leaves the previous export loadable."""
     import shutil
 
     staging = os.path.join(output_dir, EXPORT_STAGING)
