@@ -31,7 +31,7 @@ from diffusion_extras.evaluation.choices import (
     PIPELINE_CLASS,
 )
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
-from diffusion_extras.evaluation.pipeline_backbone import BACKBONES, backbone_of, pipeline_model
+from diffusion_extras.evaluation.pipeline_backbone import BACKBONES, pipeline_model
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     DEFAULT_GUIDANCE_SCALE,
     ClassConditionalPipeline,
@@ -175,9 +175,6 @@ def guidance_for(pipeline, args, device, **class_flags) -> dict:
         pipeline.check_guidance(scale)  # refused where the export records no condition dropout
         return {"guidance_scale": scale, "guide": None, "guidance_interval": args.guidance_interval}
     guide = getattr(pipeline, "guide", None)
-    if args.guide not in (None, "none") and not backbone_of(pipeline_model(pipeline)).autoguidance:
-        raise ValueError(f"--guide: autoguidance is built for the UNet pipelines, not a "
-                         f"{type(pipeline_model(pipeline)).__name__}; guide with --guidance_scale alone")
     if args.guide is not None:
         guide = (None if args.guide == "none" else
                  load_guide(args.guide, pipeline_model(pipeline), device,

@@ -22,7 +22,6 @@ class UNetBackbone:
     component = "unet"            # its folder in an export and its pipeline argument
     image_conditioning = True     # an image condition's channels follow x_t in its input
     non_square = True
-    autoguidance = True           # the pipelines take a guide UNet (Karras et al. 2024)
 
     @staticmethod
     def null_class(config) -> int | None:
@@ -45,7 +44,6 @@ class DiTBackbone:
     component = "transformer"     # DiTPipeline's name for it
     image_conditioning = False
     non_square = False
-    autoguidance = True
 
     @staticmethod
     def null_class(config) -> int:
