@@ -182,6 +182,34 @@ def save_google_ddpm_form(folder, repo: str, seed: int = 0) -> str:
     return str(folder)
 
 
+DIT_XL_256 = "facebook--DiT-XL-2-256"
+TINY_DIT_WIDTHS = dict(num_layers=2, num_attention_heads=2, attention_head_dim=8)  # a corpus DiT narrowed
+
+
+def save_dit_pipeline_form(folder, seed: int = 0) -> str:
+    """A pipeline folder as facebook/DiT-XL-2-256 stores it, narrower: its transformer/ (the corpus's
+    older Transformer2DModel form, TINY_DIT_WIDTHS: 2 blocks of 2 heads of 8; its 32x32x4 latents, 1000
+    classes and learned sigma as stored), scheduler/ (its DDIMScheduler config), and vae/ (the
+    corpus's sd-vae-ft-mse form narrowed: factor 8, 4 latent channels), the model_index.json today's
+    diffusers writes for a DiTPipeline. The weights are drawn from torch.manual_seed(seed)."""
+    from diffusers import AutoencoderKL, DDIMScheduler, DiTPipeline, Transformer2DModel
+    stored = hub_config(f"{DIT_XL_256}/transformer/config.json")
+    values = {**stored, **TINY_DIT_WIDTHS}
+    torch.manual_seed(seed)
+    transformer = Transformer2DModel.from_config(values)  # diffusers builds the older form as a DiT
+    vae = AutoencoderKL.from_config(tiny_hub_config("stabilityai--sd-vae-ft-mse/config.json"))
+    scheduler = DDIMScheduler.from_config(hub_config(f"{DIT_XL_256}/scheduler/scheduler_config.json"))
+    DiTPipeline(transformer=transformer, vae=vae, scheduler=scheduler).save_pretrained(folder)
+    for path, text in (("transformer/config.json", json.dumps(values, indent=2, sort_keys=True) + "\n"),
+                       ("vae/config.json", json.dumps(tiny_hub_config("stabilityai--sd-vae-ft-mse/config.json"),
+                                                      indent=2) + "\n")):
+        with open(os.path.join(folder, path), "w") as fh:
+            fh.write(text)
+    shutil.copyfile(os.path.join(HUB_CONFIGS, DIT_XL_256, "scheduler", "scheduler_config.json"),
+                    os.path.join(folder, "scheduler", "scheduler_config.json"))
+    return str(folder)
+
+
 # ----------------------------------------------------------------------------- files a test brings
 def save_random_images(folder, count: int, height: int, width: int, seed: int = 0) -> str:
     """`count` random RGB PNGs 0.png, 1.png, ... in `folder` (created); returns the folder."""

@@ -414,7 +414,8 @@ def test_a_compiled_dit_step_stays_compiled(tmp_path, tiny_dit_config):
     (["--conditioning", "super_resolution"], "--conditioning super_resolution with --model_type dit"),
     (["--resolution", "16,32"], "--resolution 16x32 with --model_type dit: a DiT unpatchifies square images"),
     (["--dit_size", "M/2"], "--dit_size 'M/2' is not one of: S/2"),
-    (["--pretrained_model_name_or_path", "google/ddpm-cifar10-32"], "--pretrained_model_name_or_path with"),
+    (["--pretrained_model_name_or_path", "facebook/DiT-XL-2-256", "--dit_size", "S/2"],
+     "--pretrained_model_name_or_path brings its DiT's shape: drop --dit_size"),
 ])
 def test_what_a_dit_is_not_built_for_is_refused_before_training(flags, message):
     with pytest.raises(ConfigError, match=f"^{message}"):
@@ -440,6 +441,29 @@ def test_a_config_file_of_the_other_kind_is_refused_in_one_line(tmp_path, tiny_d
     result = run_training(recipe, tmp_path / "b", "--model_type", "unet", "--model_config_name_or_path",
                           tiny_dit_config, check=False)
     assert result.returncode == 2 and "a DiTTransformer2DModel config: add --model_type dit" in result.stderr
+
+
+@TRAINED
+@pytest.mark.usefixtures("fresh_accelerate")
+def test_this_trainers_dit_export_fine_tunes_onto_classes(trained, tmp_path):
+    """An unconditional DiT export fine-tuned on the digits' ten classes: its "no class" row becomes
+    every class's start (and stays "no class"); the class-conditional export keeps its own ten rows.
+    The run is a DiT run without --model_type."""
+    from diffusers import DiTTransformer2DModel
+
+    from diffusion_extras.training import pretrained
+    from helpers import tiny_run
+    table = "transformer_blocks.0.norm1.emb.class_embedder.embedding_table.weight"
+    for kind in ("unconditional", "classes"):
+        base = DiTTransformer2DModel.from_pretrained(trained[kind], subfolder="transformer").state_dict()[table]
+        run = tiny_run(tmp_path, "--pretrained_model_name_or_path", trained[kind], "--class_conditional",
+                       output_dir=tmp_path / kind, model=None)
+        model = run.accelerator.unwrap_model(run.learner.unet)
+        assert isinstance(model, DiTTransformer2DModel) and run.config.model_type == "dit"
+        expected = base[-1:].expand(11, -1) if kind == "unconditional" else base
+        assert torch.equal(model.state_dict()[table], expected), kind
+        run.accelerator.end_training()
+    assert pretrained.load(str(trained["classes"])).subfolder == "transformer"
 
 
 @TRAINED

@@ -1,9 +1,10 @@
 """What users bring: every config of tests/hub_configs (as the Hub repos store them: VAEs of Stable
 Diffusion 1.x/2.x, sd-vae-ft-mse, SDXL, SD3, FLUX.1, LDM's VQModel; google/ddpm-* pipelines laid
-out at their root) built into weights of reduced widths and taken through the command lines it
-serves: latent training (a VAE) or fine-tuning (a pipeline), a resume in another interpreter with
-another PYTHONHASHSEED that pushes to the loopback Hub, `sample`, `evaluate`, and loading the export
-without the package. The runs are made once for the module (one xdist worker)."""
+out at their root; facebook/DiT-XL-2-256's transformer in diffusers 0.12's Transformer2DModel form)
+built into weights of reduced widths and taken through the command lines it serves: latent training
+(a VAE) or fine-tuning (a pipeline), a resume in another interpreter with another PYTHONHASHSEED
+that pushes to the loopback Hub, `sample`, `evaluate`, and loading the export without the package.
+The runs are made once for the module (one xdist worker)."""
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from helpers import (
     TINY_RECIPE,
     run_cli,
     run_training,
+    save_dit_pipeline_form,
     save_from_hub_config,
     save_google_ddpm_form,
     save_random_images,
@@ -42,7 +44,8 @@ PIPELINES = {  # google/ddpm-*: fine-tuned at their UNet's sample_size
     "ddpm-cifar10-32": ("google--ddpm-cifar10-32", 32),
     "ddpm-cat-256": ("google--ddpm-cat-256", 256),
 }
-NAMES = [*VAES, *PIPELINES]
+DIT = "dit-xl-2-256"  # facebook/DiT-XL-2-256 (save_dit_pipeline_form), fine-tuned unconditionally at 256 px
+NAMES = [*VAES, *PIPELINES, DIT]
 
 
 def latent_model(path: str) -> dict:
@@ -70,6 +73,11 @@ def corpus_runs(tmp_path_factory):
         flags = ["--config", recipe, "--resolution", str(resolution), "--pretrained_model_name_or_path",
                  save_google_ddpm_form(folder / "download", repo)]
         runs[name] = (folder / "run", flags)
+    folder = tmp_path_factory.mktemp(DIT)
+    recipe = write_tiny_recipe(folder, model=None, resolution=None, checkpointing_steps=1, train_batch_size=2,
+                               max_train_samples=8, eval_batch_size=2)
+    runs[DIT] = (folder / "run", ["--config", recipe, "--pretrained_model_name_or_path",
+                                  save_dit_pipeline_form(folder / "download")])
     for run, flags in runs.values():
         result = run_training(flags[1], run, *flags[2:], "--max_train_steps", 1)
         (run.parent / "first.log").write_text(result.stdout)
@@ -147,7 +155,8 @@ def test_every_run_resumes_in_another_interpreter_and_pushes_its_export(corpus_r
     for name, (run, _) in corpus_runs.items():
         assert f"resumed from {run / 'checkpoint-1'} at optimizer step 1" in output, name
         files = repos[f"test-user/{name}"]["files"]
-        expected = {"model_index.json", "unet/config.json", "scheduler/scheduler_config.json", "README.md"}
+        model = "transformer" if name == DIT else "unet"
+        expected = {"model_index.json", f"{model}/config.json", "scheduler/scheduler_config.json", "README.md"}
         assert expected <= set(files), name
         assert name not in VAES or {"vae/config.json", "pipeline_latent.py"} <= set(files), name
     card = repos["test-user/ldm-celebahq"]["files"]["README.md"].decode()
@@ -157,7 +166,7 @@ def test_every_run_resumes_in_another_interpreter_and_pushes_its_export(corpus_r
 @pytest.mark.parametrize("name", NAMES)
 def test_sample_and_evaluate_every_export(name, corpus_runs, resumed, tmp_path):
     run = corpus_runs[name][0]
-    side = VAES[name][2] if name in VAES else PIPELINES[name][1]
+    side = VAES[name][2] if name in VAES else PIPELINES[name][1] if name in PIPELINES else 256
     result = run_cli(["-m", "diffusion_extras.sample", run, "--num_images", 2, "--num_inference_steps", 2,
                       "--batch_size", 2, "--output", tmp_path / "samples", "--device", "cpu"])
     with Image.open(tmp_path / "samples" / "000001.png") as image:
@@ -198,3 +207,18 @@ def test_every_export_loads_and_samples_without_the_package(corpus_runs, resumed
         assert lines[name] == f"LatentDiffusionPipeline {vae} (1, 16, 16, 3)", name
     assert lines["ddpm-cifar10-32"] == "DDPMPipeline NoneType (1, 32, 32, 3)"
     assert lines["ddpm-cat-256"] == "DDPMPipeline NoneType (1, 256, 256, 3)"
+    assert lines[DIT] == "DiTClassPipeline AutoencoderKL (1, 256, 256, 3)"
+
+
+def test_the_dit_pipeline_fine_tunes_as_its_base_trained(corpus_runs):
+    """facebook/DiT-XL-2-256's form fine-tuned without labels: a DiT given its "no class" row, its
+    learned variance, its DDIM scheduler's betas and its VAE's default scale (as DiTPipeline decodes)."""
+    log = first_log(corpus_runs, DIT)
+    assert "unconditional: its label table of 1000 classes cut to its \"no class\" row" in log
+    assert "latents: normalised by the VAE config's scaling_factor 0.18215 (diffusers' default" in log
+    run = corpus_runs[DIT][0]
+    exported = json.loads((run / "scheduler" / "scheduler_config.json").read_text())
+    assert (exported["variance_type"], exported["beta_schedule"], exported["clip_sample"]) == (
+        "learned_range", "linear", False)
+    transformer = json.loads((run / "transformer" / "config.json").read_text())
+    assert (transformer["num_embeds_ada_norm"], transformer["out_channels"]) == (1, 8)

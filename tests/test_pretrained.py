@@ -5,6 +5,7 @@ unset, the card names the base, and a resume is exact without reading the base's
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -12,6 +13,7 @@ from helpers import (
     TINY_RECIPE,
     load_unet_weights,
     run_training,
+    save_dit_pipeline_form,
     save_random_images,
     save_tiny_pipeline,
     tiny_run,
@@ -125,7 +127,7 @@ def test_grayscale_images_fine_tune_an_rgb_base_and_other_channel_mismatches_nam
     for index, (base, flags, message) in enumerate(refusals):
         with pytest.raises(ConfigError, match=message):
             tiny_run(tmp_path, "--pretrained_model_name_or_path", base, *flags, output_dir=tmp_path / f"r{index}")
-    with pytest.raises(ConfigError, match="not a DDPMPipeline folder or Hub id"):
+    with pytest.raises(ConfigError, match="not a DDPMPipeline or DiTPipeline folder or Hub id"):
         tiny_run(tmp_path, "--pretrained_model_name_or_path", str(tmp_path))
 
 
@@ -267,3 +269,120 @@ def test_a_hub_pipeline_laid_out_at_its_root_fine_tunes(tmp_path, monkeypatch):
     unet = run.accelerator.unwrap_model(run.learner.unet)
     assert all(torch.equal(value, expected[name]) for name, value in unet.state_dict().items())
     assert (run.config.resolution, run.config.variance_type) == (32, "fixed_large")
+
+
+# ----------------------------------------------------------------------------- a DiT pipeline as the Hub stores it
+def labelled_images(folder, classes=("cat", "dog", "fox")) -> str:
+    """Four random 32 px images of each class in an image folder (class = subfolder)."""
+    for index, name in enumerate(classes):
+        save_random_images(os.path.join(folder, name), 4, 32, 32, seed=index)
+    return str(folder)
+
+
+def test_a_dit_pipeline_brings_its_backbone_schedule_variance_and_vae(tmp_path):
+    """facebook/DiT-XL-2-256's form: a Transformer2DModel config (diffusers 0.12), a DDIMScheduler that
+    names no variance though the DiT learns one (8 outputs for 4 channels), a VAE of 0.12's form."""
+    from diffusion_extras.training.config import parse_config
+    base = save_dit_pipeline_form(tmp_path / "base")
+    config, loaded = pretrained.resolve(parse_config(["--pretrained_model_name_or_path", base, "--class_conditional",
+                                                      "--output_dir", str(tmp_path / "run")]))
+    assert (loaded.model_type, loaded.subfolder) == ("dit", "transformer")
+    assert "cross_attention_dim" not in loaded.model_config  # the older form's fields of other transformers
+    assert (config.model_type, config.variance_type, config.objective) == ("dit", "learned_range", "ddpm")
+    assert (config.ddpm_num_steps, config.ddpm_beta_schedule, config.prediction_type) == (1000, "linear", "epsilon")
+    assert config.resolution == 256 and config.pretrained_vae_model_name_or_path == base  # 32x32 latents x 8
+    with pytest.raises(ConfigError, match=r"--model_type unet: --pretrained_model_name_or_path .* is a DiT; a "
+                                          "fine-tune keeps its base's backbone: drop --model_type"):
+        pretrained.resolve(parse_config(["--pretrained_model_name_or_path", base, "--model_type", "unet"]))
+    with pytest.raises(ConfigError, match=r"its DiT outputs 8 channels for 4-channel samples \(a learned variance\) "
+                                          "and --variance_type is fixed_small: leave --variance_type out"):
+        fixed, loaded = pretrained.resolve(parse_config(["--pretrained_model_name_or_path", base, "--variance_type",
+                                                         "fixed_small"]))
+        from diffusion_extras.training import autoencoder
+        loaded.choice(fixed, 3, None, autoencoder.load_latent_space(fixed))
+
+
+def test_a_dit_pipeline_on_the_hub_is_found_by_its_model_index(tmp_path, monkeypatch):
+    """A Hub id: its model_index.json names the transformer component, whose config and weights load
+    from transformer/ (the loopback Hub, in this process)."""
+    from hub_server import serve_in_process
+
+    from diffusion_extras.training.config import parse_config
+    base = save_dit_pipeline_form(tmp_path / "base")
+    with HubServer() as server:
+        server.add_repo("facebook/DiT-XL-2-256", base)
+        serve_in_process(monkeypatch, server, tmp_path / "hub_cache")
+        config, loaded = pretrained.resolve(parse_config(["--pretrained_model_name_or_path", "facebook/DiT-XL-2-256",
+                                                          "--output_dir", str(tmp_path / "run")]))
+        model = loaded.load_model(None, with_weights=True)
+    assert (config.model_type, loaded.subfolder, model.config.num_embeds_ada_norm) == ("dit", "transformer", 1)
+    assert config.pretrained_vae_model_name_or_path == "facebook/DiT-XL-2-256"  # its own vae/
+
+
+@pytest.mark.parametrize("classes", [3, 1000, None])
+def test_a_dit_bases_label_table_is_fitted_to_the_runs_classes(tmp_path, classes):
+    """Every weight is the base's but the blocks' label tables: kept for as many classes as the base's,
+    else each class row (and the "no class" row, last) a copy of the base's "no class" row."""
+    from diffusers import DiTTransformer2DModel
+    base = save_dit_pipeline_form(tmp_path / "base")
+    names = None if classes is None else [str(index) for index in range(classes)]
+    model = pretrained.load(base).load_model(names, with_weights=True)
+    weights = DiTTransformer2DModel.from_pretrained(base, subfolder="transformer").state_dict()
+    tables = [key for key in weights if key.endswith("class_embedder.embedding_table.weight")]
+    assert len(tables) == 2 and model.config.num_embeds_ada_norm == (classes or 1)
+    for key, value in model.state_dict().items():
+        if key not in tables:
+            assert torch.equal(value, weights[key]), key
+        elif classes == 1000:
+            assert torch.equal(value, weights[key])
+        else:
+            assert torch.equal(value, weights[key][-1:].expand((classes or 1) + 1, -1)), key
+    assert all(module.dropout_prob == 0 for module in model.modules() if hasattr(module, "dropout_prob")
+               and hasattr(module, "embedding_table"))  # the trainer drops labels, by its seed rule
+
+
+def test_a_dit_pipeline_fine_tunes_onto_new_classes_and_resumes_bit_for_bit_in_a_new_process(tiny_recipe, tmp_path):
+    """Three classes of the user's on a DiT-XL-2-256-form base: the model line says what was refitted;
+    the run stopped at checkpoint-2 resumes in another process (another PYTHONHASHSEED, the base's
+    weights gone) to the straight run's weights, bit for bit; the export samples with guidance and
+    DDIM swapped in."""
+    from diffusers import DDIMScheduler, DiffusionPipeline
+    base = save_dit_pipeline_form(tmp_path / "base")
+    data = labelled_images(tmp_path / "data")
+    recipe = tiny_recipe(model=None, resolution=None, checkpointing_steps=2, train_batch_size=4)
+    flags = ["--train_data_dir", data, "--pretrained_model_name_or_path", base, "--class_conditional"]
+    straight = run_training(recipe, tmp_path / "straight", *flags, "--max_train_steps", 4)
+    line = next(li for li in straight.stdout.splitlines() if li.startswith("model: "))
+    assert (f"pretrained DiT of {base}, 3 classes, its label table refitted from 1000 classes to 3 (each class "
+            "starts as its \"no class\" row") in line
+    assert "latents: normalised by the VAE config's scaling_factor 0.18215 (diffusers' default" in straight.stdout
+    run_training(recipe, tmp_path / "resumed", *flags, "--max_train_steps", 2)
+    os.remove(os.path.join(base, "transformer", "diffusion_pytorch_model.safetensors"))  # a resume must not need it
+    result = launch_training(recipe, tmp_path / "resumed", *flags, "--max_train_steps", 4, "--resume_from_checkpoint",
+                             "latest", env={"PYTHONHASHSEED": "7"})
+    assert "resumed from" in result.stdout
+    a, b = (load_unet_weights(tmp_path / name) for name in ("straight", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    assert a["transformer_blocks.0.norm1.emb.class_embedder.embedding_table.weight"].shape[0] == 4
+    pipeline = DiffusionPipeline.from_pretrained(tmp_path / "straight", trust_remote_code=True)
+    pipeline.scheduler = DDIMScheduler.from_config(pipeline.scheduler.config)
+    images = pipeline(class_labels=[0, 2], guidance_scale=2.0, num_inference_steps=2, output_type="np",
+                      generator=torch.Generator().manual_seed(0)).images
+    assert images.shape == (2, 256, 256, 3) and np.isfinite(images).all()
+
+
+def test_a_checkpoint_of_an_earlier_release_resumes_with_its_recorded_unet(tmp_path, monkeypatch):
+    """Checkpoints written before DiT bases recorded the base's UNet under "unet" and no model_type:
+    a resume reads them as a UNet's, from the record alone (the base folder gone)."""
+    from diffusion_extras.training import checkpointing
+    from diffusion_extras.training.config import parse_config
+    unet = {**TINY_RECIPE["model"], "sample_size": 8}
+    scheduler = {"_class_name": "DDPMScheduler", "num_train_timesteps": 100, "beta_schedule": "linear"}
+    name = str(tmp_path / "gone")
+    earlier = {"pretrained_model_name_or_path": name, "pretrained": {
+        "unet": unet, "scheduler": scheduler, "snr_gamma": 0.0, "vae_factor": None, "conditioning": None}}
+    monkeypatch.setattr(checkpointing, "recorded_config", lambda output_dir, resume_from: earlier)
+    config, base = pretrained.resolve(parse_config(["--pretrained_model_name_or_path", name, "--resume_from_checkpoint",
+                                                    "latest", "--output_dir", str(tmp_path / "run")]))
+    assert (base.model_type, base.model_config, config.model_type, config.ddpm_num_steps) == ("unet", unet, "unet", 100)
+    assert list(base.load_model(None, with_weights=False).config.block_out_channels) == [8, 16]

@@ -113,26 +113,30 @@ def latent_size(resolution: Resolution, factor: int) -> Resolution:
     return as_resolution([side // factor for side in image_size(resolution)])
 
 
-def measures_statistics(vae) -> bool:
+def measures_statistics(vae, fine_tuning: bool = False) -> bool:
     """Whether the run measures the latents' per-channel statistics: the VAE's config.json names no
-    scaling_factor (diffusers filled in its default) and no latents_mean / latents_std."""
+    scaling_factor (diffusers filled in its default) and no latents_mean / latents_std, and the run
+    is not `fine_tuning` a latent pipeline, whose denoiser learned the latents as its pipeline scales
+    them: by the config's values, diffusers' defaults filled in (DiTPipeline's VAE, from diffusers 0.12,
+    names no scale, and it trained on latents x 0.18215, today's default)."""
     config = vae.config
     unset = "scaling_factor" in (config.get("_use_default_values") or ())
-    return unset and (config.get("latents_mean") is None or config.get("latents_std") is None)
+    return not fine_tuning and unset and (config.get("latents_mean") is None or config.get("latents_std") is None)
 
 
 def posterior(latent: LatentSpace, source, encoder: latents.Encoder, streamed: bool,
-              processes=None) -> tuple[latents.Posterior, str]:
+              processes=None, fine_tuning: bool = False) -> tuple[latents.Posterior, str]:
     """How the UNet's latents are drawn from the source's posteriors (`streamed`: from its pixel
     batches, encoded by `encoder` as they come: a stream's, or a conditional run's) and normalised: by the VAE config
     (pipeline_latent.latent_normalization), or, where it has none, by the per-channel mean and std
     of the training latents (of a stream's first STATISTICS_IMAGES images), measured once here (by
     the main one of the `processes`, the accelerator) and written into the VAE's config as
     latents_mean / latents_std (scaling_factor 1), so the exported vae/ decodes with them. Returns
-    it with what says which ("normalised by ...": the start-up line and the model card say it)."""
+    it with what says which ("normalised by ...": the start-up line and the model card say it).
+    `fine_tuning` a latent pipeline: as its VAE config says, defaults included (measures_statistics)."""
     vae = latent.vae
     config = vae.config
-    if measures_statistics(vae):
+    if measures_statistics(vae, fine_tuning):
         mean, std, measured = measure_statistics(latent, source, encoder, streamed, processes)
         vae.register_to_config(latents_mean=[float(v) for v in mean], latents_std=[float(v) for v in std],
                                scaling_factor=1.0)
@@ -142,8 +146,11 @@ def posterior(latent: LatentSpace, source, encoder: latents.Encoder, streamed: b
         normalisation = ("normalised by the VAE config's latents_mean / latents_std x scaling_factor "
                          f"{config.scaling_factor:g}")
     else:
+        default = "scaling_factor" in (config.get("_use_default_values") or ())
         normalisation = (f"normalised by the VAE config's scaling_factor {config.scaling_factor:g}"
-                         + (f" and shift_factor {config.shift_factor:g}" if config.get("shift_factor") else ""))
+                         + (f" and shift_factor {config.shift_factor:g}" if config.get("shift_factor") else "")
+                         + (" (diffusers' default, which the base's pipeline scales its latents by)"
+                            if default else ""))
     shift, scale = latent_normalization(vae.config, latent.channels)
     drawn = latents.Posterior(latent.channels, encoder.views, shift, scale, encoder if streamed else None)
     return drawn, normalisation

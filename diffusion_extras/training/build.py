@@ -177,11 +177,12 @@ def build_model(config: TrainConfig, accelerator, data_channels: int, class_name
     space's latents, with a VAE) with its optimization, with a class embedding for `class_names`
     (--class_conditional), or the `base` pipeline's UNet with its weights (fine-tuning; a resume
     takes the checkpoint's instead); announced in one line with its size."""
-    backbone = backbones.for_config(config)  # (validation: fine-tuning starts from a UNet)
+    backbone = backbones.for_config(config)  # a fine-tune's: its base's (pretrained.resolve)
     if base is not None:
         choice = base.choice(config, data_channels, class_names, latent)
         resuming = checkpointing.recorded_config(config.output_dir, config.resume_from_checkpoint) is not None
-        unet = base.load_unet(with_weights=not resuming)  # the checkpoint's weights, not re-read pretrained ones
+        # the checkpoint's weights on a resume, not re-read pretrained ones
+        unet = base.load_model(class_names, with_weights=not resuming)
         if base.widened_input(config):  # an unconditional base fine-tuned with --conditioning
             models.widen_input(unet, base.widened_input(config))
     else:

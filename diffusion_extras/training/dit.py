@@ -16,7 +16,11 @@ from diffusion_extras.training.models import Choice, load_unet_config
 SMALL_DIT = (6, 128, 4)            # (depth, hidden size, heads)
 SMALL_DIT_MAX_SIDE = 32            # px: the largest side that gets SMALL_DIT
 MAX_TOKENS_A_SIDE = 16
-DIT_CONFIG_CLASSES = ("DiTTransformer2DModel",)
+# DiT's own Hub repositories (facebook/DiT-XL-2-256, -512) store their transformer's config in the
+# older Transformer2DModel form (written by diffusers 0.12): patched input, ada_norm_zero, a label
+# table, and fields of other transformers (cross_attention_dim, num_vector_embeds, ...) unset.
+# diffusers builds that form as a DiTTransformer2DModel, with the same weight names.
+LEGACY_DIT_FORM = {"norm_type": "ada_norm_zero", "cross_attention_dim": None, "num_vector_embeds": None}
 
 
 def dit_shape(config: TrainConfig, side: int) -> tuple[tuple[int, int, int], int, str]:
@@ -60,13 +64,64 @@ def follow_data(config: TrainConfig, data_channels: int, class_names: list | Non
 
 
 def dit_config_file(name: str) -> dict:
-    """A DiTTransformer2DModel config from --model_config_name_or_path (as load_unet_config reads it);
-    a UNet's is refused by name."""
+    """A DiTTransformer2DModel's keyword arguments from --model_config_name_or_path (as
+    load_unet_config reads it; either form of a DiT's config); any other model's is refused by name."""
     values = load_unet_config(name)
-    if values.get("_class_name") not in DIT_CONFIG_CLASSES:
+    kwargs = pretrained_kwargs(values)
+    if kwargs is None:
         raise ConfigError(f"--model_config_name_or_path {name}: a {values.get('_class_name')} config, and "
                           "--model_type dit builds a DiTTransformer2DModel: give a DiT's config, or --model_type unet")
-    return {key: value for key, value in values.items() if not key.startswith("_")}
+    return kwargs
+
+
+def pretrained_kwargs(values: dict) -> dict | None:
+    """What DiTTransformer2DModel takes of a DiT's config (a config.json's values): a
+    DiTTransformer2DModel's, or the older Transformer2DModel form (LEGACY_DIT_FORM, with a patch size
+    and a label table), its other transformers' fields dropped. None for any other model's config."""
+    import inspect
+
+    from diffusers import DiTTransformer2DModel
+
+    name = values.get("_class_name")
+    legacy = (name == "Transformer2DModel" and values.get("patch_size") is not None
+              and values.get("num_embeds_ada_norm") is not None
+              and all(values.get(key) == value for key, value in LEGACY_DIT_FORM.items()))
+    if name != "DiTTransformer2DModel" and not legacy:
+        return None
+    accepted = inspect.signature(DiTTransformer2DModel.__init__).parameters
+    return {key: value for key, value in values.items() if key in accepted and key != "self"}
+
+
+def fit_classes(flag: str, model: dict, class_names: list | None) -> dict:
+    """A pretrained DiT's keyword arguments for this run's classes (1 unconditional, as follow_data's):
+    a DiT takes any classes, its label tables refitted as the weights load (load_pretrained)."""
+    return {**model, "num_embeds_ada_norm": len(class_names) if class_names is not None else 1}
+
+
+def load_pretrained(source: str, subfolder: str | None, model: dict, with_weights: bool):
+    """The DiT of `model` kwargs (fit_classes'), with the pretrained DiT's weights at `source`
+    (from_pretrained: a Hub id or a folder) when `with_weights`, its label tables fitted
+    (fitted_label_tables); its label dropout off."""
+    from diffusers import DiTTransformer2DModel
+
+    built = without_label_dropout(DiTTransformer2DModel(**model))
+    if with_weights:
+        weights = DiTTransformer2DModel.from_pretrained(source, subfolder=subfolder).state_dict()
+        built.load_state_dict(fitted_label_tables(weights, model["num_embeds_ada_norm"]))
+    return built
+
+
+def fitted_label_tables(weights: dict, classes: int) -> dict:
+    """A DiT's `weights` with each block's label table (classes + 1 rows, the last "no class") made
+    for `classes` classes. A table of that size is kept: the base's classes are the data's, by index.
+    Any other becomes `classes` copies of the base's "no class" row and that row itself, last: each
+    class starts where the base's unconditional model is (guidance too has its "no class" from the
+    first step), and training moves it; no random rows, so nothing is drawn outside the seed rule."""
+    fitted = dict(weights)
+    for key, table in weights.items():
+        if key.endswith("class_embedder.embedding_table.weight") and len(table) != classes + 1:
+            fitted[key] = table[-1:].repeat(classes + 1, 1)
+    return fitted
 
 
 def build_dit(config: TrainConfig, model: dict, latent=None):

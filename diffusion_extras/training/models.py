@@ -100,6 +100,36 @@ def load_unet_config(name: str) -> dict:
     raise ConfigError(f"{flag}: no UNet2DModel config.json there (nor in its unet/): {first_line(first_error)}")
 
 
+def pretrained_kwargs(values: dict) -> dict | None:
+    """What UNet2DModel takes of a pipeline's UNet config (its config.json's values, diffusers'
+    private keys dropped); None for any other model's config."""
+    if values.get("_class_name") != "UNet2DModel":
+        return None
+    return {key: value for key, value in values.items() if not key.startswith("_")}
+
+
+def fit_classes(flag: str, model: dict, class_names: list | None) -> dict:
+    """A pretrained UNet's keyword arguments for this run's classes: its own, which the data's must be
+    (a UNet's class embedding is not refitted); a mismatch is refused in one line naming both."""
+    embeds = model.get("num_class_embeds")
+    if class_names is None and embeds:
+        raise ConfigError(f"{flag}: its UNet is class-conditional ({embeds - 1} classes): add --class_conditional")
+    if class_names is not None and embeds != len(class_names) + 1:
+        raise ConfigError(f"{flag}: its UNet has {'no class embedding' if not embeds else f'{embeds - 1} classes'} "
+                          f"and the data has {len(class_names)} classes: fine-tune on data of its classes")
+    return model
+
+
+def load_pretrained(source: str, subfolder: str | None, model: dict, with_weights: bool):
+    """The pretrained UNet at `source` (from_pretrained: a Hub id or a folder; safetensors or .bin),
+    or one of its shape, `model`, when not `with_weights`."""
+    from diffusers import UNet2DModel
+
+    if not with_weights:
+        return UNet2DModel.from_config(model)
+    return UNet2DModel.from_pretrained(source, subfolder=subfolder)
+
+
 # diffusers' train_unconditional.py optimization for that UNet: its argparse defaults (its gradient
 # clip, hard-coded at 1.0, is our --max_grad_norm default). Not taken: its --train_batch_size 16
 # (the batch is the memory budget and sets our data order; ours stays 64 unless given) and its

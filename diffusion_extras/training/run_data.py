@@ -54,9 +54,11 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
                                      (earlier.fingerprint,) if earlier else ())
         source = data_source(config.data_spec(), accelerator, channels, dataset, validation_split, classes,
                              encoder=None if conditional else encoder)
-        measured = autoencoder.measures_statistics(latent.vae)
+        fine_tuning = config.pretrained_model_name_or_path is not None
+        measured = autoencoder.measures_statistics(latent.vae, fine_tuning)
         encoded_each_step = config.streaming or conditional
-        posterior, normalisation = autoencoder.posterior(latent, source, encoder, encoded_each_step, accelerator)
+        posterior, normalisation = autoencoder.posterior(latent, source, encoder, encoded_each_step, accelerator,
+                                                         fine_tuning)
         accelerator.print(f"latents: {normalisation}")
         if not encoded_each_step:  # the latents are cached: the encoder's work is done
             autoencoder.offload_encoder(latent.vae)
@@ -73,7 +75,7 @@ def build_data(config: TrainConfig, accelerator, channels: int, dataset, validat
         clean = latents.model_input(sample, "cpu")
     else:  # the normalised latents' std, checked where the config's scale normalises them
         clean, spread = posterior.normalised(sample, "cpu")
-        note = None if measured else autoencoder.scale_note(latent, clean, spread)
+        note = None if measured or fine_tuning else autoencoder.scale_note(latent, clean, spread)
         if note:
             accelerator.print(note)
     sigma_data = diagnostics.per_dimension_variance(clean, bounded=posterior is None) ** 0.5

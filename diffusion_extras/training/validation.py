@@ -176,7 +176,7 @@ def validate_choices_and_combinations(c: TrainConfig) -> None:
         need(torch.cuda.is_available(),
              "--mixed_precision fp16 needs a CUDA GPU and none is visible; use --mixed_precision bf16 or no on CPU")
     need(not (c.pretrained_model_name_or_path and c.model_config_name_or_path),
-         "--pretrained_model_name_or_path brings its UNet's shape: drop --model_config_name_or_path")
+         "--pretrained_model_name_or_path brings its model's shape: drop --model_config_name_or_path")
 
 
 def validate_paths(c: TrainConfig) -> None:
@@ -316,9 +316,8 @@ def validate_backbone(c: TrainConfig) -> None:
                           "only; use a square --resolution, or --model_type unet")
     need(c.model == DIGITS_UNET, "a recipe's `model:` mapping (block_out_channels, ...) shapes a UNet: with "
                                  "--model_type dit drop it and choose --dit_size")
-    need(c.pretrained_model_name_or_path is None,
-         "--pretrained_model_name_or_path with --model_type dit: fine-tuning starts from a DDPMPipeline's UNet; "
-         "train the DiT from scratch (drop the flag), or fine-tune with --model_type unet")
+    need(not (c.pretrained_model_name_or_path and c.dit_size),
+         "--pretrained_model_name_or_path brings its DiT's shape: drop --dit_size")
 
 
 def validate_model_shape(model: dict, resolution: Resolution, vae_factor: int = 1) -> None:
