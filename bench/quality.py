@@ -140,11 +140,14 @@ def default_sampler(run_dir: str) -> str:
 
 
 def is_class_conditional(run_dir: str) -> bool:
-    """The folder's model_index.json names ClassConditionalPipeline (a custom pipeline's [module, class])."""
-    from diffusion_extras.evaluation.pipeline_class_conditional import PIPELINE_CLASS
+    """The folder's model_index.json names ClassConditionalPipeline, or a DiTClassPipeline with classes
+    (its id2label; an unconditional DiT's has none): a custom pipeline's [module, class]."""
+    from diffusion_extras.evaluation.choices import DIT_PIPELINE_CLASS, PIPELINE_CLASS
     with open(os.path.join(run_dir, "model_index.json")) as fh:
-        name = json.load(fh).get("_class_name")
-    return isinstance(name, list) and name[-1] == PIPELINE_CLASS
+        index = json.load(fh)
+    name = index.get("_class_name")
+    return isinstance(name, list) and (name[-1] == PIPELINE_CLASS
+                                       or (name[-1] == DIT_PIPELINE_CLASS and bool(index.get("id2label"))))
 
 
 def evaluate(run_dir: str, scorer: DigitScorer, num_samples: int, samplers: list[tuple[str, int]]) -> dict:
@@ -229,13 +232,14 @@ def pipeline_sampler(run_dir: str, seed: int = 1, num_inference_steps: int = 50,
     every guidance scale and batch size."""
     import torch
 
+    from diffusion_extras.cli.common import load_pipeline
     from diffusion_extras.evaluation import sampling
-    from diffusion_extras.evaluation.pipeline_class_conditional import ClassConditionalPipeline, null_class
-    pipeline = ClassConditionalPipeline.from_pretrained(run_dir)
+    from diffusion_extras.evaluation.pipeline_backbone import null_class, pipeline_model
+    pipeline = load_pipeline(run_dir)  # a UNet's ClassConditionalPipeline or a DiT's DiTClassPipeline
     if scheduler != "pipeline":
         pipeline.scheduler = sampling.make_scheduler(scheduler, pipeline.scheduler.config)
     if guide:
-        pipeline.guide = ClassConditionalPipeline.from_pretrained(guide).unet
+        pipeline.guide = pipeline_model(load_pipeline(guide))
     pipeline.set_progress_bar_config(disable=True)
 
     def sample(class_labels: list[int], guidance_scale: float, **call) -> np.ndarray:
@@ -248,7 +252,7 @@ def pipeline_sampler(run_dir: str, seed: int = 1, num_inference_steps: int = 50,
                               num_inference_steps=num_inference_steps, output_type="np", **call).images
             chunks.append((images * 255).round().astype(np.uint8))
         return np.concatenate(chunks)
-    return sample, null_class(pipeline.unet)
+    return sample, null_class(pipeline_model(pipeline))
 
 
 def per_class_accuracy(predicted: np.ndarray, labels: np.ndarray, num_classes: int) -> list[float]:

@@ -95,19 +95,24 @@ def test_conditional_accuracy_is_scored_against_the_requested_labels():
     assert "| 4.0 | 1.000 |" in quality.conditional_table(report, 0.5)
 
 
-def test_a_class_conditional_folder_is_scored_per_guidance_through_its_pipeline(tmp_path, tiny_recipe):
-    """The whole command on an exported (untrained, tiny) ClassConditionalPipeline: a folder that
-    holds a pipeline is not trained again, so no training process is paid for here (the
-    conditional training itself is tested in test_class_conditional.py)."""
+@pytest.mark.parametrize("backbone", ["unet", "dit"])
+def test_a_class_conditional_folder_is_scored_per_guidance_through_its_pipeline(tmp_path, tiny_recipe, backbone):
+    """The whole command on an exported (untrained, tiny) class-conditional pipeline, a UNet's
+    ClassConditionalPipeline or a DiT's DiTClassPipeline: a folder that holds a pipeline is not
+    trained again, so no training process is paid for here (the conditional training itself is
+    tested in test_class_conditional.py and test_dit.py)."""
     import torch
-    from diffusers import DDPMScheduler, UNet2DModel
+    from diffusers import DDPMScheduler, DiTTransformer2DModel, UNet2DModel
+    from helpers import TINY_DIT
 
-    from diffusion_extras.training.models import save_class_conditional
+    from diffusion_extras.training.models import export_pipeline
     quality = load_bench_module("quality")
     out = tmp_path / "quality"
     torch.manual_seed(0)
-    unet = UNet2DModel(sample_size=8, num_class_embeds=11, **TINY_RECIPE["model"])
-    save_class_conditional(unet, DDPMScheduler(), [str(k) for k in range(10)], str(out / "run-2"))
+    model = (UNet2DModel(sample_size=8, num_class_embeds=11, **TINY_RECIPE["model"]) if backbone == "unet" else
+             DiTTransformer2DModel(in_channels=1, sample_size=8, num_embeds_ada_norm=10, **TINY_DIT))
+    os.makedirs(out / "run-2")
+    export_pipeline(model, DDPMScheduler(), str(out / "run-2"), [str(k) for k in range(10)], condition_dropout=0.1)
     result = run_main(quality.main, ["--max_train_steps", "2", "--num_samples", "10", "--guidance_scales", "1,3",
                                      "--config", tiny_recipe(class_conditional=True), "--out", out])
     report = json.loads((out / "results.json").read_text())
