@@ -55,7 +55,9 @@ def config_summary(args, config, run) -> dict:
     return {"recipe": "tiny" if args.tiny else args.recipe, "mixed_precision": config.mixed_precision,
             "train_batch_size": config.train_batch_size,
             "gradient_accumulation_steps": config.gradient_accumulation_steps, "resolution": config.resolution,
-            "unet_parameters": models.count_parameters(run.learner.unet),
+            "unet_parameters": models.count_parameters(run.learner.unet),  # (the model's: a UNet's or a DiT's)
+            "model_type": config.model_type, "dit_size": config.dit_size,
+            "latents": run.data.posterior is not None,
             "dataloader_num_workers": config.dataloader_num_workers,
             "data": "synthetic random images (parquet)" if config.dataset_name else "embedded digits",
             # what the full step did, read off the run rather than assumed from flags

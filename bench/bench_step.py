@@ -14,7 +14,9 @@
         --diffusers_script bench/vendor/train_unconditional.py
 
 Flags after `--` go to train_ddpm's config parser (e.g. `-- --no-use_ema`). The cifar10 recipe
-trains on synthetic 32 px images written here (no Hub): timing does not depend on the pixels.
+trains on synthetic 32 px images written here (no Hub): timing does not depend on the pixels. The
+dit-latent recipe too, at 256 px with labels, through a VAE of sd-vae-ft-mse's config (as the Hub
+stores it, tests/hub_configs/) with random weights: the latents are encoded once, before timing.
 """
 from __future__ import annotations
 
@@ -44,6 +46,10 @@ from diffusion_extras.core import commands  # noqa: E402
 
 TARGET_EXTRAS_PERCENT = 5.0  # the issue's targets, set for the CPU digits recipe
 TARGET_DATA_RATIO = 10.0
+SD_VAE_CONFIG = os.path.join(ROOT, "tests", "hub_configs", "stabilityai--sd-vae-ft-mse", "config.json")
+DIT_LATENT_FLAGS = ["--model_type", "dit", "--dit_size", "B/2", "--resolution", "256", "--class_conditional",
+                    "--variance_type", "learned_range", "--train_batch_size", "64", "--mixed_precision", "bf16"]
+DIT_LATENT_CLASSES = 1000  # ImageNet's, as DiT's label table
 TINY_RECIPE = {  # hidden --tiny: the smoke test's 8 px UNet (~20k parameters)
     "resolution": 8, "train_batch_size": 8,
     "model": {"in_channels": 1, "out_channels": 1, "layers_per_block": 1, "block_out_channels": [8, 16],
@@ -61,7 +67,10 @@ def parse_args(argv=None):
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", choices=("digits", "cifar10"), default="digits")
+    parser.add_argument("--recipe", choices=("digits", "cifar10", "dit-latent"), default="digits",
+                        help="dit-latent: DiT-B/2 (-- --dit_size XL/2 for XL/2) on 32x32x4 latents of 256 px "
+                             "synthetic labelled images, a randomly initialised VAE of Stable Diffusion's shape, "
+                             "learned sigma, as DiT trains on ImageNet")
     parser.add_argument("--steps", type=int, default=60, help="timed optimizer steps of each variant, in all")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each variant first")
     parser.add_argument("--rounds", type=int, default=20, help="alternating full/bare rounds the steps are split in")
@@ -99,7 +108,9 @@ def make_config(args, trainer_flags, workdir, compare=False):
 
     flags = ["--output_dir", os.path.join(workdir, "out"), "--cache_dir", os.path.join(workdir, "cache"),
              "--max_train_steps", str(10 ** 6), "--logger", "none", "--snr_gamma", str(args.snr_gamma)]
-    if args.tiny:
+    if args.recipe == "dit-latent":
+        flags += [*DIT_LATENT_FLAGS, "--pretrained_vae_model_name_or_path", write_random_vae(workdir, args.tiny)]
+    elif args.tiny:
         path = os.path.join(workdir, "tiny.yaml")
         with open(path, "w") as fh:
             yaml.safe_dump(TINY_RECIPE, fh)
@@ -112,28 +123,54 @@ def make_config(args, trainer_flags, workdir, compare=False):
         flags += ["--train_batch_size", str(args.batch_size)]
     try:
         config = parse_config(flags + trainer_flags)
-        if args.recipe == "cifar10" and not args.tiny:
+        if (args.recipe == "cifar10" and not args.tiny) or args.recipe == "dit-latent":
             # Parsed once without a dataset (the embedded default) for the batch size and image shape.
             folder = os.path.join(workdir, "images")
             stop_at = args.diffusers_warmup + args.diffusers_steps
             count = config.train_batch_size * (stop_at + 2) if compare else max(4 * config.train_batch_size, 512)
-            write_synthetic_images(folder, count, config.resolution, config.model.get("in_channels", 3))
+            latent = args.recipe == "dit-latent"  # RGB images for the VAE, labelled
+            channels = 3 if latent else config.model.get("in_channels", 3)
+            write_synthetic_images(folder, count, config.resolution, channels,
+                                   classes=DIT_LATENT_CLASSES if latent else None)
             config = parse_config(flags + ["--dataset_name", folder] + trainer_flags)
         return config
     except ConfigError as error:
         fail(str(error))
 
 
-def write_synthetic_images(folder: str, count: int, resolution: int, channels: int, seed: int = 0) -> None:
-    """Random uint8 images as one parquet file: both trainers load it with load_dataset(folder)."""
+def write_synthetic_images(folder: str, count: int, resolution: int, channels: int, seed: int = 0,
+                           classes: int | None = None) -> None:
+    """Random uint8 images as one parquet file: both trainers load it with load_dataset(folder); with
+    `classes`, a random label column of that many classes (a ClassLabel)."""
     import datasets
     from PIL import Image
 
-    pixels = np.random.default_rng(seed).integers(0, 256, (count, resolution, resolution, channels), np.uint8)
-    images = [Image.fromarray(p[:, :, 0] if channels == 1 else p) for p in pixels]
-    features = datasets.Features({"image": datasets.Image()})
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (count, resolution, resolution, channels), np.uint8)
+    columns = {"image": [Image.fromarray(p[:, :, 0] if channels == 1 else p) for p in pixels]}
+    features = {"image": datasets.Image()}
+    if classes:
+        columns["label"] = rng.integers(0, classes, count).tolist()
+        features["label"] = datasets.ClassLabel(num_classes=classes)
     os.makedirs(folder, exist_ok=True)
-    datasets.Dataset.from_dict({"image": images}, features=features).to_parquet(os.path.join(folder, "train.parquet"))
+    dataset = datasets.Dataset.from_dict(columns, features=datasets.Features(features))
+    dataset.to_parquet(os.path.join(folder, "train.parquet"))
+
+
+def write_random_vae(workdir: str, tiny: bool = False) -> str:
+    """An AutoencoderKL of sd-vae-ft-mse's config (factor 8, 4 latent channels) with random weights,
+    saved in `workdir`: the cost of encoding is the shape's, not the weights'. `tiny`: its widths cut
+    (8 channels a block, one layer each) for a CPU smoke run."""
+    from diffusers import AutoencoderKL
+
+    with open(SD_VAE_CONFIG) as fh:
+        values = json.load(fh)
+    if tiny:
+        values.update(block_out_channels=[8] * len(values["block_out_channels"]), layers_per_block=1, norm_num_groups=4)
+    folder = os.path.join(workdir, "vae")
+    torch.manual_seed(0)
+    AutoencoderKL.from_config(values).save_pretrained(folder)
+    return folder
 
 
 def make_run(config):
@@ -166,10 +203,11 @@ def full_step(run, batches: int = 4):
 
 def bare_step(run):
     """The minimum a DDPM step must do, on one fixed noisy batch: forward, MSE, backward, AdamW."""
-    from diffusion_extras.data import batch_order
+
+    from diffusion_extras.evaluation.pipeline_backbone import predict
 
     config, device = run.config, run.accelerator.device
-    clean = batch_order.to_model_input(next(run.data.source.batches(0, 1)), device)
+    clean = model_input(run, next(run.data.source.batches(0, 1)), device)
     generator = torch.Generator(device).manual_seed(config.seed)
     noise = torch.randn(clean.shape, generator=generator, device=device)
     timesteps = torch.randint(0, run.objective.num_train_timesteps, (clean.shape[0],), generator=generator,
@@ -181,10 +219,20 @@ def bare_step(run):
 
     def step():
         for _ in range(config.gradient_accumulation_steps):  # same images per step as the full one
-            F.mse_loss(unet(noisy, timesteps).sample.float(), noise).backward()
+            # the model's call (a DiT's "no class" label); a learned variance's extra channels left out
+            F.mse_loss(predict(unet, noisy, timesteps)[:, :noise.shape[1]].float(), noise).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
+
+
+def model_input(run, batch, device, flips=None) -> torch.Tensor:
+    """A micro-batch as the model's input: its images (a class-conditional batch's labels left out),
+    or in a latent run the latents drawn from its stored posteriors (their means)."""
+    from diffusion_extras.data import latents
+
+    images = batch[0] if isinstance(batch, (list, tuple)) else batch
+    return latents.model_input(images, device, flips, run.data.posterior)
 
 
 def measure_steps(full, bare, args, synchronize) -> dict:
@@ -225,21 +273,19 @@ def summarize_steps(times: dict, images_per_step: int) -> dict:
 # ----------------------------------------------------------------------------- data pipeline
 def measure_data_pipeline(run, seconds: float, synchronize, windows: int = 3) -> dict:
     """The DataLoader train() builds, read as fast as it goes, each batch made model input on the device."""
-    from diffusion_extras.data import batch_order
     from diffusion_extras.training import loop
 
     config, device = run.config, run.accelerator.device
     batches = loop.make_batches(run)
     flips = (torch.rand(config.train_batch_size, device=device) < 0.5) if config.random_flip else None
-    batch_order.to_model_input(next(batches), device, flips)  # worker start-up is not throughput
+    model_input(run, next(batches), device, flips)  # worker start-up is not throughput
     rates = []
     for _ in range(windows):
         synchronize()
         start, images = time.perf_counter(), 0
         while images == 0 or time.perf_counter() - start < seconds / windows:
             batch = next(batches)
-            batch_order.to_model_input(batch, device, flips)
-            images += batch.shape[0]
+            images += len(model_input(run, batch, device, flips))
         synchronize()
         rates.append(images / (time.perf_counter() - start))
     del batches

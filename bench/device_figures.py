@@ -25,19 +25,21 @@ def count_flops(run) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    config, device, unet = run.config, run.accelerator.device, run.learner.unet
-    channels = run.accelerator.unwrap_model(unet).config.in_channels
-    sample = torch.randn(2, channels, config.resolution, config.resolution, device=device)
+    from diffusion_extras.evaluation.pipeline_backbone import predict, sample_shape
+
+    device, unet = run.accelerator.device, run.learner.unet
+    # the model's input (latents in a latent run), UNet or DiT, called as the trainer calls it
+    sample = torch.randn(2, *sample_shape(run.accelerator.unwrap_model(unet)), device=device)
     timesteps = torch.randint(0, run.objective.num_train_timesteps, (2,), device=device)
     counter = FlopCounterMode(display=False)
     # Eager, even under --torch_compile: a compiled module first called inside a dispatch mode is
     # left uncompiled for every later call (seen on torch 2.11 and 2.13), and the steps timed after
     # this would be eager ones.
     with counter, sdpa_kernel([SDPBackend.MATH]), torch.compiler.set_stance("force_eager"):
-        unet(sample, timesteps).sample.float().square().mean().backward()
+        predict(unet, sample, timesteps).float().square().mean().backward()
     unet.zero_grad(set_to_none=True)
     by_op = {str(op): flops / 2 for op, flops in counter.get_flop_counts()["Global"].items()}
-    attention = by_op.get("aten.bmm", 0.0)  # the UNet's only batched matmuls are attention's
+    attention = by_op.get("aten.bmm", 0.0)  # the UNet's only batched matmuls are attention's (a DiT's too)
     total = counter.get_total_flops() / 2
     return {"gflop_per_image_fwd_bwd": total / 1e9, "gflop_per_image_attention_matmuls": attention / 1e9,
             "gflop_per_image_without_attention_matmuls": (total - attention) / 1e9,

@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu_commands.sh prepare   # where pip works: wheels the GPU machine lacks + the diffusers script
 #   bash bench/gpu_commands.sh device    # on the GPU machine, from the repo root; needs no network
+#   bash bench/gpu_commands.sh dit       # there too: DiT-B/2 and XL/2 images/s on 256 px latents
 #
 # `prepare` writes .whl/ (diffusers, datasets and their missing pure-Python needs, for Python 3.12)
 # and bench/vendor/train_unconditional.py (unmodified, from the tag of the installed diffusers),
@@ -54,8 +55,7 @@ prepare() {
     ls -l .whl "$SCRIPT"
 }
 
-device() {
-    local out=${OUT:-bench/results}
+setup() {  # the wheels prepare() wrote, offline settings, the machine's description into $out
     mkdir -p "$out"
     if compgen -G ".whl/*.whl" >/dev/null; then
         $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -73,16 +73,22 @@ for name in ("torchvision", "tensorboard"):  # needed by train_unconditional.py 
     except ImportError as error:
         print(f"MISSING {name} ({error}): the diffusers reference will fail")
 EOF
-    # Each part has a time cap, and a part is skipped once DEVICE_SECONDS (default 540) would be
-    # passed: a device lease is short, and what ran must come back.
-    local budget=${DEVICE_SECONDS:-540}
-    part() {  # part SECONDS NAME COMMAND...: run it under a cap, or skip it when the budget is spent
-        local cap=$1 name=$2; shift 2
-        if (( SECONDS + 30 > budget )); then echo "skipped $name: ${SECONDS} s of ${budget} used"; return; fi
-        (( cap > budget - SECONDS )) && cap=$(( budget - SECONDS ))
-        echo "== $name (cap ${cap} s, at ${SECONDS} s)"
-        timeout -k 10 "$cap" "$@" || echo "$name failed or was stopped (exit $?)"
-    }
+    export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
+}
+
+# Each part has a time cap, and a part is skipped once DEVICE_SECONDS (default 540) would be
+# passed: a device lease is short, and what ran must come back.
+part() {  # part SECONDS NAME COMMAND...: run it under a cap, or skip it when the budget is spent
+    local budget=${DEVICE_SECONDS:-540} cap=$1 name=$2; shift 2
+    if (( SECONDS + 30 > budget )); then echo "skipped $name: ${SECONDS} s of ${budget} used"; return; fi
+    (( cap > budget - SECONDS )) && cap=$(( budget - SECONDS ))
+    echo "== $name (cap ${cap} s, at ${SECONDS} s)"
+    timeout -k 10 "$cap" "$@" || echo "$name failed or was stopped (exit $?)"
+}
+
+device() {
+    local out=${OUT:-bench/results}
+    setup
     local reference=()
     [[ -f $SCRIPT ]] && reference=(--diffusers_script "$SCRIPT") || echo "no $SCRIPT: diffusers reference skipped"
     # In the order of what matters most, since a later part may not fit the lease: the whole step
@@ -97,7 +103,6 @@ EOF
         "bf16-reduce-overhead-cl|bf16||--torch_compile --torch_compile_mode reduce-overhead --channels_last"
         "bf16-reduce-overhead-b512|bf16|--batch_size 512|--torch_compile --torch_compile_mode reduce-overhead"
     )
-    export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
     local variant name precision flags trainer
     for variant in "${variants[@]}"; do
         IFS='|' read -r name precision flags trainer <<<"$variant"
@@ -117,8 +122,25 @@ EOF
     done
 }
 
+dit() {
+    # DiT as DiT trains on ImageNet at 256 px: 32x32x4 latents of a VAE of Stable Diffusion's shape
+    # (encoded once, before timing, as fast-DiT does), 1000 classes, learned sigma, bf16, batch 64,
+    # the trainer's full step against the bare one; eager, then XL/2 with the step compiled.
+    local out=${OUT:-bench/results}
+    setup
+    local variant name size trainer
+    for variant in "b2|B/2|" "xl2|XL/2|" "xl2-compiled|XL/2|--torch_compile"; do
+        IFS='|' read -r name size trainer <<<"$variant"
+        # shellcheck disable=SC2086  # word splitting of the flag list is meant
+        part 200 "dit-$name" $PYTHON bench/bench_step.py --recipe dit-latent --snr_gamma 0 --steps 30 --rounds 6 \
+            --warmup 5 --json "$out/dit-$name.json" -- --dit_size "$size" $trainer >"$out/dit-$name.log" 2>&1
+        tr '\r' '\n' <"$out/dit-$name.log" | grep -v -E 'it/s\]|s/it\]|ba/s\]|examples/s\]' | tail -30
+    done
+}
+
 case "${1:-}" in
     prepare) prepare ;;
     device) device ;;
-    *) echo "usage: bash bench/gpu_commands.sh prepare|device" >&2; exit 2 ;;
+    dit) dit ;;
+    *) echo "usage: bash bench/gpu_commands.sh prepare|device|dit" >&2; exit 2 ;;
 esac

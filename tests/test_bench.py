@@ -34,6 +34,22 @@ def tiny_run(tmp_path_factory):
     return result.stdout, json.loads(out.read_text())
 
 
+def test_the_dit_latent_recipe_times_a_dit_on_latents_of_labelled_images(tmp_path):
+    """The GPU recipe DiT's figures come from, cut for a CPU: DiT-S/8 on the latents (8x8x4) of
+    64 px labelled synthetic images through a narrowed VAE of sd-vae-ft-mse's shape, learned sigma;
+    both steps and the FLOP count call the DiT as the trainer does."""
+    out = tmp_path / "dit.json"
+    run_bench("--recipe", "dit-latent", "--tiny", "--steps", "2", "--warmup", "1", "--data_seconds", "0.2",
+              "--snr_gamma", "0", "--json", str(out), "--", "--dit_size", "S/8", "--resolution", "64",
+              "--train_batch_size", "4", "--mixed_precision", "no")
+    report = json.loads(out.read_text())
+    config = report["config"]
+    assert (config["model_type"], config["dit_size"], config["latents"]) == ("dit", "S/8", True)
+    assert config["unet_parameters"] > 30e6  # DiT-S: 33M (the label table of 1000 classes in each block)
+    assert all(positive_finite(report["step"][variant]["images_per_s"]) for variant in ("full", "bare"))
+    assert positive_finite(report["flops"]["gflop_per_image_fwd_bwd"]) and report["sanity"]["weights_finite_after"]
+
+
 @pytest.mark.xdist_group("test_bench.tiny_run")
 def test_tiny_bench_writes_complete_json(tiny_run):
     stdout, report = tiny_run
