@@ -450,9 +450,9 @@ def test_this_trainers_dit_export_fine_tunes_onto_classes(trained, tmp_path):
     every class's start (and stays "no class"); the class-conditional export keeps its own ten rows.
     The run is a DiT run without --model_type."""
     from diffusers import DiTTransformer2DModel
+    from helpers import tiny_run
 
     from diffusion_extras.training import pretrained
-    from helpers import tiny_run
     table = "transformer_blocks.0.norm1.emb.class_embedder.embedding_table.weight"
     for kind in ("unconditional", "classes"):
         base = DiTTransformer2DModel.from_pretrained(trained[kind], subfolder="transformer").state_dict()[table]
