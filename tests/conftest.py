@@ -3,6 +3,7 @@ share that is not a fixture (the tiny recipe, the runners of the commands in thi
 test makes) is in tests/helpers.py; commands in processes of their own in tests/processes.py."""
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -50,6 +51,28 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if getattr(config, "hf_home", None):
         shutil.rmtree(config.hf_home, ignore_errors=True)
+
+
+def signal_state() -> dict:
+    """The stop signals' Python handlers, this thread's blocked signals, and the pending ones."""
+    from diffusion_extras.core.stop_flag import STOP_SIGNALS
+    return {"handlers": {signal.Signals(number).name: signal.getsignal(number) for number in sorted(STOP_SIGNALS)},
+            "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])), "pending": sorted(signal.sigpending())}
+
+
+@pytest.fixture(autouse=True)
+def signals_left_as_found():
+    """Every test leaves the stop signals (SIGINT, SIGTERM, SIGUSR1) as it found them: their handlers,
+    this thread's mask, none pending. A handler or a mask left behind changes what a later test on the
+    same worker sees, far from its cause (seen once: Ctrl-C not raising KeyboardInterrupt after a
+    run); this fails the test that left it, and restores the state for the next."""
+    before = signal_state()
+    yield
+    after = signal_state()
+    for name, handler in before["handlers"].items():
+        signal.signal(signal.Signals[name], handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, before["blocked"])
+    assert after == before, f"the test left the signal state changed: {before} -> {after}"
 
 
 @pytest.fixture
