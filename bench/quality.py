@@ -204,18 +204,18 @@ def reconstructed(vae, images: np.ndarray) -> np.ndarray:
 
 def export_checkpoint(recipe: str | None, extra: list[str], checkpoint: str, folder: str) -> str:
     """A ClassConditionalPipeline in `folder` with the EMA weights of a training checkpoint
-    (checkpointing.checkpoint_unet), for measuring a run that has not finished, or an earlier step as
+    (checkpointing.checkpoint_model), for measuring a run that has not finished, or an earlier step as
     an autoguidance guide."""
     from diffusion_extras.data import images as data
     from diffusion_extras.data.labels import class_labels
     from diffusion_extras.training import models
-    from diffusion_extras.training.checkpointing import checkpoint_unet
+    from diffusion_extras.training.checkpointing import checkpoint_model
     from diffusion_extras.training.config import parse_config
     if os.path.isfile(os.path.join(folder, "model_index.json")):
         return folder
     config = parse_config([*(["--config", recipe] if recipe else []), *extra])
     _, names = class_labels(data.load_image_dataset(config), config.label_column)
-    unet, weights = checkpoint_unet(checkpoint)
+    unet, weights = checkpoint_model(checkpoint)
     if weights != "EMA":
         raise ValueError(f"{checkpoint} holds no EMA weights (its run had use_ema off)")
     models.save_class_conditional(unet, models.build_noise_scheduler(config), names, folder)

@@ -31,7 +31,7 @@ from diffusion_extras.evaluation.choices import (
     PIPELINE_CLASS,
 )
 from diffusion_extras.evaluation.metrics import ReferenceStatistics, reference_statistics
-from diffusion_extras.evaluation.pipeline_backbone import BACKBONES, pipeline_model
+from diffusion_extras.evaluation.pipeline_backbone import BACKBONES, backbone_named, pipeline_model
 from diffusion_extras.evaluation.pipeline_class_conditional import (
     DEFAULT_GUIDANCE_SCALE,
     ClassConditionalPipeline,
@@ -128,12 +128,10 @@ def load_guide(path: str, unet, device, prediction_type: str | None = None):
     type), a model folder (the prediction type of the pipeline around it, if any) or a training
     checkpoint (its EMA weights where the run kept an EMA, as the exported pipeline and Karras et
     al.'s guides; else the raw weights of that step; stderr says which)."""
-    import diffusers
-
-    from diffusion_extras.training.checkpointing import TRAIN_STATE, checkpoint_unet, read_train_state
+    from diffusion_extras.training.checkpointing import TRAIN_STATE, checkpoint_model, read_train_state
     folder = os.path.expanduser(path)
     if os.path.isfile(os.path.join(folder, TRAIN_STATE)):
-        guide, weights = checkpoint_unet(folder)
+        guide, weights = checkpoint_model(folder)
         print(f"--guide {path}: the checkpoint's {weights} weights"
               + ("" if weights == "EMA" else " (the run kept no EMA)"), file=sys.stderr)
         guide_prediction_type = read_train_state(folder)["config"].get("prediction_type")
@@ -145,9 +143,8 @@ def load_guide(path: str, unet, device, prediction_type: str | None = None):
                              "unet/ or transformer/, or a training checkpoint folder (checkpoint-N)")
         with open(os.path.join(folder, "config.json")) as fh:
             kind = json.load(fh).get("_class_name")
-        model_class = next((backbone.model_class for backbone in BACKBONES if backbone.model_class.__name__ == kind),
-                           diffusers.UNet2DModel)  # a config without _class_name: a UNet's, as before
-        guide = model_class.from_pretrained(folder)
+        # a config without _class_name: a UNet's, as before
+        guide = backbone_named(class_name=kind).model_class.from_pretrained(folder)
         scheduler_config = os.path.join(os.path.dirname(os.path.normpath(folder)), "scheduler", "scheduler_config.json")
         guide_prediction_type = None
         if os.path.isfile(scheduler_config):

@@ -60,6 +60,13 @@ class DiTBackbone:
 BACKBONES = (DiTBackbone, UNetBackbone)  # the last is any other model's: UNet2DModel's call
 
 
+def backbone_named(name: str | None = None, class_name: str | None = None):
+    """The backbone whose `name` (--model_type) or model class name (a config's `_class_name`) is
+    given; the UNet's for None or an unknown class name (configs and checkpoints from before DiT)."""
+    return next((backbone for backbone in BACKBONES if name == backbone.name
+                 or class_name == backbone.model_class.__name__), UNetBackbone)
+
+
 def unwrapped(model):
     """The model itself, DDP-wrapped or not."""
     return getattr(model, "module", model)
@@ -110,5 +117,5 @@ def sample_shape(model) -> tuple[int, int, int]:
     return config.in_channels, height, width
 
 
-__all__ = ["BACKBONES", "DiTBackbone", "UNetBackbone", "backbone_of", "config_of", "null_class", "pipeline_model",
-           "predict", "sample_shape", "unwrapped"]
+__all__ = ["BACKBONES", "DiTBackbone", "UNetBackbone", "backbone_named", "backbone_of", "config_of", "null_class",
+           "pipeline_model", "predict", "sample_shape", "unwrapped"]

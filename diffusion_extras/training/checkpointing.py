@@ -294,7 +294,7 @@ def read_train_state(path: str) -> dict:
 EMA_STATE = "custom_checkpoint_1.pkl"
 
 
-def checkpoint_unet(path: str, ema: bool = True):
+def checkpoint_model(path: str, ema: bool = True):
     """(model, "EMA" | "raw") of a training checkpoint: the model config it records (a UNet2DModel's,
     or a DiTTransformer2DModel's for a --model_type dit run), with the run's EMA weights where it
     kept an EMA and `ema` asks for them (what the exported pipeline holds, and what Karras et al.
@@ -302,12 +302,11 @@ def checkpoint_unet(path: str, ema: bool = True):
     import torch
     from safetensors.torch import load_file
 
-    from diffusion_extras.evaluation.pipeline_backbone import BACKBONES
+    from diffusion_extras.evaluation.pipeline_backbone import backbone_named
 
     config = read_train_state(path)["config"]
-    model_type = config.get("model_type") or "unet"  # checkpoints from before --model_type: a UNet
-    model_class = next(backbone.model_class for backbone in BACKBONES if backbone.name == model_type)
-    unet = model_class.from_config(config["unet"])
+    # (checkpoints from before --model_type record none: a UNet)
+    unet = backbone_named(config.get("model_type")).model_class.from_config(config["unet"])
     if ema and config.get("use_ema"):
         shadow = torch.load(os.path.join(path, EMA_STATE), weights_only=True)["shadow_params"]
         with torch.no_grad():
