@@ -104,7 +104,7 @@ def load_pretrained(source: str, subfolder: str | None, model: dict, with_weight
     (fitted_label_tables); its label dropout off."""
     from diffusers import DiTTransformer2DModel
 
-    built = without_label_dropout(DiTTransformer2DModel(**model))
+    built = build_dit(None, model)
     if with_weights:
         weights = DiTTransformer2DModel.from_pretrained(source, subfolder=subfolder).state_dict()
         built.load_state_dict(fitted_label_tables(weights, model["num_embeds_ada_norm"]))
@@ -124,8 +124,9 @@ def fitted_label_tables(weights: dict, classes: int) -> dict:
     return fitted
 
 
-def build_dit(config: TrainConfig, model: dict, latent=None):
-    """The DiTTransformer2DModel of `model` kwargs (follow_data's), with its label dropout off."""
+def build_dit(config: TrainConfig | None, model: dict, latent=None):
+    """The DiTTransformer2DModel of `model` kwargs (follow_data's, or a pretrained DiT's), with its
+    label dropout off."""
     from diffusers import DiTTransformer2DModel
 
     try:

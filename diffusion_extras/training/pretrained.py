@@ -269,11 +269,11 @@ def latent_vae_factor(source: str) -> int | None:
     return vae_scale_factor(values) if values.get("_class_name") in AUTOENCODERS else None
 
 
-def denoiser_component(source: str) -> str:
-    """The pipeline's denoiser component: "transformer" where its model_index.json lists one
-    (DiTPipeline, this trainer's DiT exports) or a folder has transformer/, else "unet" (unet/, or
-    the root: google/ddpm-* keep no model folder)."""
-    index, folder = pipeline_index(source) or {}, os.path.isdir(source)
+def denoiser_component(source: str, index: dict) -> str:
+    """The denoiser component of the pipeline at `source`: "transformer" where its model_index.json
+    (`index`, {} without one) lists one (DiTPipeline, this trainer's DiT exports) or a folder has
+    transformer/, else "unet" (unet/, or the root: google/ddpm-* keep no model folder)."""
+    folder = os.path.isdir(source)
     for backbone in BACKBONES:
         if backbone.component in index or (folder and os.path.isdir(os.path.join(source, backbone.component))):
             return backbone.component
@@ -301,8 +301,9 @@ def load(name: str) -> Pretrained:
         source = local_folder(name, "DDPMPipeline folder") or name
     except (OSError, ValueError) as error:
         raise ConfigError(f"{flag}: {error}") from None
+    index = pipeline_index(source) or {}  # read once: the component and the image condition
     try:
-        component = denoiser_component(source)
+        component = denoiser_component(source, index)
         # (load_config reads any component's config.json, whatever class it names)
         model_config, subfolder = component_config(UNet2DModel, source, component)
         scheduler_config, _ = component_config(DDPMScheduler, source, "scheduler")
@@ -318,7 +319,7 @@ def load(name: str) -> Pretrained:
     return Pretrained(name, source, kwargs,
                       {k: v for k, v in scheduler_config.items() if not k.startswith("_") or k == "_class_name"},
                       trained_snr_gamma(source), latent_vae_factor(source), subfolder,
-                      image_conditioning(source), backbone.name)
+                      image_conditioning(index), backbone.name)
 
 
 def learns_variance(model_config: dict, conditioning: dict | None) -> bool:
@@ -335,10 +336,9 @@ def base_objective(scheduler_config: dict) -> str:
     return "flow_matching" if str(scheduler_config.get("_class_name", "")).startswith("FlowMatch") else "ddpm"
 
 
-def image_conditioning(source: str) -> dict | None:
-    """{"conditioning": kind, "sr_factor": n, "max_noise_level": m} of the image-conditioned pipeline
-    at `source` (its model_index.json names ImageConditionedPipeline), else None."""
-    index = pipeline_index(source) or {}
+def image_conditioning(index: dict) -> dict | None:
+    """{"conditioning": kind, "sr_factor": n, "max_noise_level": m} of an image-conditioned pipeline
+    (its model_index.json's values, `index`, name ImageConditionedPipeline), else None."""
     name = index.get("_class_name")
     if not (isinstance(name, list) and name[-1] == IMAGE_PIPELINE_CLASS):
         return None
